@@ -1,0 +1,43 @@
+# tokenbroker — build, run and test on Debian 12 with the Swift toolchain on PATH.
+#
+#   make run    installs what is missing, builds, and runs tokenbroker (for now: its help)
+#   make test   installs what is missing, builds with warnings as errors, runs every test
+
+SWIFT       ?= swift
+SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
+# C libraries the package links (or will link) through system-library targets.
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev
+
+.PHONY: all deps build release run test clean
+
+all: build
+
+# Installs the Debian packages that are not installed yet (as root, or through sudo).
+deps:
+	@missing=""; \
+	for p in $(APT_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "make deps: installing$$missing"; \
+	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+build: deps
+	$(SWIFT) build $(SWIFT_FLAGS)
+
+release: deps
+	$(SWIFT) build -c release $(SWIFT_FLAGS)
+
+# The daemon does not exist yet; until `serve` lands this shows what the binary offers.
+run: build
+	$$($(SWIFT) build --show-bin-path)/tokenbroker --help
+
+# Race tests repeat TB_RACE_ITERATIONS times each (default 500).
+test: deps
+	$(SWIFT) test $(SWIFT_FLAGS)
+
+clean:
+	rm -rf .build

@@ -1,0 +1,34 @@
+// swift-tools-version:6.0
+import PackageDescription
+
+// One list of settings for every target: Swift 6 language mode (strict concurrency is part of it)
+// and explicit `any` for existentials. Warnings are turned into errors by the Makefile
+// (`-Xswiftc -warnings-as-errors`), not here, so the package stays usable as a dependency.
+let swiftSettings: [SwiftSetting] = [
+    .enableUpcomingFeature("ExistentialAny"),
+]
+
+var package = Package(
+    name: "tokenbroker",
+    platforms: [.macOS(.v15)],
+    products: [
+        .executable(name: "tokenbroker", targets: ["tokenbroker"]),
+        .library(name: "TokenBrokerCore", targets: ["TokenBrokerCore"]),
+    ],
+    targets: [
+        // Pure: the refresh coordinator, its state machine, policies and errors. Standard library only
+        // (plus Synchronization): no sockets, no HTTP, no files.
+        .target(name: "TokenBrokerCore"),
+        // The command line: `tokenbroker --help`, `--version`; later `serve` and `ctl …`.
+        .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerCore"]),
+
+        .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
+        // Spawns the real binary; depends on it so `swift test` builds it first.
+        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker"]),
+    ],
+    swiftLanguageModes: [.v6]
+)
+
+for target in package.targets where target.type != .system {
+    target.swiftSettings = (target.swiftSettings ?? []) + swiftSettings
+}

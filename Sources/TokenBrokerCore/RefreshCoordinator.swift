@@ -1,0 +1,282 @@
+import Synchronization
+
+/// Owns one session: hands out its current token, runs at most one upstream refresh at a time
+/// for all callers, and enforces the logout boundary.
+///
+/// The decisions live in `RefreshStateMachine`; this actor carries out its actions: it starts
+/// the fetch, parks and resolves waiters, writes to the store, tells watchers. After every
+/// `await` it asks the state machine again instead of trusting what it knew before.
+///
+/// - The in-flight fetch is the coordinator's only unstructured `Task`. Many callers wait on it,
+///   so no caller's cancellation stops it; only a boundary (logout, login, shutdown) cancels it,
+///   and even a fetch that ignores the cancellation and succeeds cannot install its token, since
+///   its flight is no longer current.
+/// - A caller whose task is cancelled leaves **at once** with `CancellationError`; the flight
+///   goes on for the others and installs its token for later demands.
+/// - A fetched token is written to the store (generation-guarded) before any caller receives it.
+/// - `freshToken()` answers the common case, a current token outside the refresh-ahead window,
+///   from a `Mutex`-guarded snapshot without entering the actor.
+public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
+    public nonisolated let session: String
+
+    private let source: any TokenSource
+    private let store: any SessionStore
+    private nonisolated let clock: C
+    private let wall: any WallClock
+    private let randomUnit: @Sendable () -> Double
+    private nonisolated let epoch: C.Instant
+
+    private var machine: RefreshStateMachine
+    private var flightTask: (id: FlightID, task: Task<Void, Never>)?
+    private var nextWaiter: UInt64 = 0
+    private let waiters = WaiterTable()
+    private let watchers = WatcherList()
+    private nonisolated let published = Mutex<Published?>(nil)
+
+    /// The hot path's copy of the current token.
+    private struct Published: Sendable {
+        var token: IssuedToken
+        /// Monotonic offset until which the token may be handed out without the actor;
+        /// `nil`: no expiry.
+        var freshUntil: Duration?
+    }
+
+    /// - Parameters:
+    ///   - restored: what the store held for this session at start-up (`nil`: nothing).
+    ///   - randomUnit: draws the backoff jitter, a number in [0, 1).
+    public init(session: String, policy: RefreshPolicy = RefreshPolicy(), source: any TokenSource,
+                store: any SessionStore, restored: SessionRecord? = nil, clock: C, wall: any WallClock,
+                randomUnit: @escaping @Sendable () -> Double = { Double.random(in: 0..<1) }) {
+        self.session = session
+        self.source = source
+        self.store = store
+        self.clock = clock
+        self.wall = wall
+        self.randomUnit = randomUnit
+        let epoch = clock.now
+        self.epoch = epoch
+        let machine = RefreshStateMachine(session: session, policy: policy, restored: restored, now: .zero, unixNow: wall.unixTime())
+        self.machine = machine
+        published.withLock { $0 = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil) } }
+    }
+
+    private nonisolated func now() -> Duration { epoch.duration(to: clock.now) }
+
+    // MARK: - Tokens
+
+    /// The current token when it is valid and outside the refresh-ahead window, read without
+    /// entering the actor; `nil` means "ask `token()`".
+    public nonisolated func freshToken() -> IssuedToken? {
+        published.withLock { published in
+            guard let published else { return nil }
+            if let freshUntil = published.freshUntil, now() >= freshUntil { return nil }
+            return published.token
+        }
+    }
+
+    /// The current token; waits for the shared refresh when it has expired or there is none.
+    /// Inside the refresh-ahead window it answers at once and starts one background refresh.
+    public func token() async throws -> IssuedToken {
+        try await run(machine.demand(.get, now: now()))
+    }
+
+    /// The worker's request was rejected with `rejected`, the token it actually sent. If that is
+    /// no longer the current token, the current one comes back at once (guarantee 2); otherwise
+    /// the caller joins the one shared refresh (guarantee 1).
+    public func recover(rejected: Secret) async throws -> IssuedToken {
+        try await run(machine.demand(.recover(rejected: rejected), now: now()))
+    }
+
+    private func run(_ action: RefreshStateMachine.DemandAction) async throws -> IssuedToken {
+        switch action {
+        case let .deliver(token):
+            return token
+        case let .deliverAndStart(token, request, id):
+            launch(request, id)
+            return token
+        case let .startAndWait(request, id):
+            launch(request, id)
+            return try await wait(on: id)
+        case let .wait(id):
+            return try await wait(on: id)
+        case let .fail(error):
+            throw error
+        }
+    }
+
+    private func wait(on flight: FlightID) async throws -> IssuedToken {
+        nextWaiter += 1
+        let waiter = nextWaiter
+        waiters.register(waiter, on: flight)
+        return try await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { continuation in
+                waiters.park(waiter, continuation)
+            }
+        } onCancel: { [waiters] in
+            waiters.cancel(waiter)
+        }
+    }
+
+    // MARK: - The flight
+
+    private func launch(_ request: FetchRequest, _ id: FlightID) {
+        let source = self.source
+        let task = Task {
+            let outcome: Result<FetchedToken, any Error>
+            do {
+                outcome = .success(try await source.fetch(request))
+            } catch {
+                outcome = .failure(error)
+            }
+            await self.landed(id, outcome)
+        }
+        flightTask = (id, task)
+    }
+
+    private func landed(_ id: FlightID, _ outcome: Result<FetchedToken, any Error>) async {
+        if flightTask?.id == id { flightTask = nil }
+        switch outcome {
+        case let .success(fetched):
+            guard let write = machine.fetchSucceeded(id, fetched, now: now(), unixNow: wall.unixTime()) else { return }
+            let committed = await commit(write)
+            // Re-check after the await: a logout may have ended this flight meanwhile.
+            guard let resolution = machine.commitFinished(id, committed) else { return }
+            resolve(resolution)
+        case let .failure(error):
+            guard let resolution = machine.fetchFailed(id, Self.classify(error), now: now(), unit: randomUnit()) else { return }
+            resolve(resolution)
+            if let write = resolution.write { await persist(write) }
+        }
+    }
+
+    private func resolve(_ resolution: RefreshStateMachine.Resolution) {
+        republish()
+        waiters.resolve(resolution.flight, with: resolution.result)
+        if let event = resolution.event { watchers.send(event) }
+    }
+
+    /// What the source threw, as a classified failure. Only the type of an unknown error is
+    /// kept: its description might quote a request.
+    static func classify(_ error: any Error) -> FetchFailure {
+        switch error {
+        case let failure as FetchFailure: return failure
+        case is CancellationError: return .transient("cancelled")
+        default: return .transient("unexpected error (\(type(of: error)))")
+        }
+    }
+
+    // MARK: - Boundaries
+
+    /// Logs the session out: a new generation, no tokens, the flight cancelled and its waiters
+    /// failed with `signedOut`, watchers told. Returns once the logout is durable; throws
+    /// `storeFailed` when it is in effect but not yet persisted.
+    public func logout() async throws {
+        let boundary = machine.logout()
+        cross(boundary)
+        if let write = boundary.write, let reason = await persist(write) {
+            throw SessionError.storeFailed(reason: reason)
+        }
+    }
+
+    /// Installs a credential under a new generation (`nil` for grants without a refresh token,
+    /// such as `client_credentials`) and returns that generation. Any flight of an earlier
+    /// generation is cancelled and can never install its token in the new one.
+    @discardableResult
+    public func login(refreshToken: Secret?) async throws -> Int {
+        let boundary = machine.beginLogin(refreshToken: refreshToken)
+        cross(boundary)
+        guard let write = boundary.write else { throw SessionError.signedOut }
+        let outcome = await commit(write)
+        let result = machine.loginFinished(write, outcome)
+        republish()
+        return try result.get()
+    }
+
+    /// Stops the coordinator: the flight is cancelled, waiters and later demands get
+    /// `shuttingDown`, watch streams finish.
+    public func shutdown() {
+        cross(machine.shutdown())
+        watchers.finishAll()
+    }
+
+    private func cross(_ boundary: RefreshStateMachine.Boundary) {
+        republish()
+        if let cancelled = boundary.cancelled {
+            if let flight = flightTask, flight.id == cancelled {
+                flight.task.cancel()
+                flightTask = nil
+            }
+            waiters.resolve(cancelled, with: .failure(boundary.error))
+        }
+        if let event = boundary.event { watchers.send(event) }
+    }
+
+    // MARK: - The store
+
+    private func commit(_ write: StoreWrite) async -> RefreshStateMachine.CommitOutcome {
+        do {
+            return try await store.write(write) ? .applied : .rejected
+        } catch {
+            return .failed(reason: Self.describe(error))
+        }
+    }
+
+    /// Writes, recording a failure as a pending write; returns the failure's reason.
+    @discardableResult
+    private func persist(_ write: StoreWrite) async -> String? {
+        guard case let .failed(reason) = await commit(write) else { return nil }
+        machine.writeFailed(write, reason: reason)
+        return reason
+    }
+
+    /// Retries the pending write of a degraded session; returns whether none is left.
+    @discardableResult
+    public func flushPendingWrite() async -> Bool {
+        guard let write = machine.pendingWrite else { return true }
+        switch await commit(write) {
+        case .applied, .rejected:
+            machine.pendingWriteSettled(write)
+        case let .failed(reason):
+            machine.writeFailed(write, reason: reason)
+        }
+        return machine.pendingWrite == nil
+    }
+
+    /// A store error as text for status and logs.
+    static func describe(_ error: any Error) -> String {
+        if let error = error as? any CustomStringConvertible { return error.description }
+        return "\(type(of: error))"
+    }
+
+    // MARK: - Observation
+
+    public func status() -> SessionStatus {
+        machine.status(now: now())
+    }
+
+    /// The session's events: first the current state (its token, or `signedOut` when it has
+    /// none to give), then every new token and every logout. A slow subscriber keeps only the
+    /// newest events.
+    public func watch() -> AsyncStream<SessionEvent> {
+        let (stream, continuation) = AsyncStream.makeStream(of: SessionEvent.self, bufferingPolicy: .bufferingNewest(32))
+        if machine.isShutDown {
+            continuation.finish()
+            return stream
+        }
+        if let token = machine.publishable?.token {
+            continuation.yield(.token(token))
+        } else if machine.phase != .active {
+            continuation.yield(.signedOut(generation: machine.generation))
+        }
+        watchers.add(continuation)
+        return stream
+    }
+
+    private func republish() {
+        let snapshot = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil) }
+        published.withLock { $0 = snapshot }
+    }
+
+    /// Number of callers currently parked on a flight (for tests and status).
+    public nonisolated var parkedWaiters: Int { waiters.count }
+}

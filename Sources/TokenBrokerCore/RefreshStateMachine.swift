@@ -1,0 +1,433 @@
+/// Names one upstream request ("flight") of one coordinator. Never reused.
+public struct FlightID: Hashable, Sendable, CustomStringConvertible {
+    public let rawValue: UInt64
+    public init(_ rawValue: UInt64) { self.rawValue = rawValue }
+    public var description: String { "flight #\(rawValue)" }
+}
+
+/// The decisions of one session's refresh coordinator, with no I/O and no concurrency.
+///
+/// Each event (a demand, a fetch outcome, a commit outcome, login, logout) mutates the state and
+/// returns an action that the `RefreshCoordinator` actor carries out: deliver a token, start a
+/// fetch, park a waiter on a flight, write to the store, resolve a flight's waiters. Time comes in
+/// as arguments: `now` is the monotonic offset since the coordinator started, `unixNow` the wall
+/// clock (used only to convert lifetimes into the `expiresAt` the API reports and the store keeps).
+///
+/// Invariants:
+/// - at most one flight exists (guarantee 1); its id is unique, so a result that arrives for a
+///   flight that is no longer current (logout, login, shutdown) is recognised and dropped;
+/// - a flight's token is installed only after its commit outcome is known (guarantee 7), and
+///   only if the flight is still current, that is, its generation is still the session's;
+/// - a boundary (logout, login) bumps the generation, drops the flight and resolves its waiters
+///   with `signedOut` (guarantee 3).
+public struct RefreshStateMachine: Sendable {
+    public enum Phase: Sendable, Equatable {
+        /// Logged out or never logged in (also while a login is being persisted).
+        case signedOut
+        /// A credential is installed; tokens can be fetched.
+        case active
+        /// A terminal failure ended the session until the next login.
+        case ended(reason: String)
+    }
+
+    /// A demand for a token.
+    public enum Demand: Sendable {
+        /// `GetToken`: the current token, refreshed if it has expired.
+        case get
+        /// `Recover`: the worker's request was rejected with `rejected`.
+        case recover(rejected: Secret)
+    }
+
+    /// What to do about a demand.
+    public enum DemandAction: Sendable, Equatable {
+        /// Answer at once.
+        case deliver(IssuedToken)
+        /// Answer at once and start a background refresh (refresh-ahead).
+        case deliverAndStart(IssuedToken, FetchRequest, FlightID)
+        /// Start a fetch and wait for it.
+        case startAndWait(FetchRequest, FlightID)
+        /// Wait for the flight already under way.
+        case wait(FlightID)
+        /// Fail at once.
+        case fail(SessionError)
+    }
+
+    /// The outcome of writing a fetched token to the store.
+    public enum CommitOutcome: Sendable, Equatable {
+        /// Durable.
+        case applied
+        /// The store refused it: it holds another generation (another writer moved it on).
+        case rejected
+        /// The store could not write (disk full, I/O error).
+        case failed(reason: String)
+    }
+
+    /// Resolve a flight's waiters (if it is still current), tell watchers, maybe write.
+    public struct Resolution: Sendable, Equatable {
+        public var flight: FlightID
+        public var result: Result<IssuedToken, SessionError>
+        public var event: SessionEvent?
+        public var write: StoreWrite?
+    }
+
+    /// A generation boundary (logout, login, shutdown).
+    public struct Boundary: Sendable, Equatable {
+        /// The flight to cancel, whose waiters get `error`.
+        public var cancelled: FlightID?
+        public var error: SessionError
+        public var event: SessionEvent?
+        public var write: StoreWrite?
+    }
+
+    private struct Current: Sendable {
+        var token: Secret
+        var tokenType: String
+        var expiresAt: Int64?
+        /// Monotonic expiry; `nil` when the server gave no lifetime.
+        var deadline: Duration?
+        var serial: UInt64
+    }
+
+    private struct Flight: Sendable {
+        var id: FlightID
+        var generation: Int
+        var refreshAhead: Bool
+        /// Set once the fetch returned and its write is under way.
+        var committing: (current: Current, refreshToken: Secret?, unixNow: Int64)?
+    }
+
+    private struct BackoffState: Sendable {
+        var until: Duration
+        var failures: Int
+        var reason: String
+    }
+
+    public let session: String
+    public let policy: RefreshPolicy
+    public private(set) var phase: Phase
+    public private(set) var generation: Int
+    public private(set) var counters = SessionCounters()
+    public private(set) var isShutDown = false
+    /// A store write that failed and should be retried; the session is degraded meanwhile.
+    public private(set) var pendingWrite: StoreWrite?
+    public private(set) var lastError: String?
+
+    private var refreshToken: Secret?
+    private var current: Current?
+    private var flight: Flight?
+    private var backoff: BackoffState?
+    private var refreshGuard: RefreshGuard
+    private var nextFlight: UInt64 = 0
+    private var lastSerial: UInt64
+    private var lastRefresh: Int64?
+
+    /// A coordinator's state, from what the store holds (`nil`: nothing stored yet).
+    public init(session: String, policy: RefreshPolicy, restored: SessionRecord?, now: Duration, unixNow: Double) {
+        self.session = session
+        self.policy = policy
+        self.refreshGuard = RefreshGuard(limit: policy.guardLimit, window: policy.guardWindow)
+        guard let record = restored else {
+            phase = .signedOut
+            generation = 0
+            lastSerial = 0
+            return
+        }
+        generation = record.generation
+        lastSerial = record.tokenSerial
+        lastRefresh = record.lastRefresh
+        switch record.state {
+        case .signedOut:
+            phase = .signedOut
+        case .ended:
+            phase = .ended(reason: record.endReason ?? "session ended")
+        case .active:
+            phase = .active
+            refreshToken = record.refreshToken
+            if let token = record.accessToken {
+                let deadline = record.expiresAt.map { now + .milliseconds(Int64((Double($0) - unixNow) * 1000)) }
+                current = Current(token: token, tokenType: record.tokenType, expiresAt: record.expiresAt,
+                                  deadline: deadline, serial: record.tokenSerial)
+            }
+        }
+    }
+
+    // MARK: - Queries
+
+    /// Whether a flight (fetch or its commit) is under way.
+    public var isRefreshing: Bool { flight != nil }
+
+    /// The current token and how long the hot path may hand it out without asking the state
+    /// machine: until the refresh-ahead window opens (or expiry). `nil` outside `active`.
+    public var publishable: (token: IssuedToken, freshUntil: Duration?)? {
+        guard phase == .active, !isShutDown, let current else { return nil }
+        let freshUntil = current.deadline.map { policy.refreshAhead > .zero ? $0 - policy.refreshAhead : $0 }
+        return (issued(current), freshUntil)
+    }
+
+    /// What the store should hold now (secrets included; never printed).
+    public var record: SessionRecord {
+        let state: SessionRecord.State
+        var endReason: String?
+        switch phase {
+        case .active: state = .active
+        case .signedOut: state = .signedOut
+        case let .ended(reason): state = .ended; endReason = reason
+        }
+        return SessionRecord(name: session, generation: generation, state: state, refreshToken: refreshToken,
+                             accessToken: current?.token, tokenType: current?.tokenType ?? "Bearer",
+                             expiresAt: current?.expiresAt, lastRefresh: lastRefresh, tokenSerial: lastSerial,
+                             endReason: endReason)
+    }
+
+    public func status(now: Duration) -> SessionStatus {
+        let state: SessionStatus.State
+        switch phase {
+        case .active: state = .active
+        case .signedOut: state = .signedOut
+        case .ended: state = .ended
+        }
+        let remaining = backoff.flatMap { $0.until > now ? $0.until - now : nil }
+        return SessionStatus(name: session, state: state, generation: generation, tokenSerial: current?.serial,
+                             expiresAt: current?.expiresAt, lastRefresh: lastRefresh, refreshing: flight != nil,
+                             backoffRemaining: remaining, lastError: lastError, degraded: pendingWrite != nil,
+                             counters: counters)
+    }
+
+    // MARK: - Demands
+
+    public mutating func demand(_ demand: Demand, now: Duration) -> DemandAction {
+        if isShutDown { return .fail(.shuttingDown) }
+        switch phase {
+        case .signedOut: return .fail(.signedOut)
+        case let .ended(reason): return .fail(.refreshFailed(reason: reason, retryable: false, retryAfter: nil))
+        case .active: break
+        }
+        if case let .recover(rejected) = demand {
+            // Guarantee 2: a rejection of a token that is no longer current is stale. The
+            // worker gets the current token (refreshed first only if it has itself expired).
+            guard let current, current.token != rejected else { return refresh(now: now) }
+            counters.staleRejections += 1
+        }
+        guard let current, !isExpired(current, now: now) else { return refresh(now: now) }
+        let token = issued(current)
+        guard let deadline = current.deadline, policy.refreshAhead > .zero, now >= deadline - policy.refreshAhead,
+              flight == nil, !inBackoff(now: now), refreshGuard.retryAfter(now: now) == nil
+        else { return .deliver(token) }
+        let (request, id) = startFlight(now: now, refreshAhead: true)
+        return .deliverAndStart(token, request, id)
+    }
+
+    /// A demand that needs a new token: join the flight, or start one if backoff and guard allow.
+    private mutating func refresh(now: Duration) -> DemandAction {
+        if let flight {
+            counters.joinedWaiters += 1
+            return .wait(flight.id)
+        }
+        if let backoff, now < backoff.until {
+            return .fail(.refreshFailed(reason: backoff.reason, retryable: true, retryAfter: backoff.until - now))
+        }
+        if let wait = refreshGuard.retryAfter(now: now) {
+            counters.throttled += 1
+            return .fail(.throttled(retryAfter: wait))
+        }
+        let (request, id) = startFlight(now: now, refreshAhead: false)
+        return .startAndWait(request, id)
+    }
+
+    private mutating func startFlight(now: Duration, refreshAhead: Bool) -> (FetchRequest, FlightID) {
+        nextFlight += 1
+        let id = FlightID(nextFlight)
+        flight = Flight(id: id, generation: generation, refreshAhead: refreshAhead)
+        refreshGuard.record(now: now)
+        counters.fetches += 1
+        return (FetchRequest(session: session, generation: generation, refreshToken: refreshToken), id)
+    }
+
+    // MARK: - Flight outcomes
+
+    /// The fetch returned a token: returns the write that must be durable before anyone sees it,
+    /// or `nil` when the flight is no longer current (its answer is dropped).
+    public mutating func fetchSucceeded(_ id: FlightID, _ fetched: FetchedToken, now: Duration, unixNow: Double) -> StoreWrite? {
+        guard var flight, flight.id == id, flight.generation == generation, flight.committing == nil else {
+            counters.droppedResults += 1
+            return nil
+        }
+        let expiresAt = fetched.expiresIn.map { Int64((unixNow + $0.seconds).rounded(.down)) }
+        let next = Current(token: fetched.accessToken, tokenType: fetched.tokenType, expiresAt: expiresAt,
+                           deadline: fetched.expiresIn.map { now + $0 }, serial: lastSerial + 1)
+        // Rotation: keep the refresh token that was sent when the answer carries none.
+        let nextRefreshToken = fetched.refreshToken ?? refreshToken
+        let stamp = Int64(unixNow.rounded(.down))
+        flight.committing = (next, nextRefreshToken, stamp)
+        self.flight = flight
+        var record = self.record
+        record.refreshToken = nextRefreshToken
+        record.accessToken = next.token
+        record.tokenType = next.tokenType
+        record.expiresAt = next.expiresAt
+        record.tokenSerial = next.serial
+        record.lastRefresh = stamp
+        return StoreWrite(record, guardedBy: writeGuard(.sameGeneration))
+    }
+
+    /// The write of a fetched token finished: install it and resolve the waiters.
+    public mutating func commitFinished(_ id: FlightID, _ outcome: CommitOutcome) -> Resolution? {
+        guard let flight, flight.id == id, let (next, nextRefreshToken, stamp) = flight.committing else {
+            counters.droppedResults += 1
+            return nil
+        }
+        self.flight = nil
+        switch outcome {
+        case .applied, .failed:
+            current = next
+            refreshToken = nextRefreshToken
+            lastSerial = next.serial
+            lastRefresh = stamp
+            backoff = nil
+            if case let .failed(reason) = outcome {
+                // Degraded: serve from memory, keep the write to retry (the store decides how).
+                lastError = "store: \(reason)"
+                pendingWrite = StoreWrite(record, guardedBy: writeGuard(.sameGeneration))
+            } else {
+                pendingWrite = nil
+            }
+            let token = issued(next)
+            return Resolution(flight: id, result: .success(token), event: .token(token), write: nil)
+        case .rejected:
+            // The store holds another generation: another writer has logged this session out or
+            // in. This coordinator's generation is over; its token must not be handed out.
+            generation += 1
+            phase = .signedOut
+            clearCredentials()
+            lastError = "store holds a newer generation"
+            return Resolution(flight: id, result: .failure(.signedOut), event: .signedOut(generation: generation), write: nil)
+        }
+    }
+
+    /// The fetch failed: every waiter gets the same error; the flight is cleared.
+    ///
+    /// - Parameter unit: a random number in [0, 1) for the backoff's jitter.
+    public mutating func fetchFailed(_ id: FlightID, _ failure: FetchFailure, now: Duration, unit: Double) -> Resolution? {
+        guard let flight, flight.id == id, flight.committing == nil else {
+            counters.droppedResults += 1
+            return nil
+        }
+        self.flight = nil
+        counters.failures += 1
+        lastError = failure.reason
+        switch failure.kind {
+        case let .transient(retryAfter):
+            let failures = (backoff?.failures ?? 0) + 1
+            let delay = policy.backoff.delay(failures: failures, unit: unit, retryAfter: retryAfter)
+            backoff = BackoffState(until: now + delay, failures: failures, reason: failure.reason)
+            return Resolution(flight: id, result: .failure(.refreshFailed(reason: failure.reason, retryable: true, retryAfter: delay)),
+                              event: nil, write: nil)
+        case .terminal:
+            phase = .ended(reason: failure.reason)
+            clearCredentials()
+            return Resolution(flight: id, result: .failure(.refreshFailed(reason: failure.reason, retryable: false, retryAfter: nil)),
+                              event: .signedOut(generation: generation),
+                              write: StoreWrite(record, guardedBy: writeGuard(.sameGeneration)))
+        }
+    }
+
+    // MARK: - Boundaries
+
+    /// Logout: a new generation with no credential. The returned write must be durable before
+    /// the logout is acknowledged.
+    public mutating func logout() -> Boundary {
+        var boundary = endGeneration(error: .signedOut)
+        boundary.write = StoreWrite(record, guardedBy: .newerGeneration)
+        return boundary
+    }
+
+    /// Login, first half: ends the current generation like a logout and returns the write that
+    /// installs `refreshToken` under the new one. The session stays signed out until
+    /// `loginFinished` reports the write durable, so no token of the new generation exists
+    /// before the store has it.
+    public mutating func beginLogin(refreshToken: Secret?) -> Boundary {
+        var boundary = endGeneration(error: .signedOut)
+        var record = self.record
+        record.state = .active
+        record.refreshToken = refreshToken
+        boundary.write = StoreWrite(record, guardedBy: .newerGeneration)
+        return boundary
+    }
+
+    /// Login, second half. Fails when another boundary overtook this login while it was written,
+    /// or when the write failed (the session then stays signed out).
+    public mutating func loginFinished(_ write: StoreWrite, _ outcome: CommitOutcome) -> Result<Int, SessionError> {
+        guard write.record.generation == generation, phase == .signedOut, !isShutDown else { return .failure(.signedOut) }
+        switch outcome {
+        case .applied:
+            phase = .active
+            refreshToken = write.record.refreshToken
+            pendingWrite = nil
+            lastError = nil
+            return .success(generation)
+        case .rejected:
+            return .failure(.signedOut)
+        case let .failed(reason):
+            lastError = "store: \(reason)"
+            return .failure(.storeFailed(reason: reason))
+        }
+    }
+
+    /// Shutdown: the flight is dropped and its waiters get `shuttingDown`; later demands too.
+    public mutating func shutdown() -> Boundary {
+        isShutDown = true
+        let cancelled = flight?.id
+        flight = nil
+        return Boundary(cancelled: cancelled, error: .shuttingDown, event: nil, write: nil)
+    }
+
+    /// A boundary's write (logout) failed: keep it to retry; the session is degraded meanwhile.
+    public mutating func writeFailed(_ write: StoreWrite, reason: String) {
+        lastError = "store: \(reason)"
+        guard write.record.generation >= (pendingWrite?.record.generation ?? Int.min) else { return }
+        pendingWrite = StoreWrite(write.record, guardedBy: writeGuard(write.guardedBy))
+    }
+
+    /// A retried pending write has reached the store (applied, or superseded there).
+    public mutating func pendingWriteSettled(_ write: StoreWrite) {
+        if pendingWrite == write { pendingWrite = nil }
+    }
+
+    private mutating func endGeneration(error: SessionError) -> Boundary {
+        // Watchers hear of the boundary only when it ends a usable session.
+        let wasActive = phase == .active
+        generation += 1
+        phase = .signedOut
+        clearCredentials()
+        let cancelled = flight?.id
+        flight = nil
+        backoff = nil
+        return Boundary(cancelled: cancelled, error: error, event: wasActive ? .signedOut(generation: generation) : nil, write: nil)
+    }
+
+    private mutating func clearCredentials() {
+        refreshToken = nil
+        current = nil
+    }
+
+    // MARK: - Helpers
+
+    /// While an earlier write that advances the generation is still pending, the store is
+    /// behind: a later write must advance it too (it carries the whole newer state).
+    private func writeGuard(_ wanted: StoreWrite.Guard) -> StoreWrite.Guard {
+        pendingWrite?.guardedBy == .newerGeneration ? .newerGeneration : wanted
+    }
+
+    private func isExpired(_ current: Current, now: Duration) -> Bool {
+        current.deadline.map { now >= $0 } ?? false
+    }
+
+    private func inBackoff(now: Duration) -> Bool {
+        backoff.map { now < $0.until } ?? false
+    }
+
+    private func issued(_ current: Current) -> IssuedToken {
+        IssuedToken(token: current.token, tokenType: current.tokenType, expiresAt: current.expiresAt,
+                    generation: generation, serial: current.serial)
+    }
+}

@@ -1,0 +1,67 @@
+/// Counters of one session since the daemon started.
+public struct SessionCounters: Sendable, Equatable {
+    /// Upstream token requests started (reactive and refresh-ahead).
+    public var fetches = 0
+    /// Demands that joined a flight another demand had started.
+    public var joinedWaiters = 0
+    /// Failed upstream requests.
+    public var failures = 0
+    /// Recovers whose rejected token was no longer current (answered without a refresh).
+    public var staleRejections = 0
+    /// Demands refused by the refresh guard.
+    public var throttled = 0
+    /// Upstream answers dropped because their generation had ended (logout or login while the
+    /// request was in flight).
+    public var droppedResults = 0
+
+    public init() {}
+}
+
+/// A point-in-time view of a session for `Status` and `ctl status`. Holds no secret.
+public struct SessionStatus: Sendable, Equatable {
+    public enum State: String, Sendable, Equatable {
+        case active, signedOut, ended
+    }
+
+    public var name: String
+    public var state: State
+    public var generation: Int
+    /// Serial of the current access token, if there is one.
+    public var tokenSerial: UInt64?
+    /// Expiry of the current access token, Unix seconds.
+    public var expiresAt: Int64?
+    /// Last successful refresh, Unix seconds.
+    public var lastRefresh: Int64?
+    /// An upstream request is in flight.
+    public var refreshing: Bool
+    /// Time left in the backoff after a transient failure.
+    public var backoffRemaining: Duration?
+    /// The last failure's reason (never a secret).
+    public var lastError: String?
+    /// A write to the store failed and is pending; the session is served from memory.
+    public var degraded: Bool
+    public var counters: SessionCounters
+
+    public init(name: String, state: State, generation: Int, tokenSerial: UInt64?, expiresAt: Int64?, lastRefresh: Int64?,
+                refreshing: Bool, backoffRemaining: Duration?, lastError: String?, degraded: Bool, counters: SessionCounters) {
+        self.name = name
+        self.state = state
+        self.generation = generation
+        self.tokenSerial = tokenSerial
+        self.expiresAt = expiresAt
+        self.lastRefresh = lastRefresh
+        self.refreshing = refreshing
+        self.backoffRemaining = backoffRemaining
+        self.lastError = lastError
+        self.degraded = degraded
+        self.counters = counters
+    }
+}
+
+/// What `watch()` subscribers receive.
+public enum SessionEvent: Sendable, Equatable {
+    /// A new current token (also the first event when one exists at subscription).
+    case token(IssuedToken)
+    /// The session was logged out or ended; carries the new generation.
+    case signedOut(generation: Int)
+}

@@ -1,0 +1,79 @@
+/// The persisted state of one session. Every write to it is guarded by its generation.
+public struct SessionRecord: Sendable, Equatable {
+    public enum State: String, Sendable, Equatable {
+        /// Logged in: a refresh credential (or a `client_credentials` grant) is installed.
+        case active
+        /// Logged out, or never logged in.
+        case signedOut
+        /// A terminal refresh failure ended the session until the next login.
+        case ended
+    }
+
+    public var name: String
+    public var generation: Int
+    public var state: State
+    public var refreshToken: Secret?
+    public var accessToken: Secret?
+    public var tokenType: String
+    /// Access token expiry, Unix seconds.
+    public var expiresAt: Int64?
+    /// When the last successful refresh happened, Unix seconds.
+    public var lastRefresh: Int64?
+    /// Serial of the current access token (see `IssuedToken.serial`).
+    public var tokenSerial: UInt64
+    /// Why the session ended, when `state == .ended`.
+    public var endReason: String?
+
+    public init(name: String, generation: Int, state: State, refreshToken: Secret? = nil, accessToken: Secret? = nil,
+                tokenType: String = "Bearer", expiresAt: Int64? = nil, lastRefresh: Int64? = nil,
+                tokenSerial: UInt64 = 0, endReason: String? = nil) {
+        self.name = name
+        self.generation = generation
+        self.state = state
+        self.refreshToken = refreshToken
+        self.accessToken = accessToken
+        self.tokenType = tokenType
+        self.expiresAt = expiresAt
+        self.lastRefresh = lastRefresh
+        self.tokenSerial = tokenSerial
+        self.endReason = endReason
+    }
+}
+
+/// One generation-guarded write.
+public struct StoreWrite: Sendable, Equatable {
+    public enum Guard: Sendable, Equatable {
+        /// Applies only when the stored generation equals `record.generation`: a refresh result
+        /// or a terminal end within a generation. A missing row is not written.
+        case sameGeneration
+        /// Applies only when no row exists or the stored generation is lower than
+        /// `record.generation`: login and logout. Because generations only grow, such writes may
+        /// reach the store in any order and the newest one still wins.
+        case newerGeneration
+    }
+
+    public var record: SessionRecord
+    public var guardedBy: Guard
+
+    public init(_ record: SessionRecord, guardedBy: Guard) {
+        self.record = record
+        self.guardedBy = guardedBy
+    }
+
+    /// Whether this write applies on top of a row of the given generation (`nil`: no row).
+    public func applies(over storedGeneration: Int?) -> Bool {
+        switch guardedBy {
+        case .sameGeneration: return storedGeneration == record.generation
+        case .newerGeneration: return storedGeneration.map { $0 < record.generation } ?? true
+        }
+    }
+}
+
+/// Durable session state. The coordinator is its only writer for a session.
+public protocol SessionStore: Sendable {
+    /// The stored state of `session`, or `nil` when nothing is stored.
+    func load(_ session: String) async throws -> SessionRecord?
+    /// Performs the write if its guard holds; returns whether it was applied. Returns only once
+    /// the write is durable. Throws when the store cannot write at all (disk full, I/O error).
+    func write(_ write: StoreWrite) async throws -> Bool
+}

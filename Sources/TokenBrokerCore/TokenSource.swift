@@ -1,0 +1,76 @@
+/// Where new tokens come from: the OAuth client in the daemon, a fake in tests.
+///
+/// A source is stateless with respect to credentials: it is handed the refresh token to use and
+/// returns what the server answered. It never stores a credential itself; only the coordinator
+/// commits one, under the generation guard (guarantee 3).
+public protocol TokenSource: Sendable {
+    /// Performs one upstream token request.
+    ///
+    /// Throw a `FetchFailure` to classify the outcome; any other error counts as transient.
+    /// Cancellation is a hint: a source may ignore it and return, and the coordinator drops
+    /// the late answer when its generation is over.
+    func fetch(_ request: FetchRequest) async throws -> FetchedToken
+}
+
+/// What the coordinator asks the source for.
+public struct FetchRequest: Sendable, Equatable {
+    /// The session's name, for the source's own bookkeeping (never a secret).
+    public var session: String
+    /// The generation this request belongs to.
+    public var generation: Int
+    /// The refresh token to redeem, or `nil` for grants without one (`client_credentials`).
+    public var refreshToken: Secret?
+
+    public init(session: String, generation: Int, refreshToken: Secret?) {
+        self.session = session
+        self.generation = generation
+        self.refreshToken = refreshToken
+    }
+}
+
+/// A successful token response.
+public struct FetchedToken: Sendable {
+    public var accessToken: Secret
+    /// `Bearer` unless the server says otherwise.
+    public var tokenType: String
+    /// The lifetime the server gave (`expires_in`), or `nil` when it gave none.
+    public var expiresIn: Duration?
+    /// A rotated refresh token; `nil` keeps the one that was sent.
+    public var refreshToken: Secret?
+
+    public init(accessToken: Secret, tokenType: String = "Bearer", expiresIn: Duration? = nil, refreshToken: Secret? = nil) {
+        self.accessToken = accessToken
+        self.tokenType = tokenType
+        self.expiresIn = expiresIn
+        self.refreshToken = refreshToken
+    }
+}
+
+/// A classified failed fetch. `reason` is shown to callers and operators, so it must not
+/// contain a token or secret: use the OAuth error code, an HTTP status, a transport error name.
+public struct FetchFailure: Error, Sendable, Equatable {
+    public enum Kind: Sendable, Equatable {
+        /// Worth retrying later: network, timeout, 5xx, 429. `retryAfter` is the server's own
+        /// `Retry-After`, which the backoff honours as a lower bound.
+        case transient(retryAfter: Duration?)
+        /// Retrying cannot help (`invalid_grant`, a revoked or unknown client): the session ends
+        /// until the next login.
+        case terminal
+    }
+
+    public var kind: Kind
+    public var reason: String
+
+    public init(_ kind: Kind, reason: String) {
+        self.kind = kind
+        self.reason = reason
+    }
+
+    public static func transient(_ reason: String, retryAfter: Duration? = nil) -> FetchFailure {
+        FetchFailure(.transient(retryAfter: retryAfter), reason: reason)
+    }
+
+    public static func terminal(_ reason: String) -> FetchFailure {
+        FetchFailure(.terminal, reason: reason)
+    }
+}

@@ -1,0 +1,93 @@
+import Testing
+import TokenBrokerCore
+
+@Suite("Backoff and refresh guard")
+struct BackoffAndGuardTests {
+    @Test("backoff doubles up to its bound; jitter only shortens; Retry-After is a floor")
+    func backoff() {
+        let backoff = Backoff(initial: .seconds(1), maximum: .seconds(30), multiplier: 2, jitter: 0.5)
+        #expect((1...7).map { backoff.delay(failures: $0, unit: 0, retryAfter: nil) }
+                == [1, 2, 4, 8, 16, 30, 30].map { Duration.seconds($0) })
+        #expect(backoff.delay(failures: 1, unit: 0.999, retryAfter: nil) >= .milliseconds(500))
+        #expect(backoff.delay(failures: 3, unit: 1, retryAfter: nil) == .seconds(2))
+        #expect(backoff.delay(failures: 1, unit: 0, retryAfter: .seconds(120)) == .seconds(120))
+        #expect(backoff.delay(failures: 5, unit: 0, retryAfter: .seconds(3)) == .seconds(16))
+        #expect(backoff.delay(failures: 10_000, unit: 0, retryAfter: nil) == .seconds(30))
+    }
+
+    @Test("the guard allows `limit` starts per sliding window")
+    func slidingWindow() {
+        var refreshGuard = RefreshGuard(limit: 2, window: .seconds(10))
+        #expect(refreshGuard.retryAfter(now: .zero) == nil)
+        refreshGuard.record(now: .zero)
+        refreshGuard.record(now: .seconds(4))
+        #expect(refreshGuard.retryAfter(now: .seconds(5)) == .seconds(5))
+        #expect(refreshGuard.retryAfter(now: .seconds(10)) == nil)
+        refreshGuard.record(now: .seconds(10))
+        #expect(refreshGuard.retryAfter(now: .seconds(11)) == .seconds(3))
+    }
+}
+
+@Suite("AuthRetryPolicy (guarantee 4)")
+struct AuthRetryPolicyTests {
+    typealias Policy = AuthRetryPolicy
+
+    @Test("only a first 401 for an invalid or unspecified token is retried", arguments: [
+        (401, [#"Bearer realm="api", error="invalid_token", error_description="expired""#], 1, Policy.Decision.recoverAndRetry),
+        (401, [#"Bearer realm="api""#], 1, .recoverAndRetry),
+        (401, [], 1, .recoverAndRetry),
+        (401, [#"Basic realm="x", Bearer error="invalid_token""#], 1, .recoverAndRetry),
+        (401, [#"Bearer error="invalid_token""#], 2, .deliver),
+        (401, [#"Bearer error="insufficient_scope", scope="write""#], 1, .deliver),
+        (401, [#"Bearer error="invalid_request""#], 1, .deliver),
+        (403, [#"Bearer error="insufficient_scope""#], 1, .deliver),
+        (403, [], 1, .deliver),
+        (200, [], 1, .deliver),
+        (500, [], 1, .deliver),
+    ])
+    func decisions(status: Int, challenges: [String], attempt: Int, expected: Policy.Decision) {
+        #expect(Policy.decide(status: status, wwwAuthenticate: challenges, attempt: attempt, replay: .replayable) == expected)
+    }
+
+    @Test("requests that cannot be sent again are never retried")
+    func replay() {
+        #expect(Policy.replay(method: "GET", hasIdempotencyKey: false, bodyIsStream: false) == .replayable)
+        #expect(Policy.replay(method: "put", hasIdempotencyKey: false, bodyIsStream: false) == .replayable)
+        #expect(Policy.replay(method: "POST", hasIdempotencyKey: false, bodyIsStream: false) == .nonIdempotentWithoutKey)
+        #expect(Policy.replay(method: "POST", hasIdempotencyKey: true, bodyIsStream: false) == .replayable)
+        #expect(Policy.replay(method: "PUT", hasIdempotencyKey: true, bodyIsStream: true) == .consumedStream)
+        for replay in [Policy.Replay.consumedStream, .nonIdempotentWithoutKey] {
+            #expect(Policy.decide(status: 401, wwwAuthenticate: [#"Bearer error="invalid_token""#], attempt: 1, replay: replay) == .deliver)
+        }
+    }
+
+    @Test("perform: 401 → one recover with the token sent → one retry; 403 → none")
+    func perform() async throws {
+        var recovered: [Secret] = []
+        var sent: [Secret] = []
+        let ok = try await Policy.perform(
+            token: Secret("t1"), replay: .replayable,
+            send: { token in sent.append(token); return token == Secret("t1") ? 401 : 200 },
+            inspect: { (status: $0, wwwAuthenticate: [#"Bearer error="invalid_token""#]) },
+            recover: { rejected in recovered.append(rejected); return Secret("t2") })
+        #expect(ok == 200 && sent == [Secret("t1"), Secret("t2")] && recovered == [Secret("t1")])
+
+        sent = []
+        let forbidden = try await Policy.perform(
+            token: Secret("t1"), replay: .replayable,
+            send: { token in sent.append(token); return 403 },
+            inspect: { (status: $0, wwwAuthenticate: [#"Bearer error="insufficient_scope""#]) },
+            recover: { _ in Issue.record("no recover for 403"); return Secret("x") })
+        #expect(forbidden == 403 && sent.count == 1)
+    }
+
+    @Test("challenge parsing: several schemes, quoted values, escapes, token68")
+    func parse() {
+        let parsed = AuthChallenge.parse(#"Basic abc==, Bearer realm="a \"b\"", error=invalid_token, DPoP algs="ES256""#)
+        #expect(parsed.map(\.scheme) == ["Basic", "Bearer", "DPoP"])
+        #expect(parsed[1].parameters == ["realm": #"a "b""#, "error": "invalid_token"])
+        #expect(parsed[2].parameters == ["algs": "ES256"])
+        #expect(AuthChallenge.parse("").isEmpty)
+        #expect(AuthChallenge.parse("Bearer") == [AuthChallenge(scheme: "Bearer")])
+    }
+}

@@ -1,0 +1,174 @@
+import Testing
+import TokenBrokerCore
+
+/// The state machine alone: no tasks, no clock, every event fed by hand.
+@Suite("RefreshStateMachine")
+struct RefreshStateMachineTests {
+    typealias Machine = RefreshStateMachine
+    static let unix = 1_800_000_000.0
+
+    static func active(expiresIn: Int64 = 3600, policy: RefreshPolicy = RefreshPolicy()) -> Machine {
+        let record = SessionRecord(name: "api", generation: 1, state: .active, refreshToken: Secret("refresh-1"),
+                                   accessToken: Secret("access-1"), expiresAt: Int64(unix) + expiresIn, tokenSerial: 1)
+        return Machine(session: "api", policy: policy, restored: record, now: .zero, unixNow: unix)
+    }
+
+    @Test("nothing stored: signed out at generation 0, demands fail at once")
+    func empty() {
+        var machine = Machine(session: "api", policy: RefreshPolicy(), restored: nil, now: .zero, unixNow: Self.unix)
+        #expect(machine.phase == .signedOut && machine.generation == 0)
+        #expect(machine.demand(.get, now: .zero) == .fail(.signedOut))
+        #expect(machine.publishable == nil)
+    }
+
+    @Test("a restored token keeps its remaining lifetime on the monotonic line")
+    func restoredExpiry() throws {
+        var machine = Self.active(expiresIn: 100, policy: RefreshPolicy(refreshAhead: .zero))
+        let published = try #require(machine.publishable)
+        #expect(published.freshUntil == .seconds(100) && published.token.serial == 1)
+        guard case .deliver = machine.demand(.get, now: .seconds(99)) else { Issue.record("expected deliver"); return }
+        guard case .startAndWait = machine.demand(.get, now: .seconds(100)) else { Issue.record("expected a fetch"); return }
+    }
+
+    @Test("one flight: the second demand waits on the first's flight")
+    func oneFlight() {
+        var machine = Self.active()
+        let first = machine.demand(.recover(rejected: Secret("access-1")), now: .zero)
+        guard case let .startAndWait(request, id) = first else { Issue.record("expected a fetch"); return }
+        #expect(request.refreshToken == Secret("refresh-1") && request.generation == 1)
+        #expect(machine.demand(.recover(rejected: Secret("access-1")), now: .zero) == .wait(id))
+        #expect(machine.counters.fetches == 1 && machine.counters.joinedWaiters == 1)
+    }
+
+    @Test("the fetched token is written before it is installed; rotation keeps the old refresh token when none comes")
+    func commitThenInstall() throws {
+        var machine = Self.active()
+        guard case let .startAndWait(_, id) = machine.demand(.recover(rejected: Secret("access-1")), now: .zero) else { return }
+        let fetched = FetchedToken(accessToken: Secret("access-2"), expiresIn: .seconds(60), refreshToken: nil)
+        let step1 = machine.fetchSucceeded(id, fetched, now: .seconds(1), unixNow: Self.unix + 1)
+        let write = try #require(step1)
+        #expect(write.guardedBy == .sameGeneration && write.record.generation == 1)
+        #expect(write.record.refreshToken == Secret("refresh-1") && write.record.accessToken == Secret("access-2"))
+        #expect(write.record.expiresAt == Int64(Self.unix) + 61 && write.record.tokenSerial == 2)
+        // Not installed yet: still token #1, and demands still join the flight.
+        #expect(machine.publishable?.token.serial == 1)
+        #expect(machine.demand(.recover(rejected: Secret("access-1")), now: .seconds(1)) == .wait(id))
+        let step2 = machine.commitFinished(id, .applied)
+        let resolution = try #require(step2)
+        #expect(resolution.result.value?.serial == 2 && resolution.event == .token(resolution.result.value!))
+        #expect(machine.publishable?.token.serial == 2 && !machine.isRefreshing)
+    }
+
+    @Test("logout drops the flight: its answer and its commit are refused")
+    func boundary() throws {
+        var machine = Self.active()
+        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { Issue.record("expected a fetch"); return }
+        let boundary = machine.logout()
+        #expect(boundary.cancelled == id && boundary.error == .signedOut && boundary.event == .signedOut(generation: 2))
+        #expect(boundary.write?.guardedBy == .newerGeneration && boundary.write?.record.state == .signedOut)
+        #expect(boundary.write?.record.refreshToken == nil && boundary.write?.record.accessToken == nil)
+        #expect(machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("x")), now: .zero, unixNow: Self.unix) == nil)
+        #expect(machine.counters.droppedResults == 1)
+        #expect(machine.demand(.get, now: .zero) == .fail(.signedOut))
+    }
+
+    @Test("a logout during the commit wins over it")
+    func logoutDuringCommit() throws {
+        var machine = Self.active()
+        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { return }
+        let step3 = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("x")), now: .zero, unixNow: Self.unix)
+        _ = try #require(step3)
+        _ = machine.logout()
+        #expect(machine.commitFinished(id, .applied) == nil)
+        #expect(machine.publishable == nil && machine.phase == .signedOut)
+    }
+
+    @Test("login is not usable until its write is durable, and a later boundary overtakes it")
+    func loginTwoPhase() throws {
+        var machine = Self.active()
+        let boundary = machine.beginLogin(refreshToken: Secret("refresh-L"))
+        let write = try #require(boundary.write)
+        #expect(write.record.generation == 2 && write.record.state == .active && write.guardedBy == .newerGeneration)
+        #expect(machine.demand(.get, now: .zero) == .fail(.signedOut))
+        #expect(machine.loginFinished(write, .applied) == .success(2))
+        guard case let .startAndWait(request, _) = machine.demand(.get, now: .zero) else { Issue.record("expected a fetch"); return }
+        #expect(request.refreshToken == Secret("refresh-L"))
+
+        let step4 = machine.beginLogin(refreshToken: Secret("refresh-M")).write
+        let second = try #require(step4)
+        _ = machine.logout()
+        #expect(machine.loginFinished(second, .applied) == .failure(.signedOut))
+        #expect(machine.phase == .signedOut)
+    }
+
+    @Test("a failed login write leaves the session signed out and says why")
+    func loginWriteFails() throws {
+        var machine = Self.active()
+        let step5 = machine.beginLogin(refreshToken: Secret("refresh-L")).write
+        let write = try #require(step5)
+        #expect(machine.loginFinished(write, .failed(reason: "disk full")) == .failure(.storeFailed(reason: "disk full")))
+        #expect(machine.phase == .signedOut)
+    }
+
+    @Test("a failed commit serves from memory and keeps the write pending (degraded)")
+    func degradedCommit() throws {
+        var machine = Self.active()
+        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { return }
+        let step6 = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("access-2"), refreshToken: Secret("refresh-2")),
+                                                now: .seconds(3600), unixNow: Self.unix)
+        _ = try #require(step6)
+        let step7 = machine.commitFinished(id, .failed(reason: "disk full"))
+        let resolution = try #require(step7)
+        #expect(resolution.result.value?.serial == 2)
+        let pending = try #require(machine.pendingWrite)
+        #expect(pending.record.refreshToken == Secret("refresh-2") && pending.guardedBy == .sameGeneration)
+        #expect(machine.status(now: .zero).degraded)
+        machine.pendingWriteSettled(pending)
+        #expect(!machine.status(now: .zero).degraded)
+    }
+
+    @Test("a store holding another generation ends this one")
+    func commitRejected() throws {
+        var machine = Self.active()
+        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { return }
+        let step8 = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("x")), now: .zero, unixNow: Self.unix)
+        _ = try #require(step8)
+        let step9 = machine.commitFinished(id, .rejected)
+        let resolution = try #require(step9)
+        #expect(resolution.result == .failure(.signedOut) && machine.phase == .signedOut && machine.generation == 2)
+    }
+
+    @Test("consecutive transient failures grow the backoff; success resets it")
+    func backoffGrows() throws {
+        let policy = RefreshPolicy(guardLimit: 100, backoff: Backoff(initial: .seconds(1), maximum: .seconds(5), jitter: 0))
+        var machine = Self.active(policy: policy)
+        var now = Duration.seconds(3600)
+        var delays: [Duration] = []
+        for _ in 0..<5 {
+            guard case let .startAndWait(_, id) = machine.demand(.get, now: now) else { Issue.record("expected a fetch"); return }
+            let step10 = machine.fetchFailed(id, .transient("HTTP 500"), now: now, unit: 0)
+            let resolution = try #require(step10)
+            guard case let .refreshFailed(_, _, retryAfter?)? = resolution.result.error else { return }
+            delays.append(retryAfter)
+            now += retryAfter
+        }
+        #expect(delays == [.seconds(1), .seconds(2), .seconds(4), .seconds(5), .seconds(5)])
+        guard case let .startAndWait(_, id) = machine.demand(.get, now: now) else { return }
+        _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("a"), expiresIn: .seconds(1)), now: now, unixNow: Self.unix)
+        _ = machine.commitFinished(id, .applied)
+        now += .seconds(2)
+        guard case let .startAndWait(_, id2) = machine.demand(.get, now: now) else { return }
+        let step11 = machine.fetchFailed(id2, .transient("HTTP 500"), now: now, unit: 0)
+        let resolution = try #require(step11)
+        #expect(resolution.result.error == .refreshFailed(reason: "HTTP 500", retryable: true, retryAfter: .seconds(1)))
+    }
+
+    @Test("shutdown fails the flight's waiters and later demands")
+    func shutdown() {
+        var machine = Self.active()
+        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { return }
+        let boundary = machine.shutdown()
+        #expect(boundary.cancelled == id && boundary.error == .shuttingDown)
+        #expect(machine.demand(.get, now: .zero) == .fail(.shuttingDown))
+    }
+}
