@@ -355,7 +355,8 @@ public struct RefreshStateMachine: Sendable {
     }
 
     /// Login, second half. Fails when another boundary overtook this login while it was written,
-    /// or when the write failed (the session then stays signed out).
+    /// or when the write failed (the session then stays signed out, and that is what the
+    /// store is told next).
     public mutating func loginFinished(_ write: StoreWrite, _ outcome: CommitOutcome) -> Result<Int, SessionError> {
         guard write.record.generation == generation, phase == .signedOut, !isShutDown else { return .failure(.signedOut) }
         switch outcome {
@@ -368,7 +369,10 @@ public struct RefreshStateMachine: Sendable {
         case .rejected:
             return .failure(.signedOut)
         case let .failed(reason):
+            // The boundary itself stands: the store must still learn that the old generation
+            // is over, so the signed-out state is kept as a pending write.
             lastError = "store: \(reason)"
+            pendingWrite = StoreWrite(record, guardedBy: .newerGeneration)
             return .failure(.storeFailed(reason: reason))
         }
     }

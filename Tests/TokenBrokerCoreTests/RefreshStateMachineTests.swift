@@ -108,6 +108,10 @@ struct RefreshStateMachineTests {
         let write = try #require(step5)
         #expect(machine.loginFinished(write, .failed(reason: "disk full")) == .failure(.storeFailed(reason: "disk full")))
         #expect(machine.phase == .signedOut)
+        // The old generation (still active on disk) must end there too: a signed-out write is pending.
+        let pending = try #require(machine.pendingWrite)
+        #expect(pending.record.generation == 2 && pending.record.state == .signedOut && pending.record.refreshToken == nil)
+        #expect(pending.guardedBy == .newerGeneration && machine.status(now: .zero).degraded)
     }
 
     @Test("a failed commit serves from memory and keeps the write pending (degraded)")

@@ -1,0 +1,106 @@
+import Testing
+import TokenBrokerCore
+
+/// Coordinator behaviour outside the races: store faults, shutdown, watch, the hot path.
+@Suite("RefreshCoordinator")
+struct CoordinatorTests {
+    @Test("a failed commit still serves the token, flags the session degraded, and is flushed later")
+    func degraded() async throws {
+        let h = Harness()
+        h.store.setFailing(true)
+        let racer = Racers(3) { _ in try await h.coordinator.recover(rejected: Harness.firstToken) }
+        try await h.source.started(1)
+        h.source.succeed(1, with: FakeTokenSource.token(2))
+        #expect(try await racer.all().allSatisfy { $0.value?.serial == 2 })
+        var status = await h.coordinator.status()
+        #expect(status.degraded && status.lastError == "store: disk full")
+        #expect(await h.stored()?.refreshToken == Secret("refresh-1"))
+
+        #expect(await !h.coordinator.flushPendingWrite())
+        h.store.setFailing(false)
+        #expect(await h.coordinator.flushPendingWrite())
+        status = await h.coordinator.status()
+        #expect(!status.degraded)
+        #expect(await h.stored()?.refreshToken == Secret("refresh-2"))
+    }
+
+    @Test("a logout that cannot be persisted is in effect, reported, and persisted by the next flush")
+    func logoutStoreFailure() async throws {
+        let h = Harness()
+        h.store.setFailing(true)
+        await #expect(throws: SessionError.storeFailed(reason: "disk full")) { try await h.coordinator.logout() }
+        await #expect(throws: SessionError.signedOut) { try await h.coordinator.token() }
+        #expect(await h.coordinator.status().degraded)
+        h.store.setFailing(false)
+        #expect(await h.coordinator.flushPendingWrite())
+        let stored = try #require(await h.stored())
+        #expect(stored.state == .signedOut && stored.generation == 2 && stored.refreshToken == nil)
+    }
+
+    @Test("shutdown fails parked callers and later demands, and ends watch streams")
+    func shutdown() async throws {
+        let h = Harness()
+        let events = await h.coordinator.watch()
+        let racers = Racers(5) { _ in try await h.coordinator.recover(rejected: Harness.firstToken) }
+        try await h.source.started(1)
+        try await eventually("5 parked") { h.coordinator.parkedWaiters == 5 }
+        await h.coordinator.shutdown()
+        #expect(try await racers.all().allSatisfy { $0.error as? SessionError == .shuttingDown })
+        await #expect(throws: SessionError.shuttingDown) { try await h.coordinator.token() }
+        #expect(h.coordinator.freshToken() == nil)
+        var seen: [SessionEvent] = []
+        for await event in events { seen.append(event) }
+        #expect(seen.map(\.kind) == ["token"])
+        // The late answer of the cancelled flight is dropped.
+        h.source.succeed(1, with: FakeTokenSource.token(2))
+        try await eventually("the late answer dropped") { await h.coordinator.status().counters.droppedResults == 1 }
+    }
+
+    @Test("watch starts with the current state, then sends each new token and the logout")
+    func watch() async throws {
+        let signedOut = Harness(loggedIn: false)
+        var initial = await signedOut.coordinator.watch().makeAsyncIterator()
+        #expect(await initial.next() == .signedOut(generation: 0))
+
+        let h = Harness()
+        let events = await h.coordinator.watch()
+        let racer = Racers(1) { _ in try await h.coordinator.recover(rejected: Harness.firstToken) }
+        try await h.source.started(1)
+        h.source.succeed(1, with: FakeTokenSource.token(2))
+        _ = try await racer.all()
+        try await h.coordinator.logout()
+        await h.coordinator.shutdown()
+        var serials: [String] = []
+        for await event in events {
+            switch event {
+            case let .token(token): serials.append("#\(token.serial)")
+            case let .signedOut(generation): serials.append("signedOut@\(generation)")
+            }
+        }
+        #expect(serials == ["#1", "#2", "signedOut@2"])
+    }
+
+    @Test("the hot path serves a valid token without the actor, and stops at the refresh-ahead window")
+    func hotPath() async throws {
+        let h = Harness(policy: RefreshPolicy(refreshAhead: .seconds(60)), expiresIn: 600)
+        #expect(h.coordinator.freshToken()?.serial == 1)
+        h.clock.advance(by: .seconds(539))
+        #expect(h.coordinator.freshToken()?.serial == 1)
+        h.clock.advance(by: .seconds(1))
+        #expect(h.coordinator.freshToken() == nil)
+        #expect(Harness(loggedIn: false).coordinator.freshToken() == nil)
+    }
+
+    @Test("login with no refresh token (client_credentials) fetches with none")
+    func clientCredentials() async throws {
+        let h = Harness(loggedIn: false)
+        await #expect(throws: SessionError.signedOut) { try await h.coordinator.token() }
+        #expect(try await h.coordinator.login(refreshToken: nil) == 1)
+        let racer = Racers(1) { _ in try await h.coordinator.token() }
+        try await h.source.started(1)
+        #expect(h.source.request(1).refreshToken == nil && h.source.request(1).generation == 1)
+        h.source.succeed(1, with: FakeTokenSource.token(1, rotate: false))
+        #expect(try await racer.all().first?.value?.serial == 1)
+        #expect(await h.stored()?.refreshToken == nil)
+    }
+}
