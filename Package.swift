@@ -14,15 +14,22 @@ var package = Package(
     products: [
         .executable(name: "tokenbroker", targets: ["tokenbroker"]),
         .library(name: "TokenBrokerCore", targets: ["TokenBrokerCore"]),
+        .library(name: "Varlink", targets: ["Varlink"]),
     ],
     targets: [
         // Pure: the refresh coordinator, its state machine, policies and errors. Standard library only
         // (plus Synchronization): no sockets, no HTTP, no files.
         .target(name: "TokenBrokerCore"),
+        // Linux calls Swift's Glibc module lacks: epoll, eventfd, accept4, SO_PEERCRED/PEERGROUPS.
+        .target(name: "CLinux"),
+        // The varlink protocol: JSON, NUL framing, calls and replies, org.varlink.service, an epoll
+        // server and a blocking client. Knows nothing of tokens.
+        .target(name: "Varlink", dependencies: ["CLinux"]),
         // The command line: `tokenbroker --help`, `--version`; later `serve` and `ctl …`.
         .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerCore"]),
 
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
+        .testTarget(name: "VarlinkTests", dependencies: ["Varlink"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker"]),
     ],

@@ -1,0 +1,27 @@
+// Linux system calls that Swift's Glibc module does not expose (epoll, eventfd) or hides
+// behind _GNU_SOURCE (accept4, struct ucred, SO_PEERGROUPS). Thin wrappers, no logic.
+#ifndef TOKENBROKER_CLINUX_H
+#define TOKENBROKER_CLINUX_H
+
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+
+/// accept4 with SOCK_NONBLOCK | SOCK_CLOEXEC.
+int tb_accept_nonblocking(int listen_fd);
+
+/// The peer's pid, uid and gid (SO_PEERCRED). Returns 0 or -1 with errno.
+int tb_peer_credentials(int fd, int32_t *pid, uint32_t *uid, uint32_t *gid);
+
+/// The peer's supplementary groups at connect time (SO_PEERGROUPS). Fills up to `capacity`
+/// entries and stores the total count in `*count`. Returns 0, or -1 with errno (ERANGE when
+/// `capacity` is too small; `*count` then holds the needed size).
+int tb_peer_groups(int fd, uint32_t *groups, int capacity, int *count);
+
+/// epoll_event accessors (the struct is packed on x86_64).
+void tb_epoll_event_set(struct epoll_event *event, uint32_t events, uint64_t data);
+uint32_t tb_epoll_event_events(const struct epoll_event *event);
+uint64_t tb_epoll_event_data(const struct epoll_event *event);
+
+#endif

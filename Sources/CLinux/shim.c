@@ -1,0 +1,35 @@
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stddef.h>
+#include <sys/socket.h>
+#include "CLinux.h"
+
+int tb_accept_nonblocking(int listen_fd) {
+    return accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+}
+
+int tb_peer_credentials(int fd, int32_t *pid, uint32_t *uid, uint32_t *gid) {
+    struct ucred cred;
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return -1;
+    *pid = cred.pid;
+    *uid = cred.uid;
+    *gid = cred.gid;
+    return 0;
+}
+
+int tb_peer_groups(int fd, uint32_t *groups, int capacity, int *count) {
+    socklen_t len = (socklen_t)(capacity * (int)sizeof(gid_t));
+    int rc = getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len);
+    *count = (int)(len / sizeof(gid_t));
+    return rc;
+}
+
+void tb_epoll_event_set(struct epoll_event *event, uint32_t events, uint64_t data) {
+    event->events = events;
+    event->data.u64 = data;
+}
+
+uint32_t tb_epoll_event_events(const struct epoll_event *event) { return event->events; }
+
+uint64_t tb_epoll_event_data(const struct epoll_event *event) { return event->data.u64; }

@@ -1,0 +1,248 @@
+/// Why bytes are not a JSON value.
+public struct JSONParseError: Error, Sendable, Equatable, CustomStringConvertible {
+    /// Byte offset of the problem.
+    public var offset: Int
+    public var reason: String
+    public var description: String { "invalid JSON at byte \(offset): \(reason)" }
+}
+
+/// A strict RFC 8259 parser over bytes: no trailing commas, no comments, no NaN, valid UTF-8,
+/// no duplicate object keys, bounded nesting.
+public struct JSONParser {
+    /// Deepest nesting of arrays and objects accepted.
+    public static let maximumDepth = 64
+
+    public static func parse(_ bytes: UnsafeRawBufferPointer) throws(JSONParseError) -> JSON {
+        var parser = JSONParser(bytes: bytes)
+        parser.skipWhitespace()
+        let value = try parser.value(depth: 0)
+        parser.skipWhitespace()
+        guard parser.position == bytes.count else { throw parser.fail("trailing characters") }
+        return value
+    }
+
+    public static func parse<Bytes: Collection<UInt8>>(_ bytes: Bytes) throws(JSONParseError) -> JSON {
+        let parseBuffer = { (buffer: UnsafeRawBufferPointer) in
+            Result { () throws(JSONParseError) -> JSON in try parse(buffer) }
+        }
+        if let result = bytes.withContiguousStorageIfAvailable({ parseBuffer(UnsafeRawBufferPointer($0)) }) {
+            return try result.get()
+        }
+        return try Array(bytes).withUnsafeBytes(parseBuffer).get()
+    }
+
+    public static func parse(_ text: String) throws(JSONParseError) -> JSON {
+        try parse(Array(text.utf8))
+    }
+
+    private let bytes: UnsafeRawBufferPointer
+    private var position = 0
+
+    private init(bytes: UnsafeRawBufferPointer) { self.bytes = bytes }
+
+    private func fail(_ reason: String) -> JSONParseError {
+        JSONParseError(offset: position, reason: reason)
+    }
+
+    private var peek: UInt8? { position < bytes.count ? bytes[position] : nil }
+
+    private mutating func skipWhitespace() {
+        while position < bytes.count {
+            switch bytes[position] {
+            case 0x20, 0x09, 0x0A, 0x0D: position += 1
+            default: return
+            }
+        }
+    }
+
+    private mutating func value(depth: Int) throws(JSONParseError) -> JSON {
+        guard let byte = peek else { throw fail("unexpected end") }
+        switch byte {
+        case UInt8(ascii: "{"): return try object(depth: depth + 1)
+        case UInt8(ascii: "["): return try array(depth: depth + 1)
+        case UInt8(ascii: "\""): return .string(try string())
+        case UInt8(ascii: "t"): try literal("true"); return .bool(true)
+        case UInt8(ascii: "f"): try literal("false"); return .bool(false)
+        case UInt8(ascii: "n"): try literal("null"); return .null
+        case UInt8(ascii: "-"), UInt8(ascii: "0")...UInt8(ascii: "9"): return try number()
+        default: throw fail("unexpected character")
+        }
+    }
+
+    private mutating func literal(_ word: StaticString) throws(JSONParseError) {
+        let count = word.utf8CodeUnitCount
+        guard bytes.count - position >= count else { throw fail("unexpected end") }
+        let expected = UnsafeRawBufferPointer(start: word.utf8Start, count: count)
+        for index in 0..<count where bytes[position + index] != expected[index] { throw fail("invalid literal") }
+        position += count
+    }
+
+    private mutating func object(depth: Int) throws(JSONParseError) -> JSON {
+        guard depth <= Self.maximumDepth else { throw fail("nested too deeply") }
+        position += 1
+        var members: [(key: String, value: JSON)] = []
+        skipWhitespace()
+        if peek == UInt8(ascii: "}") {
+            position += 1
+            return .object(JSONObject(members))
+        }
+        while true {
+            skipWhitespace()
+            guard peek == UInt8(ascii: "\"") else { throw fail("expected a member name") }
+            let start = position
+            let key = try string()
+            if members.contains(where: { $0.key == key }) {
+                throw JSONParseError(offset: start, reason: "duplicate member name")
+            }
+            skipWhitespace()
+            guard peek == UInt8(ascii: ":") else { throw fail("expected ':'") }
+            position += 1
+            skipWhitespace()
+            members.append((key, try value(depth: depth)))
+            skipWhitespace()
+            switch peek {
+            case UInt8(ascii: ","): position += 1
+            case UInt8(ascii: "}"): position += 1; return .object(JSONObject(members))
+            default: throw fail("expected ',' or '}'")
+            }
+        }
+    }
+
+    private mutating func array(depth: Int) throws(JSONParseError) -> JSON {
+        guard depth <= Self.maximumDepth else { throw fail("nested too deeply") }
+        position += 1
+        var elements: [JSON] = []
+        skipWhitespace()
+        if peek == UInt8(ascii: "]") {
+            position += 1
+            return .array(elements)
+        }
+        while true {
+            skipWhitespace()
+            elements.append(try value(depth: depth))
+            skipWhitespace()
+            switch peek {
+            case UInt8(ascii: ","): position += 1
+            case UInt8(ascii: "]"): position += 1; return .array(elements)
+            default: throw fail("expected ',' or ']'")
+            }
+        }
+    }
+
+    private mutating func string() throws(JSONParseError) -> String {
+        position += 1
+        let start = position
+        // Fast path: no escapes.
+        while position < bytes.count {
+            let byte = bytes[position]
+            if byte == UInt8(ascii: "\"") {
+                guard let text = String(validating: UnsafeRawBufferPointer(rebasing: bytes[start..<position]), as: UTF8.self) else {
+                    throw JSONParseError(offset: start, reason: "invalid UTF-8")
+                }
+                position += 1
+                return text
+            }
+            if byte == UInt8(ascii: "\\") { break }
+            if byte < 0x20 { throw fail("control character in string") }
+            position += 1
+        }
+        var scalars: [UInt8] = Array(UnsafeRawBufferPointer(rebasing: bytes[start..<position]))
+        while true {
+            guard let byte = peek else { throw fail("unterminated string") }
+            position += 1
+            switch byte {
+            case UInt8(ascii: "\""):
+                guard let text = String(validating: scalars, as: UTF8.self) else {
+                    throw JSONParseError(offset: start, reason: "invalid UTF-8")
+                }
+                return text
+            case UInt8(ascii: "\\"):
+                guard let escape = peek else { throw fail("unterminated escape") }
+                position += 1
+                switch escape {
+                case UInt8(ascii: "\""), UInt8(ascii: "\\"), UInt8(ascii: "/"): scalars.append(escape)
+                case UInt8(ascii: "b"): scalars.append(0x08)
+                case UInt8(ascii: "f"): scalars.append(0x0C)
+                case UInt8(ascii: "n"): scalars.append(0x0A)
+                case UInt8(ascii: "r"): scalars.append(0x0D)
+                case UInt8(ascii: "t"): scalars.append(0x09)
+                case UInt8(ascii: "u"):
+                    var code = UInt32(try hex4())
+                    if (0xD800..<0xDC00).contains(code) {
+                        guard peek == UInt8(ascii: "\\"), position + 1 < bytes.count, bytes[position + 1] == UInt8(ascii: "u") else {
+                            throw fail("unpaired surrogate")
+                        }
+                        position += 2
+                        let low = UInt32(try hex4())
+                        guard (0xDC00..<0xE000).contains(low) else { throw fail("unpaired surrogate") }
+                        code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)
+                    } else if (0xDC00..<0xE000).contains(code) {
+                        throw fail("unpaired surrogate")
+                    }
+                    guard let scalar = Unicode.Scalar(code) else { throw fail("invalid escape") }
+                    scalars.append(contentsOf: UTF8.encode(scalar)!)
+                default:
+                    throw fail("invalid escape")
+                }
+            default:
+                if byte < 0x20 { throw fail("control character in string") }
+                scalars.append(byte)
+            }
+        }
+    }
+
+    private mutating func hex4() throws(JSONParseError) -> UInt16 {
+        guard bytes.count - position >= 4 else { throw fail("short \\u escape") }
+        var value: UInt16 = 0
+        for _ in 0..<4 {
+            let byte = bytes[position]
+            let digit: UInt8
+            switch byte {
+            case UInt8(ascii: "0")...UInt8(ascii: "9"): digit = byte - UInt8(ascii: "0")
+            case UInt8(ascii: "a")...UInt8(ascii: "f"): digit = byte - UInt8(ascii: "a") + 10
+            case UInt8(ascii: "A")...UInt8(ascii: "F"): digit = byte - UInt8(ascii: "A") + 10
+            default: throw fail("invalid \\u escape")
+            }
+            value = value << 4 | UInt16(digit)
+            position += 1
+        }
+        return value
+    }
+
+    private mutating func number() throws(JSONParseError) -> JSON {
+        let start = position
+        if peek == UInt8(ascii: "-") { position += 1 }
+        guard let first = peek, (UInt8(ascii: "0")...UInt8(ascii: "9")).contains(first) else { throw fail("invalid number") }
+        if first == UInt8(ascii: "0") {
+            position += 1
+        } else {
+            skipDigits()
+        }
+        var integral = true
+        if peek == UInt8(ascii: ".") {
+            integral = false
+            position += 1
+            guard try digitsFollow() else { throw fail("invalid number") }
+        }
+        if peek == UInt8(ascii: "e") || peek == UInt8(ascii: "E") {
+            integral = false
+            position += 1
+            if peek == UInt8(ascii: "+") || peek == UInt8(ascii: "-") { position += 1 }
+            guard try digitsFollow() else { throw fail("invalid number") }
+        }
+        let text = String(decoding: UnsafeRawBufferPointer(rebasing: bytes[start..<position]), as: UTF8.self)
+        if integral, let value = Int64(text) { return .int(value) }
+        guard let value = Double(text), value.isFinite else { throw JSONParseError(offset: start, reason: "number out of range") }
+        return .double(value)
+    }
+
+    private mutating func skipDigits() {
+        while let byte = peek, (UInt8(ascii: "0")...UInt8(ascii: "9")).contains(byte) { position += 1 }
+    }
+
+    private mutating func digitsFollow() throws(JSONParseError) -> Bool {
+        let start = position
+        skipDigits()
+        return position > start
+    }
+}

@@ -1,0 +1,176 @@
+/// A message that is not a valid varlink call: the connection has no valid reply and closes.
+public struct VarlinkProtocolError: Error, Sendable, Equatable, CustomStringConvertible {
+    public var reason: String
+    public init(_ reason: String) { self.reason = reason }
+    public var description: String { "protocol error: \(reason)" }
+}
+
+/// A method call (client → service).
+public struct VarlinkCall: Sendable, Equatable {
+    /// Fully qualified: `interface.Method`.
+    public var method: String
+    public var parameters: JSONObject
+    /// No reply is wanted.
+    public var oneway: Bool
+    /// Several replies are welcome (a stream).
+    public var more: Bool
+    /// The connection becomes a raw byte stream after the reply.
+    public var upgrade: Bool
+
+    public init(method: String, parameters: JSONObject = [:], oneway: Bool = false, more: Bool = false, upgrade: Bool = false) {
+        self.method = method
+        self.parameters = parameters
+        self.oneway = oneway
+        self.more = more
+        self.upgrade = upgrade
+    }
+
+    /// The interface part of `method` (everything before the last dot).
+    public var interface: String {
+        guard let dot = method.lastIndex(of: ".") else { return "" }
+        return String(method[..<dot])
+    }
+
+    /// The member part of `method` (after the last dot).
+    public var member: String {
+        guard let dot = method.lastIndex(of: ".") else { return method }
+        return String(method[method.index(after: dot)...])
+    }
+
+    /// Reads a call from one message. Unknown keys are refused unless they are vendor
+    /// extensions (a dotted name); at most one of `oneway`, `more`, `upgrade` may be set.
+    public static func decode(_ bytes: ArraySlice<UInt8>) throws(VarlinkProtocolError) -> VarlinkCall {
+        let json: JSON
+        do {
+            json = try JSONParser.parse(bytes)
+        } catch {
+            throw VarlinkProtocolError(error.description)
+        }
+        guard case let .object(object) = json else { throw VarlinkProtocolError("a call must be a JSON object") }
+        var call = VarlinkCall(method: "")
+        var sawMethod = false
+        for (key, value) in object {
+            switch key {
+            case "method":
+                guard let method = value.stringValue, !method.isEmpty else { throw VarlinkProtocolError("'method' must be a string") }
+                call.method = method
+                sawMethod = true
+            case "parameters":
+                switch value {
+                case .null: break
+                case let .object(parameters): call.parameters = parameters
+                default: throw VarlinkProtocolError("'parameters' must be an object")
+                }
+            case "oneway", "more", "upgrade":
+                let flag: Bool
+                switch value {
+                case .null: flag = false
+                case let .bool(value): flag = value
+                default: throw VarlinkProtocolError("'\(key)' must be a boolean")
+                }
+                if key == "oneway" { call.oneway = flag } else if key == "more" { call.more = flag } else { call.upgrade = flag }
+            default:
+                guard key.contains(".") else { throw VarlinkProtocolError("unknown call field '\(key)'") }
+            }
+        }
+        guard sawMethod else { throw VarlinkProtocolError("no 'method'") }
+        guard [call.oneway, call.more, call.upgrade].filter({ $0 }).count <= 1 else {
+            throw VarlinkProtocolError("at most one of 'oneway', 'more' and 'upgrade' may be set")
+        }
+        return call
+    }
+
+    /// The call as one message, NUL included.
+    public func encoded() -> [UInt8] {
+        var object: JSONObject = ["method": .string(method)]
+        if !parameters.isEmpty { object["parameters"] = .object(parameters) }
+        if oneway { object["oneway"] = true }
+        if more { object["more"] = true }
+        if upgrade { object["upgrade"] = true }
+        var output: [UInt8] = []
+        object.encode(into: &output)
+        output.append(0)
+        return output
+    }
+}
+
+/// A reply (service → client): parameters, or an error with its parameters.
+public struct VarlinkReply: Sendable, Equatable {
+    public var parameters: JSONObject
+    /// More replies follow (only for calls with `more`).
+    public var continues: Bool
+    /// A fully qualified error name.
+    public var error: String?
+
+    public init(parameters: JSONObject = [:], continues: Bool = false, error: String? = nil) {
+        self.parameters = parameters
+        self.continues = continues
+        self.error = error
+    }
+
+    public static func error(_ name: String, _ parameters: JSONObject = [:]) -> VarlinkReply {
+        VarlinkReply(parameters: parameters, error: name)
+    }
+
+    /// Appends the reply as one message, NUL included.
+    public func encode(into output: inout [UInt8]) {
+        output.append(UInt8(ascii: "{"))
+        var first = true
+        if let error {
+            output.append(contentsOf: #""error":"#.utf8)
+            JSON.encodeString(error, into: &output)
+            first = false
+        }
+        if !first { output.append(UInt8(ascii: ",")) }
+        output.append(contentsOf: #""parameters":"#.utf8)
+        parameters.encode(into: &output)
+        if continues { output.append(contentsOf: #","continues":true"#.utf8) }
+        output.append(UInt8(ascii: "}"))
+        output.append(0)
+    }
+
+    public func encoded() -> [UInt8] {
+        var output: [UInt8] = []
+        encode(into: &output)
+        return output
+    }
+
+    /// Reads a reply from one message. Unknown keys are ignored; absent or null parameters
+    /// are empty.
+    public static func decode(_ bytes: ArraySlice<UInt8>) throws(VarlinkProtocolError) -> VarlinkReply {
+        let json: JSON
+        do {
+            json = try JSONParser.parse(bytes)
+        } catch {
+            throw VarlinkProtocolError(error.description)
+        }
+        guard case let .object(object) = json else { throw VarlinkProtocolError("a reply must be a JSON object") }
+        var reply = VarlinkReply()
+        switch object["parameters"] {
+        case nil, .null?: break
+        case let .object(parameters)?: reply.parameters = parameters
+        default: throw VarlinkProtocolError("'parameters' must be an object")
+        }
+        switch object["continues"] {
+        case nil, .null?: break
+        case let .bool(value)?: reply.continues = value
+        default: throw VarlinkProtocolError("'continues' must be a boolean")
+        }
+        switch object["error"] {
+        case nil, .null?: break
+        case let .string(name)?: reply.error = name
+        default: throw VarlinkProtocolError("'error' must be a string")
+        }
+        return reply
+    }
+}
+
+/// The errors of `org.varlink.service`, which every service may return.
+public enum VarlinkServiceError {
+    public static let interfaceNotFound = "org.varlink.service.InterfaceNotFound"
+    public static let methodNotFound = "org.varlink.service.MethodNotFound"
+    public static let methodNotImplemented = "org.varlink.service.MethodNotImplemented"
+    public static let invalidParameter = "org.varlink.service.InvalidParameter"
+    public static let permissionDenied = "org.varlink.service.PermissionDenied"
+    public static let expectedMore = "org.varlink.service.ExpectedMore"
+}

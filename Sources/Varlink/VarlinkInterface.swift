@@ -1,0 +1,114 @@
+/// One interface a service offers: its name, its description text (returned byte for byte by
+/// `GetInterfaceDescription`) and the method names declared in it.
+public struct VarlinkInterface: Sendable {
+    public let name: String
+    public let description: String
+    public let methods: Set<String>
+
+    /// Reads the name and the method names from the IDL text. Comments are skipped; the
+    /// text is kept as it is.
+    public init(description: String) {
+        self.description = description
+        var name = ""
+        var methods: Set<String> = []
+        for line in description.split(separator: "\n", omittingEmptySubsequences: true) {
+            let trimmed = line.drop { $0 == " " || $0 == "\t" }
+            if trimmed.hasPrefix("#") { continue }
+            let words = trimmed.split(whereSeparator: { $0 == " " || $0 == "\t" || $0 == "(" })
+            guard words.count >= 2 else { continue }
+            if words[0] == "interface", name.isEmpty { name = String(words[1]) }
+            if words[0] == "method" { methods.insert(String(words[1])) }
+        }
+        self.name = name
+        self.methods = methods
+    }
+}
+
+/// What `org.varlink.service.GetInfo` reports.
+public struct VarlinkServiceInfo: Sendable {
+    public var vendor: String
+    public var product: String
+    public var version: String
+    public var url: String
+
+    public init(vendor: String, product: String, version: String, url: String) {
+        self.vendor = vendor
+        self.product = product
+        self.version = version
+        self.url = url
+    }
+}
+
+/// What a handler does with a call.
+public enum VarlinkHandling: Sendable {
+    /// Answer now, on the server's I/O thread.
+    case reply(VarlinkReply)
+    /// Answer later: the body runs in a task, sends its reply (or, for `more` calls, several
+    /// replies) through the sink, and returns. The task is cancelled when the client
+    /// disconnects; later calls on the same connection wait until it returns.
+    case async(@Sendable (VarlinkReplySink) async -> Void)
+}
+
+/// Handles the calls of a service's own interfaces; `org.varlink.service`, unknown interfaces
+/// and unknown methods are the server's. Called on the server's I/O thread: it must not block.
+public protocol VarlinkHandler: Sendable {
+    func handle(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling
+}
+
+extension VarlinkReply {
+    /// `org.varlink.service.InvalidParameter` naming `parameter`.
+    public static func invalidParameter(_ parameter: String) -> VarlinkReply {
+        .error(VarlinkServiceError.invalidParameter, ["parameter": .string(parameter)])
+    }
+}
+
+/// Typed access to call parameters, answering `InvalidParameter` for anything off.
+public struct Parameters {
+    public let object: JSONObject
+
+    public init(_ object: JSONObject) { self.object = object }
+
+    /// Refuses any parameter not in `allowed` (the method's declared fields).
+    public func only(_ allowed: Set<String>) throws(ParameterError) {
+        for key in object.keys where !allowed.contains(key) { throw ParameterError(name: key) }
+    }
+
+    public func string(_ name: String) throws(ParameterError) -> String {
+        guard let value = object[name]?.stringValue else { throw ParameterError(name: name) }
+        return value
+    }
+
+    public func optionalString(_ name: String) throws(ParameterError) -> String? {
+        switch object[name] {
+        case nil, .null?: return nil
+        case let .string(value)?: return value
+        default: throw ParameterError(name: name)
+        }
+    }
+
+    public func bool(_ name: String) throws(ParameterError) -> Bool {
+        guard let value = object[name]?.boolValue else { throw ParameterError(name: name) }
+        return value
+    }
+
+    public func int(_ name: String) throws(ParameterError) -> Int64 {
+        guard let value = object[name]?.intValue else { throw ParameterError(name: name) }
+        return value
+    }
+
+    public func double(_ name: String) throws(ParameterError) -> Double {
+        guard let value = object[name]?.doubleValue else { throw ParameterError(name: name) }
+        return value
+    }
+
+    public func value(_ name: String) throws(ParameterError) -> JSON {
+        guard let value = object[name] else { throw ParameterError(name: name) }
+        return value
+    }
+}
+
+/// A parameter is missing, of the wrong type, or not declared.
+public struct ParameterError: Error, Sendable, Equatable {
+    public var name: String
+    public var reply: VarlinkReply { .invalidParameter(name) }
+}

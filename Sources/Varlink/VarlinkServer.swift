@@ -1,0 +1,567 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CLinux
+import Synchronization
+
+/// Limits of a varlink server.
+public struct VarlinkServerConfiguration: Sendable {
+    /// Largest message accepted; a longer one closes its connection.
+    public var maximumMessageSize: Int
+    /// Connections served at once; beyond it a new connection is accepted and closed at once.
+    public var maximumConnections: Int
+    /// Replies queued for a client that does not read; past it the server stops reading that
+    /// client's calls (and drops a stream whose events keep coming).
+    public var maximumPendingOutput: Int
+    /// An error sent before closing a connection over a malformed or oversized message, when no
+    /// call of that connection is in progress (`nil`: close without a word). It carries
+    /// `reason`.
+    public var protocolErrorName: String?
+
+    public init(maximumMessageSize: Int = 1 << 20, maximumConnections: Int = 4096, maximumPendingOutput: Int = 4 << 20,
+                protocolErrorName: String? = nil) {
+        self.maximumMessageSize = maximumMessageSize
+        self.maximumConnections = maximumConnections
+        self.maximumPendingOutput = maximumPendingOutput
+        self.protocolErrorName = protocolErrorName
+    }
+}
+
+/// Something the server wants the operator to know (refusals, protocol errors). Holds no
+/// message content.
+public enum VarlinkServerEvent: Sendable {
+    case connectionLimit(PeerCredentials?)
+    case protocolError(PeerCredentials, String)
+}
+
+/// A varlink service on one listening socket.
+///
+/// One epoll loop on its own thread accepts, reads, parses and answers. Calls the handler
+/// answers at once are answered inline; the others run in a task that posts its replies back
+/// to the loop. Each connection handles one call at a time, so replies leave in call order;
+/// pipelined calls wait in the connection's bounded input buffer. A client that closes its
+/// connection cancels only its own task.
+public final class VarlinkServer: Sendable {
+    private let listenFD: Int32
+    private let epollFD: Int32
+    private let wakeFD: Int32
+    private let configuration: VarlinkServerConfiguration
+    private let info: VarlinkServiceInfo
+    private let interfaces: [VarlinkInterface]
+    private let handler: any VarlinkHandler
+    private let onEvent: @Sendable (VarlinkServerEvent) -> Void
+
+    /// Work posted to the loop by tasks and by `stop()`.
+    private let inbox = Mutex<Inbox>(Inbox())
+    /// Calls in progress (async ones) — for draining at shutdown.
+    private let busyCalls = Atomic<Int>(0)
+    private let openConnections = Atomic<Int>(0)
+    private let stopped = Mutex<[CheckedContinuation<Void, Never>]?>([])
+
+    private struct Inbox {
+        var completions: [Completion] = []
+        var stopAccepting = false
+        var stop = false
+    }
+
+    fileprivate struct Completion {
+        var connection: UInt64
+        var call: UInt64
+        /// A reply to send, or `nil` when the call's task has returned.
+        var reply: VarlinkReply?
+    }
+
+    private static let listenerToken: UInt64 = 0
+    private static let wakeToken: UInt64 = 1
+
+    /// Serves on `listenFD`, an AF_UNIX stream socket that already listens (bound by the caller,
+    /// or passed by systemd). The server owns it from now on and makes it non-blocking.
+    public init(listening listenFD: Int32, info: VarlinkServiceInfo, interfaces: [VarlinkInterface],
+                handler: any VarlinkHandler, configuration: VarlinkServerConfiguration = VarlinkServerConfiguration(),
+                onEvent: @escaping @Sendable (VarlinkServerEvent) -> Void = { _ in }) throws(SocketError) {
+        try UnixSocket.setNonBlocking(listenFD)
+        let epollFD = epoll_create1(Int32(EPOLL_CLOEXEC))
+        guard epollFD >= 0 else { throw SocketError("epoll_create1") }
+        let wakeFD = eventfd(0, Int32(EFD_NONBLOCK | EFD_CLOEXEC))
+        guard wakeFD >= 0 else {
+            close(epollFD)
+            throw SocketError("eventfd")
+        }
+        self.listenFD = listenFD
+        self.epollFD = epollFD
+        self.wakeFD = wakeFD
+        self.configuration = configuration
+        self.info = info
+        self.interfaces = interfaces
+        self.handler = handler
+        self.onEvent = onEvent
+        var event = epoll_event()
+        tb_epoll_event_set(&event, EPOLLIN.rawValue, Self.listenerToken)
+        epoll_ctl(epollFD, EPOLL_CTL_ADD, listenFD, &event)
+        tb_epoll_event_set(&event, EPOLLIN.rawValue, Self.wakeToken)
+        epoll_ctl(epollFD, EPOLL_CTL_ADD, wakeFD, &event)
+    }
+
+    /// Starts the loop on its own thread.
+    public func start() {
+        spawnThread { [self] in
+            var loop = Loop(server: self)
+            loop.run()
+        }
+    }
+
+    /// Stops accepting new connections; existing ones are still served.
+    public func stopAccepting() {
+        inbox.withLock { $0.stopAccepting = true }
+        wake()
+    }
+
+    /// Closes every connection (cancelling their tasks) and ends the loop; returns when it has.
+    public func stop() async {
+        await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
+            let alreadyStopped = stopped.withLock { waiters -> Bool in
+                guard waiters != nil else { return true }
+                waiters!.append(continuation)
+                return false
+            }
+            if alreadyStopped {
+                continuation.resume()
+                return
+            }
+            inbox.withLock { $0.stop = true }
+            wake()
+        }
+    }
+
+    /// Calls whose task has not returned yet.
+    public var callsInProgress: Int { busyCalls.load(ordering: .relaxed) }
+
+    /// Connections open now.
+    public var connectionCount: Int { openConnections.load(ordering: .relaxed) }
+
+    private func wake() {
+        var one: UInt64 = 1
+        _ = write(wakeFD, &one, 8)
+    }
+
+    fileprivate func post(_ completion: Completion) {
+        inbox.withLock { $0.completions.append(completion) }
+        wake()
+    }
+
+    // MARK: - The loop (its state lives on the loop thread only)
+
+    private final class Connection {
+        let id: UInt64
+        let fd: Int32
+        let peer: PeerCredentials
+        var decoder: FrameDecoder
+        var output: [UInt8] = []
+        var outputStart = 0
+        /// Events registered with epoll.
+        var interest: UInt32 = EPOLLIN.rawValue
+        /// The client has shut down its side; finish what is pending, then close.
+        var inputClosed = false
+        /// Close once the output is flushed.
+        var closeAfterFlush = false
+        var current: Call?
+        var nextCall: UInt64 = 0
+
+        struct Call {
+            var id: UInt64
+            var method: String
+            var oneway: Bool
+            var more: Bool
+            var task: Task<Void, Never>
+            var finalSent = false
+        }
+
+        init(id: UInt64, fd: Int32, peer: PeerCredentials, maximumMessageSize: Int) {
+            self.id = id
+            self.fd = fd
+            self.peer = peer
+            decoder = FrameDecoder(maximumSize: maximumMessageSize)
+        }
+
+        var pendingOutput: Int { output.count - outputStart }
+    }
+
+    private struct Loop {
+        let server: VarlinkServer
+        var connections: [UInt64: Connection] = [:]
+        var nextID: UInt64 = 2
+        var accepting = true
+        var readBuffer = [UInt8](repeating: 0, count: 65_536)
+
+        init(server: VarlinkServer) { self.server = server }
+
+        mutating func run() {
+            var events = [epoll_event](repeating: epoll_event(), count: 256)
+            while true {
+                let count = epoll_wait(server.epollFD, &events, Int32(events.count), -1)
+                if count < 0 {
+                    if errno == EINTR { continue }
+                    break
+                }
+                for index in 0..<Int(count) {
+                    let token = tb_epoll_event_data(&events[index])
+                    let flags = tb_epoll_event_events(&events[index])
+                    switch token {
+                    case VarlinkServer.listenerToken: acceptAll()
+                    case VarlinkServer.wakeToken:
+                        var value: UInt64 = 0
+                        _ = read(server.wakeFD, &value, 8)
+                        if drainInbox() { return shutdown() }
+                    default:
+                        guard let connection = connections[token] else { continue }
+                        service(connection, flags: flags)
+                    }
+                }
+            }
+            shutdown()
+        }
+
+        private mutating func shutdown() {
+            for connection in Array(connections.values) { closeConnection(connection) }
+            if accepting { stopListening() }
+            close(server.epollFD)
+            close(server.wakeFD)
+            let waiters = server.stopped.withLock { waiters in
+                defer { waiters = nil }
+                return waiters ?? []
+            }
+            for waiter in waiters { waiter.resume() }
+        }
+
+        private mutating func stopListening() {
+            accepting = false
+            epoll_ctl(server.epollFD, EPOLL_CTL_DEL, server.listenFD, nil)
+            close(server.listenFD)
+        }
+
+        /// Returns true when the loop must end.
+        private mutating func drainInbox() -> Bool {
+            let (completions, stopAccepting, stop) = server.inbox.withLock { inbox in
+                defer { inbox.completions.removeAll(keepingCapacity: true) }
+                return (inbox.completions, inbox.stopAccepting, inbox.stop)
+            }
+            if stop { return true }
+            if stopAccepting && accepting { stopListening() }
+            for completion in completions {
+                guard let connection = connections[completion.connection],
+                      var call = connection.current, call.id == completion.call else { continue }
+                if let reply = completion.reply {
+                    // Only `more` calls may have several replies; nothing after the final one.
+                    guard !call.finalSent else { continue }
+                    var reply = reply
+                    if !call.more || reply.error != nil { reply.continues = false }
+                    if !reply.continues { call.finalSent = true }
+                    connection.current = call
+                    if !call.oneway { reply.encode(into: &connection.output) }
+                    if connection.pendingOutput > server.configuration.maximumPendingOutput * 2 {
+                        // A stream nobody reads: drop the connection, not the server's memory.
+                        closeConnection(connection)
+                        continue
+                    }
+                } else {
+                    if !call.finalSent && !call.oneway {
+                        VarlinkReply.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)])
+                            .encode(into: &connection.output)
+                    }
+                    connection.current = nil
+                    server.busyCalls.subtract(1, ordering: .relaxed)
+                    processFrames(connection)
+                }
+                flush(connection)
+            }
+            return false
+        }
+
+        private mutating func acceptAll() {
+            while accepting {
+                let fd = tb_accept_nonblocking(server.listenFD)
+                if fd < 0 {
+                    if errno == EINTR || errno == ECONNABORTED { continue }
+                    return   // EAGAIN, or out of descriptors: try again on the next readiness
+                }
+                let peer = UnixSocket.peer(fd)
+                guard connections.count < server.configuration.maximumConnections, let peer else {
+                    server.onEvent(.connectionLimit(peer))
+                    close(fd)
+                    continue
+                }
+                let connection = Connection(id: nextID, fd: fd, peer: peer, maximumMessageSize: server.configuration.maximumMessageSize)
+                nextID += 1
+                var event = epoll_event()
+                tb_epoll_event_set(&event, EPOLLIN.rawValue | EPOLLRDHUP.rawValue, connection.id)
+                guard epoll_ctl(server.epollFD, EPOLL_CTL_ADD, fd, &event) == 0 else {
+                    close(fd)
+                    continue
+                }
+                connection.interest = EPOLLIN.rawValue
+                connections[connection.id] = connection
+                server.openConnections.add(1, ordering: .relaxed)
+            }
+        }
+
+        private mutating func service(_ connection: Connection, flags: UInt32) {
+            if flags & (EPOLLERR.rawValue | EPOLLHUP.rawValue) != 0 {
+                // The client is gone. Calls it managed to send are still dispatched (a
+                // oneway call, say), then the connection closes and its task is cancelled.
+                if flags & EPOLLIN.rawValue != 0 && wantsInput(connection) {
+                    readAvailable(connection)
+                    processFrames(connection)
+                }
+                closeConnection(connection)
+                return
+            }
+            if flags & EPOLLOUT.rawValue != 0 {
+                flush(connection)
+                guard connections[connection.id] != nil else { return }
+            }
+            if flags & (EPOLLIN.rawValue | EPOLLRDHUP.rawValue) != 0 && wantsInput(connection) {
+                readAvailable(connection)
+                guard connections[connection.id] != nil else { return }
+                processFrames(connection)
+                flush(connection)
+            }
+        }
+
+        private func wantsInput(_ connection: Connection) -> Bool {
+            guard !connection.inputClosed, !connection.closeAfterFlush else { return false }
+            guard connection.pendingOutput <= server.configuration.maximumPendingOutput else { return false }
+            // While a call is in progress, buffer at most one more message's worth of input.
+            return connection.current == nil || connection.decoder.pendingCount <= server.configuration.maximumMessageSize
+        }
+
+        private mutating func readAvailable(_ connection: Connection) {
+            while true {
+                let n = readBuffer.withUnsafeMutableBytes { read(connection.fd, $0.baseAddress, $0.count) }
+                if n > 0 {
+                    readBuffer.withUnsafeBytes { connection.decoder.append(UnsafeRawBufferPointer(rebasing: $0[0..<n])) }
+                    if n < readBuffer.count { return }
+                    if connection.current != nil && connection.decoder.pendingCount > server.configuration.maximumMessageSize { return }
+                    continue
+                }
+                if n == 0 {
+                    connection.inputClosed = true
+                    return
+                }
+                if errno == EINTR { continue }
+                if errno != EAGAIN && errno != EWOULDBLOCK { connection.inputClosed = true }
+                return
+            }
+        }
+
+        /// Handles buffered calls until one goes async, the input runs dry, or the
+        /// connection ends.
+        private mutating func processFrames(_ connection: Connection) {
+            while connection.current == nil && !connection.closeAfterFlush
+                    && connection.pendingOutput <= server.configuration.maximumPendingOutput {
+                let frame: ArraySlice<UInt8>
+                do {
+                    guard let next = try connection.decoder.next() else { break }
+                    frame = next
+                } catch {
+                    protocolError(connection, "message larger than \(server.configuration.maximumMessageSize) bytes")
+                    return
+                }
+                let call: VarlinkCall
+                do {
+                    call = try VarlinkCall.decode(frame)
+                } catch {
+                    protocolError(connection, error.reason)
+                    return
+                }
+                dispatch(call, on: connection)
+            }
+            if connection.inputClosed && connection.current == nil && !connection.closeAfterFlush {
+                connection.closeAfterFlush = true
+            }
+        }
+
+        private mutating func protocolError(_ connection: Connection, _ reason: String) {
+            server.onEvent(.protocolError(connection.peer, reason))
+            if let name = server.configuration.protocolErrorName {
+                VarlinkReply.error(name, ["reason": .string(reason)]).encode(into: &connection.output)
+            }
+            connection.closeAfterFlush = true
+        }
+
+        private mutating func dispatch(_ call: VarlinkCall, on connection: Connection) {
+            let handling: VarlinkHandling
+            if call.interface == "org.varlink.service" {
+                handling = .reply(server.serviceReply(call))
+            } else if let interface = server.interfaces.first(where: { $0.name == call.interface }) {
+                if !interface.methods.contains(call.member) {
+                    handling = .reply(.error(VarlinkServiceError.methodNotFound, ["method": .string(call.method)]))
+                } else if call.upgrade {
+                    handling = .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
+                } else {
+                    handling = server.handler.handle(call, from: connection.peer)
+                }
+            } else {
+                handling = .reply(.error(VarlinkServiceError.interfaceNotFound, ["interface": .string(call.interface)]))
+            }
+            switch handling {
+            case var .reply(reply):
+                guard !call.oneway else { return }
+                if !call.more { reply.continues = false }
+                reply.encode(into: &connection.output)
+            case let .async(body):
+                connection.nextCall += 1
+                let sink = VarlinkReplySink(server: server, connection: connection.id, call: connection.nextCall)
+                server.busyCalls.add(1, ordering: .relaxed)
+                let task = Task {
+                    await body(sink)
+                    sink.finish()
+                }
+                connection.current = Connection.Call(id: connection.nextCall, method: call.method, oneway: call.oneway,
+                                                     more: call.more, task: task)
+            }
+        }
+
+        private mutating func flush(_ connection: Connection) {
+            while connection.pendingOutput > 0 {
+                let n = connection.output.withUnsafeBytes { bytes in
+                    send(connection.fd, bytes.baseAddress! + connection.outputStart, connection.pendingOutput, Int32(MSG_NOSIGNAL))
+                }
+                if n > 0 {
+                    connection.outputStart += n
+                    continue
+                }
+                if n < 0 && errno == EINTR { continue }
+                if n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) { break }
+                closeConnection(connection)
+                return
+            }
+            if connection.pendingOutput == 0 {
+                connection.output.removeAll(keepingCapacity: connection.output.capacity <= 65_536)
+                connection.outputStart = 0
+                if connection.closeAfterFlush {
+                    closeConnection(connection)
+                    return
+                }
+            } else if connection.outputStart > 65_536 {
+                connection.output.removeSubrange(0..<connection.outputStart)
+                connection.outputStart = 0
+            }
+            updateInterest(connection)
+        }
+
+        private func updateInterest(_ connection: Connection) {
+            var wanted: UInt32 = 0
+            if wantsInput(connection) { wanted |= EPOLLIN.rawValue | EPOLLRDHUP.rawValue }
+            if connection.pendingOutput > 0 { wanted |= EPOLLOUT.rawValue }
+            guard wanted != connection.interest else { return }
+            var event = epoll_event()
+            tb_epoll_event_set(&event, wanted, connection.id)
+            epoll_ctl(server.epollFD, EPOLL_CTL_MOD, connection.fd, &event)
+            connection.interest = wanted
+        }
+
+        private mutating func closeConnection(_ connection: Connection) {
+            guard connections.removeValue(forKey: connection.id) != nil else { return }
+            if let call = connection.current {
+                call.task.cancel()
+                server.busyCalls.subtract(1, ordering: .relaxed)
+            }
+            epoll_ctl(server.epollFD, EPOLL_CTL_DEL, connection.fd, nil)
+            close(connection.fd)
+            server.openConnections.subtract(1, ordering: .relaxed)
+        }
+    }
+
+    // MARK: - org.varlink.service
+
+    private func serviceReply(_ call: VarlinkCall) -> VarlinkReply {
+        let parameters = Parameters(call.parameters)
+        switch call.member {
+        case "GetInfo":
+            do { try parameters.only([]) } catch { return error.reply }
+            let names = ["org.varlink.service"] + interfaces.map(\.name)
+            return VarlinkReply(parameters: [
+                "vendor": .string(info.vendor), "product": .string(info.product), "version": .string(info.version),
+                "url": .string(info.url), "interfaces": .array(names.map(JSON.string)),
+            ])
+        case "GetInterfaceDescription":
+            let name: String
+            do {
+                try parameters.only(["interface"])
+                name = try parameters.string("interface")
+            } catch {
+                return error.reply
+            }
+            if name == "org.varlink.service" { return VarlinkReply(parameters: ["description": .string(Self.serviceDescription)]) }
+            guard let interface = interfaces.first(where: { $0.name == name }) else {
+                return .error(VarlinkServiceError.interfaceNotFound, ["interface": .string(name)])
+            }
+            return VarlinkReply(parameters: ["description": .string(interface.description)])
+        default:
+            return .error(VarlinkServiceError.methodNotFound, ["method": .string(call.method)])
+        }
+    }
+
+    /// The standard interface every varlink service implements.
+    public static let serviceDescription = """
+        # The Varlink Service Interface is provided by every varlink service. It
+        # describes the service and the interfaces it implements.
+        interface org.varlink.service
+
+        # Get a list of all the interfaces a service provides and information
+        # about the implementation.
+        method GetInfo() -> (
+          vendor: string,
+          product: string,
+          version: string,
+          url: string,
+          interfaces: []string
+        )
+
+        # Get the description of an interface that is implemented by this service.
+        method GetInterfaceDescription(interface: string) -> (description: string)
+
+        # The requested interface was not found.
+        error InterfaceNotFound (interface: string)
+
+        # The requested method was not found
+        error MethodNotFound (method: string)
+
+        # The interface defines the requested method, but the service does not
+        # implement it.
+        error MethodNotImplemented (method: string)
+
+        # One of the passed parameters is invalid.
+        error InvalidParameter (parameter: string)
+
+        # Client is denied access
+        error PermissionDenied ()
+
+        # Method is expected to be called with 'more' set to true, but wasn't
+        error ExpectedMore ()
+
+        """
+}
+
+/// Where an async call sends its replies. Safe to use from any task; replies after the call
+/// has ended, or for a connection that has closed, are dropped.
+public final class VarlinkReplySink: Sendable {
+    private let server: VarlinkServer
+    private let connection: UInt64
+    private let call: UInt64
+
+    fileprivate init(server: VarlinkServer, connection: UInt64, call: UInt64) {
+        self.server = server
+        self.connection = connection
+        self.call = call
+    }
+
+    /// Sends a reply; for a `more` call, set `continues` on all but the last.
+    public func send(_ reply: VarlinkReply) {
+        server.post(.init(connection: connection, call: call, reply: reply))
+    }
+
+    fileprivate func finish() {
+        server.post(.init(connection: connection, call: call, reply: nil))
+    }
+}

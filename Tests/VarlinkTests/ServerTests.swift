@@ -1,0 +1,275 @@
+import Foundation
+import Synchronization
+import Testing
+import Varlink
+
+/// A varlink service for exercising the server: `Echo` answers inline, `Slow` parks until the
+/// test releases it, `Stream` sends `count` replies.
+final class TestHandler: VarlinkHandler {
+    static let interface = VarlinkInterface(description: """
+        # A test interface.
+        interface io.example.Test
+
+        # Returns its argument.
+        method Echo(text: string) -> (text: string)
+
+        # Returns its argument once the test releases it.
+        method Slow(id: int) -> (id: int)
+
+        # Sends `count` replies (call with more).
+        method Stream(count: int) -> (n: int)
+
+        # Declared but not handled by the test handler.
+        method Unhandled() -> ()
+
+        """)
+
+    private struct State {
+        var parked: [Int64: CheckedContinuation<Void, Never>] = [:]
+        var cancelled: Set<Int64> = []
+    }
+
+    private let state = Mutex(State())
+
+    func handle(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
+        let parameters = Parameters(call.parameters)
+        switch call.member {
+        case "Echo":
+            do {
+                try parameters.only(["text"])
+                return .reply(VarlinkReply(parameters: ["text": .string(try parameters.string("text"))]))
+            } catch {
+                return .reply(error.reply)
+            }
+        case "Slow":
+            guard let id = try? parameters.int("id") else { return .reply(.invalidParameter("id")) }
+            return .async { [self] sink in
+                await withTaskCancellationHandler {
+                    await withCheckedContinuation { continuation in
+                        state.withLock { $0.parked[id] = continuation }
+                    }
+                } onCancel: {
+                    let continuation = state.withLock { state in
+                        state.cancelled.insert(id)
+                        return state.parked.removeValue(forKey: id)
+                    }
+                    continuation?.resume()
+                }
+                if !Task.isCancelled { sink.send(VarlinkReply(parameters: ["id": .int(id)])) }
+            }
+        case "Stream":
+            guard let count = try? parameters.int("count") else { return .reply(.invalidParameter("count")) }
+            return .async { sink in
+                for n in 1...max(count, 1) {
+                    sink.send(VarlinkReply(parameters: ["n": .int(n)], continues: n < count))
+                }
+            }
+        default:
+            return .async { _ in }
+        }
+    }
+
+    func isParked(_ id: Int64) -> Bool { state.withLock { $0.parked[id] != nil } }
+    func wasCancelled(_ id: Int64) -> Bool { state.withLock { $0.cancelled.contains(id) } }
+
+    func release(_ id: Int64) {
+        state.withLock { $0.parked.removeValue(forKey: id) }?.resume()
+    }
+}
+
+/// A server on a temporary socket.
+final class TestServer: Sendable {
+    let directory: String
+    let address: VarlinkAddress
+    let handler = TestHandler()
+    let server: VarlinkServer
+
+    init(configuration: VarlinkServerConfiguration = VarlinkServerConfiguration(protocolErrorName: "io.example.Test.ProtocolError")) throws {
+        directory = try FileManager.default.url(for: .itemReplacementDirectory, in: .userDomainMask,
+                                                 appropriateFor: URL(fileURLWithPath: NSTemporaryDirectory()), create: true).path
+        address = VarlinkAddress(path: directory + "/test.sock")
+        let fd = try UnixSocket.listen(path: address.path)
+        server = try VarlinkServer(listening: fd, info: VarlinkServiceInfo(vendor: "tokenbroker", product: "test", version: "1", url: "https://example.invalid"),
+                                   interfaces: [TestHandler.interface], handler: handler, configuration: configuration)
+        server.start()
+    }
+
+    func client(timeout: Double = 10) throws -> VarlinkClient { try VarlinkClient(address: address, timeout: timeout) }
+
+    func stop() async {
+        await server.stop()
+        try? FileManager.default.removeItem(atPath: directory)
+    }
+}
+
+/// Waits (polling with yields) for a condition under a deadline.
+func eventually(_ what: String, timeout: Double = 20, _ condition: () -> Bool) async throws {
+    let deadline = ContinuousClock.now + .seconds(timeout)
+    while !condition() {
+        guard ContinuousClock.now < deadline else {
+            Issue.record("timed out waiting for \(what)")
+            throw CancellationError()
+        }
+        await Task.yield()
+    }
+}
+
+/// Whether a reply (or EOF) is readable on the client's socket within `milliseconds`.
+func readable(_ client: VarlinkClient, milliseconds: Int32 = 0) -> Bool {
+    var pfd = pollfd(fd: client.fileDescriptor, events: Int16(POLLIN), revents: 0)
+    return poll(&pfd, 1, milliseconds) > 0
+}
+
+@Suite("VarlinkServer", .serialized)
+struct ServerTests {
+    @Test("org.varlink.service: GetInfo, GetInterfaceDescription byte for byte, standard errors")
+    func service() async throws {
+        let fixture = try TestServer()
+        defer { Task { await fixture.stop() } }
+        let client = try fixture.client()
+        let info = try client.call("org.varlink.service.GetInfo")
+        #expect(info.parameters["interfaces"] == ["org.varlink.service", "io.example.Test"])
+        #expect(info.parameters["vendor"] == "tokenbroker" && info.parameters["url"] == "https://example.invalid")
+        let description = try client.call("org.varlink.service.GetInterfaceDescription", ["interface": "io.example.Test"])
+        #expect(description.parameters["description"]?.stringValue == TestHandler.interface.description)
+        let service = try client.call("org.varlink.service.GetInterfaceDescription", ["interface": "org.varlink.service"])
+        #expect(service.parameters["description"]?.stringValue == VarlinkServer.serviceDescription)
+
+        #expect(try client.call("org.varlink.service.GetInterfaceDescription", ["interface": "io.nope.X"])
+                == .error("org.varlink.service.InterfaceNotFound", ["interface": "io.nope.X"]))
+        #expect(try client.call("org.varlink.service.GetInterfaceDescription", ["interface": 1]) == .invalidParameter("interface"))
+        #expect(try client.call("org.varlink.service.GetInfo", ["x": 1]) == .invalidParameter("x"))
+        #expect(try client.call("io.nope.X.Y") == .error("org.varlink.service.InterfaceNotFound", ["interface": "io.nope.X"]))
+        #expect(try client.call("io.example.Test.Nope") == .error("org.varlink.service.MethodNotFound", ["method": "io.example.Test.Nope"]))
+        #expect(try client.call("io.example.Test.Echo", ["text": 5]) == .invalidParameter("text"))
+        #expect(try client.call("io.example.Test.Echo", ["text": "hi", "extra": true]) == .invalidParameter("extra"))
+        #expect(try client.call("io.example.Test.Unhandled") == .error("org.varlink.service.MethodNotImplemented", ["method": "io.example.Test.Unhandled"]))
+        #expect(try client.call("io.example.Test.Echo", ["text": "hi"]).parameters["text"] == "hi")
+    }
+
+    @Test("pipelined calls are answered strictly in call order, one at a time")
+    func pipelining() async throws {
+        let fixture = try TestServer()
+        defer { Task { await fixture.stop() } }
+        let client = try fixture.client()
+        let calls = [VarlinkCall(method: "io.example.Test.Slow", parameters: ["id": 1]),
+                     VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": "second"]),
+                     VarlinkCall(method: "io.example.Test.Slow", parameters: ["id": 2]),
+                     VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": "fourth"])]
+        try client.send(calls.flatMap { $0.encoded() })
+        try await eventually("Slow 1 parked") { fixture.handler.isParked(1) }
+        #expect(!readable(client, milliseconds: 50))
+        #expect(!fixture.handler.isParked(2))
+        fixture.handler.release(1)
+        #expect(try client.nextReply().parameters["id"] == 1)
+        #expect(try client.nextReply().parameters["text"] == "second")
+        try await eventually("Slow 2 parked") { fixture.handler.isParked(2) }
+        #expect(!readable(client, milliseconds: 50))
+        fixture.handler.release(2)
+        #expect(try client.nextReply().parameters["id"] == 2)
+        #expect(try client.nextReply().parameters["text"] == "fourth")
+    }
+
+    @Test("more streams: continues on all but the last; without more a single plain reply")
+    func streams() async throws {
+        let fixture = try TestServer()
+        defer { Task { await fixture.stop() } }
+        let client = try fixture.client()
+        var replies = [try client.call("io.example.Test.Stream", ["count": 3], more: true)]
+        while replies.last?.continues == true { replies.append(try client.nextReply()) }
+        #expect(replies.map { $0.parameters["n"] } == [1, 2, 3])
+        #expect(replies.map(\.continues) == [true, true, false])
+        let single = try client.call("io.example.Test.Stream", ["count": 3])
+        #expect(single.parameters["n"] == 1 && !single.continues)
+        #expect(try client.call("io.example.Test.Echo", ["text": "after"]).parameters["text"] == "after")
+    }
+
+    @Test("oneway calls get no reply")
+    func oneway() async throws {
+        let fixture = try TestServer()
+        defer { Task { await fixture.stop() } }
+        let client = try fixture.client()
+        try client.call(VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": "quiet"], oneway: true))
+        try client.call(VarlinkCall(method: "io.example.Test.Nope", oneway: true))
+        #expect(try client.call("io.example.Test.Echo", ["text": "loud"]).parameters["text"] == "loud")
+    }
+
+    @Test("malformed, oversized and invalid messages close only their own connection", arguments: [
+        Array(#"{"method":"io.example.Test.Echo""#.utf8) + [0],
+        Array("not json".utf8) + [0],
+        Array(#"{"method":"io.example.Test.Echo","bogus":1}"#.utf8) + [0],
+        Array(#"["method"]"#.utf8) + [0],
+        Array(repeating: UInt8(ascii: " "), count: 2048),
+    ])
+    func badInput(bytes: [UInt8]) async throws {
+        let fixture = try TestServer(configuration: VarlinkServerConfiguration(maximumMessageSize: 1024, protocolErrorName: "io.example.Test.ProtocolError"))
+        defer { Task { await fixture.stop() } }
+        let bystander = try fixture.client()
+        let offender = try fixture.client()
+        try offender.send(bytes)
+        let reply = try offender.nextReply()
+        #expect(reply.error == "io.example.Test.ProtocolError")
+        #expect(throws: VarlinkClientError.closed) { try offender.nextReply() }
+        #expect(try bystander.call("io.example.Test.Echo", ["text": "still here"]).parameters["text"] == "still here")
+        try await eventually("offender closed") { fixture.server.connectionCount == 1 }
+    }
+
+    @Test("a client that disconnects cancels only its own call")
+    func disconnectCancels() async throws {
+        let fixture = try TestServer()
+        defer { Task { await fixture.stop() } }
+        var leaver: VarlinkClient? = try fixture.client()
+        let stayer = try fixture.client()
+        try leaver!.send(VarlinkCall(method: "io.example.Test.Slow", parameters: ["id": 7]).encoded())
+        try stayer.send(VarlinkCall(method: "io.example.Test.Slow", parameters: ["id": 8]).encoded())
+        try await eventually("both parked") { fixture.handler.isParked(7) && fixture.handler.isParked(8) }
+        leaver = nil
+        try await eventually("7 cancelled") { fixture.handler.wasCancelled(7) }
+        #expect(!fixture.handler.wasCancelled(8))
+        fixture.handler.release(8)
+        #expect(try stayer.nextReply().parameters["id"] == 8)
+        #expect(fixture.server.callsInProgress == 0)
+    }
+
+    @Test("beyond the connection limit, new connections are closed at once; the others are served")
+    func connectionLimit() async throws {
+        let fixture = try TestServer(configuration: VarlinkServerConfiguration(maximumConnections: 3))
+        defer { Task { await fixture.stop() } }
+        let clients = try (0..<3).map { _ in try fixture.client() }
+        for client in clients { #expect(try client.call("io.example.Test.Echo", ["text": "x"]).parameters["text"] == "x") }
+        let refused = try fixture.client()
+        #expect(throws: VarlinkClientError.self) { try refused.call("io.example.Test.Echo", ["text": "x"]) }
+        #expect(try clients[0].call("io.example.Test.Echo", ["text": "y"]).parameters["text"] == "y")
+    }
+
+    @Test("a client that sends and never reads does not stop the others")
+    func neverReads() async throws {
+        let fixture = try TestServer(configuration: VarlinkServerConfiguration(maximumPendingOutput: 64 << 10))
+        defer { Task { await fixture.stop() } }
+        let flooder = try fixture.client(timeout: 0.5)
+        let call = VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": .string(String(repeating: "z", count: 1000))]).encoded()
+        let batch = Array(repeating: call, count: 100).flatMap { $0 }
+        // Keep sending until the kernel buffers are full: the server has stopped reading.
+        var sent = 0
+        while sent < 20_000, (try? flooder.send(batch)) != nil { sent += 100 }
+        #expect(sent < 20_000, "the server never pushed back")
+        let other = try fixture.client()
+        #expect(try other.call("io.example.Test.Echo", ["text": "served"]).parameters["text"] == "served")
+    }
+
+    @Test("thousands of idle connections; everyone still served")
+    func manyIdle() async throws {
+        var limit = rlimit()
+        getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
+        limit.rlim_cur = limit.rlim_max
+        setrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
+        let count = min(2000, Int(limit.rlim_cur / 2) - 100)
+        let fixture = try TestServer()
+        defer { Task { await fixture.stop() } }
+        let idle = try (0..<count).map { _ in try fixture.client() }
+        try await eventually("\(count) accepted") { fixture.server.connectionCount == count }
+        let active = try fixture.client()
+        #expect(try active.call("io.example.Test.Echo", ["text": "hello"]).parameters["text"] == "hello")
+        #expect(try idle[count / 2].call("io.example.Test.Echo", ["text": "me too"]).parameters["text"] == "me too")
+    }
+}
