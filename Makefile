@@ -5,8 +5,12 @@
 
 SWIFT       ?= swift
 SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
-# C libraries the package links (or will link) through system-library targets.
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev
+# C libraries the package links (or will link) through system-library targets, and the
+# independent varlink implementation the conformance tests run against (Go).
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev varlink-go python3-venv
+# The Python varlink implementation, for the conformance tests and the IDL check.
+VENV = .build/tools/venv
+PY_VARLINK = varlink==31.0.0
 
 .PHONY: all deps build release run test clean
 
@@ -24,6 +28,9 @@ deps:
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+	@[ -x $(VENV)/bin/python ] && $(VENV)/bin/python -c "import varlink" 2>/dev/null || { \
+	  echo "make deps: creating $(VENV) with $(PY_VARLINK)"; \
+	  python3 -m venv $(VENV) && $(VENV)/bin/pip install -q $(PY_VARLINK); }
 
 build: deps
 	$(SWIFT) build $(SWIFT_FLAGS)

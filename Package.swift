@@ -27,11 +27,14 @@ var package = Package(
         .target(name: "Varlink", dependencies: ["CLinux"]),
         // The command line: `tokenbroker --help`, `--version`; later `serve` and `ctl …`.
         .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerCore"]),
+        // org.varlink.certification served and called on our varlink layer, for conformance tests
+        // against independent implementations (Go, Python).
+        .executableTarget(name: "varlink-certification", dependencies: ["Varlink"]),
 
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
-        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker"]),
+        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification"]),
     ],
     swiftLanguageModes: [.v6]
 )
