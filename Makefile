@@ -1,6 +1,6 @@
 # tokenbroker — build, run and test on Debian 12 with the Swift toolchain on PATH.
 #
-#   make run    installs what is missing, builds, and runs tokenbroker (for now: its help)
+#   make run    installs what is missing, builds, and runs the daemon (development configuration)
 #   make test   installs what is missing, builds with warnings as errors, runs every test
 
 SWIFT       ?= swift
@@ -38,9 +38,13 @@ build: deps
 release: deps
 	$(SWIFT) build -c release $(SWIFT_FLAGS)
 
-# The daemon does not exist yet; until `serve` lands this shows what the binary offers.
+# Runs the daemon in the foreground with the development configuration (one session, `demo`,
+# whose tokens are minted locally). In another shell:
+#   .build/debug/tokenbroker ctl --socket $(RUN_SOCKET) token demo
+RUN_CONFIG ?= $(CURDIR)/config/dev.conf
+RUN_SOCKET ?= $(CURDIR)/.build/run/tokenbroker.sock
 run: build
-	$$($(SWIFT) build --show-bin-path)/tokenbroker --help
+	$$($(SWIFT) build --show-bin-path)/tokenbroker serve --config $(RUN_CONFIG) --socket $(RUN_SOCKET)
 
 # Race tests repeat TB_RACE_ITERATIONS times each (default 500).
 test: deps

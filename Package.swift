@@ -25,14 +25,18 @@ var package = Package(
         // The varlink protocol: JSON, NUL framing, calls and replies, org.varlink.service, an epoll
         // server and a blocking client. Knows nothing of tokens.
         .target(name: "Varlink", dependencies: ["CLinux"]),
-        // The command line: `tokenbroker --help`, `--version`; later `serve` and `ctl …`.
-        .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerCore"]),
+        // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
+        .target(name: "TokenBrokerDaemon", dependencies: ["TokenBrokerCore", "Varlink"],
+                resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
+        // The command line: argv in, exit code out.
+        .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerDaemon"]),
         // org.varlink.certification served and called on our varlink layer, for conformance tests
         // against independent implementations (Go, Python).
         .executableTarget(name: "varlink-certification", dependencies: ["Varlink"]),
 
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink"]),
+        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification"]),
     ],

@@ -110,5 +110,6 @@ public struct Parameters {
 /// A parameter is missing, of the wrong type, or not declared.
 public struct ParameterError: Error, Sendable, Equatable {
     public var name: String
+    public init(name: String) { self.name = name }
     public var reply: VarlinkReply { .invalidParameter(name) }
 }

@@ -1,5 +1,6 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import TokenBrokerDaemon
 
-exit(CommandLineTool.run(Array(CommandLine.arguments.dropFirst())))
+exit(await TokenBrokerCommand.run(Array(CommandLine.arguments.dropFirst())))

@@ -1,0 +1,250 @@
+import Synchronization
+import TokenBrokerCore
+import Varlink
+
+typealias Coordinator = RefreshCoordinator<ContinuousClock>
+
+/// The sessions the daemon serves, swapped as a whole on reload.
+final class SessionTable: Sendable {
+    struct Session: Sendable {
+        let configuration: SessionConfiguration
+        let coordinator: Coordinator
+    }
+
+    struct Snapshot: Sendable {
+        var sessions: [String: Session] = [:]
+        /// Configuration order, for Status.
+        var order: [String] = []
+        var access: Access
+    }
+
+    private let state: Mutex<Snapshot>
+
+    init(access: Access) {
+        state = Mutex(Snapshot(access: access))
+    }
+
+    var snapshot: Snapshot { state.withLock { $0 } }
+
+    func replace(_ snapshot: Snapshot) {
+        state.withLock { $0 = snapshot }
+    }
+
+    /// The session and whether `peer` may use it.
+    func lookup(_ name: String, for peer: PeerCredentials) -> (Session, allowed: Bool)? {
+        state.withLock { state in
+            state.sessions[name].map { ($0, state.access.mayUse($0.configuration, peer)) }
+        }
+    }
+
+    func isAdmin(_ peer: PeerCredentials) -> Bool {
+        state.withLock { $0.access.isAdmin(peer) }
+    }
+}
+
+/// Serves `io.tokenbroker.Broker` on top of the session coordinators.
+///
+/// A `GetToken` for a token that is fresh is answered inline on the server's I/O thread from
+/// the coordinator's snapshot; everything else runs in a task. Errors are mapped to the
+/// contract's named errors in exactly one place, `reply(for:session:)`.
+final class BrokerService: VarlinkHandler {
+    let sessions: SessionTable
+    let logger: Logger
+    /// Re-reads the configuration; returns its error text when it could not be applied.
+    let reload: @Sendable () async -> String?
+
+    init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?) {
+        self.sessions = sessions
+        self.logger = logger
+        self.reload = reload
+    }
+
+    func handle(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
+        let parameters = Parameters(call.parameters)
+        do {
+            switch call.member {
+            case "GetToken":
+                try parameters.only(["session"])
+                let session = try use(try parameters.string("session"), peer, call)
+                if let token = session.coordinator.freshToken() { return .reply(Self.tokenReply(token)) }
+                return asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.token()) }
+            case "Recover":
+                try parameters.only(["session", "rejected"])
+                let session = try use(try parameters.string("session"), peer, call)
+                let rejected = Secret(try parameters.string("rejected"))
+                return asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.recover(rejected: rejected)) }
+            case "Watch":
+                try parameters.only(["session"])
+                let session = try use(try parameters.string("session"), peer, call)
+                guard call.more else { return .reply(.error(VarlinkServiceError.expectedMore)) }
+                return .async { sink in await Self.watch(session.coordinator, sink) }
+            case "Logout":
+                try parameters.only(["session"])
+                let session = try administer(try parameters.string("session"), peer, call)
+                logger.notice("logout of session \(session.configuration.name) by \(peer)")
+                return asyncReply(session.configuration.name) {
+                    try await session.coordinator.logout()
+                    return VarlinkReply()
+                }
+            case "Login":
+                try parameters.only(["session", "refreshToken"])
+                let session = try administer(try parameters.string("session"), peer, call)
+                let refreshToken = Secret(try parameters.string("refreshToken"))
+                guard !refreshToken.isEmpty else { throw ParameterError(name: "refreshToken") }
+                logger.notice("login of session \(session.configuration.name) by \(peer)")
+                return asyncReply(session.configuration.name) {
+                    let generation = try await session.coordinator.login(refreshToken: refreshToken)
+                    return VarlinkReply(parameters: ["generation": .int(Int64(generation))])
+                }
+            case "Status":
+                try parameters.only([])
+                let snapshot = sessions.snapshot
+                let visible = snapshot.order.compactMap { snapshot.sessions[$0] }
+                    .filter { snapshot.access.mayUse($0.configuration, peer) }
+                return .async { sink in
+                    var entries: [JSON] = []
+                    for session in visible { entries.append(Self.statusEntry(await session.coordinator.status())) }
+                    sink.send(VarlinkReply(parameters: ["sessions": .array(entries)]))
+                }
+            case "Reload":
+                try parameters.only([])
+                guard sessions.isAdmin(peer) else { throw Refusal.permissionDenied }
+                logger.notice("reload requested by \(peer)")
+                return .async { [reload] sink in
+                    if let problem = await reload() {
+                        sink.send(.error(BrokerInterface.Error.configurationError, ["reason": .string(problem)]))
+                    } else {
+                        sink.send(VarlinkReply())
+                    }
+                }
+            default:
+                return .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
+            }
+        } catch let error as ParameterError {
+            return .reply(error.reply)
+        } catch let refusal as Refusal {
+            if case .permissionDenied = refusal {
+                logger.warning("permission denied: \(call.method) by \(peer)")
+            }
+            return .reply(refusal.reply)
+        } catch {
+            return .reply(reply(for: error, session: ""))
+        }
+    }
+
+    /// A refusal decided before any session work starts.
+    private enum Refusal: Error {
+        case noSuchSession(String)
+        case permissionDenied
+
+        var reply: VarlinkReply {
+            switch self {
+            case let .noSuchSession(name): return .error(BrokerInterface.Error.noSuchSession, ["session": .string(name)])
+            case .permissionDenied: return .error(BrokerInterface.Error.permissionDenied)
+            }
+        }
+    }
+
+    private func use(_ name: String, _ peer: PeerCredentials, _ call: VarlinkCall) throws -> SessionTable.Session {
+        guard let (session, allowed) = sessions.lookup(name, for: peer) else { throw Refusal.noSuchSession(name) }
+        guard allowed else { throw Refusal.permissionDenied }
+        return session
+    }
+
+    private func administer(_ name: String, _ peer: PeerCredentials, _ call: VarlinkCall) throws -> SessionTable.Session {
+        guard sessions.isAdmin(peer) else { throw Refusal.permissionDenied }
+        guard let (session, _) = sessions.lookup(name, for: peer) else { throw Refusal.noSuchSession(name) }
+        return session
+    }
+
+    private func asyncReply(_ session: String, _ body: @escaping @Sendable () async throws -> VarlinkReply) -> VarlinkHandling {
+        .async { [self] sink in
+            do {
+                sink.send(try await body())
+            } catch is CancellationError {
+                // The client is gone; nobody to answer.
+            } catch {
+                sink.send(reply(for: error, session: session))
+            }
+        }
+    }
+
+    /// The one place where errors become wire errors. Anything unexpected is logged (by type,
+    /// never by content) and answered with `InternalError`.
+    func reply(for error: any Error, session: String) -> VarlinkReply {
+        let name: JSON = .string(session)
+        switch error {
+        case let error as SessionError:
+            switch error {
+            case .signedOut:
+                return .error(BrokerInterface.Error.signedOut, ["session": name])
+            case let .refreshFailed(reason, retryable, retryAfter):
+                var parameters: JSONObject = ["session": name, "reason": .string(reason), "retryable": .bool(retryable)]
+                if let retryAfter { parameters["retryAfter"] = .double(retryAfter.seconds) }
+                return .error(BrokerInterface.Error.refreshFailed, parameters)
+            case let .throttled(retryAfter):
+                return .error(BrokerInterface.Error.throttled, ["session": name, "retryAfter": .double(retryAfter.seconds)])
+            case let .storeFailed(reason):
+                return .error(BrokerInterface.Error.storeFailed, ["session": name, "reason": .string(reason)])
+            case .shuttingDown:
+                return .error(BrokerInterface.Error.shuttingDown)
+            }
+        case let error as ParameterError:
+            return error.reply
+        default:
+            logger.error("internal error in session \(session): \(type(of: error))")
+            return .error(BrokerInterface.Error.internalError)
+        }
+    }
+
+    static func tokenReply(_ token: IssuedToken) -> VarlinkReply {
+        var parameters: JSONObject = ["token": .string(token.token.reveal), "tokenType": .string(token.tokenType)]
+        if let expiresAt = token.expiresAt { parameters["expiresAt"] = .int(expiresAt) }
+        parameters["generation"] = .int(Int64(token.generation))
+        return VarlinkReply(parameters: parameters)
+    }
+
+    /// Watch: the current state at once, then every event; `signedOut` ends the stream.
+    static func watch(_ coordinator: Coordinator, _ sink: VarlinkReplySink) async {
+        let events = await coordinator.watch()
+        if await coordinator.status().state == .active && coordinator.freshToken() == nil {
+            // Active but without a usable token: fetch one, so the stream starts with it.
+            _ = try? await coordinator.token()
+        }
+        for await event in events {
+            switch event {
+            case let .token(token):
+                var parameters: JSONObject = ["event": "token", "generation": .int(Int64(token.generation))]
+                if let expiresAt = token.expiresAt { parameters["expiresAt"] = .int(expiresAt) }
+                parameters["token"] = .string(token.token.reveal)
+                parameters["tokenType"] = .string(token.tokenType)
+                parameters["tokenSerial"] = .int(Int64(token.serial))
+                sink.send(VarlinkReply(parameters: parameters, continues: true))
+            case let .signedOut(generation):
+                sink.send(VarlinkReply(parameters: ["event": "signedOut", "generation": .int(Int64(generation))]))
+                return
+            }
+        }
+        if !Task.isCancelled { sink.send(.error(BrokerInterface.Error.shuttingDown)) }
+    }
+
+    static func statusEntry(_ status: SessionStatus) -> JSON {
+        var entry: JSONObject = ["name": .string(status.name), "state": .string(status.state.rawValue),
+                                 "generation": .int(Int64(status.generation))]
+        if let serial = status.tokenSerial { entry["tokenSerial"] = .int(Int64(serial)) }
+        if let expiresAt = status.expiresAt { entry["expiresAt"] = .int(expiresAt) }
+        if let lastRefresh = status.lastRefresh { entry["lastRefresh"] = .int(lastRefresh) }
+        entry["refreshing"] = .bool(status.refreshing)
+        if let remaining = status.backoffRemaining { entry["backoffRemaining"] = .double(remaining.seconds) }
+        if let lastError = status.lastError { entry["lastError"] = .string(lastError) }
+        entry["degraded"] = .bool(status.degraded)
+        let counters = status.counters
+        entry["fetches"] = .int(Int64(counters.fetches))
+        entry["joinedWaiters"] = .int(Int64(counters.joinedWaiters))
+        entry["failures"] = .int(Int64(counters.failures))
+        entry["staleRejections"] = .int(Int64(counters.staleRejections))
+        entry["throttled"] = .int(Int64(counters.throttled))
+        entry["droppedResults"] = .int(Int64(counters.droppedResults))
+        return .object(entry)
+    }
+}

@@ -1,0 +1,64 @@
+import TokenBrokerCore
+
+/// The daemon's configuration: the `[Broker]` section and every `[Session]`.
+public struct BrokerConfiguration: Sendable, Equatable {
+    public static let defaultPath = "/etc/tokenbroker/tokenbroker.conf"
+    public static let defaultSocket = "/run/tokenbroker/io.tokenbroker.Broker"
+
+    /// Where the varlink socket is bound (`Socket=`; `--socket` overrides).
+    public var socketPath = defaultSocket
+    /// Mode of the socket file (`SocketMode=`).
+    public var socketMode: UInt32 = 0o660
+    /// Group owning the socket file (`SocketGroup=`); `nil` keeps the daemon's.
+    public var socketGroup: UInt32?
+    /// Members may call Login, Logout and Reload and see every session (`AdminGroup=`).
+    public var adminGroup: UInt32?
+    /// Connections served at once (`MaxConnections=`).
+    public var maxConnections = 4096
+    /// Largest varlink message accepted (`MaxMessageSize=`).
+    public var maxMessageSize = 1 << 20
+    public var sessions: [SessionConfiguration] = []
+    /// Unknown keys and other non-fatal findings, each at `file:line`.
+    public var warnings: [ConfigError] = []
+
+    public init() {}
+
+    public func session(named name: String) -> SessionConfiguration? {
+        sessions.first { $0.name == name }
+    }
+
+    public static func == (lhs: BrokerConfiguration, rhs: BrokerConfiguration) -> Bool {
+        lhs.socketPath == rhs.socketPath && lhs.socketMode == rhs.socketMode && lhs.socketGroup == rhs.socketGroup
+            && lhs.adminGroup == rhs.adminGroup && lhs.maxConnections == rhs.maxConnections
+            && lhs.maxMessageSize == rhs.maxMessageSize && lhs.sessions == rhs.sessions
+    }
+}
+
+/// One session: an account at an authorization server, and who may use it.
+public struct SessionConfiguration: Sendable, Equatable {
+    public enum Upstream: Sendable, Equatable {
+        /// Tokens minted inside the daemon, for development and tests only: no network.
+        case test(lifetime: Duration)
+    }
+
+    public var name: String
+    public var upstream: Upstream
+    /// Users (uids) who may use the session (`AllowUsers=`).
+    public var allowUsers: [UInt32]
+    /// Groups whose members may use it (`AllowGroups=`; supplementary groups count).
+    public var allowGroups: [UInt32]
+    public var policy: RefreshPolicy
+    /// Where the section was first written, for messages.
+    public var origin: String
+
+    public static func == (lhs: SessionConfiguration, rhs: SessionConfiguration) -> Bool {
+        lhs.name == rhs.name && lhs.upstream == rhs.upstream && lhs.allowUsers == rhs.allowUsers
+            && lhs.allowGroups == rhs.allowGroups && lhs.policy == rhs.policy
+    }
+
+    /// Whether the settings that shape the coordinator differ (a reload then rebuilds it);
+    /// access lists can change without touching tokens.
+    public func needsNewCoordinator(comparedTo other: SessionConfiguration) -> Bool {
+        upstream != other.upstream || policy != other.policy
+    }
+}

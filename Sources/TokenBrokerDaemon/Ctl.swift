@@ -1,0 +1,188 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Varlink
+
+/// `tokenbroker ctl …`: talks to the running broker over its socket.
+enum Ctl {
+    struct Failure: Error {
+        var code: Int32
+        var message: String
+    }
+
+    static func run(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
+        var socket = getenv("TOKENBROKER_SOCKET").map { String(cString: $0) } ?? BrokerConfiguration.defaultSocket
+        var words: [String] = []
+        var json = false
+        var index = 0
+        while index < arguments.count {
+            let argument = arguments[index]
+            switch argument {
+            case "-h", "--help":
+                output.write(words.first.flatMap(Help.ctlVerb) ?? Help.ctl)
+                return ExitCode.ok
+            case "--socket":
+                guard index + 1 < arguments.count else { return usage("--socket needs a path", &errors) }
+                socket = arguments[index + 1]
+                index += 1
+            case "--json":
+                json = true
+            default:
+                if argument.hasPrefix("--socket=") {
+                    socket = String(argument.dropFirst("--socket=".count))
+                } else if argument.hasPrefix("-") {
+                    return usage("unknown option '\(argument)'", &errors)
+                } else {
+                    words.append(argument)
+                }
+            }
+            index += 1
+        }
+        guard let verb = words.first else { return usage("missing verb", &errors) }
+        let operands = Array(words.dropFirst())
+        guard let address = VarlinkAddress(socket) else { return usage("invalid socket address '\(socket)'", &errors) }
+        do {
+            switch verb {
+            case "status":
+                guard operands.isEmpty else { return usage("status takes no operand", &errors) }
+                let reply = try call(address, "Status", [:])
+                output.write(json ? JSON.object(reply.parameters).text + "\n" : statusTable(reply.parameters["sessions"]?.arrayValue ?? []))
+            case "token":
+                guard operands.count == 1 else { return usage("token needs exactly one SESSION", &errors) }
+                let reply = try call(address, "GetToken", ["session": .string(operands[0])])
+                guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
+                output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
+            case "logout":
+                guard operands.count == 1 else { return usage("logout needs exactly one SESSION", &errors) }
+                _ = try call(address, "Logout", ["session": .string(operands[0])])
+                output.write("logged out \(operands[0])\n")
+            default:
+                return usage("unknown verb '\(verb)'", &errors)
+            }
+            return ExitCode.ok
+        } catch let failure as Failure {
+            errors.write("Error: \(failure.message)\n")
+            return failure.code
+        } catch {
+            errors.write("Error: \(error)\n")
+            return ExitCode.failure
+        }
+    }
+
+    private static func usage(_ message: String, _ errors: inout some TextOutput) -> Int32 {
+        errors.write("Error: \(message)\n\n" + Help.ctl)
+        return ExitCode.usage
+    }
+
+    /// One call to `io.tokenbroker.Broker`; errors become messages that say what to do next.
+    static func call(_ address: VarlinkAddress, _ method: String, _ parameters: JSONObject) throws(Failure) -> VarlinkReply {
+        let reply: VarlinkReply
+        do {
+            let client = try VarlinkClient(address: address, timeout: 60)
+            reply = try client.call(BrokerInterface.name + "." + method, parameters)
+        } catch {
+            switch error {
+            case let .unreachable(cause):
+                throw Failure(code: ExitCode.unavailable,
+                              message: "cannot reach the broker at \(address.path): \(cause) (is tokenbroker running? use --socket or TOKENBROKER_SOCKET)")
+            default:
+                throw Failure(code: ExitCode.unavailable, message: "the broker at \(address.path) did not answer: \(error)")
+            }
+        }
+        guard let error = reply.error else { return reply }
+        let session = reply.parameters["session"]?.stringValue ?? parameters["session"]?.stringValue ?? ""
+        switch error {
+        case BrokerInterface.Error.noSuchSession:
+            throw Failure(code: ExitCode.failure, message: "no session named '\(session)' (see `tokenbroker ctl status`)")
+        case BrokerInterface.Error.signedOut:
+            throw Failure(code: ExitCode.failure, message: "not logged in: run `tokenbroker ctl login \(session)`")
+        case BrokerInterface.Error.permissionDenied:
+            throw Failure(code: ExitCode.permission, message: "permission denied: this user may not call \(method)\(session.isEmpty ? "" : " on '\(session)'")")
+        case BrokerInterface.Error.refreshFailed:
+            let reason = reply.parameters["reason"]?.stringValue ?? "unknown"
+            let retryable = reply.parameters["retryable"]?.boolValue ?? false
+            var message = "refresh of '\(session)' failed: \(reason)"
+            if !retryable { message += "; the session has ended: run `tokenbroker ctl login \(session)`" }
+            if let after = reply.parameters["retryAfter"]?.doubleValue { message += "; retry in \(seconds(after))" }
+            throw Failure(code: ExitCode.failure, message: message)
+        case BrokerInterface.Error.throttled:
+            let after = reply.parameters["retryAfter"]?.doubleValue ?? 0
+            throw Failure(code: ExitCode.failure, message: "refresh limit reached for '\(session)': retry in \(seconds(after))")
+        case BrokerInterface.Error.configurationError:
+            throw Failure(code: ExitCode.config, message: "configuration error: \(reply.parameters["reason"]?.stringValue ?? "")")
+        default:
+            throw Failure(code: ExitCode.failure, message: "the broker answered \(error)")
+        }
+    }
+
+    static func seconds(_ value: Double) -> String {
+        value < 10 ? "\(Double(Int(value * 10)) / 10)s" : "\(Int(value.rounded()))s"
+    }
+
+    /// A human-readable duration: `42s`, `12m`, `3h05m`, `2d04h`.
+    static func span(_ seconds: Int64) -> String {
+        let s = max(seconds, 0)
+        if s < 60 { return "\(s)s" }
+        if s < 3600 { return "\(s / 60)m" }
+        if s < 86400 { return "\(s / 3600)h\(pad(s % 3600 / 60))m" }
+        return "\(s / 86400)d\(pad(s % 86400 / 3600))h"
+    }
+
+    private static func pad(_ n: Int64) -> String { n < 10 ? "0\(n)" : "\(n)" }
+
+    static func statusTable(_ sessions: [JSON]) -> String {
+        guard !sessions.isEmpty else { return "no sessions\n" }
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        let header = ["SESSION", "STATE", "GEN", "EXPIRES", "REFRESHED", "REFRESHES", "JOINED", "FAILURES", "STALE", "FLAGS"]
+        var rows = [header]
+        for case let .object(entry) in sessions {
+            func int(_ key: String) -> Int64? { entry[key]?.intValue }
+            var flags: [String] = []
+            if entry["refreshing"]?.boolValue == true { flags.append("refreshing") }
+            if entry["degraded"]?.boolValue == true { flags.append("degraded") }
+            if let backoff = entry["backoffRemaining"]?.doubleValue { flags.append("backoff \(seconds(backoff))") }
+            rows.append([
+                entry["name"]?.stringValue ?? "?",
+                entry["state"]?.stringValue ?? "?",
+                int("generation").map(String.init) ?? "-",
+                int("expiresAt").map { span($0 - Int64(now.tv_sec)) } ?? "-",
+                int("lastRefresh").map { span(Int64(now.tv_sec) - $0) + " ago" } ?? "-",
+                int("fetches").map(String.init) ?? "0",
+                int("joinedWaiters").map(String.init) ?? "0",
+                int("failures").map(String.init) ?? "0",
+                int("staleRejections").map(String.init) ?? "0",
+                flags.isEmpty ? "-" : flags.joined(separator: ","),
+            ])
+        }
+        let widths = header.indices.map { column in rows.map { $0[column].count }.max() ?? 0 }
+        return rows.map { row in
+            row.indices.map { column in
+                column == row.count - 1 ? row[column] : row[column] + String(repeating: " ", count: widths[column] - row[column].count)
+            }.joined(separator: "  ")
+        }.joined(separator: "\n") + "\n"
+    }
+}
+
+/// Where command output goes: standard output or error in the binary, a string in tests.
+public protocol TextOutput {
+    mutating func write(_ text: String)
+}
+
+/// A file descriptor as a `TextOutput`.
+public struct FileOutput: TextOutput, Sendable {
+    public let fd: Int32
+    public static let standardOutput = FileOutput(fd: 1)
+    public static let standardError = FileOutput(fd: 2)
+
+    public mutating func write(_ text: String) {
+        var bytes = Array(text.utf8)
+        var offset = 0
+        while offset < bytes.count {
+            let n = bytes.withUnsafeMutableBytes { Glibc.write(fd, $0.baseAddress! + offset, $0.count - offset) }
+            if n > 0 { offset += n } else if n < 0 && errno == EINTR { continue } else { return }
+        }
+    }
+}
+
+extension String: TextOutput {}

@@ -1,0 +1,217 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Dispatch
+import TokenBrokerCore
+import Varlink
+
+/// `tokenbroker serve`: loads the configuration, builds one coordinator per session, serves the
+/// socket, and handles SIGTERM/SIGINT (graceful stop) and SIGHUP (reload).
+public final class Daemon: Sendable {
+    public struct Options: Sendable {
+        public var configPath = BrokerConfiguration.defaultPath
+        /// The configuration path was given explicitly (then it must exist).
+        public var configPathGiven = false
+        public var socketPath: String?
+        public var logLevel = LogLevel.info
+        /// How long in-flight calls may run after SIGTERM before they are cancelled.
+        public var drainTimeout: Duration = .seconds(10)
+
+        public init() {}
+    }
+
+    static let version = "0.1.0"
+
+    private let options: Options
+    private let logger: Logger
+    private let table: SessionTable
+    /// The configuration in force (for reloads: what changed).
+    private let current: SynchronizedBox<BrokerConfiguration>
+
+    private init(options: Options, configuration: BrokerConfiguration, logger: Logger) {
+        self.options = options
+        self.logger = logger
+        table = SessionTable(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
+        current = SynchronizedBox(configuration)
+    }
+
+    /// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
+    public static func run(_ options: Options) async -> Int32 {
+        let logger = Logger(level: options.logLevel)
+        var configuration: BrokerConfiguration
+        do {
+            configuration = try ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
+        } catch {
+            logger.error("configuration error: \(error)")
+            return ExitCode.config
+        }
+        for warning in configuration.warnings { logger.warning("\(warning)") }
+        if let socket = options.socketPath { configuration.socketPath = socket }
+        let daemon = Daemon(options: options, configuration: configuration, logger: logger)
+        return await daemon.serve(configuration)
+    }
+
+    private func serve(_ configuration: BrokerConfiguration) async -> Int32 {
+        signal(SIGPIPE, SIG_IGN)
+        raiseDescriptorLimit(to: configuration.maxConnections + 256)
+        await apply(configuration)
+
+        let socket: (fd: Int32, inode: ino_t)
+        do {
+            socket = try SocketPath.bind(configuration.socketPath, mode: configuration.socketMode, group: configuration.socketGroup)
+        } catch {
+            logger.error("cannot listen: \(error)")
+            return ExitCode.failure
+        }
+        let service = BrokerService(sessions: table, logger: logger, reload: { [self] in await self.reload() })
+        let server: VarlinkServer
+        do {
+            let logger = self.logger
+            server = try VarlinkServer(
+                listening: socket.fd,
+                info: VarlinkServiceInfo(vendor: "tokenbroker", product: "tokenbroker", version: Self.version,
+                                         url: "https://github.com/tokenbroker/tokenbroker"),
+                interfaces: [BrokerInterface.interface], handler: service,
+                configuration: VarlinkServerConfiguration(maximumMessageSize: configuration.maxMessageSize,
+                                                          maximumConnections: configuration.maxConnections,
+                                                          protocolErrorName: BrokerInterface.Error.protocolError),
+                onEvent: { event in
+                    switch event {
+                    case let .connectionLimit(peer): logger.warning("connection limit reached; refused \(peer.map { "\($0)" } ?? "a client")")
+                    case let .protocolError(peer, reason): logger.notice("protocol error from \(peer): \(reason)")
+                    }
+                })
+        } catch {
+            logger.error("cannot serve: \(error)")
+            close(socket.fd)
+            return ExitCode.failure
+        }
+        server.start()
+        logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
+
+        for await signal in Signals.stream([SIGTERM, SIGINT, SIGHUP]) {
+            if signal == SIGHUP {
+                if let problem = await reload() { logger.error("reload failed, keeping the old configuration: \(problem)") }
+                continue
+            }
+            logger.info("stopping (signal \(signal))")
+            break
+        }
+
+        // Stop: no new connections; let calls in flight finish under a deadline; then close.
+        server.stopAccepting()
+        SocketPath.remove(configuration.socketPath, inode: socket.inode)
+        let deadline = ContinuousClock.now + options.drainTimeout
+        while server.callsInProgress > 0 && ContinuousClock.now < deadline {
+            try? await Task.sleep(for: .milliseconds(10))
+        }
+        if server.callsInProgress > 0 { logger.warning("\(server.callsInProgress) call(s) still running at the deadline; cancelling") }
+        for session in table.snapshot.sessions.values { await session.coordinator.shutdown() }
+        await server.stop()
+        logger.info("stopped")
+        return ExitCode.ok
+    }
+
+    /// Re-reads the configuration and applies it; returns the problem when it cannot.
+    private func reload() async -> String? {
+        var configuration: BrokerConfiguration
+        do {
+            configuration = try ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
+        } catch {
+            return "\(error)"
+        }
+        for warning in configuration.warnings { logger.warning("\(warning)") }
+        let old = current.value
+        // The socket is bound once; its settings take effect at the next start.
+        configuration.socketPath = old.socketPath
+        await apply(configuration)
+        logger.info("configuration reloaded: \(configuration.sessions.count) session(s)")
+        return nil
+    }
+
+    /// Builds the session table for `configuration`, keeping the coordinators (tokens and
+    /// flights) of sessions whose upstream and policy did not change.
+    private func apply(_ configuration: BrokerConfiguration) async {
+        let previous = table.snapshot
+        var snapshot = SessionTable.Snapshot(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
+        var retired: [Coordinator] = []
+        for session in configuration.sessions {
+            if let existing = previous.sessions[session.name], !session.needsNewCoordinator(comparedTo: existing.configuration) {
+                snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: existing.coordinator)
+            } else {
+                if let existing = previous.sessions[session.name] { retired.append(existing.coordinator) }
+                snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: await makeCoordinator(session))
+            }
+            snapshot.order.append(session.name)
+        }
+        for (name, session) in previous.sessions where snapshot.sessions[name] == nil { retired.append(session.coordinator) }
+        table.replace(snapshot)
+        current.value = configuration
+        for coordinator in retired { await coordinator.shutdown() }
+    }
+
+    private func makeCoordinator(_ session: SessionConfiguration) async -> Coordinator {
+        switch session.upstream {
+        case let .test(lifetime):
+            let coordinator = Coordinator(session: session.name, policy: session.policy, source: TestTokenSource(lifetime: lifetime),
+                                          store: InMemorySessionStore(), clock: ContinuousClock(), wall: SystemWallClock())
+            // A test upstream needs no credential: it starts logged in.
+            _ = try? await coordinator.login(refreshToken: nil)
+            return coordinator
+        }
+    }
+
+    private func raiseDescriptorLimit(to wanted: Int) {
+        var limit = rlimit()
+        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0, limit.rlim_cur < rlim_t(wanted) else { return }
+        limit.rlim_cur = min(rlim_t(wanted), limit.rlim_max)
+        setrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
+    }
+}
+
+/// Exit codes (sysexits).
+public enum ExitCode {
+    public static let ok: Int32 = 0
+    public static let failure: Int32 = 1
+    public static let usage: Int32 = 64
+    public static let unavailable: Int32 = 69
+    public static let permission: Int32 = 77
+    public static let config: Int32 = 78
+}
+
+/// Signals as an async sequence (Dispatch signal sources; the default action is turned off).
+enum Signals {
+    static func stream(_ signals: [Int32]) -> AsyncStream<Int32> {
+        AsyncStream { continuation in
+            let sources = signals.map { number -> any DispatchSourceSignal in
+                signal(number, SIG_IGN)
+                let source = DispatchSource.makeSignalSource(signal: number, queue: .global())
+                source.setEventHandler { continuation.yield(number) }
+                source.resume()
+                return source
+            }
+            let box = SignalSources(sources)
+            continuation.onTermination = { _ in box.cancel() }
+        }
+    }
+
+    private final class SignalSources: @unchecked Sendable {
+        // @unchecked: the sources are only cancelled (DispatchSource.cancel is thread-safe) and
+        // never mutated after init.
+        let sources: [any DispatchSourceSignal]
+        init(_ sources: [any DispatchSourceSignal]) { self.sources = sources }
+        func cancel() { for source in sources { source.cancel() } }
+    }
+}
+
+/// A value behind a lock.
+final class SynchronizedBox<Value: Sendable>: Sendable {
+    private let state: Mutex<Value>
+    init(_ value: Value) { state = Mutex(value) }
+    var value: Value {
+        get { state.withLock { $0 } }
+        set { state.withLock { $0 = newValue } }
+    }
+}
+
+import Synchronization

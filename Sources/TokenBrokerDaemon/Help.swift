@@ -1,0 +1,158 @@
+/// Help texts. `-h`, `--help` and `help <subcommand>` print the same text.
+enum Help {
+    static let main = """
+        OVERVIEW: tokenbroker — one OAuth 2.0 refresh flight per session, shared by every local worker
+
+        A long-running daemon owns the OAuth sessions of this machine and hands out current
+        access tokens over a varlink Unix socket. All workers share one refresh flight and one
+        logout boundary per session, so parallel 401s never rotate a refresh token twice and a
+        logout is never undone by a late refresh.
+
+        USAGE: tokenbroker <subcommand> [options]
+
+        OPTIONS:
+          -h, --help              Show this help.
+          --version               Show the version.
+
+        SUBCOMMANDS:
+          serve                   Run the daemon.
+          ctl <verb>              Talk to the running daemon (status, token, logout).
+          check-config            Validate the configuration and exit.
+          help [<subcommand>]     Show help for a subcommand, e.g. `tokenbroker help ctl token`.
+
+        Exit codes: 0 ok, 1 failure, 64 usage, 69 broker unreachable, 77 permission denied,
+        78 configuration error.
+
+        """
+
+    static let serve = """
+        OVERVIEW: Run the tokenbroker daemon.
+
+        Reads the configuration, listens on the varlink socket and serves io.tokenbroker.Broker
+        until SIGTERM or SIGINT. SIGHUP re-reads the configuration. Logs go to stderr with <N>
+        priority prefixes (journald reads them).
+
+        USAGE: tokenbroker serve [--config <path>] [--socket <path>] [--log-level <level>]
+
+        OPTIONS:
+          --config <path>         Configuration file (default /etc/tokenbroker/tokenbroker.conf;
+                                  drop-ins in <path>.d/*.conf).
+          --socket <path>         Socket to listen on (overrides Socket=; default
+                                  /run/tokenbroker/io.tokenbroker.Broker).
+          --log-level <level>     emerg, alert, crit, err, warning, notice, info (default), debug.
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker serve --config /etc/tokenbroker/tokenbroker.conf
+
+        """
+
+    static let checkConfig = """
+        OVERVIEW: Validate the configuration.
+
+        Prints the sessions it defines and any warnings; an error reads `file:line: message`
+        and exits 78.
+
+        USAGE: tokenbroker check-config [--config <path>]
+
+        OPTIONS:
+          --config <path>         Configuration file (default /etc/tokenbroker/tokenbroker.conf).
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker check-config --config ./tokenbroker.conf
+
+        """
+
+    static let ctl = """
+        OVERVIEW: Talk to the running tokenbroker daemon.
+
+        USAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>]
+
+        OPTIONS:
+          --socket <path>         The broker's socket (default $TOKENBROKER_SOCKET, else
+                                  /run/tokenbroker/io.tokenbroker.Broker).
+          --json                  Machine-readable output.
+          -h, --help              Show this help (or a verb's, after the verb).
+
+        SUBCOMMANDS:
+          status                  Show the sessions this user may use.
+          token <session>         Print the session's current access token alone, for $(…).
+          logout <session>        Log the session out (admin).
+
+        EXAMPLE:
+          curl -H "Authorization: Bearer $(tokenbroker ctl token api)" https://api.example.com/
+
+        """
+
+    static let ctlStatus = """
+        OVERVIEW: Show the sessions this user may use.
+
+        One row per session: state, generation, when the token expires, the last refresh, and
+        counts of refreshes, joined waiters, failures and stale rejections. Never shows a token.
+
+        USAGE: tokenbroker ctl [--socket <path>] status [--json]
+
+        OPTIONS:
+          --json                  The Status reply as JSON.
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl status
+
+        """
+
+    static let ctlToken = """
+        OVERVIEW: Print the session's current access token.
+
+        Prints the token alone on stdout (refreshed first if it has expired), for use in $(…).
+
+        USAGE: tokenbroker ctl [--socket <path>] token <session> [--json]
+
+        OPTIONS:
+          --json                  The whole GetToken reply as JSON (token, type, expiry, generation).
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          export TOKEN=$(tokenbroker ctl token api)
+
+        """
+
+    static let ctlLogout = """
+        OVERVIEW: Log a session out (admin).
+
+        Bumps the session's generation, clears its tokens, cancels any refresh in flight and
+        answers its waiters with SignedOut. Returns once the logout is durable.
+
+        USAGE: tokenbroker ctl [--socket <path>] logout <session>
+
+        OPTIONS:
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl logout api
+
+        """
+
+    static func ctlVerb(_ verb: String) -> String? {
+        switch verb {
+        case "status": return ctlStatus
+        case "token": return ctlToken
+        case "logout": return ctlLogout
+        default: return nil
+        }
+    }
+
+    /// `help <words>`: the text for a subcommand or ctl verb.
+    static func topic(_ words: [String]) -> String? {
+        switch words.first {
+        case "serve": return words.count == 1 ? serve : nil
+        case "check-config": return words.count == 1 ? checkConfig : nil
+        case "help": return words.count == 1 ? main : nil
+        case "ctl":
+            if words.count == 1 { return ctl }
+            return words.count == 2 ? ctlVerb(words[1]) : nil
+        default: return nil
+        }
+    }
+}

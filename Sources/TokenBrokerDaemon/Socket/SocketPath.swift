@@ -1,0 +1,74 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Varlink
+
+/// Binding the daemon's socket file: the parent directory is created when missing, a stale
+/// socket is replaced only when nothing answers on it, and the file gets its mode and group.
+enum SocketPath {
+    enum Failure: Error, CustomStringConvertible {
+        case inUse(String)
+        case notASocket(String)
+        case system(SocketError)
+
+        var description: String {
+            switch self {
+            case let .inUse(path): return "\(path): another instance is listening on it"
+            case let .notASocket(path): return "\(path): exists and is not a socket; not replacing it"
+            case let .system(error): return error.description
+            }
+        }
+    }
+
+    /// Binds and listens on `path`; returns the descriptor and the socket file's identity.
+    static func bind(_ path: String, mode: UInt32, group: UInt32?) throws(Failure) -> (fd: Int32, inode: ino_t) {
+        try makeParent(of: path)
+        var info = stat()
+        if lstat(path, &info) == 0 {
+            guard info.st_mode & S_IFMT == S_IFSOCK else { throw .notASocket(path) }
+            if let probe = try? UnixSocket.connect(path: path) {
+                close(probe)
+                throw .inUse(path)
+            }
+            unlink(path)   // stale: nobody answers
+        }
+        // Create the file with no access beyond `mode` from the start (no window with a
+        // wider mode between bind and chmod).
+        let previous = umask(mode_t(~mode & 0o777))
+        let fd: Int32
+        do {
+            fd = try UnixSocket.listen(path: path)
+        } catch {
+            umask(previous)
+            throw .system(error)
+        }
+        umask(previous)
+        guard chmod(path, mode_t(mode)) == 0 else {
+            let error = SocketError("chmod \(path)")
+            close(fd)
+            throw .system(error)
+        }
+        if let group, chown(path, uid_t.max, gid_t(group)) != 0 {
+            let error = SocketError("chown \(path) to group \(group)")
+            close(fd)
+            throw .system(error)
+        }
+        lstat(path, &info)
+        return (fd, info.st_ino)
+    }
+
+    /// Removes the socket file if it is still the one this process bound.
+    static func remove(_ path: String, inode: ino_t) {
+        var info = stat()
+        if lstat(path, &info) == 0, info.st_ino == inode, info.st_mode & S_IFMT == S_IFSOCK { unlink(path) }
+    }
+
+    private static func makeParent(of path: String) throws(Failure) {
+        guard let slash = path.lastIndex(of: "/"), slash != path.startIndex else { return }
+        let parent = String(path[..<slash])
+        var info = stat()
+        if stat(parent, &info) == 0 { return }
+        try makeParent(of: parent)
+        if mkdir(parent, 0o755) != 0 && errno != EEXIST { throw .system(SocketError("mkdir \(parent)")) }
+    }
+}

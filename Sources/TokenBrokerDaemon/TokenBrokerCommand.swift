@@ -1,0 +1,141 @@
+/// The `tokenbroker` command line: parses argv, runs a subcommand, returns the exit code.
+public enum TokenBrokerCommand {
+    public static func run(_ arguments: [String]) async -> Int32 {
+        var output = FileOutput.standardOutput
+        var errors = FileOutput.standardError
+        if arguments.first == "serve" {
+            switch parseServe(Array(arguments.dropFirst()), output: &output, errors: &errors) {
+            case let .run(options): return await Daemon.run(options)
+            case let .exit(code): return code
+            }
+        }
+        return run(arguments, output: &output, errors: &errors)
+    }
+
+    /// Everything but `serve` (which runs the daemon); testable with string outputs.
+    public static func run(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
+        guard let first = arguments.first else {
+            errors.write("Error: missing subcommand\n\n" + Help.main)
+            return ExitCode.usage
+        }
+        let rest = Array(arguments.dropFirst())
+        switch first {
+        case "-h", "--help":
+            output.write(Help.main)
+            return ExitCode.ok
+        case "help":
+            guard let topic = rest.first else {
+                output.write(Help.main)
+                return ExitCode.ok
+            }
+            guard let text = Help.topic(rest) else {
+                errors.write("Error: no help for '\(rest.joined(separator: " "))'\n\n" + Help.main)
+                return ExitCode.usage
+            }
+            _ = topic
+            output.write(text)
+            return ExitCode.ok
+        case "--version":
+            output.write("tokenbroker \(Daemon.version)\n")
+            return ExitCode.ok
+        case "ctl":
+            return Ctl.run(rest, output: &output, errors: &errors)
+        case "check-config":
+            return checkConfig(rest, output: &output, errors: &errors)
+        case "serve":
+            if case let .exit(code) = parseServe(rest, output: &output, errors: &errors) { return code }
+            errors.write("Error: serve runs only from the binary\n")
+            return ExitCode.usage
+        default:
+            errors.write("Error: unknown subcommand or option '\(first)'\n\n" + Help.main)
+            return ExitCode.usage
+        }
+    }
+
+    enum ServeParse {
+        case run(Daemon.Options)
+        case exit(Int32)
+    }
+
+    static func parseServe(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> ServeParse {
+        var options = Daemon.Options()
+        var index = 0
+        func value(_ name: String) -> String? {
+            guard index + 1 < arguments.count else { return nil }
+            index += 1
+            return arguments[index]
+        }
+        while index < arguments.count {
+            var argument = arguments[index]
+            var inline: String?
+            if argument.hasPrefix("--"), let equals = argument.firstIndex(of: "=") {
+                inline = String(argument[argument.index(after: equals)...])
+                argument = String(argument[..<equals])
+            }
+            switch argument {
+            case "-h", "--help":
+                output.write(Help.serve)
+                return .exit(ExitCode.ok)
+            case "--config":
+                guard let path = inline ?? value(argument) else { return usageError("--config needs a path", Help.serve, &errors) }
+                options.configPath = path
+                options.configPathGiven = true
+            case "--socket":
+                guard let path = inline ?? value(argument), path.hasPrefix("/") else {
+                    return usageError("--socket needs an absolute path", Help.serve, &errors)
+                }
+                options.socketPath = path
+            case "--log-level":
+                guard let name = inline ?? value(argument), let level = LogLevel(name: name) else {
+                    return usageError("--log-level needs one of emerg, alert, crit, err, warning, notice, info, debug", Help.serve, &errors)
+                }
+                options.logLevel = level
+            default:
+                return usageError("unknown option '\(arguments[index])'", Help.serve, &errors)
+            }
+            index += 1
+        }
+        return .run(options)
+    }
+
+    private static func usageError(_ message: String, _ help: String, _ errors: inout some TextOutput) -> ServeParse {
+        errors.write("Error: \(message)\n\n" + help)
+        return .exit(ExitCode.usage)
+    }
+
+    static func checkConfig(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
+        var path = BrokerConfiguration.defaultPath
+        var index = 0
+        while index < arguments.count {
+            switch arguments[index] {
+            case "-h", "--help":
+                output.write(Help.checkConfig)
+                return ExitCode.ok
+            case "--config":
+                guard index + 1 < arguments.count else {
+                    errors.write("Error: --config needs a path\n\n" + Help.checkConfig)
+                    return ExitCode.usage
+                }
+                path = arguments[index + 1]
+                index += 1
+            default:
+                if arguments[index].hasPrefix("--config=") {
+                    path = String(arguments[index].dropFirst("--config=".count))
+                } else {
+                    errors.write("Error: unknown option '\(arguments[index])'\n\n" + Help.checkConfig)
+                    return ExitCode.usage
+                }
+            }
+            index += 1
+        }
+        do {
+            let configuration = try ConfigLoader.load(path: path)
+            for warning in configuration.warnings { errors.write("warning: \(warning)\n") }
+            output.write("\(path): OK, \(configuration.sessions.count) session(s): \(configuration.sessions.map(\.name).joined(separator: ", "))\n")
+            return ExitCode.ok
+        } catch {
+            errors.write("Error: \(error)\n")
+            return ExitCode.config
+        }
+    }
+}
