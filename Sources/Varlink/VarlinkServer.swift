@@ -410,7 +410,8 @@ public final class VarlinkServer: Sendable {
                 reply.encode(into: &connection.output)
             case let .async(body):
                 connection.nextCall += 1
-                let sink = VarlinkReplySink(server: server, connection: connection.id, call: connection.nextCall)
+                let (server, connectionID, callID) = (server, connection.id, connection.nextCall)
+                let sink = VarlinkReplySink { reply in server.post(.init(connection: connectionID, call: callID, reply: reply)) }
                 server.busyCalls.add(1, ordering: .relaxed)
                 let task = Task {
                     await body(sink)
@@ -546,22 +547,21 @@ public final class VarlinkServer: Sendable {
 /// Where an async call sends its replies. Safe to use from any task; replies after the call
 /// has ended, or for a connection that has closed, are dropped.
 public final class VarlinkReplySink: Sendable {
-    private let server: VarlinkServer
-    private let connection: UInt64
-    private let call: UInt64
+    /// Receives each reply, then `nil` when the call's task has returned.
+    private let deliver: @Sendable (VarlinkReply?) -> Void
 
-    fileprivate init(server: VarlinkServer, connection: UInt64, call: UInt64) {
-        self.server = server
-        self.connection = connection
-        self.call = call
+    /// A sink that hands replies to `deliver` (the server's, or a test's).
+    public init(_ deliver: @escaping @Sendable (VarlinkReply?) -> Void) {
+        self.deliver = deliver
     }
 
     /// Sends a reply; for a `more` call, set `continues` on all but the last.
     public func send(_ reply: VarlinkReply) {
-        server.post(.init(connection: connection, call: call, reply: reply))
+        deliver(reply)
     }
 
-    fileprivate func finish() {
-        server.post(.init(connection: connection, call: call, reply: nil))
+    /// Marks the call finished (the server does this when the handler's task returns).
+    public func finish() {
+        deliver(nil)
     }
 }

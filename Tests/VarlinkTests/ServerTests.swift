@@ -228,7 +228,7 @@ struct ServerTests {
         #expect(!fixture.handler.wasCancelled(8))
         fixture.handler.release(8)
         #expect(try stayer.nextReply().parameters["id"] == 8)
-        #expect(fixture.server.callsInProgress == 0)
+        try await eventually("no call in progress") { fixture.server.callsInProgress == 0 }
     }
 
     @Test("beyond the connection limit, new connections are closed at once; the others are served")

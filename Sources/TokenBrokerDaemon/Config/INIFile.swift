@@ -46,11 +46,12 @@ public enum INIFile {
                 if trimmed.isEmpty || trimmed.hasPrefix("#") || trimmed.hasPrefix(";") { continue }
                 pendingLine = number
             }
+            // A continued line joins the next one with a single space.
             if line.hasSuffix("\\") {
-                pending += line.dropLast() + " "
+                pending += line.dropLast().trimmingSpaces + " "
                 continue
             }
-            let logical = (pending + line).trimmingSpaces
+            let logical = (pending + line.trimmingSpaces).trimmingSpaces
             pending = ""
             if logical.hasPrefix("[") {
                 guard logical.hasSuffix("]"), logical.count > 2 else {

@@ -1,0 +1,136 @@
+import Synchronization
+import Testing
+import TokenBrokerCore
+@testable import TokenBrokerDaemon
+import Varlink
+
+/// BrokerService called in memory: a real coordinator with the test upstream, peers made up.
+@Suite("BrokerService")
+struct BrokerServiceTests {
+    static let admin = PeerCredentials(pid: 1, uid: 0, gid: 0)
+    static let worker = PeerCredentials(pid: 2, uid: 1000, gid: 1000, groups: [2000])
+    static let stranger = PeerCredentials(pid: 3, uid: 1001, gid: 1001)
+
+    static func service() async -> BrokerService {
+        let table = SessionTable(access: Access(daemonUID: 0, adminGroup: 3000))
+        let configuration = SessionConfiguration(name: "api", upstream: .test(lifetime: .seconds(3600)), allowUsers: [],
+                                                 allowGroups: [2000], policy: RefreshPolicy(), origin: "test")
+        let coordinator = Coordinator(session: "api", source: TestTokenSource(lifetime: .seconds(3600)), store: InMemorySessionStore(),
+                                      clock: ContinuousClock(), wall: SystemWallClock())
+        _ = try? await coordinator.login(refreshToken: nil)
+        table.replace(SessionTable.Snapshot(sessions: ["api": .init(configuration: configuration, coordinator: coordinator)],
+                                            order: ["api"], access: Access(daemonUID: 0, adminGroup: 3000)))
+        return BrokerService(sessions: table, logger: Logger(level: .emergency), reload: { nil })
+    }
+
+    /// Runs a call to completion and returns its replies.
+    static func call(_ service: BrokerService, _ method: String, _ parameters: JSONObject = [:], more: Bool = false,
+                     from peer: PeerCredentials = admin) async -> [VarlinkReply] {
+        switch service.handle(VarlinkCall(method: "io.tokenbroker.Broker." + method, parameters: parameters, more: more), from: peer) {
+        case let .reply(reply):
+            return [reply]
+        case let .async(body):
+            let replies = Mutex<[VarlinkReply]>([])
+            await body(VarlinkReplySink { reply in if let reply { replies.withLock { $0.append(reply) } } })
+            return replies.withLock { $0 }
+        }
+    }
+
+    @Test("GetToken: waits for the first fetch, then answers inline from the snapshot")
+    func getToken() async throws {
+        let service = await Self.service()
+        guard case .async = service.handle(VarlinkCall(method: "io.tokenbroker.Broker.GetToken", parameters: ["session": "api"]), from: Self.worker) else {
+            Issue.record("the first GetToken should wait for a fetch")
+            return
+        }
+        let first = await Self.call(service, "GetToken", ["session": "api"], from: Self.worker)
+        #expect(first.first?.error == nil && first.first?.parameters["tokenType"] == "Bearer" && first.first?.parameters["generation"] == 1)
+        guard case let .reply(inline) = service.handle(VarlinkCall(method: "io.tokenbroker.Broker.GetToken", parameters: ["session": "api"]),
+                                                       from: Self.worker) else {
+            Issue.record("a fresh token should be answered inline")
+            return
+        }
+        #expect(inline.parameters["token"] != nil && inline.parameters["expiresAt"]?.intValue != nil)
+    }
+
+    @Test("contract errors: NoSuchSession, PermissionDenied, InvalidParameter, SignedOut")
+    func errors() async {
+        let service = await Self.service()
+        #expect(await Self.call(service, "GetToken", ["session": "nope"]) == [.error("io.tokenbroker.Broker.NoSuchSession", ["session": "nope"])])
+        #expect(await Self.call(service, "GetToken", ["session": "api"], from: Self.stranger) == [.error("io.tokenbroker.Broker.PermissionDenied")])
+        #expect(await Self.call(service, "GetToken", [:]) == [.invalidParameter("session")])
+        #expect(await Self.call(service, "GetToken", ["session": 3]) == [.invalidParameter("session")])
+        #expect(await Self.call(service, "Recover", ["session": "api"]) == [.invalidParameter("rejected")])
+        #expect(await Self.call(service, "Status", ["all": true]) == [.invalidParameter("all")])
+        #expect(await Self.call(service, "Logout", ["session": "api"], from: Self.worker) == [.error("io.tokenbroker.Broker.PermissionDenied")])
+        #expect(await Self.call(service, "Reload", from: Self.worker) == [.error("io.tokenbroker.Broker.PermissionDenied")])
+        #expect(await Self.call(service, "Login", ["session": "api", "refreshToken": ""]) == [.invalidParameter("refreshToken")])
+        #expect(await Self.call(service, "Watch", ["session": "api"]) == [.error("org.varlink.service.ExpectedMore")])
+
+        #expect(await Self.call(service, "Logout", ["session": "api"]) == [VarlinkReply()])
+        #expect(await Self.call(service, "GetToken", ["session": "api"], from: Self.worker) == [.error("io.tokenbroker.Broker.SignedOut", ["session": "api"])])
+        let login = await Self.call(service, "Login", ["session": "api", "refreshToken": "r-1"])
+        #expect(login == [VarlinkReply(parameters: ["generation": 3])])
+    }
+
+    @Test("Recover with a stale token returns the current one; Status hides sessions from strangers")
+    func recoverAndStatus() async throws {
+        let service = await Self.service()
+        let first = try #require(await Self.call(service, "GetToken", ["session": "api"]).first?.parameters["token"])
+        let stale = await Self.call(service, "Recover", ["session": "api", "rejected": "not-the-current-one"], from: Self.worker)
+        #expect(stale.first?.parameters["token"] == first)
+        let status = await Self.call(service, "Status", from: Self.worker)
+        let entry = try #require(status.first?.parameters["sessions"]?.arrayValue?.first?.objectValue)
+        #expect(entry["name"] == "api" && entry["staleRejections"] == 1 && entry["fetches"] == 1 && entry["state"] == "active")
+        #expect(!JSON.object(entry).text.contains(first.stringValue!))
+        #expect(await Self.call(service, "Status", from: Self.stranger) == [VarlinkReply(parameters: ["sessions": []])])
+    }
+
+    @Test("Watch: the current token at once, then signedOut as the final reply")
+    func watch() async throws {
+        let service = await Self.service()
+        let replies = Mutex<[VarlinkReply]>([])
+        guard case let .async(body) = service.handle(VarlinkCall(method: "io.tokenbroker.Broker.Watch", parameters: ["session": "api"], more: true),
+                                                     from: Self.worker) else { return }
+        let watcher = Task { await body(VarlinkReplySink { reply in if let reply { replies.withLock { $0.append(reply) } } }) }
+        let deadline = ContinuousClock.now + .seconds(20)
+        while replies.withLock({ $0.count }) < 1 && ContinuousClock.now < deadline { await Task.yield() }
+        _ = await Self.call(service, "Logout", ["session": "api"])
+        await watcher.value
+        let events = replies.withLock { $0 }
+        #expect(events.map { $0.parameters["event"] } == ["token", "signedOut"])
+        #expect(events.map(\.continues) == [true, false])
+        #expect(events[0].parameters["tokenSerial"] == 1 && events[1].parameters["generation"] == 2)
+    }
+
+    @Test("every SessionError maps to its contract error, with no secret")
+    func mapping() async {
+        let service = await Self.service()
+        #expect(service.reply(for: SessionError.throttled(retryAfter: .seconds(3)), session: "api")
+                == .error("io.tokenbroker.Broker.Throttled", ["session": "api", "retryAfter": 3.0]))
+        #expect(service.reply(for: SessionError.refreshFailed(reason: "invalid_grant", retryable: false, retryAfter: nil), session: "api")
+                == .error("io.tokenbroker.Broker.RefreshFailed", ["session": "api", "reason": "invalid_grant", "retryable": false]))
+        #expect(service.reply(for: SessionError.refreshFailed(reason: "HTTP 503", retryable: true, retryAfter: .seconds(2)), session: "api")
+                == .error("io.tokenbroker.Broker.RefreshFailed", ["session": "api", "reason": "HTTP 503", "retryable": true, "retryAfter": 2.0]))
+        #expect(service.reply(for: SessionError.storeFailed(reason: "disk full"), session: "api")
+                == .error("io.tokenbroker.Broker.StoreFailed", ["session": "api", "reason": "disk full"]))
+        #expect(service.reply(for: SessionError.shuttingDown, session: "api") == .error("io.tokenbroker.Broker.ShuttingDown"))
+        struct Unexpected: Error { let secret = "hunter2" }
+        #expect(service.reply(for: Unexpected(), session: "api") == .error("io.tokenbroker.Broker.InternalError"))
+    }
+
+    @Test("access: root, the daemon's user and the admin group administer; allow-lists use")
+    func access() {
+        let access = Access(daemonUID: 500, adminGroup: 3000)
+        let session = SessionConfiguration(name: "s", upstream: .test(lifetime: .seconds(1)), allowUsers: [1000], allowGroups: [2000],
+                                           policy: RefreshPolicy(), origin: "t")
+        #expect(access.isAdmin(PeerCredentials(pid: 1, uid: 0, gid: 5)))
+        #expect(access.isAdmin(PeerCredentials(pid: 1, uid: 500, gid: 5)))
+        #expect(access.isAdmin(PeerCredentials(pid: 1, uid: 7, gid: 5, groups: [3000])))
+        #expect(!access.isAdmin(PeerCredentials(pid: 1, uid: 1000, gid: 2000)))
+        #expect(access.mayUse(session, PeerCredentials(pid: 1, uid: 1000, gid: 1)))
+        #expect(access.mayUse(session, PeerCredentials(pid: 1, uid: 9, gid: 2000)))
+        #expect(access.mayUse(session, PeerCredentials(pid: 1, uid: 9, gid: 9, groups: [1, 2000])))
+        #expect(!access.mayUse(session, PeerCredentials(pid: 1, uid: 9, gid: 9, groups: [1])))
+    }
+}

@@ -1,0 +1,68 @@
+import Testing
+@testable import TokenBrokerDaemon
+
+/// The command line in memory: help texts, usage errors and exit codes.
+@Suite("Command line")
+struct CommandLineTests {
+    static func run(_ arguments: String...) -> (code: Int32, out: String, err: String) {
+        var out = ""
+        var err = ""
+        let code = TokenBrokerCommand.run(arguments, output: &out, errors: &err)
+        return (code, out, err)
+    }
+
+    @Test("-h, --help and help print the same text with every section")
+    func help() {
+        let texts = [Self.run("-h"), Self.run("--help"), Self.run("help")]
+        #expect(texts.allSatisfy { $0.code == 0 && $0.out == Help.main && $0.err.isEmpty })
+        for section in ["OVERVIEW:", "USAGE:", "OPTIONS:", "SUBCOMMANDS:"] { #expect(Help.main.contains(section)) }
+    }
+
+    @Test("help <subcommand> equals <subcommand> --help", arguments: [
+        (["serve"], Help.serve), (["check-config"], Help.checkConfig), (["ctl"], Help.ctl),
+        (["ctl", "status"], Help.ctlStatus), (["ctl", "token"], Help.ctlToken), (["ctl", "logout"], Help.ctlLogout),
+    ])
+    func subcommandHelp(words: [String], text: String) {
+        var out = ""
+        var err = ""
+        #expect(TokenBrokerCommand.run(["help"] + words, output: &out, errors: &err) == 0 && out == text)
+        var direct = ""
+        #expect(TokenBrokerCommand.run(words + ["--help"], output: &direct, errors: &err) == 0 && direct == text)
+        for required in ["OVERVIEW:", "USAGE:", "OPTIONS:"] { #expect(text.contains(required)) }
+        if words != ["ctl"] && words.count > 1 || words == ["serve"] || words == ["check-config"] { #expect(text.contains("EXAMPLE:")) }
+    }
+
+    @Test("usage errors: Error: line plus usage on stderr, exit 64", arguments: [
+        ["frobnicate"], ["help", "nope"], ["serve", "--bogus"], ["serve", "--socket", "relative"], ["serve", "--log-level", "loud"],
+        ["ctl"], ["ctl", "token"], ["ctl", "fly", "x"], ["ctl", "--what"], ["ctl", "status", "extra"], ["check-config", "--x"], [],
+    ])
+    func usage(arguments: [String]) {
+        var out = ""
+        var err = ""
+        #expect(TokenBrokerCommand.run(arguments, output: &out, errors: &err) == 64)
+        #expect(err.hasPrefix("Error: ") && err.contains("USAGE:") && out.isEmpty)
+    }
+
+    @Test("--version")
+    func version() {
+        #expect(Self.run("--version") == (0, "tokenbroker \(Daemon.version)\n", ""))
+    }
+
+    @Test("ctl against no broker: exit 69 and a hint")
+    func unreachable() {
+        let result = Self.run("ctl", "--socket", "/nonexistent/tb.sock", "status")
+        #expect(result.code == 69)
+        #expect(result.err.hasPrefix("Error: cannot reach the broker at /nonexistent/tb.sock") && result.err.contains("is tokenbroker running?"))
+    }
+
+    @Test("check-config: OK line, or file:line and exit 78")
+    func checkConfig() throws {
+        let good = try ConfigFixture(main: "[Session]\nName=api\nUpstream=test\n")
+        let ok = Self.run("check-config", "--config", good.main)
+        #expect(ok.code == 0 && ok.out == "\(good.main): OK, 1 session(s): api\n")
+        let bad = try ConfigFixture(main: "[Session]\nName=api\nUpstream=test\nRefreshAhead=never\n")
+        let failed = Self.run("check-config", "--config", bad.main)
+        #expect(failed.code == 78 && failed.err.hasPrefix("Error: \(bad.main):4: RefreshAhead="))
+    }
+}
+

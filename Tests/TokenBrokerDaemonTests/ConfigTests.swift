@@ -1,0 +1,132 @@
+import Foundation
+import Testing
+@testable import TokenBrokerDaemon
+
+/// Writes a configuration tree into a temporary directory: the main file and drop-ins.
+struct ConfigFixture {
+    let directory: String
+    var main: String { directory + "/tokenbroker.conf" }
+
+    init(main text: String, dropIns: [String: String] = [:]) throws {
+        directory = FileManager.default.temporaryDirectory.appendingPathComponent("tb-config-\(UUID().uuidString.prefix(8))").path
+        try FileManager.default.createDirectory(atPath: directory + "/tokenbroker.conf.d", withIntermediateDirectories: true)
+        try text.write(toFile: main, atomically: true, encoding: .utf8)
+        for (name, content) in dropIns {
+            try content.write(toFile: directory + "/tokenbroker.conf.d/" + name, atomically: true, encoding: .utf8)
+        }
+    }
+
+    func load() throws(ConfigError) -> BrokerConfiguration { try ConfigLoader.load(path: main) }
+}
+
+@Suite("Configuration")
+struct ConfigTests {
+    @Test("INI: sections, comments, continuation lines, whitespace around '='")
+    func ini() throws {
+        let sections = try INIFile.parse("""
+            # comment
+            ; another
+            [Broker]
+            Socket = /run/x.sock
+            [Session]
+            Name=api
+            AllowUsers=alice \\
+              bob
+            """, file: "t.conf")
+        #expect(sections.map(\.name) == ["Broker", "Session"])
+        #expect(sections[0].entries.map(\.value) == ["/run/x.sock"])
+        #expect(sections[1].entries.last?.value == "alice bob" && sections[1].entries.last?.line == 7)
+    }
+
+    @Test("INI errors carry file:line", arguments: [
+        ("Key=1", "t.conf:1: 'Key=' is outside of any [Section]"),
+        ("[Broker]\njunk", "t.conf:2: expected 'Key=Value' or '[Section]', got 'junk'"),
+        ("[Bro ker]", "t.conf:1: invalid section name 'Bro ker'"),
+        ("[Broker\n", "t.conf:1: malformed section header '[Broker'"),
+        ("[Broker]\nBad-Key=1", "t.conf:2: invalid key 'Bad-Key'"),
+        ("[Broker]\nSocket=/x \\", "t.conf:2: the file ends inside a continued line"),
+    ])
+    func iniErrors(text: String, message: String) {
+        #expect(throws: ConfigError.self) { try INIFile.parse(text, file: "t.conf") }
+        do { _ = try INIFile.parse(text, file: "t.conf") } catch { #expect(error.description == message) }
+    }
+
+    @Test("main file and drop-ins merge in name order; lists accumulate and an empty value clears")
+    func dropIns() throws {
+        let fixture = try ConfigFixture(main: """
+            [Broker]
+            Socket=/run/a.sock
+            MaxConnections=100
+
+            [Session]
+            Name=api
+            Upstream=test
+            AllowUsers=0 1
+            RefreshAhead=2min
+            """, dropIns: [
+                "20-later.conf": "[Session]\nName=api\nAllowUsers=\nAllowUsers=7\nRefreshLimitBurst=3\n[Broker]\nMaxConnections=200\n",
+                "10-first.conf": "[Session]\nName=api\nAllowUsers=5\nAllowGroups=root 42\n[Session]\nName=other\nUpstream=test\nTestTokenLifetime=90s\n",
+                "ignored.txt": "garbage",
+            ])
+        let configuration = try fixture.load()
+        #expect(configuration.socketPath == "/run/a.sock" && configuration.maxConnections == 200)
+        #expect(configuration.sessions.map(\.name) == ["api", "other"])
+        let api = try #require(configuration.session(named: "api"))
+        #expect(api.allowUsers == [7] && api.allowGroups == [0, 42])
+        #expect(api.policy.refreshAhead == .seconds(120) && api.policy.guardLimit == 3)
+        #expect(configuration.session(named: "other")?.upstream == .test(lifetime: .seconds(90)))
+        #expect(configuration.warnings.isEmpty)
+    }
+
+    @Test("unknown keys and sections warn with file:line")
+    func warnings() throws {
+        let fixture = try ConfigFixture(main: "[Broker]\nColour=blue\n[Extra]\n[Session]\nName=a\nUpstream=test\nFlavour=x\n")
+        let warnings = try fixture.load().warnings.map(\.description)
+        #expect(warnings == ["\(fixture.main):2: unknown key Colour= in [Broker], ignored",
+                             "\(fixture.main):3: unknown section [Extra], ignored",
+                             "\(fixture.main):7: unknown key Flavour= in [Session] a, ignored"])
+    }
+
+    @Test("bad values fail at file:line", arguments: [
+        ("[Broker]\nSocket=relative", 2, "Socket= needs an absolute path"),
+        ("[Broker]\nSocketMode=rw", 2, "SocketMode= needs an octal mode such as 0660"),
+        ("[Broker]\nMaxConnections=0", 2, "MaxConnections= needs a number from 1 to 1000000"),
+        ("[Broker]\nMaxMessageSize=1", 2, "MaxMessageSize= needs a size from 1K to 64M"),
+        ("[Broker]\nAdminGroup=no-such-group-xyz", 2, "AdminGroup=: no such group 'no-such-group-xyz'"),
+        ("[Session]\nUpstream=test", 1, "[Session] needs Name="),
+        ("[Session]\nName=a b\nUpstream=test", 2, "invalid session name 'a b' (1-64 of A-Z a-z 0-9 - _ .)"),
+        ("[Session]\nName=a", 1, "[Session] a needs Upstream="),
+        ("[Session]\nName=a\nUpstream=https", 3, "Upstream= must be 'test' (OAuth upstreams are not supported by this build yet)"),
+        ("[Session]\nName=a\nUpstream=test\nAllowUsers=nobody-xyz", 4, "AllowUsers=: no such user 'nobody-xyz'"),
+        ("[Session]\nName=a\nUpstream=test\nRefreshAhead=soon", 4,
+         "RefreshAhead= needs a time span between 0.0s and 86400.0s, e.g. 60s or 5min"),
+    ])
+    func badValues(text: String, line: Int, message: String) throws {
+        let fixture = try ConfigFixture(main: text)
+        do {
+            _ = try fixture.load()
+            Issue.record("accepted: \(text)")
+        } catch {
+            #expect(error.description == "\(fixture.main):\(line): \(message)")
+        }
+    }
+
+    @Test("a missing main file is an error when named, defaults otherwise")
+    func missingFile() throws {
+        #expect(throws: ConfigError.self) { try ConfigLoader.load(path: "/nonexistent/tokenbroker.conf") }
+        let defaults = try ConfigLoader.load(path: "/nonexistent/tokenbroker.conf", requireMainFile: false)
+        #expect(defaults.socketPath == BrokerConfiguration.defaultSocket && defaults.sessions.isEmpty)
+    }
+
+    @Test("durations and sizes")
+    func values() {
+        #expect(ConfigValue.duration("90") == .seconds(90))
+        #expect(ConfigValue.duration("1h 30min") == .seconds(5400))
+        #expect(ConfigValue.duration("250ms") == .milliseconds(250))
+        #expect(ConfigValue.duration("2 d") == .seconds(172_800))
+        #expect(ConfigValue.duration("5 parsecs") == nil)
+        #expect(ConfigValue.duration("") == nil)
+        #expect(ConfigValue.size("64K") == 65_536 && ConfigValue.size("1M") == 1 << 20 && ConfigValue.size("x") == nil)
+        #expect(ConfigValue.mode("0660") == 0o660 && ConfigValue.mode("999") == nil)
+    }
+}
