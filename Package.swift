@@ -38,7 +38,7 @@ var package = Package(
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
-        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification"]),
+        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "Varlink"]),
     ],
     swiftLanguageModes: [.v6]
 )

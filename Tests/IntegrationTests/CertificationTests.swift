@@ -38,7 +38,7 @@ struct CertificationTests {
         for (name, executable, arguments) in servers {
             let socket = "\(directory)/\(name.lowercased()).sock"
             let server = try Child(executable, arguments, directory: directory)
-            defer { server.terminate() }
+            defer { server.kill() }
             try await waitForSocket(socket)
             let client = try Child(Paths.certification, ["client", "--varlink", "unix:\(socket)"], directory: directory)
             #expect(await client.wait() == 0, "our client against \(name): \(client.stderr)")

@@ -1,4 +1,7 @@
 import Foundation
+#if canImport(Glibc)
+import Glibc
+#endif
 import Testing
 
 /// Paths the integration tests need.
@@ -61,7 +64,7 @@ final class Child: @unchecked Sendable {
         while process.isRunning {
             if ContinuousClock.now >= deadline {
                 Issue.record("\(process.executableURL?.lastPathComponent ?? "child") did not exit in \(timeout) s", sourceLocation: sourceLocation)
-                kill(process.processIdentifier, SIGKILL)
+                Glibc.kill(process.processIdentifier, SIGKILL)
                 process.waitUntilExit()
                 break
             }
@@ -71,8 +74,19 @@ final class Child: @unchecked Sendable {
     }
 
     func terminate() {
-        if process.isRunning { kill(process.processIdentifier, SIGTERM) }
+        if process.isRunning { Glibc.kill(process.processIdentifier, SIGTERM) }
     }
+
+    /// Ends the process at once (for servers of other implementations, which may ignore SIGTERM).
+    func kill() {
+        if process.isRunning {
+            Glibc.kill(process.processIdentifier, SIGKILL)
+            process.waitUntilExit()
+        }
+    }
+
+    /// Nothing a test started outlives it.
+    deinit { kill() }
 }
 
 /// Waits until something accepts connections on `path`.

@@ -1,0 +1,207 @@
+import Foundation
+import Testing
+import Varlink
+
+/// The real daemon binary on a temporary socket: every method and error of the contract,
+/// peer checks, ctl, and the life cycle.
+@Suite("tokenbroker serve", .serialized)
+struct DaemonTests {
+    @Test("every method of the contract and its errors over the socket")
+    func contract() async throws {
+        try await withBroker { broker in
+
+            // GetToken: a token with type, expiry and generation.
+            let first = try broker.call("GetToken", ["session": "api"])
+            let token = try #require(first.parameters["token"]?.stringValue)
+            #expect(first.parameters["tokenType"] == "Bearer" && first.parameters["generation"] == 1)
+            #expect(first.parameters["expiresAt"]?.intValue.map { $0 > Int64(Date().timeIntervalSince1970) } == true)
+            #expect(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue == token)
+
+            // Recover: a stale rejection returns the current token; the current one refreshes.
+            #expect(try broker.call("Recover", ["session": "api", "rejected": "some-old-token"]).parameters["token"]?.stringValue == token)
+            let recovered = try #require(try broker.call("Recover", ["session": "api", "rejected": .string(token)]).parameters["token"]?.stringValue)
+            #expect(recovered != token)
+            var status = try #require(try broker.status("api"))
+            #expect(status["fetches"] == 2 && status["staleRejections"] == 1 && status["state"] == "active" && status["tokenSerial"] == 2)
+            #expect(!JSON.object(status).text.contains(recovered))
+
+            // Watch: the current token at once, then a new token, then the logout as the final reply.
+            let watcher = try broker.client()
+            let initial = try watcher.call("io.tokenbroker.Broker.Watch", ["session": "api"], more: true)
+            #expect(initial.parameters["event"] == "token" && initial.continues && initial.parameters["token"]?.stringValue == recovered)
+            let third = try #require(try broker.call("Recover", ["session": "api", "rejected": .string(recovered)]).parameters["token"])
+            let pushed = try watcher.nextReply()
+            #expect(pushed.parameters["event"] == "token" && pushed.parameters["token"] == third && pushed.parameters["tokenSerial"] == 3)
+
+            // Logout: watchers told, callers get SignedOut; Login starts a new generation.
+            #expect(try broker.call("Logout", ["session": "api"]) == VarlinkReply())
+            let last = try watcher.nextReply()
+            #expect(last.parameters["event"] == "signedOut" && last.parameters["generation"] == 2 && !last.continues)
+            #expect(try broker.call("GetToken", ["session": "api"]) == .error("io.tokenbroker.Broker.SignedOut", ["session": "api"]))
+            #expect(try broker.call("Login", ["session": "api", "refreshToken": "r-new"]) == VarlinkReply(parameters: ["generation": 3]))
+            #expect(try broker.call("GetToken", ["session": "api"]).parameters["generation"] == 3)
+
+            // Errors.
+            #expect(try broker.call("GetToken", ["session": "nope"]) == .error("io.tokenbroker.Broker.NoSuchSession", ["session": "nope"]))
+            #expect(try broker.call("GetToken", ["session": 1]) == .invalidParameter("session"))
+            #expect(try broker.call("GetToken", ["session": "api", "x": 1]) == .invalidParameter("x"))
+            #expect(try broker.call("Frobnicate") == .error("org.varlink.service.MethodNotFound", ["method": "io.tokenbroker.Broker.Frobnicate"]))
+            #expect(try broker.call("Watch", ["session": "api"]) == .error("org.varlink.service.ExpectedMore"))
+
+            // Status lists every session for an admin, in configuration order.
+            let sessions = try broker.call("Status").parameters["sessions"]?.arrayValue?.compactMap { $0.objectValue?["name"] }
+            #expect(sessions == ["api", "private"])
+            status = try #require(try broker.status("api"))
+            #expect(status["generation"] == 3)
+
+            // Reload keeps a session whose settings did not change (same generation, same token).
+            let before = try broker.call("GetToken", ["session": "api"]).parameters["token"]
+            #expect(try broker.call("Reload") == VarlinkReply())
+            #expect(try broker.call("GetToken", ["session": "api"]).parameters["token"] == before)
+        }
+    }
+
+    @Test("org.varlink.service: GetInfo, and the interface text byte for byte as the Python parser reads it")
+    func serviceInterface() async throws {
+        try await withBroker { broker in
+            let info = try broker.client().call("org.varlink.service.GetInfo")
+            #expect(info.parameters["interfaces"] == ["org.varlink.service", "io.tokenbroker.Broker"])
+            #expect(info.parameters["product"] == "tokenbroker")
+            let description = try broker.client().call("org.varlink.service.GetInterfaceDescription", ["interface": "io.tokenbroker.Broker"])
+            let file = try String(contentsOf: Paths.packageRoot.appendingPathComponent("Sources/TokenBrokerDaemon/io.tokenbroker.Broker.varlink"), encoding: .utf8)
+            #expect(description.parameters["description"]?.stringValue == file)
+
+            // The Python varlink client parses the description every time it opens the interface.
+            let python = try Child(Paths.varlinkPython, ["-c", """
+                import sys, varlink
+                with varlink.Client("unix:\(broker.socket)") as client, client.open("io.tokenbroker.Broker") as broker:
+                    reply = broker.GetToken("api")
+                    assert reply["tokenType"] == "Bearer" and reply["generation"] == 1, "bad reply"
+                    try:
+                        broker.GetToken("nope")
+                    except varlink.VarlinkError as error:
+                        assert error.error() == "io.tokenbroker.Broker.NoSuchSession", error.error()
+                    print("python ok")
+                """], directory: broker.directory)
+            #expect(await python.wait() == 0, "\(python.stderr)")
+            #expect(python.stdout == "python ok\n")
+        }
+    }
+
+    @Test("peers: another uid is refused where it is not allowed and served where it is")
+    func peers() async throws {
+        try await withBroker { broker in
+            let allowed = try await broker.ctl(["token", "api"], asUser: 65534)
+            #expect(allowed.code == 0 && allowed.out.hasPrefix("tbtest.") && allowed.err.isEmpty, "\(allowed.err)")
+            let refused = try await broker.ctl(["token", "private"], asUser: 65534)
+            #expect(refused.code == 77 && refused.err.hasPrefix("Error: permission denied") && refused.out.isEmpty)
+            let logout = try await broker.ctl(["logout", "api"], asUser: 65534)
+            #expect(logout.code == 77)
+            // Status shows the stranger only the session it may use.
+            let status = try await broker.ctl(["status", "--json"], asUser: 65534)
+            let sessions = try JSONParser.parse(status.out).objectValue?["sessions"]?.arrayValue?.compactMap { $0.objectValue?["name"] }
+            #expect(sessions == ["api"])
+            // The refusals were logged with uid and pid, and no token was.
+            try await eventually("refusal logged") { broker.child.stderr.contains("permission denied: io.tokenbroker.Broker.GetToken by pid") }
+            #expect(broker.child.stderr.contains("uid 65534"))
+            #expect(!broker.child.stderr.contains(allowed.out.trimmingCharacters(in: .whitespacesAndNewlines)))
+        }
+    }
+
+    @Test("concurrent `ctl token` calls from many processes share one fetch")
+    func oneFlightAcrossProcesses() async throws {
+        try await withBroker { broker in
+            // Log out and in: the session has no token, so the first demand must fetch.
+            _ = try broker.call("Logout", ["session": "api"])
+            _ = try broker.call("Login", ["session": "api", "refreshToken": "r-1"])
+            let before = try #require(try broker.status("api")?["fetches"]?.intValue)
+            let processes = 40
+            let runs = try (0..<processes).map { _ in
+                try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "token", "api"], directory: broker.directory)
+            }
+            var tokens: Set<String> = []
+            for run in runs {
+                #expect(await run.wait() == 0, "\(run.stderr)")
+                tokens.insert(run.stdout)
+            }
+            #expect(tokens.count == 1)
+            #expect(try broker.status("api")?["fetches"]?.intValue == before + 1)
+        }
+    }
+
+    @Test("ctl: status table, token alone on stdout, logout, and helpful errors")
+    func ctl() async throws {
+        try await withBroker { broker in
+            let token = try await broker.ctl(["token", "api"])
+            #expect(token.code == 0 && token.out.hasPrefix("tbtest.") && token.out.hasSuffix("\n") && token.out.split(separator: "\n").count == 1)
+            let status = try await broker.ctl(["status"])
+            #expect(status.code == 0 && status.out.hasPrefix("SESSION") && status.out.contains("api") && !status.out.contains(token.out.dropLast()))
+            let missing = try await broker.ctl(["token", "nope"])
+            #expect(missing.code == 1 && missing.err == "Error: no session named 'nope' (see `tokenbroker ctl status`)\n")
+            #expect(try await broker.ctl(["logout", "api"]).code == 0)
+            let signedOut = try await broker.ctl(["token", "api"])
+            #expect(signedOut.code == 1 && signedOut.err == "Error: not logged in: run `tokenbroker ctl login api`\n")
+        }
+    }
+
+    @Test("SIGTERM: exit 0 and the socket file is gone")
+    func sigterm() async throws {
+        let broker = try await Broker()
+        _ = try broker.call("GetToken", ["session": "api"])
+        #expect(await broker.stop() == 0)
+        #expect(!FileManager.default.fileExists(atPath: broker.socket))
+        #expect(broker.child.stderr.contains("<6>stopped"))
+    }
+
+    @Test("a bad configuration exits 78 with file:line")
+    func badConfig() async throws {
+        let broker = try await Broker(config: "[Session]\nName=api\nUpstream=test\nRefreshAhead=later\n", waitForSocket: false)
+        #expect(await broker.child.wait() == 78)
+        #expect(broker.child.stderr.contains("\(broker.configPath):4: RefreshAhead="))
+    }
+
+    @Test("a stale socket file is replaced; a live one is not taken over")
+    func staleSocket() async throws {
+        let first = try await Broker()
+        // A second daemon on the same socket finds the first one answering and refuses.
+        let second = try Child(Paths.tokenbroker, ["serve", "--config", first.configPath, "--socket", first.socket], directory: first.directory)
+        #expect(await second.wait() == 1)
+        #expect(second.stderr.contains("another instance is listening"))
+        #expect(try first.call("GetToken", ["session": "api"]).error == nil)
+        // Killed hard, the first leaves its socket file behind; a new daemon replaces it.
+        kill(first.child.process.processIdentifier, SIGKILL)
+        _ = await first.child.wait()
+        #expect(FileManager.default.fileExists(atPath: first.socket))
+        let third = try Child(Paths.tokenbroker, ["serve", "--config", first.configPath, "--socket", first.socket], directory: first.directory)
+        defer { third.terminate() }
+        try await eventually("the new daemon serves") { (try? first.call("GetToken", ["session": "api"]).error == nil) ?? false }
+    }
+
+    @Test("an oversized or malformed message closes only its own connection")
+    func badMessages() async throws {
+        try await withBroker(config: Broker.defaultConfig.replacingOccurrences(of: "SocketMode=0666", with: "SocketMode=0666\nMaxMessageSize=4K")) { broker in
+            let bystander = try broker.client()
+            #expect(try bystander.call("io.tokenbroker.Broker.GetToken", ["session": "api"]).error == nil)
+            for garbage in [Array(repeating: UInt8(ascii: "a"), count: 8192), Array("{\"method\":}".utf8) + [0]] {
+                let offender = try broker.client()
+                try offender.send(garbage)
+                #expect(try offender.nextReply().error == "io.tokenbroker.Broker.ProtocolError")
+                #expect(throws: VarlinkClientError.closed) { try offender.nextReply() }
+            }
+            #expect(try bystander.call("io.tokenbroker.Broker.GetToken", ["session": "api"]).error == nil)
+        }
+    }
+}
+
+/// Waits for a condition under a deadline, polling.
+func eventually(_ what: String, timeout: Double = 20, sourceLocation: SourceLocation = #_sourceLocation,
+                _ condition: () throws -> Bool) async throws {
+    let deadline = ContinuousClock.now + .seconds(timeout)
+    while !(try condition()) {
+        guard ContinuousClock.now < deadline else {
+            Issue.record("timed out waiting for \(what)", sourceLocation: sourceLocation)
+            throw POSIXError(.ETIMEDOUT)
+        }
+        try await Task.sleep(for: .milliseconds(5))
+    }
+}

@@ -1,0 +1,87 @@
+import Foundation
+import Testing
+import Varlink
+
+/// The real `tokenbroker serve` on a temporary socket with a temporary configuration.
+final class Broker: @unchecked Sendable {
+    // @unchecked: the fields are set once in init; `child` is only signalled and awaited.
+    let directory: String
+    let socket: String
+    let configPath: String
+    let child: Child
+
+    static let defaultConfig = """
+        [Broker]
+        SocketMode=0666
+
+        [Session]
+        Name=api
+        Upstream=test
+        AllowUsers=65534
+
+        [Session]
+        Name=private
+        Upstream=test
+
+        """
+
+    init(config: String = Broker.defaultConfig, extraArguments: [String] = [], waitForSocket wait: Bool = true) async throws {
+        directory = try Paths.temporaryDirectory()
+        chmod(directory, 0o755)   // other users (the permission tests) must reach the socket
+        socket = directory + "/broker.sock"
+        configPath = directory + "/tokenbroker.conf"
+        try config.write(toFile: configPath, atomically: true, encoding: .utf8)
+        child = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket] + extraArguments, directory: directory)
+        if wait { try await waitForSocket(socket) }
+    }
+
+    var address: VarlinkAddress { VarlinkAddress(path: socket) }
+
+    func client(timeout: Double = 20) throws -> VarlinkClient { try VarlinkClient(address: address, timeout: timeout) }
+
+    /// Calls `io.tokenbroker.Broker.<method>` on a new connection.
+    func call(_ method: String, _ parameters: JSONObject = [:]) throws -> VarlinkReply {
+        try client().call("io.tokenbroker.Broker." + method, parameters)
+    }
+
+    /// The Status entry of `session`.
+    func status(_ session: String) throws -> JSONObject? {
+        try call("Status").parameters["sessions"]?.arrayValue?.compactMap(\.objectValue).first { $0["name"] == .string(session) }
+    }
+
+    /// Runs `tokenbroker ctl --socket … <arguments>`, optionally as another user via setpriv.
+    func ctl(_ arguments: [String], asUser uid: UInt32? = nil) async throws -> (code: Int32, out: String, err: String) {
+        var executable = Paths.tokenbroker
+        var argv = ["ctl", "--socket", socket] + arguments
+        if let uid {
+            // The build directory may sit under a home only root can enter: run a copy.
+            let copy = directory + "/tokenbroker-ctl"
+            if !FileManager.default.fileExists(atPath: copy) {
+                try FileManager.default.copyItem(atPath: executable, toPath: copy)
+                chmod(copy, 0o755)
+            }
+            argv = ["--reuid=\(uid)", "--regid=\(uid)", "--clear-groups", copy] + argv
+            executable = "/usr/bin/setpriv"
+        }
+        let run = try Child(executable, argv, directory: directory)
+        let code = await run.wait()
+        return (code, run.stdout, run.stderr)
+    }
+
+    func stop() async -> Int32 {
+        child.terminate()
+        return await child.wait()
+    }
+}
+
+/// Runs `body` with a broker and always stops it (SIGTERM, then waits for the exit).
+func withBroker(config: String = Broker.defaultConfig, _ body: (Broker) async throws -> Void) async throws {
+    let broker = try await Broker(config: config)
+    do {
+        try await body(broker)
+    } catch {
+        _ = await broker.stop()
+        throw error
+    }
+    _ = await broker.stop()
+}
