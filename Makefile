@@ -12,7 +12,7 @@ APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev var
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
 
-.PHONY: all deps build release run test clean
+.PHONY: all deps build release run test bench clean
 
 all: build
 
@@ -52,3 +52,18 @@ test: deps
 
 clean:
 	rm -rf .build
+
+# Round-trip benchmark: the release daemon and the C echo floor, measured by the same load
+# generator in the same run (`../shared/bench`). Not part of `make test`.
+BENCH_DIR ?= $(CURDIR)/../shared/bench
+BENCH_SOCKET ?= /tmp/tokenbroker-bench.sock
+BENCH_CONNS ?= 1 16 64 256
+bench: release
+	@$$($(SWIFT) build -c release --show-bin-path)/tokenbroker serve --config $(CURDIR)/config/dev.conf \
+	  --socket $(BENCH_SOCKET) --log-level warning & pid=$$!; \
+	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
+	for i in $$(seq 100); do [ -S $(BENCH_SOCKET) ] && break; sleep 0.05; done; \
+	$$($(SWIFT) build -c release --show-bin-path)/tokenbroker ctl --socket $(BENCH_SOCKET) token demo >/dev/null; \
+	echo "== tokenbroker (GetToken, fresh token)"; $(BENCH_DIR)/run_baseline.sh --socket $(BENCH_SOCKET) --conns "$(BENCH_CONNS)"; \
+	echo "== C echo floor"; $(BENCH_DIR)/run_baseline.sh --modes epoll --conns "$(BENCH_CONNS)"; \
+	echo "== tokenbroker RSS (KiB): $$(ps -o rss= -p $$pid)"

@@ -36,7 +36,7 @@ var package = Package(
 
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink"]),
-        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon"]),
+        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "Varlink"]),
     ],

@@ -1,5 +1,6 @@
 import Foundation
 import Testing
+import TokenBrokerCore
 @testable import TokenBrokerDaemon
 
 /// Writes a configuration tree into a temporary directory: the main file and drop-ins.
@@ -128,5 +129,24 @@ struct ConfigTests {
         #expect(ConfigValue.duration("") == nil)
         #expect(ConfigValue.size("64K") == 65_536 && ConfigValue.size("1M") == 1 << 20 && ConfigValue.size("x") == nil)
         #expect(ConfigValue.mode("0660") == 0o660 && ConfigValue.mode("999") == nil)
+    }
+}
+
+@Suite("Shipped configuration files")
+struct ShippedConfigTests {
+    static let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
+
+    @Test("config/tokenbroker.conf with its example drop-in, and config/dev.conf, load without warnings")
+    func shipped() throws {
+        let documented = try ConfigLoader.load(path: Self.root.appendingPathComponent("config/tokenbroker.conf").path)
+        #expect(documented.warnings.isEmpty && documented == {
+            var defaults = BrokerConfiguration()
+            defaults.sessions = documented.sessions
+            return defaults
+        }())
+        let example = try #require(documented.session(named: "example"))
+        #expect(example.policy == RefreshPolicy() && example.upstream == .test(lifetime: .seconds(3600)))
+        let dev = try ConfigLoader.load(path: Self.root.appendingPathComponent("config/dev.conf").path)
+        #expect(dev.warnings.isEmpty && dev.session(named: "demo") != nil)
     }
 }

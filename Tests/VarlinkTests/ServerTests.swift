@@ -170,6 +170,19 @@ struct ServerTests {
         #expect(try client.nextReply().parameters["text"] == "fourth")
     }
 
+    @Test("calls that arrive one byte at a time, and many calls in one write, are all answered")
+    func dripAndBatch() async throws {
+        let fixture = try TestServer()
+        defer { Task { await fixture.stop() } }
+        let client = try fixture.client()
+        let call = VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": "drip"]).encoded()
+        for byte in call { try client.send([byte]) }
+        #expect(try client.nextReply().parameters["text"] == "drip")
+        let batch = (0..<200).flatMap { VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": .string("\($0)")]).encoded() }
+        try client.send(batch)
+        for index in 0..<200 { #expect(try client.nextReply().parameters["text"] == .string("\(index)")) }
+    }
+
     @Test("more streams: continues on all but the last; without more a single plain reply")
     func streams() async throws {
         let fixture = try TestServer()
