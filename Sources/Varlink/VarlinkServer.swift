@@ -192,6 +192,8 @@ public final class VarlinkServer: Sendable {
         var nextID: UInt64 = 2
         var accepting = true
         var readBuffer = [UInt8](repeating: 0, count: 65_536)
+        /// A descriptor held in reserve for accepting (and refusing) when the process runs out.
+        var spareFD = open("/dev/null", O_RDONLY | O_CLOEXEC)
 
         init(server: VarlinkServer) { self.server = server }
 
@@ -224,6 +226,7 @@ public final class VarlinkServer: Sendable {
         private mutating func shutdown() {
             for connection in Array(connections.values) { closeConnection(connection) }
             if accepting { stopListening() }
+            close(spareFD)
             close(server.epollFD)
             close(server.wakeFD)
             let waiters = server.stopped.withLock { waiters in
@@ -270,9 +273,8 @@ public final class VarlinkServer: Sendable {
                     }
                     connection.current = nil
                     server.busyCalls.subtract(1, ordering: .relaxed)
-                    processFrames(connection)
                 }
-                flush(connection)
+                pump(connection)
             }
             return false
         }
@@ -282,7 +284,17 @@ public final class VarlinkServer: Sendable {
                 let fd = tb_accept_nonblocking(server.listenFD)
                 if fd < 0 {
                     if errno == EINTR || errno == ECONNABORTED { continue }
-                    return   // EAGAIN, or out of descriptors: try again on the next readiness
+                    if errno == EMFILE || errno == ENFILE {
+                        // Out of descriptors: accept with the spare one and close at once, so
+                        // the pending connection does not keep the loop spinning.
+                        server.onEvent(.connectionLimit(nil))
+                        close(spareFD)
+                        let pending = tb_accept_nonblocking(server.listenFD)
+                        if pending >= 0 { close(pending) }
+                        spareFD = open("/dev/null", O_RDONLY | O_CLOEXEC)
+                        if pending >= 0 { continue }
+                    }
+                    return   // EAGAIN: nothing more to accept
                 }
                 let peer = UnixSocket.peer(fd)
                 guard connections.count < server.configuration.maximumConnections, let peer else {
@@ -310,7 +322,7 @@ public final class VarlinkServer: Sendable {
                 // oneway call, say), then the connection closes and its task is cancelled.
                 if flags & EPOLLIN.rawValue != 0 && wantsInput(connection) {
                     readAvailable(connection)
-                    processFrames(connection)
+                    _ = processFrames(connection)
                 }
                 closeConnection(connection)
                 return
@@ -321,17 +333,28 @@ public final class VarlinkServer: Sendable {
             }
             if flags & (EPOLLIN.rawValue | EPOLLRDHUP.rawValue) != 0 && wantsInput(connection) {
                 readAvailable(connection)
-                guard connections[connection.id] != nil else { return }
-                processFrames(connection)
-                flush(connection)
             }
+            pump(connection)
         }
 
+        /// Whether to read more from the client: not while its replies pile up, and at most
+        /// about one message's worth of calls ahead of the one in progress.
         private func wantsInput(_ connection: Connection) -> Bool {
             guard !connection.inputClosed, !connection.closeAfterFlush else { return false }
             guard connection.pendingOutput <= server.configuration.maximumPendingOutput else { return false }
-            // While a call is in progress, buffer at most one more message's worth of input.
-            return connection.current == nil || connection.decoder.pendingCount <= server.configuration.maximumMessageSize
+            return connection.decoder.pendingCount <= server.configuration.maximumMessageSize
+        }
+
+        /// Handles buffered calls and writes replies until nothing more can happen without the
+        /// client (more input, or room in the socket) or a task.
+        private mutating func pump(_ connection: Connection) {
+            while processFrames(connection) {
+                // Stopped because replies piled up: write, and go on if the client took them.
+                flush(connection)
+                guard connections[connection.id] != nil,
+                      connection.pendingOutput <= server.configuration.maximumPendingOutput else { return }
+            }
+            flush(connection)
         }
 
         private mutating func readAvailable(_ connection: Connection) {
@@ -339,8 +362,7 @@ public final class VarlinkServer: Sendable {
                 let n = readBuffer.withUnsafeMutableBytes { read(connection.fd, $0.baseAddress, $0.count) }
                 if n > 0 {
                     readBuffer.withUnsafeBytes { connection.decoder.append(UnsafeRawBufferPointer(rebasing: $0[0..<n])) }
-                    if n < readBuffer.count { return }
-                    if connection.current != nil && connection.decoder.pendingCount > server.configuration.maximumMessageSize { return }
+                    if n < readBuffer.count || connection.decoder.pendingCount > server.configuration.maximumMessageSize { return }
                     continue
                 }
                 if n == 0 {
@@ -353,31 +375,32 @@ public final class VarlinkServer: Sendable {
             }
         }
 
-        /// Handles buffered calls until one goes async, the input runs dry, or the
-        /// connection ends.
-        private mutating func processFrames(_ connection: Connection) {
-            while connection.current == nil && !connection.closeAfterFlush
-                    && connection.pendingOutput <= server.configuration.maximumPendingOutput {
+        /// Handles buffered calls until one goes async, the input runs dry, the replies pile
+        /// up (then returns true), or the connection ends.
+        private mutating func processFrames(_ connection: Connection) -> Bool {
+            while connection.current == nil && !connection.closeAfterFlush {
+                if connection.pendingOutput > server.configuration.maximumPendingOutput { return true }
                 let frame: ArraySlice<UInt8>
                 do {
                     guard let next = try connection.decoder.next() else { break }
                     frame = next
                 } catch {
                     protocolError(connection, "message larger than \(server.configuration.maximumMessageSize) bytes")
-                    return
+                    return false
                 }
                 let call: VarlinkCall
                 do {
                     call = try VarlinkCall.decode(frame)
                 } catch {
                     protocolError(connection, error.reason)
-                    return
+                    return false
                 }
                 dispatch(call, on: connection)
             }
             if connection.inputClosed && connection.current == nil && !connection.closeAfterFlush {
                 connection.closeAfterFlush = true
             }
+            return false
         }
 
         private mutating func protocolError(_ connection: Connection, _ reason: String) {

@@ -270,6 +270,33 @@ struct ServerTests {
         #expect(try other.call("io.example.Test.Echo", ["text": "served"]).parameters["text"] == "served")
     }
 
+    @Test("a slow reader gets every reply once it reads: calls held back while its output was full go on")
+    func slowReader() async throws {
+        let fixture = try TestServer(configuration: VarlinkServerConfiguration(maximumPendingOutput: 16 << 10))
+        defer { Task { await fixture.stop() } }
+        let client = try fixture.client()
+        let text = String(repeating: "y", count: 2000)
+        let count = 400
+        // 800 KB of replies, far beyond the 16 KB output limit and the socket buffers. The calls
+        // go out from another task (on a duplicate descriptor) while this one reads.
+        let batch = (0..<count).flatMap { _ in VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": .string(text)]).encoded() }
+        let writeFD = dup(client.fileDescriptor)
+        let sender = Task.detached {
+            defer { close(writeFD) }
+            var offset = 0
+            while offset < batch.count {
+                let n = batch.withUnsafeBytes { send(writeFD, $0.baseAddress! + offset, batch.count - offset, Int32(MSG_NOSIGNAL)) }
+                guard n > 0 else { throw POSIXError(.EIO) }
+                offset += n
+            }
+        }
+        for index in 0..<count {
+            let reply = try client.nextReply()
+            #expect(reply.parameters["text"]?.stringValue?.count == 2000, "reply \(index)")
+        }
+        try await sender.value
+    }
+
     @Test("thousands of idle connections; everyone still served")
     func manyIdle() async throws {
         var limit = rlimit()
