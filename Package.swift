@@ -22,11 +22,22 @@ var package = Package(
         .target(name: "TokenBrokerCore"),
         // Linux calls Swift's Glibc module lacks: epoll, eventfd, accept4, SO_PEERCRED/PEERGROUPS.
         .target(name: "CLinux"),
-        // The varlink protocol: JSON, NUL framing, calls and replies, org.varlink.service, an epoll
+        // Small shared pieces: a POSIX thread starter, form encoding, Base64 (standard library only).
+        .target(name: "Basics"),
+        // A strict JSON value type with its parser and compact encoder (standard library only).
+        .target(name: "WireJSON"),
+        // The varlink protocol: NUL framing, calls and replies, org.varlink.service, an epoll
         // server and a blocking client. Knows nothing of tokens.
-        .target(name: "Varlink", dependencies: ["CLinux"]),
+        .target(name: "Varlink", dependencies: ["Basics", "CLinux", "WireJSON"]),
+        // libcurl, through typed wrappers of its variadic setopt/getinfo functions.
+        .systemLibrary(name: "CCurl", pkgConfig: "libcurl", providers: [.apt(["libcurl4-openssl-dev"])]),
+        // The OAuth 2.0 client: one libcurl loop thread, token requests and their classification,
+        // discovery, revocation, the device flow.
+        .target(name: "Upstream", dependencies: ["Basics", "CCurl", "TokenBrokerCore", "WireJSON"]),
+        // A development OAuth 2.0 authorization server on loopback HTTP (`tokenbroker serve --dev`, tests).
+        .target(name: "DevIssuer", dependencies: ["Basics", "WireJSON"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
-        .target(name: "TokenBrokerDaemon", dependencies: ["TokenBrokerCore", "Varlink"],
+        .target(name: "TokenBrokerDaemon", dependencies: ["TokenBrokerCore", "Varlink", "Upstream", "DevIssuer"],
                 resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The command line: argv in, exit code out.
         .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerDaemon"]),
@@ -36,6 +47,7 @@ var package = Package(
 
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink"]),
+        .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "Varlink"]),

@@ -170,25 +170,34 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// Logs the session out: a new generation, no tokens, the flight cancelled and its waiters
     /// failed with `signedOut`, watchers told. Returns once the logout is durable; throws
     /// `storeFailed` when it is in effect but not yet persisted.
-    public func logout() async throws {
+    ///
+    /// - Parameter handingOver: receives the refresh token that was in force, right after the
+    ///   boundary (the daemon revokes it upstream, best effort, without delaying the logout).
+    public func logout(handingOver: @Sendable (Secret) -> Void = { _ in }) async throws {
+        let retired = machine.currentRefreshToken
         let boundary = machine.logout()
         cross(boundary)
+        if let retired { handingOver(retired) }
         if let write = boundary.write, let reason = await persist(write) {
             throw SessionError.storeFailed(reason: reason)
         }
     }
 
     /// Installs a credential under a new generation (`nil` for grants without a refresh token,
-    /// such as `client_credentials`) and returns that generation. Any flight of an earlier
-    /// generation is cancelled and can never install its token in the new one.
+    /// such as `client_credentials`) and returns that generation. `initial` is an access token
+    /// the login produced (the device grant answers one), installed with it. Any flight of an
+    /// earlier generation is cancelled and can never install its token in the new one.
     @discardableResult
-    public func login(refreshToken: Secret?) async throws -> Int {
-        let boundary = machine.beginLogin(refreshToken: refreshToken)
+    public func login(refreshToken: Secret?, initial: FetchedToken? = nil) async throws -> Int {
+        let boundary = machine.beginLogin(refreshToken: refreshToken, initial: initial, now: now(), unixNow: wall.unixTime())
         cross(boundary)
         guard let write = boundary.write else { throw SessionError.signedOut }
         let outcome = await commit(write)
         let result = machine.loginFinished(write, outcome)
         republish()
+        if case let .success(generation) = result, initial != nil, let token = machine.publishable?.token, token.generation == generation {
+            watchers.send(.token(token))
+        }
         return try result.get()
     }
 

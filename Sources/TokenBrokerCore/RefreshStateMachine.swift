@@ -120,6 +120,8 @@ public struct RefreshStateMachine: Sendable {
     private var nextFlight: UInt64 = 0
     private var lastSerial: UInt64
     private var lastRefresh: Int64?
+    /// The access token a login in progress brought along.
+    private var pendingLogin: Current?
 
     /// A coordinator's state, from what the store holds (`nil`: nothing stored yet).
     public init(session: String, policy: RefreshPolicy, restored: SessionRecord?, now: Duration, unixNow: Double) {
@@ -342,14 +344,29 @@ public struct RefreshStateMachine: Sendable {
     }
 
     /// Login, first half: ends the current generation like a logout and returns the write that
-    /// installs `refreshToken` under the new one. The session stays signed out until
+    /// installs `refreshToken` (and `initial`, an access token the login itself produced, such
+    /// as the device grant's) under the new one. The session stays signed out until
     /// `loginFinished` reports the write durable, so no token of the new generation exists
     /// before the store has it.
-    public mutating func beginLogin(refreshToken: Secret?) -> Boundary {
+    public mutating func beginLogin(refreshToken: Secret?, initial: FetchedToken? = nil, now: Duration = .zero,
+                                    unixNow: Double = 0) -> Boundary {
         var boundary = endGeneration(error: .signedOut)
         var record = self.record
         record.state = .active
         record.refreshToken = refreshToken
+        if let initial {
+            let serial = lastSerial + 1
+            pendingLogin = Current(token: initial.accessToken, tokenType: initial.tokenType,
+                                   expiresAt: initial.expiresIn.map { Int64((unixNow + $0.seconds).rounded(.down)) },
+                                   deadline: initial.expiresIn.map { now + $0 }, serial: serial)
+            record.accessToken = initial.accessToken
+            record.tokenType = initial.tokenType
+            record.expiresAt = pendingLogin?.expiresAt
+            record.tokenSerial = serial
+            record.lastRefresh = Int64(unixNow.rounded(.down))
+        } else {
+            pendingLogin = nil
+        }
         boundary.write = StoreWrite(record, guardedBy: .newerGeneration)
         return boundary
     }
@@ -359,10 +376,16 @@ public struct RefreshStateMachine: Sendable {
     /// store is told next).
     public mutating func loginFinished(_ write: StoreWrite, _ outcome: CommitOutcome) -> Result<Int, SessionError> {
         guard write.record.generation == generation, phase == .signedOut, !isShutDown else { return .failure(.signedOut) }
+        defer { pendingLogin = nil }
         switch outcome {
         case .applied:
             phase = .active
             refreshToken = write.record.refreshToken
+            if let initial = pendingLogin {
+                current = initial
+                lastSerial = initial.serial
+                lastRefresh = write.record.lastRefresh
+            }
             pendingWrite = nil
             lastError = nil
             return .success(generation)
@@ -376,6 +399,9 @@ public struct RefreshStateMachine: Sendable {
             return .failure(.storeFailed(reason: reason))
         }
     }
+
+    /// The refresh token in force (the one a logout should revoke).
+    public var currentRefreshToken: Secret? { refreshToken }
 
     /// Shutdown: the flight is dropped and its waiters get `shuttingDown`; later demands too.
     public mutating func shutdown() -> Boundary {

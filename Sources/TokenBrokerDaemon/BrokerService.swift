@@ -1,5 +1,6 @@
 import Synchronization
 import TokenBrokerCore
+import Upstream
 import Varlink
 
 typealias Coordinator = RefreshCoordinator<ContinuousClock>
@@ -9,6 +10,8 @@ final class SessionTable: Sendable {
     struct Session: Sendable {
         let configuration: SessionConfiguration
         let coordinator: Coordinator
+        /// The OAuth source of an `oauth` session (for revocation, device logins, discovery).
+        var upstream: HTTPTokenSource?
     }
 
     struct Snapshot: Sendable {
@@ -82,8 +85,9 @@ final class BrokerService: VarlinkHandler {
                 try parameters.only(["session"])
                 let session = try administer(try parameters.string("session"), peer, call)
                 logger.notice("logout of session \(session.configuration.name) by \(peer)")
+                let revoke = revocation(for: session)
                 return asyncReply(session.configuration.name) {
-                    try await session.coordinator.logout()
+                    try await session.coordinator.logout(handingOver: revoke)
                     return VarlinkReply()
                 }
             case "Login":
@@ -96,6 +100,16 @@ final class BrokerService: VarlinkHandler {
                     let generation = try await session.coordinator.login(refreshToken: refreshToken)
                     return VarlinkReply(parameters: ["generation": .int(Int64(generation))])
                 }
+            case "DeviceLogin":
+                try parameters.only(["session"])
+                let session = try administer(try parameters.string("session"), peer, call)
+                guard call.more else { return .reply(.error(VarlinkServiceError.expectedMore)) }
+                guard let upstream = session.upstream else {
+                    return .reply(.error(BrokerInterface.Error.loginFailed,
+                                         ["session": .string(session.configuration.name), "reason": "this session has no OAuth upstream"]))
+                }
+                logger.notice("device login of session \(session.configuration.name) started by \(peer)")
+                return .async { [self] sink in await deviceLogin(session, upstream, sink) }
             case "Status":
                 try parameters.only([])
                 let snapshot = sessions.snapshot
@@ -166,6 +180,64 @@ final class BrokerService: VarlinkHandler {
             } catch {
                 sink.send(reply(for: error, session: session))
             }
+        }
+    }
+
+    /// What a logout does with the refresh token it retires: revoke it upstream (RFC 7009),
+    /// best effort, in the background, so the logout is not delayed.
+    private func revocation(for session: SessionTable.Session) -> @Sendable (Secret) -> Void {
+        guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream, settings.revokeOnLogout else {
+            return { _ in }
+        }
+        let logger = self.logger
+        let name = session.configuration.name
+        return { refreshToken in
+            Task {
+                if let problem = await upstream.revoke(refreshToken) {
+                    logger.warning("revocation at logout of session \(name) failed: \(problem)")
+                }
+            }
+        }
+    }
+
+    /// DeviceLogin: start the device grant, tell the caller where to approve it, poll, and log
+    /// the session in with what it yields. The caller disconnecting cancels the polling.
+    private func deviceLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, _ sink: VarlinkReplySink) async {
+        let name = session.configuration.name
+        func failed(_ reason: String) {
+            logger.warning("device login of session \(name) failed: \(reason)")
+            sink.send(.error(BrokerInterface.Error.loginFailed, ["session": .string(name), "reason": .string(reason)]))
+        }
+        let client: OAuthClient
+        do {
+            client = try await upstream.client()
+        } catch {
+            return failed(error.reason)
+        }
+        let authorization: DeviceAuthorization
+        do {
+            authorization = try await client.startDeviceAuthorization()
+        } catch {
+            return failed(error.description)
+        }
+        var prompt: JSONObject = ["event": "prompt", "verificationUri": .string(authorization.verificationURI),
+                                  "userCode": .string(authorization.userCode),
+                                  "expiresIn": .int(Int64(authorization.expiresIn.seconds))]
+        if let complete = authorization.verificationURIComplete { prompt["verificationUriComplete"] = .string(complete) }
+        sink.send(VarlinkReply(parameters: prompt, continues: true))
+        let token: FetchedToken
+        do {
+            token = try await client.completeDeviceLogin(authorization, clock: ContinuousClock())
+        } catch {
+            if Task.isCancelled { return }
+            return failed(error.description)
+        }
+        do {
+            let generation = try await session.coordinator.login(refreshToken: token.refreshToken, initial: token)
+            logger.notice("device login of session \(name) done: generation \(generation)")
+            sink.send(VarlinkReply(parameters: ["event": "done", "generation": .int(Int64(generation))]))
+        } catch {
+            sink.send(reply(for: error, session: name))
         }
     }
 

@@ -14,6 +14,7 @@ enum Ctl {
         var socket = getenv("TOKENBROKER_SOCKET").map { String(cString: $0) } ?? BrokerConfiguration.defaultSocket
         var words: [String] = []
         var json = false
+        var refreshTokenFromStdin = false
         var index = 0
         while index < arguments.count {
             let argument = arguments[index]
@@ -27,6 +28,8 @@ enum Ctl {
                 index += 1
             case "--json":
                 json = true
+            case "--refresh-token-stdin":
+                refreshTokenFromStdin = true
             default:
                 if argument.hasPrefix("--socket=") {
                     socket = String(argument.dropFirst("--socket=".count))
@@ -39,6 +42,7 @@ enum Ctl {
             index += 1
         }
         guard let verb = words.first else { return usage("missing verb", &errors) }
+        if refreshTokenFromStdin && verb != "login" { return usage("--refresh-token-stdin belongs to login", &errors) }
         let operands = Array(words.dropFirst())
         guard let address = VarlinkAddress(socket) else { return usage("invalid socket address '\(socket)'", &errors) }
         do {
@@ -52,6 +56,16 @@ enum Ctl {
                 let reply = try call(address, "GetToken", ["session": .string(operands[0])])
                 guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
+            case "login":
+                guard operands.count == 1 else { return usage("login needs exactly one SESSION", &errors) }
+                if refreshTokenFromStdin {
+                    let token = readStandardInput()
+                    guard !token.isEmpty else { return usage("--refresh-token-stdin: standard input is empty", &errors) }
+                    let reply = try call(address, "Login", ["session": .string(operands[0]), "refreshToken": .string(token)])
+                    output.write("logged in \(operands[0]) (generation \(reply.parameters["generation"]?.intValue ?? 0))\n")
+                } else {
+                    try deviceLogin(address, operands[0], output: &output)
+                }
             case "logout":
                 guard operands.count == 1 else { return usage("logout needs exactly one SESSION", &errors) }
                 _ = try call(address, "Logout", ["session": .string(operands[0])])
@@ -74,12 +88,56 @@ enum Ctl {
         return ExitCode.usage
     }
 
+    /// The device flow: show where to approve, then wait for the daemon to finish the login.
+    static func deviceLogin(_ address: VarlinkAddress, _ session: String, output: inout some TextOutput) throws(Failure) {
+        let client: VarlinkClient
+        do {
+            // The user has as long as the code lives (minutes) to approve.
+            client = try VarlinkClient(address: address, timeout: 1800)
+        } catch {
+            throw Failure(code: ExitCode.unavailable, message: "cannot reach the broker at \(address.path): \(error) (is tokenbroker running?)")
+        }
+        var reply = try exchange(address, "DeviceLogin", ["session": .string(session)]) { (method, parameters) throws(VarlinkClientError) -> VarlinkReply in
+            try client.call(VarlinkCall(method: method, parameters: parameters, more: true))
+        }
+        if reply.parameters["event"] == "prompt" {
+            let uri = reply.parameters["verificationUri"]?.stringValue ?? "?"
+            let code = reply.parameters["userCode"]?.stringValue ?? "?"
+            output.write("To log in '\(session)', open \(uri) and enter the code \(code)\n")
+            if let complete = reply.parameters["verificationUriComplete"]?.stringValue { output.write("(or open \(complete))\n") }
+            output.write("Waiting for approval…\n")
+            reply = try exchange(address, "DeviceLogin", ["session": .string(session)]) { (_, _) throws(VarlinkClientError) -> VarlinkReply in
+                try client.nextReply()
+            }
+        }
+        output.write("logged in \(session) (generation \(reply.parameters["generation"]?.intValue ?? 0))\n")
+    }
+
+    /// The whole of standard input, without trailing line breaks.
+    static func readStandardInput() -> String {
+        var bytes: [UInt8] = []
+        var chunk = [UInt8](repeating: 0, count: 4096)
+        while bytes.count < 1 << 20 {
+            let n = chunk.withUnsafeMutableBytes { read(0, $0.baseAddress, $0.count) }
+            if n > 0 { bytes += chunk[0..<n] } else if n < 0 && errno == EINTR { continue } else { break }
+        }
+        while let last = bytes.last, last == 0x0A || last == 0x0D { bytes.removeLast() }
+        return String(decoding: bytes, as: UTF8.self)
+    }
+
     /// One call to `io.tokenbroker.Broker`; errors become messages that say what to do next.
     static func call(_ address: VarlinkAddress, _ method: String, _ parameters: JSONObject) throws(Failure) -> VarlinkReply {
+        try exchange(address, method, parameters) { (method, parameters) throws(VarlinkClientError) -> VarlinkReply in
+            try VarlinkClient(address: address, timeout: 60).call(method, parameters)
+        }
+    }
+
+    /// Runs `send` (one call or reply read) and maps what goes wrong to a `Failure`.
+    static func exchange(_ address: VarlinkAddress, _ method: String, _ parameters: JSONObject,
+                         _ send: (String, JSONObject) throws(VarlinkClientError) -> VarlinkReply) throws(Failure) -> VarlinkReply {
         let reply: VarlinkReply
         do {
-            let client = try VarlinkClient(address: address, timeout: 60)
-            reply = try client.call(BrokerInterface.name + "." + method, parameters)
+            reply = try send(BrokerInterface.name + "." + method, parameters)
         } catch {
             switch error {
             case let .unreachable(cause):
@@ -108,6 +166,8 @@ enum Ctl {
         case BrokerInterface.Error.throttled:
             let after = reply.parameters["retryAfter"]?.doubleValue ?? 0
             throw Failure(code: ExitCode.failure, message: "refresh limit reached for '\(session)': retry in \(seconds(after))")
+        case BrokerInterface.Error.loginFailed:
+            throw Failure(code: ExitCode.failure, message: "login of '\(session)' failed: \(reply.parameters["reason"]?.stringValue ?? "unknown")")
         case BrokerInterface.Error.configurationError:
             throw Failure(code: ExitCode.config, message: "configuration error: \(reply.parameters["reason"]?.stringValue ?? "")")
         default:

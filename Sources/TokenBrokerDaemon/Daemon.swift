@@ -3,6 +3,7 @@ import Glibc
 #endif
 import Dispatch
 import TokenBrokerCore
+import Upstream
 import Varlink
 
 /// `tokenbroker serve`: loads the configuration, builds one coordinator per session, serves the
@@ -14,6 +15,9 @@ public final class Daemon: Sendable {
         public var configPathGiven = false
         public var socketPath: String?
         public var logLevel = LogLevel.info
+        /// Development mode: run the development issuer in this process and serve one logged-in
+        /// session, `demo`, against it (the configuration file is not read).
+        public var dev = false
         /// How long in-flight calls may run after SIGTERM before they are cancelled.
         public var drainTimeout: Duration = .seconds(10)
 
@@ -28,9 +32,12 @@ public final class Daemon: Sendable {
     /// The configuration in force (for reloads: what changed).
     private let current: SynchronizedBox<BrokerConfiguration>
 
-    private init(options: Options, configuration: BrokerConfiguration, logger: Logger) {
+    private let development: DevelopmentSetup?
+
+    private init(options: Options, configuration: BrokerConfiguration, logger: Logger, development: DevelopmentSetup?) {
         self.options = options
         self.logger = logger
+        self.development = development
         table = SessionTable(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
         current = SynchronizedBox(configuration)
     }
@@ -38,16 +45,25 @@ public final class Daemon: Sendable {
     /// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
     public static func run(_ options: Options) async -> Int32 {
         let logger = Logger(level: options.logLevel)
+        var development: DevelopmentSetup?
+        if options.dev {
+            do {
+                development = try DevelopmentSetup()
+            } catch {
+                logger.error("cannot start the development issuer: \(error)")
+                return ExitCode.failure
+            }
+        }
         var configuration: BrokerConfiguration
         do {
-            configuration = try ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
+            configuration = try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
         } catch {
             logger.error("configuration error: \(error)")
             return ExitCode.config
         }
         for warning in configuration.warnings { logger.warning("\(warning)") }
         if let socket = options.socketPath { configuration.socketPath = socket }
-        let daemon = Daemon(options: options, configuration: configuration, logger: logger)
+        let daemon = Daemon(options: options, configuration: configuration, logger: logger, development: development)
         return await daemon.serve(configuration)
     }
 
@@ -88,6 +104,11 @@ public final class Daemon: Sendable {
         }
         server.start()
         logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
+        if let development, let demo = table.snapshot.sessions[DevelopmentSetup.session] {
+            await development.logIn(demo.coordinator)
+            var output = FileOutput.standardOutput
+            output.write(development.guide(socket: configuration.socketPath))
+        }
 
         for await signal in Signals.stream([SIGTERM, SIGINT, SIGHUP]) {
             if signal == SIGHUP {
@@ -108,6 +129,7 @@ public final class Daemon: Sendable {
         if server.callsInProgress > 0 { logger.warning("\(server.callsInProgress) call(s) still running at the deadline; cancelling") }
         for session in table.snapshot.sessions.values { await session.coordinator.shutdown() }
         await server.stop()
+        development?.issuer.stop()
         logger.info("stopped")
         return ExitCode.ok
     }
@@ -116,7 +138,7 @@ public final class Daemon: Sendable {
     private func reload() async -> String? {
         var configuration: BrokerConfiguration
         do {
-            configuration = try ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
+            configuration = try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
         } catch {
             return "\(error)"
         }
@@ -137,10 +159,13 @@ public final class Daemon: Sendable {
         var retired: [Coordinator] = []
         for session in configuration.sessions {
             if let existing = previous.sessions[session.name], !session.needsNewCoordinator(comparedTo: existing.configuration) {
-                snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: existing.coordinator)
+                // Same upstream and policy: keep tokens and flights; re-read discovery metadata.
+                existing.upstream?.resetDiscovery()
+                snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: existing.coordinator,
+                                                                       upstream: existing.upstream)
             } else {
                 if let existing = previous.sessions[session.name] { retired.append(existing.coordinator) }
-                snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: await makeCoordinator(session))
+                snapshot.sessions[session.name] = await makeSession(session)
             }
             snapshot.order.append(session.name)
         }
@@ -150,15 +175,31 @@ public final class Daemon: Sendable {
         for coordinator in retired { await coordinator.shutdown() }
     }
 
-    private func makeCoordinator(_ session: SessionConfiguration) async -> Coordinator {
+    private func makeSession(_ session: SessionConfiguration) async -> SessionTable.Session {
+        let source: any TokenSource
+        var upstream: HTTPTokenSource?
         switch session.upstream {
         case let .test(lifetime):
-            let coordinator = Coordinator(session: session.name, policy: session.policy, source: TestTokenSource(lifetime: lifetime),
-                                          store: InMemorySessionStore(), clock: ContinuousClock(), wall: SystemWallClock())
+            source = TestTokenSource(lifetime: lifetime)
+        case let .oauth(settings):
+            let http = HTTPTokenSource(grant: settings.grant, configuration: settings.client.configuration,
+                                       endpoints: settings.endpoints, issuer: settings.issuer)
+            source = http
+            upstream = http
+        }
+        let coordinator = Coordinator(session: session.name, policy: session.policy, source: source,
+                                      store: InMemorySessionStore(), clock: ContinuousClock(), wall: SystemWallClock())
+        switch session.upstream {
+        case .test:
             // A test upstream needs no credential: it starts logged in.
             _ = try? await coordinator.login(refreshToken: nil)
-            return coordinator
+        case let .oauth(settings) where settings.grant == .clientCredentials:
+            // client_credentials needs no login either: the grant itself is the credential.
+            _ = try? await coordinator.login(refreshToken: nil)
+        case .oauth:
+            break   // refresh_token sessions wait for a login (Login or DeviceLogin)
         }
+        return SessionTable.Session(configuration: session, coordinator: coordinator, upstream: upstream)
     }
 
     private func raiseDescriptorLimit(to wanted: Int) {

@@ -16,7 +16,7 @@ enum Help {
 
         SUBCOMMANDS:
           serve                   Run the daemon.
-          ctl <verb>              Talk to the running daemon (status, token, logout).
+          ctl <verb>              Talk to the running daemon (status, token, login, logout).
           check-config            Validate the configuration and exit.
           help [<subcommand>]     Show help for a subcommand, e.g. `tokenbroker help ctl token`.
 
@@ -32,7 +32,7 @@ enum Help {
         until SIGTERM or SIGINT. SIGHUP re-reads the configuration. Logs go to stderr with <N>
         priority prefixes (journald reads them).
 
-        USAGE: tokenbroker serve [--config <path>] [--socket <path>] [--log-level <level>]
+        USAGE: tokenbroker serve [--config <path>] [--socket <path>] [--log-level <level>] [--dev]
 
         OPTIONS:
           --config <path>         Configuration file (default /etc/tokenbroker/tokenbroker.conf;
@@ -40,10 +40,14 @@ enum Help {
           --socket <path>         Socket to listen on (overrides Socket=; default
                                   /run/tokenbroker/io.tokenbroker.Broker).
           --log-level <level>     emerg, alert, crit, err, warning, notice, info (default), debug.
+          --dev                   Development mode: start a development OAuth server in this
+                                  process and serve one logged-in session, `demo`, against it
+                                  (no configuration file is read).
           -h, --help              Show this help.
 
-        EXAMPLE:
+        EXAMPLES:
           tokenbroker serve --config /etc/tokenbroker/tokenbroker.conf
+          tokenbroker serve --dev --socket /tmp/tokenbroker.sock
 
         """
 
@@ -67,7 +71,7 @@ enum Help {
     static let ctl = """
         OVERVIEW: Talk to the running tokenbroker daemon.
 
-        USAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>]
+        USAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>] [<verb options>]
 
         OPTIONS:
           --socket <path>         The broker's socket (default $TOKENBROKER_SOCKET, else
@@ -78,6 +82,7 @@ enum Help {
         SUBCOMMANDS:
           status                  Show the sessions this user may use.
           token <session>         Print the session's current access token alone, for $(…).
+          login <session>         Log the session in: device flow, or --refresh-token-stdin (admin).
           logout <session>        Log the session out (admin).
 
         EXAMPLE:
@@ -134,8 +139,30 @@ enum Help {
 
         """
 
+    static let ctlLogin = """
+        OVERVIEW: Log a session in (admin).
+
+        By default runs the OAuth device flow (RFC 8628): prints where to approve the login and
+        the code to enter, then waits until the daemon has the new tokens. With
+        --refresh-token-stdin, installs the refresh token read from standard input instead.
+        Either way the session starts a new generation.
+
+        USAGE: tokenbroker ctl [--socket <path>] login <session> [--refresh-token-stdin]
+
+        OPTIONS:
+          --refresh-token-stdin   Read a refresh token from standard input (not from argv, where
+                                  other users could see it).
+          -h, --help              Show this help.
+
+        EXAMPLES:
+          tokenbroker ctl login api
+          tokenbroker ctl login api --refresh-token-stdin < /run/secrets/api-refresh-token
+
+        """
+
     static func ctlVerb(_ verb: String) -> String? {
         switch verb {
+        case "login": return ctlLogin
         case "status": return ctlStatus
         case "token": return ctlToken
         case "logout": return ctlLogout

@@ -85,6 +85,8 @@ public enum TokenBrokerCommand {
                     return usageError("--socket needs an absolute path", Help.serve, &errors)
                 }
                 options.socketPath = path
+            case "--dev":
+                options.dev = true
             case "--log-level":
                 guard let name = inline ?? value(argument), let level = LogLevel(name: name) else {
                     return usageError("--log-level needs one of emerg, alert, crit, err, warning, notice, info, debug", Help.serve, &errors)

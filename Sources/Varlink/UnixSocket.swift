@@ -145,20 +145,3 @@ public struct PeerCredentials: Sendable, Equatable, CustomStringConvertible {
 
     public var description: String { "pid \(pid) uid \(uid)" }
 }
-
-/// Starts a detached POSIX thread that runs `body`.
-func spawnThread(_ body: @escaping @Sendable () -> Void) {
-    final class Box: Sendable {
-        let body: @Sendable () -> Void
-        init(_ body: @escaping @Sendable () -> Void) { self.body = body }
-    }
-    let context = Unmanaged.passRetained(Box(body)).toOpaque()
-    var thread = pthread_t()
-    let rc = pthread_create(&thread, nil, { context in
-        let box = Unmanaged<Box>.fromOpaque(context!).takeRetainedValue()
-        box.body()
-        return nil
-    }, context)
-    precondition(rc == 0, "pthread_create failed: \(rc)")
-    pthread_detach(thread)
-}

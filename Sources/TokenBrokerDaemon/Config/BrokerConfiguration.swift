@@ -1,4 +1,5 @@
 import TokenBrokerCore
+import Upstream
 
 /// The daemon's configuration: the `[Broker]` section and every `[Session]`.
 public struct BrokerConfiguration: Sendable, Equatable {
@@ -39,6 +40,42 @@ public struct SessionConfiguration: Sendable, Equatable {
     public enum Upstream: Sendable, Equatable {
         /// Tokens minted inside the daemon, for development and tests only: no network.
         case test(lifetime: Duration)
+        /// An OAuth 2.0 authorization server.
+        case oauth(OAuthSettings)
+    }
+
+    /// How to reach and authenticate to the authorization server.
+    public struct OAuthSettings: Sendable, Equatable {
+        public var grant: OAuthGrant = .refreshToken
+        /// The issuer identifier, for RFC 8414 discovery (explicit endpoints win).
+        public var issuer: String?
+        public var tokenEndpoint: String?
+        public var revocationEndpoint: String?
+        public var deviceAuthorizationEndpoint: String?
+        public var client: OAuthClientSettings
+        /// Revoke the refresh token at logout when a revocation endpoint is known.
+        public var revokeOnLogout = true
+
+        public var endpoints: OAuthEndpoints? {
+            guard tokenEndpoint != nil || revocationEndpoint != nil || deviceAuthorizationEndpoint != nil else { return nil }
+            return OAuthEndpoints(token: tokenEndpoint ?? "", revocation: revocationEndpoint, deviceAuthorization: deviceAuthorizationEndpoint)
+        }
+    }
+
+    /// The client part of the OAuth settings (its secret is read from a file or credential).
+    public struct OAuthClientSettings: Sendable, Equatable {
+        public var clientID = ""
+        public var clientSecret: Secret?
+        public var authentication = ClientAuthentication.basic
+        public var scope: String?
+        public var tls = TLSOptions()
+        public var connectTimeout: Duration = .seconds(5)
+        public var timeout: Duration = .seconds(30)
+
+        public var configuration: OAuthClientConfiguration {
+            OAuthClientConfiguration(clientID: clientID, clientSecret: clientSecret, authentication: authentication, scope: scope,
+                                     tls: tls, connectTimeout: connectTimeout, timeout: timeout)
+        }
     }
 
     public var name: String

@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import TokenBrokerCore
+import Upstream
 
 /// Reads `tokenbroker.conf` and the drop-ins in `tokenbroker.conf.d/*.conf` (in name order) into
 /// a `BrokerConfiguration`.
@@ -88,12 +89,13 @@ public enum ConfigLoader {
 
     private static func session(_ name: String, origin: INISection, entries: [INIEntry],
                                 warnings: inout [ConfigError]) throws(ConfigError) -> SessionConfiguration {
-        var upstream: String?
-        var upstreamEntry: INIEntry?
+        var kind = "oauth"
         var lifetime = Duration.seconds(3600)
         var users: [UInt32] = []
         var groups: [UInt32] = []
         var policy = RefreshPolicy()
+        var oauth = SessionConfiguration.OAuthSettings(client: SessionConfiguration.OAuthClientSettings())
+        var secretSources: [INIEntry] = []
         for entry in entries {
             func fail(_ message: String) -> ConfigError { ConfigError(file: entry.file, line: entry.line, message) }
             func duration(_ range: ClosedRange<Duration>) throws(ConfigError) -> Duration {
@@ -102,17 +104,60 @@ public enum ConfigLoader {
                 }
                 return value
             }
+            func url() throws(ConfigError) -> String? {
+                guard !entry.value.isEmpty else { return nil }
+                if let problem = EndpointPolicy.problem(with: entry.value) { throw fail("\(entry.key)=: \(problem)") }
+                return entry.value
+            }
+            func file() throws(ConfigError) -> String? {
+                guard !entry.value.isEmpty else { return nil }
+                guard entry.value.hasPrefix("/") else { throw fail("\(entry.key)= needs an absolute path") }
+                guard access(entry.value, R_OK) == 0 else { throw fail("\(entry.key)=: cannot read \(entry.value)") }
+                return entry.value
+            }
             switch entry.key {
             case "Name":
                 break
             case "Upstream":
-                guard entry.value == "test" else {
-                    throw fail("Upstream= must be 'test' (OAuth upstreams are not supported by this build yet)")
-                }
-                upstream = entry.value
-                upstreamEntry = entry
+                guard entry.value == "oauth" || entry.value == "test" else { throw fail("Upstream= must be 'oauth' or 'test'") }
+                kind = entry.value
             case "TestTokenLifetime":
                 lifetime = try duration(.seconds(1)...Duration.seconds(86400 * 30))
+            case "Grant":
+                guard let grant = OAuthGrant(rawValue: entry.value) else { throw fail("Grant= must be refresh_token or client_credentials") }
+                oauth.grant = grant
+            case "Issuer":
+                oauth.issuer = try url()
+            case "TokenEndpoint":
+                oauth.tokenEndpoint = try url()
+            case "RevocationEndpoint":
+                oauth.revocationEndpoint = try url()
+            case "DeviceAuthorizationEndpoint":
+                oauth.deviceAuthorizationEndpoint = try url()
+            case "ClientID":
+                oauth.client.clientID = entry.value
+            case "ClientSecretFile", "ClientSecretCredential", "ClientSecret":
+                secretSources.append(entry)
+            case "ClientAuthentication":
+                guard let method = ClientAuthentication(rawValue: entry.value) else {
+                    throw fail("ClientAuthentication= must be client_secret_basic, client_secret_post or none")
+                }
+                oauth.client.authentication = method
+            case "Scope":
+                oauth.client.scope = entry.value.isEmpty ? nil : entry.value
+            case "CAFile":
+                oauth.client.tls.caFile = try file()
+            case "ClientCertificate":
+                oauth.client.tls.clientCertificate = try file()
+            case "ClientKey":
+                oauth.client.tls.clientKey = try file()
+            case "ConnectTimeout":
+                oauth.client.connectTimeout = try duration(.milliseconds(100)...Duration.seconds(300))
+            case "RequestTimeout":
+                oauth.client.timeout = try duration(.milliseconds(100)...Duration.seconds(600))
+            case "RevokeOnLogout":
+                guard let value = ConfigValue.bool(entry.value) else { throw fail("RevokeOnLogout= must be yes or no") }
+                oauth.revokeOnLogout = value
             case "AllowUsers":
                 if entry.value.isEmpty { users = [] }
                 for word in ConfigValue.list(entry.value) { users.append(try resolve(word, entry, Identity.userID)) }
@@ -134,14 +179,65 @@ public enum ConfigLoader {
                 warnings.append(fail("unknown key \(entry.key)= in [Session] \(name), ignored"))
             }
         }
-        guard upstream != nil else {
-            throw ConfigError(file: origin.file, line: origin.line, "[Session] \(name) needs Upstream=")
-        }
-        if policy.backoff.maximum < policy.backoff.initial, let entry = entries.last(where: { $0.key == "BackoffMax" }) ?? upstreamEntry {
+        if policy.backoff.maximum < policy.backoff.initial, let entry = entries.last(where: { $0.key == "BackoffMax" }) {
             throw ConfigError(file: entry.file, line: entry.line, "BackoffMax= is shorter than BackoffInitial=")
         }
-        return SessionConfiguration(name: name, upstream: .test(lifetime: lifetime), allowUsers: users, allowGroups: groups,
+        let upstream: SessionConfiguration.Upstream
+        if kind == "test" {
+            upstream = .test(lifetime: lifetime)
+        } else {
+            guard !oauth.client.clientID.isEmpty else {
+                throw ConfigError(file: origin.file, line: origin.line, "[Session] \(name) needs ClientID= (or Upstream=test)")
+            }
+            guard oauth.issuer != nil || oauth.tokenEndpoint != nil else {
+                throw ConfigError(file: origin.file, line: origin.line, "[Session] \(name) needs TokenEndpoint= or Issuer=")
+            }
+            if (oauth.client.tls.clientCertificate == nil) != (oauth.client.tls.clientKey == nil),
+               let entry = entries.last(where: { $0.key == "ClientCertificate" || $0.key == "ClientKey" }) {
+                throw ConfigError(file: entry.file, line: entry.line, "ClientCertificate= and ClientKey= go together")
+            }
+            if let source = secretSources.last {
+                oauth.client.clientSecret = try readSecret(source, warnings: &warnings)
+            } else if oauth.client.authentication != .none {
+                throw ConfigError(file: origin.file, line: origin.line,
+                                  "[Session] \(name) needs ClientSecretFile= or ClientSecretCredential= (or ClientAuthentication=none)")
+            }
+            upstream = .oauth(oauth)
+        }
+        return SessionConfiguration(name: name, upstream: upstream, allowUsers: users, allowGroups: groups,
                                     policy: policy, origin: "\(origin.file):\(origin.line)")
+    }
+
+    /// A client secret from a file, a systemd credential (`$CREDENTIALS_DIRECTORY/NAME`), or —
+    /// discouraged, with a warning — the configuration itself. Trailing newlines are dropped.
+    private static func readSecret(_ entry: INIEntry, warnings: inout [ConfigError]) throws(ConfigError) -> Secret {
+        func fail(_ message: String) -> ConfigError { ConfigError(file: entry.file, line: entry.line, message) }
+        let path: String
+        switch entry.key {
+        case "ClientSecret":
+            warnings.append(fail("ClientSecret= puts a secret in a configuration file that may be world-readable; "
+                                 + "use ClientSecretFile= or ClientSecretCredential= (LoadCredential=) instead"))
+            guard !entry.value.isEmpty else { throw fail("ClientSecret= is empty") }
+            return Secret(entry.value)
+        case "ClientSecretCredential":
+            guard let directory = getenv("CREDENTIALS_DIRECTORY").map({ String(cString: $0) }) else {
+                throw fail("ClientSecretCredential=: $CREDENTIALS_DIRECTORY is not set (use LoadCredential= in the unit)")
+            }
+            guard !entry.value.isEmpty, !entry.value.contains("/") else { throw fail("ClientSecretCredential= needs a credential name") }
+            path = directory + "/" + entry.value
+        default:
+            guard entry.value.hasPrefix("/") else { throw fail("ClientSecretFile= needs an absolute path") }
+            path = entry.value
+        }
+        switch FileSystem.readText(path) {
+        case let .success(text):
+            var secret = Substring(text)
+            while let last = secret.last, last == "\n" || last == "\r" { secret = secret.dropLast() }
+            guard !secret.isEmpty else { throw fail("\(entry.key)=: \(path) is empty") }
+            return Secret(String(secret))
+        case let .failure(error):
+            throw fail("\(entry.key)=: cannot read \(path): \(error)")
+        }
     }
 
     private static func group(_ entry: INIEntry) throws(ConfigError) -> UInt32 {

@@ -1,0 +1,493 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Basics
+import Dispatch
+import Synchronization
+import WireJSON
+
+/// A small OAuth 2.0 authorization server on loopback HTTP/1.1, for development and tests.
+///
+/// - Refresh-token rotation with reuse detection: every refresh answers a new refresh token
+///   and retires the old one; presenting a retired one revokes its whole family (RFC 9700
+///   §4.14.2), so the legitimate holder's newest token dies too.
+/// - `client_credentials`, the device flow (RFC 8628) with an approve hook, revocation
+///   (RFC 7009), metadata (RFC 8414), and a protected resource at `/resource` that answers 200
+///   for a valid token and 401 `invalid_token` otherwise.
+/// - Counters per grant, and faults injected into the next token requests.
+///
+/// Clients authenticate with `client_secret_basic` or `client_secret_post`.
+public final class DevIssuer: Sendable {
+    public struct Options: Sendable {
+        public var port: UInt16 = 0
+        public var accessTokenLifetime: Duration = .seconds(3600)
+        /// Registered clients: id → secret.
+        public var clients: [String: String] = ["tokenbroker": "dev-secret"]
+        /// Polling interval the device flow asks for.
+        public var deviceInterval: Duration = .seconds(5)
+        public var deviceExpiresIn: Duration = .seconds(600)
+
+        public init() {}
+    }
+
+    /// A fault applied to the next token endpoint request (one fault per request, in order).
+    public enum Fault: Sendable, Equatable {
+        /// Answer after this delay.
+        case delay(Duration)
+        /// Answer with this status and a JSON OAuth error (`nil`: an empty body), and
+        /// optionally `Retry-After`.
+        case status(Int, error: String?, retryAfter: Int?)
+        /// 200 with a body that is not JSON.
+        case malformedBody
+        /// Close the connection without answering, *after* processing the request (a lost
+        /// answer: a rotation the client never sees).
+        case dropAfterProcessing
+        /// Answer one byte at a time, this far apart.
+        case trickle(Duration)
+        /// Hold the request until `releaseHeld()` (then process it normally).
+        case hold
+    }
+
+    /// Requests per kind, for tests and `/_dev/counters`.
+    public struct Counters: Sendable, Equatable {
+        public var refreshGrants = 0
+        public var clientCredentialsGrants = 0
+        public var deviceGrants = 0
+        public var deviceAuthorizations = 0
+        public var revocations = 0
+        public var resourceRequests = 0
+        public var metadataRequests = 0
+        /// Refresh requests that presented a retired refresh token (each revoked a family).
+        public var replays = 0
+        /// All token endpoint requests, whatever their outcome.
+        public var tokenRequests = 0
+    }
+
+    private struct RefreshRecord {
+        var family: Int
+        var retired = false
+    }
+
+    private struct AccessRecord {
+        var family: Int?
+        var expiresAt: Double
+        var revoked = false
+    }
+
+    private struct Device {
+        var userCode: String
+        var clientID: String
+        var state: String = "pending"   // pending, approved, denied
+        var expiresAt: Double
+        var lastPoll: Double?
+        var interval: Double
+    }
+
+    private struct State {
+        var refreshTokens: [String: RefreshRecord] = [:]
+        var accessTokens: [String: AccessRecord] = [:]
+        var revokedFamilies: Set<Int> = []
+        var familyClients: [Int: String] = [:]
+        var nextFamily = 0
+        var devices: [String: Device] = [:]
+        var counters = Counters()
+        var faults: [Fault] = []
+        /// The newest refresh token of each family.
+        var newest: [Int: String] = [:]
+        var held = 0
+    }
+
+    private let options: Options
+    private let state = Mutex(State())
+    private let gate = DispatchSemaphore(value: 0)
+    private let server = Mutex<LoopbackHTTPServer?>(nil)
+    public let port: UInt16
+
+    public init(options: Options = Options()) throws {
+        self.options = options
+        let box = HandlerBox()
+        let server = try LoopbackHTTPServer(port: options.port) { request in box.handle(request) }
+        port = server.port
+        self.server.withLock { $0 = server }
+        box.issuer.withLock { $0 = self }
+    }
+
+    /// Breaks the init-time cycle: the server needs a handler before the issuer exists.
+    private final class HandlerBox: Sendable {
+        let issuer = Mutex<DevIssuer?>(nil)
+        func handle(_ request: HTTPServerRequest) -> HTTPServerAction {
+            guard let issuer = issuer.withLock({ $0 }) else { return .drop }
+            return issuer.route(request)
+        }
+    }
+
+    /// `http://127.0.0.1:PORT`, the issuer identifier.
+    public var baseURL: String { "http://127.0.0.1:\(port)" }
+    public var tokenEndpoint: String { baseURL + "/token" }
+    public var revocationEndpoint: String { baseURL + "/revoke" }
+    public var deviceAuthorizationEndpoint: String { baseURL + "/device_authorization" }
+    public var resourceURL: String { baseURL + "/resource" }
+
+    public func stop() {
+        releaseHeld()
+        server.withLock { $0?.stop() }
+    }
+
+    // MARK: - Test and development hooks
+
+    /// A new refresh token in a new family, as if `clientID` had completed a login.
+    public func issueRefreshToken(clientID: String = "tokenbroker") -> String {
+        state.withLock { state in
+            let family = state.nextFamily
+            state.nextFamily += 1
+            state.familyClients[family] = clientID
+            return mintRefresh(&state, family: family)
+        }
+    }
+
+    /// Queues faults for the next token endpoint requests.
+    public func inject(_ faults: [Fault]) {
+        state.withLock { $0.faults += faults }
+    }
+
+    /// Lets every request held by a `.hold` fault go on.
+    public func releaseHeld() {
+        let held = state.withLock { state in
+            defer { state.held = 0 }
+            return state.held
+        }
+        for _ in 0..<held { gate.signal() }
+    }
+
+    /// Requests currently held.
+    public var heldCount: Int { state.withLock { $0.held } }
+
+    public var counters: Counters { state.withLock { $0.counters } }
+
+    /// Approves (or denies) the device login showing `userCode`; false if there is none.
+    @discardableResult
+    public func decide(userCode: String, approve: Bool) -> Bool {
+        state.withLock { state in
+            guard let code = state.devices.first(where: { $0.value.userCode == userCode && $0.value.state == "pending" })?.key else { return false }
+            state.devices[code]?.state = approve ? "approved" : "denied"
+            return true
+        }
+    }
+
+    /// The user codes waiting for a decision.
+    public var pendingUserCodes: [String] {
+        state.withLock { $0.devices.values.filter { $0.state == "pending" }.map(\.userCode) }
+    }
+
+    /// The newest refresh token of the family `token` belongs to, and whether that family is
+    /// revoked (for crash tests: what the issuer last issued).
+    public func family(of token: String) -> (newest: String, revoked: Bool)? {
+        state.withLock { state in
+            guard let family = state.refreshTokens[token]?.family, let newest = state.newest[family] else { return nil }
+            return (newest, state.revokedFamilies.contains(family))
+        }
+    }
+
+    /// Whether `token` is a live access token.
+    public func isValidAccessToken(_ token: String) -> Bool {
+        state.withLock { Self.valid(token, in: $0) }
+    }
+
+    // MARK: - Routing
+
+    private func route(_ request: HTTPServerRequest) -> HTTPServerAction {
+        switch (request.method, request.path) {
+        case ("POST", "/token"): return token(request)
+        case ("POST", "/device_authorization"): return deviceAuthorization(request)
+        case ("POST", "/revoke"): return revoke(request)
+        case ("GET", "/.well-known/oauth-authorization-server"), ("GET", "/.well-known/openid-configuration"): return metadata()
+        case ("GET", "/resource"), ("POST", "/resource"), ("PUT", "/resource"): return resource(request)
+        case ("GET", "/device"): return devicePage(request)
+        case ("GET", "/_dev/counters"): return counterReport()
+        default: return Self.json(404, ["error": "not_found"])
+        }
+    }
+
+    private func metadata() -> HTTPServerAction {
+        state.withLock { $0.counters.metadataRequests += 1 }
+        return Self.json(200, [
+            "issuer": .string(baseURL),
+            "token_endpoint": .string(tokenEndpoint),
+            "revocation_endpoint": .string(revocationEndpoint),
+            "device_authorization_endpoint": .string(deviceAuthorizationEndpoint),
+            "grant_types_supported": ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code"],
+            "token_endpoint_auth_methods_supported": ["client_secret_basic", "client_secret_post"],
+            "response_types_supported": ["code"],
+        ])
+    }
+
+    /// The client the request authenticates as, or the error answer (RFC 6749 §2.3.1: exactly
+    /// one method).
+    private enum Authentication {
+        case client(String)
+        case refused(HTTPServerAction)
+    }
+
+    private func authenticate(_ request: HTTPServerRequest, _ form: [String: String]) -> Authentication {
+        var credentials: (String, String)?
+        if let header = request.header("authorization"), header.hasPrefix("Basic ") {
+            guard form["client_secret"] == nil, let decoded = Base64.decode(String(header.dropFirst(6))),
+                  let colon = decoded.firstIndex(of: UInt8(ascii: ":")) else {
+                return .refused(Self.invalidClient())
+            }
+            credentials = (FormEncoding.unescape(String(decoding: decoded[..<colon], as: UTF8.self)),
+                           FormEncoding.unescape(String(decoding: decoded[(colon + 1)...], as: UTF8.self)))
+        } else if let id = form["client_id"], let secret = form["client_secret"] {
+            credentials = (id, secret)
+        }
+        guard let (id, secret) = credentials, let expected = options.clients[id], expected == secret else {
+            return .refused(Self.invalidClient())
+        }
+        return .client(id)
+    }
+
+    private func token(_ request: HTTPServerRequest) -> HTTPServerAction {
+        let fault: Fault? = state.withLock { state in
+            state.counters.tokenRequests += 1
+            return state.faults.isEmpty ? nil : state.faults.removeFirst()
+        }
+        switch fault {
+        case let .status(status, error, retryAfter)?:
+            var headers: [(String, String)] = [("Content-Type", "application/json")]
+            if let retryAfter { headers.append(("Retry-After", "\(retryAfter)")) }
+            return .respond(status: status, headers: headers, body: error.map { JSON.object(["error": .string($0)]).encoded } ?? [])
+        case .malformedBody?:
+            return .respond(status: 200, headers: [("Content-Type", "application/json")], body: Array("{\"access_token\": ".utf8))
+        case .hold?:
+            state.withLock { $0.held += 1 }
+            gate.wait()
+        default:
+            break
+        }
+        var answer = grant(request)
+        switch fault {
+        case let .delay(delay)?:
+            if case let .respond(status, headers, body, _, _) = answer { answer = .respond(status: status, headers: headers, body: body, delay: delay) }
+        case let .trickle(pause)?:
+            if case let .respond(status, headers, body, _, _) = answer { answer = .respond(status: status, headers: headers, body: body, trickle: pause) }
+        case .dropAfterProcessing?:
+            return .drop
+        default:
+            break
+        }
+        return answer
+    }
+
+    private func grant(_ request: HTTPServerRequest) -> HTTPServerAction {
+        let form = Dictionary(FormEncoding.decode(String(decoding: request.body, as: UTF8.self)), uniquingKeysWith: { first, _ in first })
+        let clientID: String
+        switch authenticate(request, form) {
+        case let .client(id): clientID = id
+        case let .refused(answer): return answer
+        }
+        switch form["grant_type"] {
+        case "refresh_token":
+            guard let presented = form["refresh_token"] else { return Self.oauthError("invalid_request") }
+            return state.withLock { state in
+                state.counters.refreshGrants += 1
+                guard let record = state.refreshTokens[presented], state.familyClients[record.family] == clientID else {
+                    return Self.oauthError("invalid_grant")
+                }
+                if record.retired {
+                    // Reuse of a rotated token: revoke the whole family.
+                    state.counters.replays += 1
+                    state.revokedFamilies.insert(record.family)
+                    return Self.oauthError("invalid_grant")
+                }
+                guard !state.revokedFamilies.contains(record.family) else { return Self.oauthError("invalid_grant") }
+                state.refreshTokens[presented]?.retired = true
+                let refresh = mintRefresh(&state, family: record.family)
+                return tokenAnswer(mintAccess(&state, family: record.family), refresh: refresh)
+            }
+        case "client_credentials":
+            return state.withLock { state in
+                state.counters.clientCredentialsGrants += 1
+                return tokenAnswer(mintAccess(&state, family: nil), refresh: nil)
+            }
+        case "urn:ietf:params:oauth:grant-type:device_code":
+            guard let code = form["device_code"] else { return Self.oauthError("invalid_request") }
+            return state.withLock { state in
+                state.counters.deviceGrants += 1
+                guard var device = state.devices[code], device.clientID == clientID else { return Self.oauthError("invalid_grant") }
+                let now = Self.now()
+                if now >= device.expiresAt {
+                    state.devices[code] = nil
+                    return Self.oauthError("expired_token")
+                }
+                switch device.state {
+                case "denied":
+                    state.devices[code] = nil
+                    return Self.oauthError("access_denied")
+                case "approved":
+                    state.devices[code] = nil
+                    let family = state.nextFamily
+                    state.nextFamily += 1
+                    state.familyClients[family] = clientID
+                    let refresh = mintRefresh(&state, family: family)
+                    return tokenAnswer(mintAccess(&state, family: family), refresh: refresh)
+                default:
+                    let tooSoon = device.lastPoll.map { now - $0 < device.interval - 0.05 } ?? false
+                    device.lastPoll = now
+                    state.devices[code] = device
+                    return Self.oauthError(tooSoon ? "slow_down" : "authorization_pending")
+                }
+            }
+        default:
+            return Self.oauthError("unsupported_grant_type")
+        }
+    }
+
+    private func deviceAuthorization(_ request: HTTPServerRequest) -> HTTPServerAction {
+        let form = Dictionary(FormEncoding.decode(String(decoding: request.body, as: UTF8.self)), uniquingKeysWith: { first, _ in first })
+        let clientID: String
+        switch authenticate(request, form) {
+        case let .client(id): clientID = id
+        case let .refused(answer): return answer
+        }
+        let code = Self.random(32)
+        let userCode = Self.userCode()
+        state.withLock { state in
+            state.counters.deviceAuthorizations += 1
+            state.devices[code] = Device(userCode: userCode, clientID: clientID, expiresAt: Self.now() + options.deviceExpiresIn.secondsValue,
+                                         interval: options.deviceInterval.secondsValue)
+        }
+        return Self.json(200, [
+            "device_code": .string(code), "user_code": .string(userCode),
+            "verification_uri": .string(baseURL + "/device"),
+            "verification_uri_complete": .string(baseURL + "/device?user_code=" + userCode),
+            "expires_in": .int(Int64(options.deviceExpiresIn.secondsValue)),
+            "interval": .int(Int64(max(1, options.deviceInterval.secondsValue.rounded(.up)))),
+        ])
+    }
+
+    /// `GET /device?user_code=X&action=approve|deny`: the approve hook a person (or a test) uses.
+    private func devicePage(_ request: HTTPServerRequest) -> HTTPServerAction {
+        let query = Dictionary(request.query, uniquingKeysWith: { first, _ in first })
+        guard let userCode = query["user_code"] else {
+            return .respond(status: 200, headers: [("Content-Type", "text/plain")],
+                            body: Array("tokenbroker development issuer: open /device?user_code=CODE&action=approve\n".utf8))
+        }
+        guard let action = query["action"], action == "approve" || action == "deny" else {
+            return .respond(status: 200, headers: [("Content-Type", "text/plain")],
+                            body: Array("Approve \(userCode)? Open this page with &action=approve (or &action=deny).\n".utf8))
+        }
+        let done = decide(userCode: userCode, approve: action == "approve")
+        return .respond(status: done ? 200 : 404, headers: [("Content-Type", "text/plain")],
+                        body: Array((done ? "\(action)d \(userCode)\n" : "no pending login with code \(userCode)\n").utf8))
+    }
+
+    private func revoke(_ request: HTTPServerRequest) -> HTTPServerAction {
+        let form = Dictionary(FormEncoding.decode(String(decoding: request.body, as: UTF8.self)), uniquingKeysWith: { first, _ in first })
+        if case let .refused(answer) = authenticate(request, form) { return answer }
+        guard let token = form["token"] else { return Self.oauthError("invalid_request") }
+        state.withLock { state in
+            state.counters.revocations += 1
+            if let record = state.refreshTokens[token] {
+                state.revokedFamilies.insert(record.family)
+            } else if state.accessTokens[token] != nil {
+                state.accessTokens[token]?.revoked = true
+            }
+        }
+        return .respond(status: 200, headers: [], body: [])
+    }
+
+    /// The protected resource: 200 for a live token; 401 `invalid_token` otherwise (a bare
+    /// challenge when no token was sent); `?scope=admin` answers 403 `insufficient_scope`.
+    private func resource(_ request: HTTPServerRequest) -> HTTPServerAction {
+        state.withLock { $0.counters.resourceRequests += 1 }
+        guard let header = request.header("authorization"), header.hasPrefix("Bearer ") else {
+            return .respond(status: 401, headers: [("WWW-Authenticate", "Bearer realm=\"dev\"")], body: [])
+        }
+        let token = String(header.dropFirst(7))
+        guard state.withLock({ Self.valid(token, in: $0) }) else {
+            return .respond(status: 401, headers: [("WWW-Authenticate", "Bearer realm=\"dev\", error=\"invalid_token\"")], body: [])
+        }
+        if request.query.contains(where: { $0 == ("scope", "admin") }) {
+            return .respond(status: 403, headers: [("WWW-Authenticate", "Bearer realm=\"dev\", error=\"insufficient_scope\", scope=\"admin\"")], body: [])
+        }
+        return Self.json(200, ["ok": true, "bytes": .int(Int64(request.body.count))])
+    }
+
+    private func counterReport() -> HTTPServerAction {
+        let counters = self.counters
+        return Self.json(200, [
+            "refresh_token": .int(Int64(counters.refreshGrants)), "client_credentials": .int(Int64(counters.clientCredentialsGrants)),
+            "device_code": .int(Int64(counters.deviceGrants)), "device_authorization": .int(Int64(counters.deviceAuthorizations)),
+            "revocation": .int(Int64(counters.revocations)), "resource": .int(Int64(counters.resourceRequests)),
+            "replays": .int(Int64(counters.replays)), "token_requests": .int(Int64(counters.tokenRequests)),
+        ])
+    }
+
+    // MARK: - Minting
+
+    private func mintRefresh(_ state: inout State, family: Int) -> String {
+        let token = "dev-rt." + Self.random(24)
+        state.refreshTokens[token] = RefreshRecord(family: family)
+        state.newest[family] = token
+        return token
+    }
+
+    private func mintAccess(_ state: inout State, family: Int?) -> String {
+        // `+` and `/` on purpose: a client must form-encode tokens correctly.
+        let token = "dev-at." + Self.random(24) + "+/="
+        state.accessTokens[token] = AccessRecord(family: family, expiresAt: Self.now() + options.accessTokenLifetime.secondsValue)
+        return token
+    }
+
+    private func tokenAnswer(_ access: String, refresh: String?) -> HTTPServerAction {
+        var body: JSONObject = ["access_token": .string(access), "token_type": "Bearer",
+                                "expires_in": .int(Int64(options.accessTokenLifetime.secondsValue))]
+        if let refresh { body["refresh_token"] = .string(refresh) }
+        return Self.json(200, .object(body), extra: [("Cache-Control", "no-store"), ("Pragma", "no-cache")])
+    }
+
+    private static func valid(_ token: String, in state: State) -> Bool {
+        guard let record = state.accessTokens[token], !record.revoked, record.expiresAt > now() else { return false }
+        return record.family.map { !state.revokedFamilies.contains($0) } ?? true
+    }
+
+    private static func invalidClient() -> HTTPServerAction {
+        .respond(status: 401, headers: [("Content-Type", "application/json"), ("WWW-Authenticate", "Basic realm=\"dev\"")],
+                 body: JSON.object(["error": "invalid_client"]).encoded)
+    }
+
+    private static func oauthError(_ code: String) -> HTTPServerAction {
+        json(400, ["error": .string(code)])
+    }
+
+    private static func json(_ status: Int, _ value: JSON, extra: [(String, String)] = []) -> HTTPServerAction {
+        .respond(status: status, headers: [("Content-Type", "application/json")] + extra, body: value.encoded)
+    }
+
+    static func now() -> Double {
+        var time = timespec()
+        clock_gettime(CLOCK_REALTIME, &time)
+        return Double(time.tv_sec) + Double(time.tv_nsec) / 1e9
+    }
+
+    static func random(_ count: Int) -> String {
+        var generator = SystemRandomNumberGenerator()
+        let alphabet = Array("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+        return String((0..<count).map { _ in alphabet[Int(generator.next() % UInt64(alphabet.count))] })
+    }
+
+    /// `XXXX-XXXX` from letters that cannot be confused.
+    static func userCode() -> String {
+        var generator = SystemRandomNumberGenerator()
+        let alphabet = Array("BCDFGHJKLMNPQRSTVWXZ")
+        let letters = (0..<8).map { _ in alphabet[Int(generator.next() % UInt64(alphabet.count))] }
+        return String(letters[0..<4]) + "-" + String(letters[4..<8])
+    }
+}
+
+extension Duration {
+    var secondsValue: Double {
+        let (seconds, attoseconds) = components
+        return Double(seconds) + Double(attoseconds) / 1e18
+    }
+}

@@ -1,0 +1,105 @@
+import TokenBrokerCore
+import WireJSON
+
+/// What the user must do to approve a device login (RFC 8628 §3.2).
+public struct DeviceAuthorization: Sendable {
+    /// The code the client polls with; a credential, never shown.
+    public var deviceCode: Secret
+    public var userCode: String
+    public var verificationURI: String
+    public var verificationURIComplete: String?
+    public var expiresIn: Duration
+    public var interval: Duration
+}
+
+/// Why a device login ended without tokens.
+public enum DeviceLoginError: Error, Sendable, Equatable, CustomStringConvertible {
+    /// The user said no (`access_denied`).
+    case denied
+    /// The code expired before the user approved (`expired_token`, or our own clock).
+    case expired
+    /// The server does not offer the device flow (no device authorization endpoint).
+    case unsupported
+    /// Any other failure.
+    case failed(FetchFailure)
+
+    public var description: String {
+        switch self {
+        case .denied: return "the login was denied (access_denied)"
+        case .expired: return "the code expired before it was approved (expired_token)"
+        case .unsupported: return "the authorization server has no device authorization endpoint"
+        case let .failed(failure): return failure.reason
+        }
+    }
+}
+
+extension OAuthClient {
+    /// Starts a device authorization (RFC 8628 §3.1).
+    public func startDeviceAuthorization() async throws(DeviceLoginError) -> DeviceAuthorization {
+        guard let url = endpoints.deviceAuthorization else { throw .unsupported }
+        var fields: [(String, String)] = []
+        if let scope = configuration.scope { fields.append(("scope", scope)) }
+        let response: HTTPResponse
+        do {
+            response = try await post(url, fields)
+        } catch {
+            throw .failed(error)
+        }
+        guard response.status == 200 else { throw .failed(Self.classify(response)) }
+        guard let object = (try? JSONParser.parse(response.body))?.objectValue,
+              let deviceCode = object["device_code"]?.stringValue, let userCode = object["user_code"]?.stringValue,
+              let uri = object["verification_uri"]?.stringValue, let expiresIn = object["expires_in"]?.doubleValue, expiresIn > 0
+        else { throw .failed(.transient("malformed device authorization response")) }
+        let interval = object["interval"]?.doubleValue ?? 5
+        return DeviceAuthorization(deviceCode: Secret(deviceCode), userCode: userCode, verificationURI: uri,
+                                   verificationURIComplete: object["verification_uri_complete"]?.stringValue,
+                                   expiresIn: .milliseconds(Int64(expiresIn * 1000)),
+                                   interval: .milliseconds(Int64(max(interval, 1) * 1000)))
+    }
+
+    /// Polls the token endpoint until the user approves or denies, the code expires, or a hard
+    /// error ends it (RFC 8628 §3.4–3.5): `authorization_pending` waits `interval`, `slow_down`
+    /// adds 5 s to it for good, transient failures back off up to a minute. Cancelling the
+    /// task stops it.
+    public func completeDeviceLogin<C: Clock>(_ authorization: DeviceAuthorization, clock: C) async throws(DeviceLoginError) -> FetchedToken
+    where C.Duration == Duration {
+        let deadline = clock.now.advanced(by: authorization.expiresIn)
+        var interval = authorization.interval
+        var wait = interval
+        while true {
+            do {
+                try await clock.sleep(until: clock.now.advanced(by: wait), tolerance: nil)
+            } catch {
+                throw .failed(.transient("cancelled"))
+            }
+            guard clock.now < deadline else { throw .expired }
+            let response: HTTPResponse
+            do {
+                response = try await post(endpoints.token, [("grant_type", "urn:ietf:params:oauth:grant-type:device_code"),
+                                                            ("device_code", authorization.deviceCode.reveal)])
+            } catch {
+                if error.reason == "cancelled" { throw .failed(error) }
+                wait = min(wait * 2, .seconds(60))   // network trouble: back off
+                continue
+            }
+            if response.status == 200 {
+                do { return try Self.parseToken(response) } catch { throw .failed(error) }
+            }
+            switch Self.errorCode(response) {
+            case "authorization_pending":
+                wait = interval
+            case "slow_down":
+                interval += .seconds(5)
+                wait = interval
+            case "access_denied":
+                throw .denied
+            case "expired_token":
+                throw .expired
+            default:
+                let failure = Self.classify(response)
+                guard case .transient = failure.kind else { throw .failed(failure) }
+                wait = min(max(wait * 2, interval), .seconds(60))
+            }
+        }
+    }
+}

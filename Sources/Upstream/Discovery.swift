@@ -1,0 +1,61 @@
+import TokenBrokerCore
+import WireJSON
+
+/// Authorization server metadata (RFC 8414 §2), the fields tokenbroker uses.
+public struct AuthorizationServerMetadata: Sendable, Equatable {
+    public var issuer: String
+    public var tokenEndpoint: String?
+    public var revocationEndpoint: String?
+    public var deviceAuthorizationEndpoint: String?
+    public var tokenEndpointAuthMethods: [String]
+}
+
+public enum Discovery {
+    /// The metadata URLs to try for `issuer`: RFC 8414 inserts the well-known path between host
+    /// and path; OpenID Connect appends it.
+    public static func candidateURLs(for issuer: String) -> [String] {
+        let trimmed = issuer.hasSuffix("/") ? String(issuer.dropLast()) : issuer
+        guard let scheme = ["https://", "http://"].first(where: { trimmed.hasPrefix($0) }) else { return [] }
+        let afterScheme = trimmed.dropFirst(scheme.count)
+        let pathStart = afterScheme.firstIndex(of: "/") ?? afterScheme.endIndex
+        let origin = String(trimmed[..<pathStart])
+        let path = String(trimmed[pathStart...])
+        var urls = [origin + "/.well-known/oauth-authorization-server" + path]
+        urls.append(trimmed + "/.well-known/openid-configuration")
+        return urls
+    }
+
+    /// Fetches and validates the metadata: the first candidate that answers 200 with a JSON
+    /// object whose `issuer` is exactly `issuer` (a mismatch is refused: mix-up defence).
+    public static func fetch(issuer: String, tls: TLSOptions = TLSOptions(), timeout: Duration = .seconds(10),
+                             loop: CurlLoop = .shared) async throws(FetchFailure) -> AuthorizationServerMetadata {
+        var lastProblem = "no metadata URL for issuer"
+        for url in candidateURLs(for: issuer) {
+            let response: HTTPResponse
+            do {
+                response = try await loop.perform(HTTPRequest(url: url, headers: [("Accept", "application/json")], timeout: timeout, tls: tls))
+            } catch {
+                lastProblem = "discovery: \(error)"
+                continue
+            }
+            guard response.status == 200 else {
+                lastProblem = "discovery: HTTP \(response.status) from \(url)"
+                continue
+            }
+            guard let object = (try? JSONParser.parse(response.body))?.objectValue else {
+                lastProblem = "discovery: \(url) is not a JSON object"
+                continue
+            }
+            guard object["issuer"]?.stringValue == issuer else {
+                throw .transient("discovery: metadata at \(url) names another issuer; refused")
+            }
+            return AuthorizationServerMetadata(
+                issuer: issuer, tokenEndpoint: object["token_endpoint"]?.stringValue,
+                revocationEndpoint: object["revocation_endpoint"]?.stringValue,
+                deviceAuthorizationEndpoint: object["device_authorization_endpoint"]?.stringValue,
+                tokenEndpointAuthMethods: object["token_endpoint_auth_methods_supported"]?.arrayValue?.compactMap(\.stringValue)
+                    ?? ["client_secret_basic"])
+        }
+        throw .transient(lastProblem)
+    }
+}

@@ -1,0 +1,190 @@
+import Basics
+import TokenBrokerCore
+import WireJSON
+
+/// How the client authenticates to the token endpoint (RFC 6749 §2.3.1).
+public enum ClientAuthentication: String, Sendable, Equatable {
+    /// `Authorization: Basic` with the form-encoded id and secret (the default).
+    case basic = "client_secret_basic"
+    /// `client_id` and `client_secret` in the form body.
+    case post = "client_secret_post"
+    /// A public client: `client_id` only.
+    case none
+}
+
+/// Where and how to reach an authorization server.
+public struct OAuthEndpoints: Sendable, Equatable {
+    public var token: String
+    public var revocation: String?
+    public var deviceAuthorization: String?
+
+    public init(token: String, revocation: String? = nil, deviceAuthorization: String? = nil) {
+        self.token = token
+        self.revocation = revocation
+        self.deviceAuthorization = deviceAuthorization
+    }
+}
+
+public struct OAuthClientConfiguration: Sendable {
+    public var clientID: String
+    public var clientSecret: Secret?
+    public var authentication: ClientAuthentication
+    /// Optional `scope` for client_credentials and device authorization requests.
+    public var scope: String?
+    public var tls: TLSOptions
+    public var connectTimeout: Duration
+    public var timeout: Duration
+
+    public init(clientID: String, clientSecret: Secret? = nil, authentication: ClientAuthentication = .basic, scope: String? = nil,
+                tls: TLSOptions = TLSOptions(), connectTimeout: Duration = .seconds(5), timeout: Duration = .seconds(30)) {
+        self.clientID = clientID
+        self.clientSecret = clientSecret
+        self.authentication = authentication
+        self.scope = scope
+        self.tls = tls
+        self.connectTimeout = connectTimeout
+        self.timeout = timeout
+    }
+}
+
+/// The token requests tokenbroker makes, and how their answers are read.
+///
+/// Classification of failures (every one becomes a `FetchFailure` whose reason names an OAuth
+/// error code, an HTTP status or a transport problem, never a token):
+/// - `invalid_grant` → terminal: the refresh token is dead (expired, revoked, replayed); the
+///   session ends until the next login.
+/// - `invalid_client`, `unauthorized_client` → terminal, reported as a configuration error
+///   (`client configuration:` prefix): fixing the client id, secret or grants needs a reload.
+/// - any other OAuth error code on a 4xx → terminal (`invalid_request`, `invalid_scope`,
+///   `unsupported_grant_type`, …), except `server_error` and `temporarily_unavailable`.
+/// - 5xx (with or without an error body), network errors, timeouts, malformed bodies → transient.
+/// - 429 and 503 with `Retry-After` → transient, honouring it.
+/// - a 4xx without an OAuth error body → transient, with backoff (a proxy or a gateway
+///   problem more likely than a verdict on the grant).
+public struct OAuthClient: Sendable {
+    public var endpoints: OAuthEndpoints
+    public var configuration: OAuthClientConfiguration
+    private let loop: CurlLoop
+
+    public init(endpoints: OAuthEndpoints, configuration: OAuthClientConfiguration, loop: CurlLoop = .shared) {
+        self.endpoints = endpoints
+        self.configuration = configuration
+        self.loop = loop
+    }
+
+    /// `grant_type=refresh_token`. Rotation is the caller's: a missing `refresh_token` in the
+    /// answer means "keep the old one".
+    public func refresh(_ refreshToken: Secret) async throws(FetchFailure) -> FetchedToken {
+        try await tokenRequest([("grant_type", "refresh_token"), ("refresh_token", refreshToken.reveal)])
+    }
+
+    /// `grant_type=client_credentials` (no refresh token is expected or kept).
+    public func clientCredentials() async throws(FetchFailure) -> FetchedToken {
+        var fields = [("grant_type", "client_credentials")]
+        if let scope = configuration.scope { fields.append(("scope", scope)) }
+        var token = try await tokenRequest(fields)
+        token.refreshToken = nil
+        return token
+    }
+
+    /// One token endpoint request with client authentication; the answer read per RFC 6749 §5.
+    func tokenRequest(_ fields: [(String, String)]) async throws(FetchFailure) -> FetchedToken {
+        let response = try await post(endpoints.token, fields)
+        guard response.status == 200 else { throw Self.classify(response) }
+        return try Self.parseToken(response)
+    }
+
+    /// POSTs a form with client authentication; transport failures are transient.
+    func post(_ url: String, _ fields: [(String, String)]) async throws(FetchFailure) -> HTTPResponse {
+        var fields = fields
+        var headers: [(name: String, value: String)] = [("Accept", "application/json"),
+                                                         ("Content-Type", "application/x-www-form-urlencoded")]
+        switch configuration.authentication {
+        case .basic:
+            let secret = configuration.clientSecret?.reveal ?? ""
+            let credentials = FormEncoding.escape(configuration.clientID) + ":" + FormEncoding.escape(secret)
+            headers.append(("Authorization", "Basic " + Base64.encode(Array(credentials.utf8))))
+        case .post:
+            fields.append(("client_id", configuration.clientID))
+            if let secret = configuration.clientSecret { fields.append(("client_secret", secret.reveal)) }
+        case .none:
+            fields.append(("client_id", configuration.clientID))
+        }
+        let request = HTTPRequest(method: "POST", url: url, headers: headers, body: Array(FormEncoding.encode(fields).utf8),
+                                  connectTimeout: configuration.connectTimeout, timeout: configuration.timeout, tls: configuration.tls)
+        do {
+            return try await loop.perform(request)
+        } catch let error as HTTPError {
+            switch error.kind {
+            case .timeout: throw .transient("timeout: \(error.message)")
+            case .tls: throw .transient("TLS: \(error.message)")
+            default: throw .transient("transport: \(error.message)")
+            }
+        } catch {
+            throw .transient("cancelled")
+        }
+    }
+
+    /// Reads a successful token response.
+    static func parseToken(_ response: HTTPResponse) throws(FetchFailure) -> FetchedToken {
+        guard let json = try? JSONParser.parse(response.body), case let .object(object) = json else {
+            throw .transient("malformed token response (HTTP 200, not a JSON object)")
+        }
+        guard let accessToken = object["access_token"]?.stringValue, !accessToken.isEmpty else {
+            throw .transient("malformed token response (no access_token)")
+        }
+        guard let type = object["token_type"]?.stringValue else {
+            throw .transient("malformed token response (no token_type)")
+        }
+        // Only bearer tokens can be handed to workers as they are (DPoP or mTLS-bound types need
+        // the client's key at every request).
+        guard type.lowercased() == "bearer" else { throw .terminal("unsupported token_type \(type.prefix(20))") }
+        var expiresIn: Duration?
+        if let seconds = object["expires_in"]?.doubleValue ?? object["expires_in"]?.stringValue.flatMap(Double.init), seconds > 0 {
+            expiresIn = .milliseconds(Int64(min(seconds, 10 * 365 * 86400) * 1000))
+        }
+        let refreshToken = object["refresh_token"]?.stringValue.flatMap { $0.isEmpty ? nil : Secret($0) }
+        return FetchedToken(accessToken: Secret(accessToken), tokenType: "Bearer", expiresIn: expiresIn, refreshToken: refreshToken)
+    }
+
+    /// A failed token response as a classified failure (see the type's documentation).
+    static func classify(_ response: HTTPResponse) -> FetchFailure {
+        let status = response.status
+        let retryAfter = response.retryAfter.map { Duration.seconds($0) }
+        let code = errorCode(response)
+        if status == 429 || status == 503 || status >= 500 {
+            return .transient(code.map { "HTTP \(status) \($0)" } ?? "HTTP \(status)", retryAfter: retryAfter)
+        }
+        guard let code else {
+            return .transient("HTTP \(status) without an OAuth error", retryAfter: retryAfter)
+        }
+        switch code {
+        case "invalid_grant":
+            return .terminal("invalid_grant")
+        case "invalid_client", "unauthorized_client":
+            return .terminal("client configuration: \(code)")
+        case "server_error", "temporarily_unavailable":
+            return .transient(code, retryAfter: retryAfter)
+        default:
+            return .terminal(code)
+        }
+    }
+
+    /// The `error` of an RFC 6749 §5.2 body, if the body is one (a short, plain code).
+    static func errorCode(_ response: HTTPResponse) -> String? {
+        guard let json = try? JSONParser.parse(response.body), let code = json.objectValue?["error"]?.stringValue,
+              !code.isEmpty, code.count <= 64, code.allSatisfy({ $0.isASCII && ($0.isLetter || $0.isNumber || $0 == "_" || $0 == "-" || $0 == ".") })
+        else { return nil }
+        return code
+    }
+
+    // MARK: - Revocation (RFC 7009)
+
+    /// Revokes `token`. 200 means done (also for an unknown token); anything else is reported.
+    public func revoke(_ token: Secret, hint: String = "refresh_token") async throws(FetchFailure) {
+        guard let url = endpoints.revocation else { return }
+        let response = try await post(url, [("token", token.reveal), ("token_type_hint", hint)])
+        guard response.status == 200 else { throw Self.classify(response) }
+    }
+}
+

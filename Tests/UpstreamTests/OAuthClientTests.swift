@@ -1,0 +1,185 @@
+import DevIssuer
+import Synchronization
+import Testing
+import TokenBrokerCore
+@testable import Upstream
+
+/// The OAuth client against the development issuer, over real loopback HTTP.
+@Suite("OAuth client against the development issuer", .serialized)
+struct OAuthClientTests {
+    static func issuer(_ configure: (inout DevIssuer.Options) -> Void = { _ in }) throws -> DevIssuer {
+        var options = DevIssuer.Options()
+        options.clients["post-client"] = "s3cret:+%/="
+        configure(&options)
+        return try DevIssuer(options: options)
+    }
+
+    static func client(_ issuer: DevIssuer, id: String = "tokenbroker", secret: String = "dev-secret",
+                       authentication: ClientAuthentication = .basic, timeout: Duration = .seconds(10)) -> OAuthClient {
+        OAuthClient(endpoints: OAuthEndpoints(token: issuer.tokenEndpoint, revocation: issuer.revocationEndpoint,
+                                              deviceAuthorization: issuer.deviceAuthorizationEndpoint),
+                    configuration: OAuthClientConfiguration(clientID: id, clientSecret: Secret(secret), authentication: authentication,
+                                                            timeout: timeout))
+    }
+
+    @Test("refresh rotates; a replayed refresh token is invalid_grant and kills its family")
+    func rotationAndReuseDetection() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        let client = Self.client(issuer)
+        let first = Secret(issuer.issueRefreshToken())
+        let a = try await client.refresh(first)
+        let second = try #require(a.refreshToken)
+        #expect(second != first && a.expiresIn == .seconds(3600) && a.tokenType == "Bearer")
+        #expect(issuer.isValidAccessToken(a.accessToken.reveal))
+        let b = try await client.refresh(second)
+        #expect(b.refreshToken != nil && b.refreshToken != second)
+
+        // Replaying `second` (already rotated) is reuse: invalid_grant, and the newest dies too.
+        await #expect(throws: FetchFailure.terminal("invalid_grant")) { try await client.refresh(second) }
+        await #expect(throws: FetchFailure.terminal("invalid_grant")) { try await client.refresh(b.refreshToken!) }
+        #expect(!issuer.isValidAccessToken(b.accessToken.reveal))
+        #expect(issuer.counters.replays == 1 && issuer.counters.refreshGrants == 4)
+    }
+
+    @Test("client_credentials with client_secret_basic and client_secret_post (secret with : + % / =)")
+    func clientCredentials() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        for authentication in [ClientAuthentication.basic, .post] {
+            let token = try await Self.client(issuer, id: "post-client", secret: "s3cret:+%/=", authentication: authentication).clientCredentials()
+            #expect(token.refreshToken == nil && issuer.isValidAccessToken(token.accessToken.reveal))
+        }
+        #expect(issuer.counters.clientCredentialsGrants == 2)
+        await #expect(throws: FetchFailure.terminal("client configuration: invalid_client")) {
+            try await Self.client(issuer, secret: "wrong").clientCredentials()
+        }
+    }
+
+    @Test("error classes", arguments: [
+        (DevIssuer.Fault.status(503, error: nil, retryAfter: 7), FetchFailure.transient("HTTP 503", retryAfter: .seconds(7))),
+        (.status(429, error: nil, retryAfter: 30), .transient("HTTP 429", retryAfter: .seconds(30))),
+        (.status(500, error: "server_error", retryAfter: nil), .transient("HTTP 500 server_error")),
+        (.status(502, error: nil, retryAfter: nil), .transient("HTTP 502")),
+        (.status(400, error: nil, retryAfter: nil), .transient("HTTP 400 without an OAuth error")),
+        (.status(400, error: "invalid_grant", retryAfter: nil), .terminal("invalid_grant")),
+        (.status(401, error: "invalid_client", retryAfter: nil), .terminal("client configuration: invalid_client")),
+        (.status(400, error: "unauthorized_client", retryAfter: nil), .terminal("client configuration: unauthorized_client")),
+        (.status(400, error: "invalid_scope", retryAfter: nil), .terminal("invalid_scope")),
+        (.status(400, error: "temporarily_unavailable", retryAfter: nil), .transient("temporarily_unavailable")),
+        (.malformedBody, .transient("malformed token response (HTTP 200, not a JSON object)")),
+    ])
+    func errorClasses(fault: DevIssuer.Fault, expected: FetchFailure) async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        issuer.inject([fault])
+        await #expect(throws: expected) { try await Self.client(issuer).refresh(Secret(issuer.issueRefreshToken())) }
+    }
+
+    @Test("a lost answer is transient, and the rotation it hid makes the retry a replay")
+    func lostAnswer() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        let client = Self.client(issuer)
+        let token = Secret(issuer.issueRefreshToken())
+        issuer.inject([.dropAfterProcessing])
+        do {
+            _ = try await client.refresh(token)
+            Issue.record("a dropped answer succeeded")
+        } catch {
+            guard case .transient = error.kind else { Issue.record("expected transient, got \(error)"); return }
+            #expect(error.reason.hasPrefix("transport:"))
+        }
+        await #expect(throws: FetchFailure.terminal("invalid_grant")) { try await client.refresh(token) }
+        #expect(issuer.counters.replays == 1)
+    }
+
+    @Test("the total deadline holds against a server that trickles its answer")
+    func trickleDeadline() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        issuer.inject([.trickle(.milliseconds(100))])
+        let started = ContinuousClock.now
+        do {
+            _ = try await Self.client(issuer, timeout: .seconds(1)).refresh(Secret(issuer.issueRefreshToken()))
+            Issue.record("a trickled answer arrived within the deadline")
+        } catch {
+            #expect(error.kind == .transient(retryAfter: nil) && error.reason.hasPrefix("timeout:"))
+        }
+        #expect(ContinuousClock.now - started < .seconds(5))
+    }
+
+    @Test("a cancelled request ends at once, even while the server holds it")
+    func cancellation() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        issuer.inject([.hold])
+        let client = Self.client(issuer)
+        let token = Secret(issuer.issueRefreshToken())
+        let task = Task { try await client.refresh(token) }
+        while issuer.heldCount == 0 { await Task.yield() }
+        let started = ContinuousClock.now
+        task.cancel()
+        await #expect(throws: FetchFailure.transient("cancelled")) { try await task.value }
+        #expect(ContinuousClock.now - started < .seconds(2))
+    }
+
+    @Test("revocation of a refresh token ends its family; unknown tokens are fine")
+    func revocation() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        let client = Self.client(issuer)
+        let token = Secret(issuer.issueRefreshToken())
+        let fresh = try await client.refresh(token)
+        try await client.revoke(fresh.refreshToken!)
+        try await client.revoke(Secret("never-issued"))
+        await #expect(throws: FetchFailure.terminal("invalid_grant")) { try await client.refresh(fresh.refreshToken!) }
+        #expect(!issuer.isValidAccessToken(fresh.accessToken.reveal))
+        #expect(issuer.counters.revocations == 2)
+    }
+
+    @Test("discovery: RFC 8414 URL placement, and the issuer must match")
+    func discovery() async throws {
+        #expect(Discovery.candidateURLs(for: "https://as.example/tenant1") ==
+                ["https://as.example/.well-known/oauth-authorization-server/tenant1", "https://as.example/tenant1/.well-known/openid-configuration"])
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        let metadata = try await Discovery.fetch(issuer: issuer.baseURL)
+        #expect(metadata.tokenEndpoint == issuer.tokenEndpoint && metadata.revocationEndpoint == issuer.revocationEndpoint)
+        #expect(metadata.deviceAuthorizationEndpoint == issuer.deviceAuthorizationEndpoint)
+
+        let impostor = try LoopbackHTTPServer { _ in
+            .respond(status: 200, headers: [], body: Array(#"{"issuer":"https://evil.example","token_endpoint":"https://evil.example/token"}"#.utf8))
+        }
+        defer { impostor.stop() }
+        await #expect(throws: FetchFailure.self) { try await Discovery.fetch(issuer: "http://127.0.0.1:\(impostor.port)") }
+
+        // A token source finds its endpoints through discovery; explicit ones win.
+        let source = HTTPTokenSource(grant: .clientCredentials, configuration: OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("dev-secret")),
+                                     endpoints: nil, issuer: issuer.baseURL)
+        #expect(try await source.endpoints().token == issuer.tokenEndpoint)
+        _ = try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: nil))
+        #expect(issuer.counters.metadataRequests == 2 && issuer.counters.clientCredentialsGrants == 1)
+    }
+
+    @Test("endpoint policy: https anywhere, http only on loopback")
+    func endpointPolicy() {
+        #expect(EndpointPolicy.problem(with: "https://as.example/token") == nil)
+        #expect(EndpointPolicy.problem(with: "http://127.0.0.1:8080/token") == nil)
+        #expect(EndpointPolicy.problem(with: "http://localhost/token") == nil)
+        #expect(EndpointPolicy.problem(with: "http://[::1]:9/token") == nil)
+        #expect(EndpointPolicy.problem(with: "http://as.example/token") != nil)
+        #expect(EndpointPolicy.problem(with: "http://127.0.0.1.evil.example/token") != nil || EndpointPolicy.host(of: "http://127.0.0.1.evil.example/") == "127.0.0.1.evil.example")
+        #expect(EndpointPolicy.problem(with: "ftp://x/") != nil)
+    }
+
+    @Test("form encoding keeps + / = & % intact")
+    func formEncoding() {
+        #expect(FormEncodingProbe.encoded == "refresh_token=a%2Bb%2Fc%20d%3De%26f%25")
+    }
+}
+
+import Basics
+enum FormEncodingProbe {
+    static let encoded = FormEncoding.encode([("refresh_token", "a+b/c d=e&f%")])
+}
