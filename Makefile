@@ -1,6 +1,6 @@
 # tokenbroker — build, run and test on Debian 12 with the Swift toolchain on PATH.
 #
-#   make run    installs what is missing, builds, and runs the daemon (development configuration)
+#   make run    installs what is missing, builds, and runs the daemon (development mode)
 #   make test   installs what is missing, builds with warnings as errors, runs every test
 
 SWIFT       ?= swift
@@ -38,13 +38,12 @@ build: deps
 release: deps
 	$(SWIFT) build -c release $(SWIFT_FLAGS)
 
-# Runs the daemon in the foreground with the development configuration (one session, `demo`,
-# whose tokens are minted locally). In another shell:
+# Runs the daemon in the foreground in development mode: a development OAuth server in the
+# same process and a logged-in session `demo`. It prints what to try next, e.g.
 #   .build/debug/tokenbroker ctl --socket $(RUN_SOCKET) token demo
-RUN_CONFIG ?= $(CURDIR)/config/dev.conf
 RUN_SOCKET ?= $(CURDIR)/.build/run/tokenbroker.sock
 run: build
-	$$($(SWIFT) build --show-bin-path)/tokenbroker serve --config $(RUN_CONFIG) --socket $(RUN_SOCKET)
+	$$($(SWIFT) build --show-bin-path)/tokenbroker serve --dev --socket $(RUN_SOCKET)
 
 # Race tests repeat TB_RACE_ITERATIONS times each (default 500).
 test: deps

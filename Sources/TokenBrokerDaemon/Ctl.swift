@@ -56,6 +56,13 @@ enum Ctl {
                 let reply = try call(address, "GetToken", ["session": .string(operands[0])])
                 guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
+            case "recover":
+                guard operands.count == 1 else { return usage("recover needs exactly one SESSION", &errors) }
+                let rejected = readStandardInput()
+                guard !rejected.isEmpty else { return usage("recover reads the rejected token from standard input, which is empty", &errors) }
+                let reply = try call(address, "Recover", ["session": .string(operands[0]), "rejected": .string(rejected)])
+                guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
+                output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
             case "login":
                 guard operands.count == 1 else { return usage("login needs exactly one SESSION", &errors) }
                 if refreshTokenFromStdin {

@@ -82,6 +82,7 @@ enum Help {
         SUBCOMMANDS:
           status                  Show the sessions this user may use.
           token <session>         Print the session's current access token alone, for $(…).
+          recover <session>       Read a rejected token on stdin; print the token to retry with.
           login <session>         Log the session in: device flow, or --refresh-token-stdin (admin).
           logout <session>        Log the session out (admin).
 
@@ -160,8 +161,27 @@ enum Help {
 
         """
 
+    static let ctlRecover = """
+        OVERVIEW: Get the token to retry with after a request was rejected.
+
+        Reads the access token the rejected request carried from standard input. If it is no
+        longer the session's current token, prints the current one at once; otherwise joins the
+        session's single refresh and prints the new token.
+
+        USAGE: tokenbroker ctl [--socket <path>] recover <session> [--json]
+
+        OPTIONS:
+          --json                  The whole Recover reply as JSON.
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          TOKEN=$(printf %s "$TOKEN" | tokenbroker ctl recover api)
+
+        """
+
     static func ctlVerb(_ verb: String) -> String? {
         switch verb {
+        case "recover": return ctlRecover
         case "login": return ctlLogin
         case "status": return ctlStatus
         case "token": return ctlToken

@@ -96,8 +96,20 @@ struct ConfigTests {
         ("[Broker]\nAdminGroup=no-such-group-xyz", 2, "AdminGroup=: no such group 'no-such-group-xyz'"),
         ("[Session]\nUpstream=test", 1, "[Session] needs Name="),
         ("[Session]\nName=a b\nUpstream=test", 2, "invalid session name 'a b' (1-64 of A-Z a-z 0-9 - _ .)"),
-        ("[Session]\nName=a", 1, "[Session] a needs Upstream="),
-        ("[Session]\nName=a\nUpstream=https", 3, "Upstream= must be 'test' (OAuth upstreams are not supported by this build yet)"),
+        ("[Session]\nName=a", 1, "[Session] a needs ClientID= (or Upstream=test)"),
+        ("[Session]\nName=a\nUpstream=https", 3, "Upstream= must be 'oauth' or 'test'"),
+        ("[Session]\nName=a\nClientID=c", 1, "[Session] a needs TokenEndpoint= or Issuer="),
+        ("[Session]\nName=a\nClientID=c\nTokenEndpoint=https://as.example/token", 1,
+         "[Session] a needs ClientSecretFile= or ClientSecretCredential= (or ClientAuthentication=none)"),
+        ("[Session]\nName=a\nTokenEndpoint=http://as.example/token", 3,
+         "TokenEndpoint=: http:// is allowed only for loopback hosts (127.0.0.0/8, [::1], localhost); use https://"),
+        ("[Session]\nName=a\nIssuer=ftp://as.example", 3, "Issuer=: only https:// (or http:// on loopback) URLs are allowed"),
+        ("[Session]\nName=a\nGrant=password", 3, "Grant= must be refresh_token or client_credentials"),
+        ("[Session]\nName=a\nClientAuthentication=private_key_jwt", 3,
+         "ClientAuthentication= must be client_secret_basic, client_secret_post or none"),
+        ("[Session]\nName=a\nClientID=c\nTokenEndpoint=https://as.example/t\nClientSecretFile=/nonexistent/secret", 5,
+         "ClientSecretFile=: cannot read /nonexistent/secret: open /nonexistent/secret: No such file or directory"),
+        ("[Session]\nName=a\nCAFile=relative.pem", 3, "CAFile= needs an absolute path"),
         ("[Session]\nName=a\nUpstream=test\nAllowUsers=nobody-xyz", 4, "AllowUsers=: no such user 'nobody-xyz'"),
         ("[Session]\nName=a\nUpstream=test\nRefreshAhead=soon", 4,
          "RefreshAhead= needs a time span between 0.0s and 86400.0s, e.g. 60s or 5min"),
@@ -110,6 +122,46 @@ struct ConfigTests {
         } catch {
             #expect(error.description == "\(fixture.main):\(line): \(message)")
         }
+    }
+
+    @Test("an OAuth session: endpoints, client, secret from a file (trailing newline dropped), TLS files")
+    func oauthSession() throws {
+        let fixture = try ConfigFixture(main: "")
+        try "s3cret\n".write(toFile: fixture.directory + "/secret", atomically: true, encoding: .utf8)
+        try "pem".write(toFile: fixture.directory + "/ca.pem", atomically: true, encoding: .utf8)
+        try """
+            [Session]
+            Name=api
+            Issuer=https://as.example
+            TokenEndpoint=https://as.example/oauth/token
+            ClientID=tokenbroker
+            ClientSecretFile=\(fixture.directory)/secret
+            ClientAuthentication=client_secret_post
+            Scope=read write
+            CAFile=\(fixture.directory)/ca.pem
+            RequestTimeout=10s
+            RevokeOnLogout=no
+            """.write(toFile: fixture.main, atomically: true, encoding: .utf8)
+        let configuration = try fixture.load()
+        guard case let .oauth(settings)? = configuration.session(named: "api")?.upstream else {
+            Issue.record("not an OAuth session")
+            return
+        }
+        #expect(settings.grant == .refreshToken && settings.issuer == "https://as.example" && !settings.revokeOnLogout)
+        #expect(settings.endpoints?.token == "https://as.example/oauth/token")
+        #expect(settings.client.clientID == "tokenbroker" && settings.client.clientSecret == Secret("s3cret"))
+        #expect(settings.client.authentication == .post && settings.client.scope == "read write")
+        #expect(settings.client.tls.caFile == fixture.directory + "/ca.pem" && settings.client.timeout == .seconds(10))
+        #expect(configuration.warnings.isEmpty)
+    }
+
+    @Test("a client secret in the configuration itself works but warns loudly")
+    func inlineSecret() throws {
+        let fixture = try ConfigFixture(main: "[Session]\nName=api\nTokenEndpoint=http://127.0.0.1:9/token\nClientID=c\nClientSecret=oops\n")
+        let configuration = try fixture.load()
+        #expect(configuration.warnings.count == 1)
+        #expect(configuration.warnings.first?.description.contains("ClientSecret= puts a secret in a configuration file") == true)
+        #expect(configuration.warnings.first?.description.contains("oops") == false)
     }
 
     @Test("a missing main file is an error when named, defaults otherwise")

@@ -30,7 +30,9 @@ final class Broker: @unchecked Sendable {
         chmod(directory, 0o755)   // other users (the permission tests) must reach the socket
         socket = directory + "/broker.sock"
         configPath = directory + "/tokenbroker.conf"
-        try config.write(toFile: configPath, atomically: true, encoding: .utf8)
+        // `@DIR@` in the configuration stands for this broker's directory (for secret files).
+        try "dev-secret\n".write(toFile: directory + "/client-secret", atomically: true, encoding: .utf8)
+        try config.replacingOccurrences(of: "@DIR@", with: directory).write(toFile: configPath, atomically: true, encoding: .utf8)
         child = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket] + extraArguments, directory: directory)
         if wait { try await waitForSocket(socket) }
     }
@@ -50,7 +52,7 @@ final class Broker: @unchecked Sendable {
     }
 
     /// Runs `tokenbroker ctl --socket … <arguments>`, optionally as another user via setpriv.
-    func ctl(_ arguments: [String], asUser uid: UInt32? = nil) async throws -> (code: Int32, out: String, err: String) {
+    func ctl(_ arguments: [String], asUser uid: UInt32? = nil, stdin: String? = nil) async throws -> (code: Int32, out: String, err: String) {
         var executable = Paths.tokenbroker
         var argv = ["ctl", "--socket", socket] + arguments
         if let uid {
@@ -63,7 +65,7 @@ final class Broker: @unchecked Sendable {
             argv = ["--reuid=\(uid)", "--regid=\(uid)", "--clear-groups", copy] + argv
             executable = "/usr/bin/setpriv"
         }
-        let run = try Child(executable, argv, directory: directory)
+        let run = try Child(executable, argv, directory: directory, stdin: stdin)
         let code = await run.wait()
         return (code, run.stdout, run.stderr)
     }

@@ -37,7 +37,7 @@ final class Child: @unchecked Sendable {
     let stdoutPath: String
     let stderrPath: String
 
-    init(_ executable: String, _ arguments: [String], environment: [String: String]? = nil, directory: String) throws {
+    init(_ executable: String, _ arguments: [String], environment: [String: String]? = nil, directory: String, stdin: String? = nil) throws {
         process.executableURL = URL(fileURLWithPath: executable)
         process.arguments = arguments
         if let environment {
@@ -50,7 +50,13 @@ final class Child: @unchecked Sendable {
         _ = FileManager.default.createFile(atPath: stderrPath, contents: nil)
         process.standardOutput = FileHandle(forWritingAtPath: stdoutPath)
         process.standardError = FileHandle(forWritingAtPath: stderrPath)
-        process.standardInput = FileHandle.nullDevice
+        if let stdin {
+            let inputPath = "\(directory)/\(name).in"
+            try stdin.write(toFile: inputPath, atomically: true, encoding: .utf8)
+            process.standardInput = FileHandle(forReadingAtPath: inputPath)
+        } else {
+            process.standardInput = FileHandle.nullDevice
+        }
         try process.run()
     }
 

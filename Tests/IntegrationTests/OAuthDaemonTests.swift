@@ -1,0 +1,163 @@
+import DevIssuer
+import Foundation
+import Testing
+import Upstream
+import Varlink
+
+/// The real daemon against the development issuer (running in this test process, on loopback).
+@Suite("tokenbroker serve with an OAuth upstream", .serialized)
+struct OAuthDaemonTests {
+    static func config(_ issuer: DevIssuer) -> String {
+        """
+        [Broker]
+        SocketMode=0666
+
+        [Session]
+        Name=api
+        TokenEndpoint=\(issuer.tokenEndpoint)
+        RevocationEndpoint=\(issuer.revocationEndpoint)
+        DeviceAuthorizationEndpoint=\(issuer.deviceAuthorizationEndpoint)
+        ClientID=tokenbroker
+        ClientSecretFile=@DIR@/client-secret
+        RequestTimeout=5s
+
+        [Session]
+        Name=machine
+        Grant=client_credentials
+        Issuer=\(issuer.baseURL)
+        ClientID=tokenbroker
+        ClientSecretFile=@DIR@/client-secret
+        ClientAuthentication=client_secret_post
+
+        """
+    }
+
+    static func issuer() throws -> DevIssuer {
+        var options = DevIssuer.Options()
+        options.deviceInterval = .seconds(1)
+        return try DevIssuer(options: options)
+    }
+
+    static func logIn(_ broker: Broker, _ issuer: DevIssuer) async throws {
+        let login = try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n")
+        #expect(login.code == 0 && login.out == "logged in api (generation 1)\n", "\(login.err)")
+    }
+
+    @Test("50 worker processes recover the same old token at once: 1 token request, 50 identical new tokens")
+    func fiftyWorkers() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            try await Self.logIn(broker, issuer)
+            let old = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            #expect(issuer.counters.refreshGrants == 1)
+            let workers = try (0..<50).map { _ in
+                try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "recover", "api"], directory: broker.directory, stdin: old)
+            }
+            var tokens: Set<String> = []
+            for worker in workers {
+                #expect(await worker.wait() == 0, "\(worker.stderr)")
+                tokens.insert(worker.stdout)
+            }
+            #expect(tokens.count == 1 && tokens.first != old + "\n")
+            #expect(issuer.counters.refreshGrants == 2, "the burst made \(issuer.counters.refreshGrants - 1) token requests")
+            #expect(issuer.counters.replays == 0)
+            #expect(issuer.isValidAccessToken(String(tokens.first!.dropLast())))
+        }
+    }
+
+    @Test("device login through ctl: prompt, approval, and the session is logged in with the grant's tokens")
+    func deviceLogin() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            #expect(try broker.call("GetToken", ["session": "api"]) == .error("io.tokenbroker.Broker.SignedOut", ["session": "api"]))
+            let login = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "login", "api"], directory: broker.directory)
+            try await eventually("a device code waits") { !issuer.pendingUserCodes.isEmpty }
+            let code = try #require(issuer.pendingUserCodes.first)
+            try await eventually("the prompt") { login.stdout.contains(code) }
+            #expect(login.stdout.contains("open \(issuer.baseURL)/device and enter the code \(code)"))
+            issuer.decide(userCode: code, approve: true)
+            #expect(await login.wait() == 0, "\(login.stderr)")
+            #expect(login.stdout.hasSuffix("logged in api (generation 1)\n"))
+            let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            #expect(issuer.isValidAccessToken(token) && issuer.counters.refreshGrants == 0)
+
+            // A denied login is reported and leaves the session as it was.
+            let denied = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "login", "api"], directory: broker.directory)
+            try await eventually("a second device code") { !issuer.pendingUserCodes.isEmpty }
+            issuer.decide(userCode: issuer.pendingUserCodes[0], approve: false)
+            #expect(await denied.wait() == 1)
+            #expect(denied.stderr == "Error: login of 'api' failed: the login was denied (access_denied)\n")
+        }
+    }
+
+    @Test("logout revokes the refresh token upstream, after the local boundary")
+    func logoutRevokes() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            try await Self.logIn(broker, issuer)
+            let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            #expect(try await broker.ctl(["logout", "api"]).code == 0)
+            try await eventually("the revocation") { issuer.counters.revocations == 1 }
+            #expect(!issuer.isValidAccessToken(token))
+        }
+    }
+
+    @Test("upstream failures reach every caller as the contract's errors")
+    func upstreamErrors() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            try await Self.logIn(broker, issuer)
+            let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"])
+            issuer.inject([.status(503, error: nil, retryAfter: 9)])
+            let transient = try broker.call("Recover", ["session": "api", "rejected": token])
+            #expect(transient.error == "io.tokenbroker.Broker.RefreshFailed" && transient.parameters["retryable"] == true)
+            #expect(transient.parameters["reason"] == "HTTP 503" && (transient.parameters["retryAfter"]?.doubleValue ?? 0) >= 8)
+            // During the backoff the token is still served, and demands that need a refresh fail fast.
+            #expect(try broker.call("GetToken", ["session": "api"]).parameters["token"] == token)
+            let fast = try broker.call("Recover", ["session": "api", "rejected": token])
+            #expect(fast.error == "io.tokenbroker.Broker.RefreshFailed" && issuer.counters.tokenRequests == 2)
+        }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            try await Self.logIn(broker, issuer)
+            issuer.inject([.status(400, error: "invalid_grant", retryAfter: nil)])
+            let terminal = try broker.call("GetToken", ["session": "api"])
+            #expect(terminal == .error("io.tokenbroker.Broker.RefreshFailed", ["session": "api", "reason": "invalid_grant", "retryable": false]))
+            #expect(try broker.status("api")?["state"] == "ended")
+            let ctl = try await broker.ctl(["token", "api"])
+            #expect(ctl.code == 1 && ctl.err.contains("the session has ended: run `tokenbroker ctl login api`"))
+        }
+    }
+
+    @Test("client_credentials with discovery works without a login")
+    func clientCredentials() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            let token = try #require(try broker.call("GetToken", ["session": "machine"]).parameters["token"]?.stringValue)
+            #expect(issuer.isValidAccessToken(token))
+            #expect(issuer.counters.clientCredentialsGrants == 1 && issuer.counters.metadataRequests == 1)
+        }
+    }
+
+    @Test("serve --dev: a logged-in demo session against an issuer in the daemon")
+    func serveDev() async throws {
+        let directory = try Paths.temporaryDirectory()
+        let socket = directory + "/dev.sock"
+        let daemon = try Child(Paths.tokenbroker, ["serve", "--dev", "--socket", socket], directory: directory)
+        defer { daemon.terminate() }
+        try await waitForSocket(socket)
+        try await eventually("the guide") { daemon.stdout.contains("Stop with Ctrl-C.") }
+        let ctl = try Child(Paths.tokenbroker, ["ctl", "--socket", socket, "token", "demo"], directory: directory)
+        #expect(await ctl.wait() == 0)
+        let token = ctl.stdout.trimmingCharacters(in: .newlines)
+        let resource = try #require(daemon.stdout.split(whereSeparator: \.isWhitespace).first { $0.hasPrefix("http://127.0.0.1:") && $0.hasSuffix("/resource") })
+        let response = try await CurlLoop.shared.perform(HTTPRequest(url: String(resource), headers: [("Authorization", "Bearer " + token)]))
+        #expect(response.status == 200)
+        daemon.terminate()
+        #expect(await daemon.wait() == 0)
+    }
+}
