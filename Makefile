@@ -59,7 +59,7 @@ BENCH_SOCKET ?= /tmp/tokenbroker-bench.sock
 BENCH_CONNS ?= 1 16 64 256
 bench: release
 	@$$($(SWIFT) build -c release --show-bin-path)/tokenbroker serve --config $(CURDIR)/config/dev.conf \
-	  --socket $(BENCH_SOCKET) --log-level warning & pid=$$!; \
+	  --socket $(BENCH_SOCKET) --state-dir $$(mktemp -d) --log-level warning & pid=$$!; \
 	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
 	for i in $$(seq 100); do [ -S $(BENCH_SOCKET) ] && break; sleep 0.05; done; \
 	$$($(SWIFT) build -c release --show-bin-path)/tokenbroker ctl --socket $(BENCH_SOCKET) token demo >/dev/null; \

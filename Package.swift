@@ -36,8 +36,12 @@ var package = Package(
         .target(name: "Upstream", dependencies: ["Basics", "CCurl", "TokenBrokerCore", "WireJSON"]),
         // A development OAuth 2.0 authorization server on loopback HTTP (`tokenbroker serve --dev`, tests).
         .target(name: "DevIssuer", dependencies: ["Basics", "WireJSON"]),
+        // SQLite, for the durable session state.
+        .systemLibrary(name: "CSQLite", pkgConfig: "sqlite3", providers: [.apt(["libsqlite3-dev"])]),
+        // The SQLite session store: generation-guarded writes, WAL + synchronous=FULL, migrations.
+        .target(name: "SQLiteStore", dependencies: ["Basics", "CSQLite", "TokenBrokerCore"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
-        .target(name: "TokenBrokerDaemon", dependencies: ["TokenBrokerCore", "Varlink", "Upstream", "DevIssuer"],
+        .target(name: "TokenBrokerDaemon", dependencies: ["TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore"],
                 resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The command line: argv in, exit code out.
         .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerDaemon"]),
@@ -47,6 +51,7 @@ var package = Package(
 
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink"]),
+        .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "TokenBrokerCore"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.

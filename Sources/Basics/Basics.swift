@@ -107,3 +107,48 @@ public enum Base64 {
         return output
     }
 }
+
+/// A thread that runs submitted jobs one at a time, in order (for blocking work such as
+/// database commits, kept off the cooperative pool).
+public final class SerialThread: Sendable {
+    private final class Queue: @unchecked Sendable {
+        // @unchecked: every field is only touched with `mutex` held.
+        var mutex = pthread_mutex_t()
+        var condition = pthread_cond_t()
+        var jobs: [@Sendable () -> Void] = []
+
+        init() {
+            pthread_mutex_init(&mutex, nil)
+            pthread_cond_init(&condition, nil)
+        }
+    }
+
+    private let queue = Queue()
+
+    public init() {
+        let queue = self.queue
+        spawnThread {
+            while true {
+                pthread_mutex_lock(&queue.mutex)
+                while queue.jobs.isEmpty { pthread_cond_wait(&queue.condition, &queue.mutex) }
+                let job = queue.jobs.removeFirst()
+                pthread_mutex_unlock(&queue.mutex)
+                job()
+            }
+        }
+    }
+
+    public func submit(_ job: @escaping @Sendable () -> Void) {
+        pthread_mutex_lock(&queue.mutex)
+        queue.jobs.append(job)
+        pthread_cond_signal(&queue.condition)
+        pthread_mutex_unlock(&queue.mutex)
+    }
+
+    /// Runs `job` on the thread and returns its result to the awaiting task.
+    public func run<T: Sendable>(_ job: @escaping @Sendable () throws -> T) async throws -> T {
+        try await withCheckedThrowingContinuation { continuation in
+            submit { continuation.resume(with: Result { try job() }) }
+        }
+    }
+}

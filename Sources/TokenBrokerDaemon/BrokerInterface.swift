@@ -17,6 +17,7 @@ public enum BrokerInterface {
         static let storeFailed = "io.tokenbroker.Broker.StoreFailed"
         static let configurationError = "io.tokenbroker.Broker.ConfigurationError"
         static let loginFailed = "io.tokenbroker.Broker.LoginFailed"
+        static let sessionConfigured = "io.tokenbroker.Broker.SessionConfigured"
         static let shuttingDown = "io.tokenbroker.Broker.ShuttingDown"
         static let internalError = "io.tokenbroker.Broker.InternalError"
         static let protocolError = "io.tokenbroker.Broker.ProtocolError"

@@ -1,4 +1,5 @@
 import Synchronization
+import SQLiteStore
 import TokenBrokerCore
 import Upstream
 import Varlink
@@ -19,6 +20,8 @@ final class SessionTable: Sendable {
         /// Configuration order, for Status.
         var order: [String] = []
         var access: Access
+        /// Stored sessions no longer configured.
+        var inert: [InertSession] = []
     }
 
     private let state: Mutex<Snapshot>
@@ -55,11 +58,15 @@ final class BrokerService: VarlinkHandler {
     let logger: Logger
     /// Re-reads the configuration; returns its error text when it could not be applied.
     let reload: @Sendable () async -> String?
+    /// Removes a stored, unconfigured session; returns whether there was one.
+    let forget: @Sendable (String) async throws -> Bool
 
-    init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?) {
+    init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
+         forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }) {
         self.sessions = sessions
         self.logger = logger
         self.reload = reload
+        self.forget = forget
     }
 
     func handle(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
@@ -115,10 +122,26 @@ final class BrokerService: VarlinkHandler {
                 let snapshot = sessions.snapshot
                 let visible = snapshot.order.compactMap { snapshot.sessions[$0] }
                     .filter { snapshot.access.mayUse($0.configuration, peer) }
+                let inert = snapshot.access.isAdmin(peer) ? snapshot.inert : []
                 return .async { sink in
                     var entries: [JSON] = []
                     for session in visible { entries.append(Self.statusEntry(await session.coordinator.status())) }
+                    entries += inert.map(Self.statusEntry)
                     sink.send(VarlinkReply(parameters: ["sessions": .array(entries)]))
+                }
+            case "Forget":
+                try parameters.only(["session"])
+                let name = try parameters.string("session")
+                guard sessions.isAdmin(peer) else { throw Refusal.permissionDenied }
+                if sessions.lookup(name, for: peer) != nil {
+                    return .reply(.error(BrokerInterface.Error.sessionConfigured, ["session": .string(name)]))
+                }
+                return .async { [self] sink in
+                    do {
+                        sink.send(try await forget(name) ? VarlinkReply() : .error(BrokerInterface.Error.noSuchSession, ["session": .string(name)]))
+                    } catch {
+                        sink.send(reply(for: error, session: name))
+                    }
                 }
             case "Reload":
                 try parameters.only([])
@@ -263,6 +286,9 @@ final class BrokerService: VarlinkHandler {
             }
         case let error as ParameterError:
             return error.reply
+        case let error as StoreError:
+            logger.error("state database error in session \(session): \(error)")
+            return .error(BrokerInterface.Error.storeFailed, ["session": .string(session), "reason": .string(error.message)])
         default:
             logger.error("internal error in session \(session): \(type(of: error))")
             return .error(BrokerInterface.Error.internalError)
@@ -298,6 +324,19 @@ final class BrokerService: VarlinkHandler {
             }
         }
         if !Task.isCancelled { sink.send(.error(BrokerInterface.Error.shuttingDown)) }
+    }
+
+    static func statusEntry(_ inert: InertSession) -> JSON {
+        var entry: JSONObject = ["name": .string(inert.name), "state": .string(inert.state.rawValue),
+                                 "generation": .int(Int64(inert.generation))]
+        if let serial = inert.tokenSerial { entry["tokenSerial"] = .int(Int64(serial)) }
+        if let expiresAt = inert.expiresAt { entry["expiresAt"] = .int(expiresAt) }
+        if let lastRefresh = inert.lastRefresh { entry["lastRefresh"] = .int(lastRefresh) }
+        entry["refreshing"] = false
+        entry["degraded"] = false
+        for counter in ["fetches", "joinedWaiters", "failures", "staleRejections", "throttled", "droppedResults"] { entry[counter] = 0 }
+        entry["inert"] = true
+        return .object(entry)
     }
 
     static func statusEntry(_ status: SessionStatus) -> JSON {

@@ -73,6 +73,10 @@ enum Ctl {
                 } else {
                     try deviceLogin(address, operands[0], output: &output)
                 }
+            case "forget":
+                guard operands.count == 1 else { return usage("forget needs exactly one SESSION", &errors) }
+                _ = try call(address, "Forget", ["session": .string(operands[0])])
+                output.write("forgot \(operands[0])\n")
             case "logout":
                 guard operands.count == 1 else { return usage("logout needs exactly one SESSION", &errors) }
                 _ = try call(address, "Logout", ["session": .string(operands[0])])
@@ -173,6 +177,10 @@ enum Ctl {
         case BrokerInterface.Error.throttled:
             let after = reply.parameters["retryAfter"]?.doubleValue ?? 0
             throw Failure(code: ExitCode.failure, message: "refresh limit reached for '\(session)': retry in \(seconds(after))")
+        case BrokerInterface.Error.sessionConfigured:
+            throw Failure(code: ExitCode.failure, message: "'\(session)' is still configured: remove it from the configuration and reload first")
+        case BrokerInterface.Error.storeFailed:
+            throw Failure(code: ExitCode.failure, message: "the state of '\(session)' could not be written: \(reply.parameters["reason"]?.stringValue ?? "")")
         case BrokerInterface.Error.loginFailed:
             throw Failure(code: ExitCode.failure, message: "login of '\(session)' failed: \(reply.parameters["reason"]?.stringValue ?? "unknown")")
         case BrokerInterface.Error.configurationError:
@@ -208,6 +216,7 @@ enum Ctl {
             var flags: [String] = []
             if entry["refreshing"]?.boolValue == true { flags.append("refreshing") }
             if entry["degraded"]?.boolValue == true { flags.append("degraded") }
+            if entry["inert"]?.boolValue == true { flags.append("inert (not configured; ctl forget)") }
             if let backoff = entry["backoffRemaining"]?.doubleValue { flags.append("backoff \(seconds(backoff))") }
             rows.append([
                 entry["name"]?.stringValue ?? "?",

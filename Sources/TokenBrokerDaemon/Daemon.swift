@@ -16,8 +16,12 @@ public final class Daemon: Sendable {
         public var socketPath: String?
         public var logLevel = LogLevel.info
         /// Development mode: run the development issuer in this process and serve one logged-in
-        /// session, `demo`, against it (the configuration file is not read).
+        /// session, `demo`, against it (the configuration file is not read; state stays in
+        /// memory unless `stateDirectory` is given).
         public var dev = false
+        /// Where the state database lives (`--state-dir`; else `$STATE_DIRECTORY` from systemd's
+        /// `StateDirectory=`; else /var/lib/tokenbroker).
+        public var stateDirectory: String?
         /// How long in-flight calls may run after SIGTERM before they are cancelled.
         public var drainTimeout: Duration = .seconds(10)
 
@@ -33,11 +37,13 @@ public final class Daemon: Sendable {
     private let current: SynchronizedBox<BrokerConfiguration>
 
     private let development: DevelopmentSetup?
+    private let state: StateStore
 
-    private init(options: Options, configuration: BrokerConfiguration, logger: Logger, development: DevelopmentSetup?) {
+    private init(options: Options, configuration: BrokerConfiguration, logger: Logger, development: DevelopmentSetup?, state: StateStore) {
         self.options = options
         self.logger = logger
         self.development = development
+        self.state = state
         table = SessionTable(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
         current = SynchronizedBox(configuration)
     }
@@ -63,7 +69,14 @@ public final class Daemon: Sendable {
         }
         for warning in configuration.warnings { logger.warning("\(warning)") }
         if let socket = options.socketPath { configuration.socketPath = socket }
-        let daemon = Daemon(options: options, configuration: configuration, logger: logger, development: development)
+        let state: StateStore
+        do {
+            state = try StateStore.open(options, logger: logger)
+        } catch {
+            logger.error("cannot open the state database: \(error)")
+            return ExitCode.failure
+        }
+        let daemon = Daemon(options: options, configuration: configuration, logger: logger, development: development, state: state)
         return await daemon.serve(configuration)
     }
 
@@ -79,7 +92,8 @@ public final class Daemon: Sendable {
             logger.error("cannot listen: \(error)")
             return ExitCode.failure
         }
-        let service = BrokerService(sessions: table, logger: logger, reload: { [self] in await self.reload() })
+        let service = BrokerService(sessions: table, logger: logger, reload: { [self] in await self.reload() },
+                                    forget: { [self] name in try await self.forget(name) })
         let server: VarlinkServer
         do {
             let logger = self.logger
@@ -110,13 +124,22 @@ public final class Daemon: Sendable {
             output.write(development.guide(socket: configuration.socketPath))
         }
 
-        for await signal in Signals.stream([SIGTERM, SIGINT, SIGHUP]) {
-            if signal == SIGHUP {
-                if let problem = await reload() { logger.error("reload failed, keeping the old configuration: \(problem)") }
-                continue
+        // The daemon's long-running work: signals, and retrying degraded sessions' writes. When
+        // the signal loop ends (SIGTERM/SIGINT), the rest is cancelled.
+        await withTaskGroup(of: Void.self) { group in
+            group.addTask { [self] in
+                for await signal in Signals.stream([SIGTERM, SIGINT, SIGHUP]) {
+                    if signal == SIGHUP {
+                        if let problem = await reload() { logger.error("reload failed, keeping the old configuration: \(problem)") }
+                        continue
+                    }
+                    logger.info("stopping (signal \(signal))")
+                    return
+                }
             }
-            logger.info("stopping (signal \(signal))")
-            break
+            group.addTask { [self] in await flushDegradedSessions() }
+            await group.next()
+            group.cancelAll()
         }
 
         // Stop: no new connections; let calls in flight finish under a deadline; then close.
@@ -127,7 +150,13 @@ public final class Daemon: Sendable {
             try? await Task.sleep(for: .milliseconds(10))
         }
         if server.callsInProgress > 0 { logger.warning("\(server.callsInProgress) call(s) still running at the deadline; cancelling") }
-        for session in table.snapshot.sessions.values { await session.coordinator.shutdown() }
+        for session in table.snapshot.sessions.values {
+            // Commit what is still pending before the coordinators go.
+            if await !session.coordinator.flushPendingWrite() {
+                logger.error("session \(session.configuration.name): state could not be written before exit")
+            }
+            await session.coordinator.shutdown()
+        }
         await server.stop()
         development?.issuer.stop()
         logger.info("stopped")
@@ -170,12 +199,20 @@ public final class Daemon: Sendable {
             snapshot.order.append(session.name)
         }
         for (name, session) in previous.sessions where snapshot.sessions[name] == nil { retired.append(session.coordinator) }
+        snapshot.inert = await inertSessions(configured: Set(snapshot.order))
         table.replace(snapshot)
         current.value = configuration
         for coordinator in retired { await coordinator.shutdown() }
     }
 
     private func makeSession(_ session: SessionConfiguration) async -> SessionTable.Session {
+        let restored: SessionRecord?
+        do {
+            restored = try await state.sessions.load(session.name)
+        } catch {
+            logger.error("cannot load the state of session \(session.name): \(error); it starts signed out")
+            restored = nil
+        }
         let source: any TokenSource
         var upstream: HTTPTokenSource?
         switch session.upstream {
@@ -188,7 +225,12 @@ public final class Daemon: Sendable {
             upstream = http
         }
         let coordinator = Coordinator(session: session.name, policy: session.policy, source: source,
-                                      store: InMemorySessionStore(), clock: ContinuousClock(), wall: SystemWallClock())
+                                      store: state.sessions, restored: restored, clock: ContinuousClock(), wall: SystemWallClock())
+        if let restored {
+            logger.info("session \(session.name): restored \(restored.state.rawValue) at generation \(restored.generation)"
+                        + (restored.accessToken == nil ? "" : ", token #\(restored.tokenSerial)"))
+            return SessionTable.Session(configuration: session, coordinator: coordinator, upstream: upstream)
+        }
         switch session.upstream {
         case .test:
             // A test upstream needs no credential: it starts logged in.
@@ -200,6 +242,44 @@ public final class Daemon: Sendable {
             break   // refresh_token sessions wait for a login (Login or DeviceLogin)
         }
         return SessionTable.Session(configuration: session, coordinator: coordinator, upstream: upstream)
+    }
+
+    /// Stored sessions the configuration no longer names: shown by Status, kept until Forget.
+    private func inertSessions(configured: Set<String>) async -> [InertSession] {
+        guard let database = state.database else { return [] }
+        do {
+            return try await database.loadAll().filter { !configured.contains($0.name) }.map(InertSession.init)
+        } catch {
+            logger.error("cannot list stored sessions: \(error)")
+            return []
+        }
+    }
+
+    /// Removes a stored session the configuration no longer names.
+    func forget(_ name: String) async throws -> Bool {
+        guard let database = state.database, try await database.forget(name) else { return false }
+        var snapshot = table.snapshot
+        snapshot.inert.removeAll { $0.name == name }
+        table.replace(snapshot)
+        logger.notice("forgot stored session \(name)")
+        return true
+    }
+
+    /// Retries the pending writes of degraded sessions, backing off while they keep failing.
+    private func flushDegradedSessions() async {
+        var delay = Duration.seconds(1)
+        while !Task.isCancelled {
+            try? await Task.sleep(for: delay)
+            var allFlushed = true
+            for session in table.snapshot.sessions.values where await session.coordinator.status().degraded {
+                if await session.coordinator.flushPendingWrite() {
+                    logger.notice("session \(session.configuration.name): pending state written; no longer degraded")
+                } else {
+                    allFlushed = false
+                }
+            }
+            delay = allFlushed ? .seconds(1) : min(delay * 2, .seconds(60))
+        }
     }
 
     private func raiseDescriptorLimit(to wanted: Int) {

@@ -32,17 +32,20 @@ enum Help {
         until SIGTERM or SIGINT. SIGHUP re-reads the configuration. Logs go to stderr with <N>
         priority prefixes (journald reads them).
 
-        USAGE: tokenbroker serve [--config <path>] [--socket <path>] [--log-level <level>] [--dev]
+        USAGE: tokenbroker serve [--config <path>] [--socket <path>] [--state-dir <path>] [--log-level <level>] [--dev]
 
         OPTIONS:
           --config <path>         Configuration file (default /etc/tokenbroker/tokenbroker.conf;
                                   drop-ins in <path>.d/*.conf).
           --socket <path>         Socket to listen on (overrides Socket=; default
                                   /run/tokenbroker/io.tokenbroker.Broker).
+          --state-dir <path>      Where the state database lives (default $STATE_DIRECTORY, else
+                                  /var/lib/tokenbroker).
           --log-level <level>     emerg, alert, crit, err, warning, notice, info (default), debug.
           --dev                   Development mode: start a development OAuth server in this
                                   process and serve one logged-in session, `demo`, against it
-                                  (no configuration file is read).
+                                  (no configuration file is read; state stays in memory unless
+                                  --state-dir is given).
           -h, --help              Show this help.
 
         EXAMPLES:
@@ -85,6 +88,7 @@ enum Help {
           recover <session>       Read a rejected token on stdin; print the token to retry with.
           login <session>         Log the session in: device flow, or --refresh-token-stdin (admin).
           logout <session>        Log the session out (admin).
+          forget <session>        Remove a stored session the configuration no longer names (admin).
 
         EXAMPLE:
           curl -H "Authorization: Bearer $(tokenbroker ctl token api)" https://api.example.com/
@@ -179,8 +183,27 @@ enum Help {
 
         """
 
+    static let ctlForget = """
+        OVERVIEW: Remove a stored session the configuration no longer names (admin).
+
+        A session removed from the configuration keeps its stored state (ctl status shows it
+        as inert) until it is forgotten; its tokens are then erased from the state database.
+        A configured session cannot be forgotten: remove it from the configuration and reload
+        first.
+
+        USAGE: tokenbroker ctl [--socket <path>] forget <session>
+
+        OPTIONS:
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl forget old-api
+
+        """
+
     static func ctlVerb(_ verb: String) -> String? {
         switch verb {
+        case "forget": return ctlForget
         case "recover": return ctlRecover
         case "login": return ctlLogin
         case "status": return ctlStatus

@@ -87,6 +87,11 @@ public enum TokenBrokerCommand {
                 options.socketPath = path
             case "--dev":
                 options.dev = true
+            case "--state-dir":
+                guard let path = inline ?? value(argument), path.hasPrefix("/") else {
+                    return usageError("--state-dir needs an absolute path", Help.serve, &errors)
+                }
+                options.stateDirectory = path
             case "--log-level":
                 guard let name = inline ?? value(argument), let level = LogLevel(name: name) else {
                     return usageError("--log-level needs one of emerg, alert, crit, err, warning, notice, info, debug", Help.serve, &errors)

@@ -164,7 +164,7 @@ struct DaemonTests {
     func staleSocket() async throws {
         let first = try await Broker()
         // A second daemon on the same socket finds the first one answering and refuses.
-        let second = try Child(Paths.tokenbroker, ["serve", "--config", first.configPath, "--socket", first.socket], directory: first.directory)
+        let second = try Child(Paths.tokenbroker, ["serve", "--config", first.configPath, "--socket", first.socket, "--state-dir", first.directory + "/state"], directory: first.directory)
         #expect(await second.wait() == 1)
         #expect(second.stderr.contains("another instance is listening"))
         #expect(try first.call("GetToken", ["session": "api"]).error == nil)
@@ -172,7 +172,7 @@ struct DaemonTests {
         kill(first.child.process.processIdentifier, SIGKILL)
         _ = await first.child.wait()
         #expect(FileManager.default.fileExists(atPath: first.socket))
-        let third = try Child(Paths.tokenbroker, ["serve", "--config", first.configPath, "--socket", first.socket], directory: first.directory)
+        let third = try Child(Paths.tokenbroker, ["serve", "--config", first.configPath, "--socket", first.socket, "--state-dir", first.directory + "/state"], directory: first.directory)
         defer { third.terminate() }
         try await eventually("the new daemon serves") { (try? first.call("GetToken", ["session": "api"]).error == nil) ?? false }
     }

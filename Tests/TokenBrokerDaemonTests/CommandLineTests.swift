@@ -21,7 +21,7 @@ struct CommandLineTests {
     @Test("help <subcommand> equals <subcommand> --help", arguments: [
         (["serve"], Help.serve), (["check-config"], Help.checkConfig), (["ctl"], Help.ctl),
         (["ctl", "status"], Help.ctlStatus), (["ctl", "token"], Help.ctlToken), (["ctl", "logout"], Help.ctlLogout),
-        (["ctl", "login"], Help.ctlLogin), (["ctl", "recover"], Help.ctlRecover),
+        (["ctl", "login"], Help.ctlLogin), (["ctl", "recover"], Help.ctlRecover), (["ctl", "forget"], Help.ctlForget),
     ])
     func subcommandHelp(words: [String], text: String) {
         var out = ""

@@ -33,7 +33,8 @@ final class Broker: @unchecked Sendable {
         // `@DIR@` in the configuration stands for this broker's directory (for secret files).
         try "dev-secret\n".write(toFile: directory + "/client-secret", atomically: true, encoding: .utf8)
         try config.replacingOccurrences(of: "@DIR@", with: directory).write(toFile: configPath, atomically: true, encoding: .utf8)
-        child = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket] + extraArguments, directory: directory)
+        child = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"]
+                          + extraArguments, directory: directory)
         if wait { try await waitForSocket(socket) }
     }
 

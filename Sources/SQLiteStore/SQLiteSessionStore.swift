@@ -1,0 +1,316 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Basics
+import CSQLite
+import TokenBrokerCore
+
+/// A failure of the state database. Messages name files and SQLite errors, never a value.
+public struct StoreError: Error, Sendable, Equatable, CustomStringConvertible {
+    public var message: String
+    public init(_ message: String) { self.message = message }
+    public var description: String { message }
+}
+
+/// Durable session state in SQLite (`state.db` in the state directory).
+///
+/// - WAL journal with `synchronous=FULL`: a commit returns only after its WAL frames are
+///   fsynced, so a rotated refresh token survives power loss, not just a process crash, before
+///   anyone sees the new access token (guarantee 7). `NORMAL` would be crash-safe but could lose
+///   the last commits on power loss, and a lost rotation is a lost session.
+/// - Every write is guarded by the generation (`StoreWrite.Guard`), in one statement:
+///   `UPDATE … WHERE name = ? AND generation = ?` for refreshes, and an upsert that applies only
+///   over an older generation for logins and logouts.
+/// - The directory is 0700 and the files 0600 (the daemon's umask is tightened while SQLite
+///   creates them); tokens are stored in clear inside them.
+/// - A database that cannot be read as one (corrupt, not a database) is moved aside as
+///   `state.db.corrupt-<unix time>` and a new one is created; the caller is told.
+///
+/// All SQLite work runs on one dedicated thread, in order.
+public final class SQLiteSessionStore: SessionStore {
+    /// The schema version this build writes; older databases are migrated forward.
+    public static let schemaVersion: Int32 = 1
+
+    private final class Connection: @unchecked Sendable {
+        // @unchecked: the handle is used only on the store's serial thread.
+        let db: OpaquePointer
+        init(_ db: OpaquePointer) { self.db = db }
+        deinit { sqlite3_close_v2(db) }
+    }
+
+    private let connection: Connection
+    private let thread = SerialThread()
+    public let path: String
+    /// Set when an unreadable database was moved aside at open: where it went.
+    public let movedAside: String?
+
+    /// Opens (or creates) `directory/state.db`.
+    public init(directory: String) throws {
+        try Self.prepareDirectory(directory)
+        path = directory + "/state.db"
+        var moved: String?
+        var handle: OpaquePointer
+        do {
+            handle = try Self.open(path)
+        } catch let error as CorruptDatabase {
+            moved = try Self.moveAside(path, reason: error.reason)
+            handle = try Self.open(path)
+        }
+        connection = Connection(handle)
+        movedAside = moved
+    }
+
+    private struct CorruptDatabase: Error {
+        var reason: String
+    }
+
+    private static func prepareDirectory(_ directory: String) throws {
+        var info = stat()
+        if stat(directory, &info) != 0 {
+            guard errno == ENOENT else { throw StoreError("\(directory): \(String(cString: strerror(errno)))") }
+            if let slash = directory.lastIndex(of: "/"), slash != directory.startIndex {
+                try prepareDirectory(String(directory[..<slash]))
+                guard mkdir(directory, 0o700) == 0 || errno == EEXIST else {
+                    throw StoreError("cannot create \(directory): \(String(cString: strerror(errno)))")
+                }
+            }
+            return
+        }
+        guard info.st_mode & S_IFMT == S_IFDIR else { throw StoreError("\(directory) is not a directory") }
+    }
+
+    /// Opens the database, applies the pragmas and migrations, and checks it can be read.
+    private static func open(_ path: String) throws -> OpaquePointer {
+        let previous = umask(0o077)
+        defer { umask(previous) }
+        var handle: OpaquePointer?
+        let rc = sqlite3_open_v2(path, &handle, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nil)
+        guard rc == SQLITE_OK, let db = handle else {
+            let message = handle.map { String(cString: sqlite3_errmsg($0)) } ?? String(cString: sqlite3_errstr(rc))
+            sqlite3_close_v2(handle)
+            throw StoreError("cannot open \(path): \(message)")
+        }
+        do {
+            sqlite3_busy_timeout(db, 5000)
+            // A file that is not a database fails here, at the first read.
+            let check = try queryText(db, "PRAGMA quick_check")
+            guard check == "ok" else { throw CorruptDatabase(reason: "integrity check: \(check ?? "no answer")") }
+            try execute(db, "PRAGMA journal_mode=WAL")
+            try execute(db, "PRAGMA synchronous=FULL")
+            try execute(db, "PRAGMA foreign_keys=ON")
+            try migrate(db)
+            for suffix in ["", "-wal", "-shm"] { chmod(path + suffix, 0o600) }
+            return db
+        } catch let error as StoreError where error.message.contains("not a database") || error.message.contains("malformed") {
+            sqlite3_close_v2(db)
+            throw CorruptDatabase(reason: error.message)
+        } catch {
+            sqlite3_close_v2(db)
+            throw error
+        }
+    }
+
+    /// Renames the database and its WAL files to `…corrupt-<unix time>`; returns the new path.
+    private static func moveAside(_ path: String, reason: String) throws -> String {
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        let target = "\(path).corrupt-\(now.tv_sec)"
+        guard rename(path, target) == 0 else {
+            throw StoreError("\(path) is unreadable (\(reason)) and could not be moved aside: \(String(cString: strerror(errno)))")
+        }
+        for suffix in ["-wal", "-shm"] { rename(path + suffix, target + suffix) }
+        return target
+    }
+
+    /// Forward migrations, one per schema version, each in its own transaction.
+    private static let migrations: [String] = [
+        // 1: the sessions table.
+        """
+        CREATE TABLE sessions (
+            name TEXT PRIMARY KEY NOT NULL,
+            generation INTEGER NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('active', 'signedOut', 'ended')),
+            refresh_token TEXT,
+            access_token TEXT,
+            token_type TEXT NOT NULL DEFAULT 'Bearer',
+            expires_at INTEGER,
+            last_refresh INTEGER,
+            token_serial INTEGER NOT NULL DEFAULT 0,
+            end_reason TEXT,
+            updated_at INTEGER NOT NULL
+        ) STRICT;
+        """,
+    ]
+
+    private static func migrate(_ db: OpaquePointer) throws {
+        let version = Int32(try queryText(db, "PRAGMA user_version").flatMap { Int32($0) } ?? 0)
+        guard version <= schemaVersion else {
+            throw StoreError("the database has schema version \(version), newer than this build's \(schemaVersion); refusing to touch it")
+        }
+        for target in (version + 1)...max(schemaVersion, version + 1) where target <= schemaVersion {
+            try execute(db, "BEGIN IMMEDIATE")
+            do {
+                try execute(db, migrations[Int(target) - 1])
+                try execute(db, "PRAGMA user_version = \(target)")
+                try execute(db, "COMMIT")
+            } catch {
+                try? execute(db, "ROLLBACK")
+                throw error
+            }
+        }
+    }
+
+    // MARK: - SessionStore
+
+    public func load(_ session: String) async throws -> SessionRecord? {
+        let connection = self.connection
+        return try await thread.run { try Self.select(connection.db, name: session).first }
+    }
+
+    /// Every stored session, by name.
+    public func loadAll() async throws -> [SessionRecord] {
+        let connection = self.connection
+        return try await thread.run { try Self.select(connection.db, name: nil) }
+    }
+
+    public func write(_ write: StoreWrite) async throws -> Bool {
+        let connection = self.connection
+        return try await thread.run { try Self.apply(connection.db, write) }
+    }
+
+    /// Removes a session's row; returns whether there was one.
+    public func forget(_ session: String) async throws -> Bool {
+        let connection = self.connection
+        return try await thread.run {
+            let statement = try Statement(connection.db, "DELETE FROM sessions WHERE name = ?1")
+            statement.bind(1, session)
+            try statement.run()
+            return sqlite3_changes(connection.db) > 0
+        }
+    }
+
+    private static func apply(_ db: OpaquePointer, _ write: StoreWrite) throws -> Bool {
+        let record = write.record
+        let sql: String
+        switch write.guardedBy {
+        case .sameGeneration:
+            sql = """
+                UPDATE sessions SET state = ?3, refresh_token = ?4, access_token = ?5, token_type = ?6, expires_at = ?7,
+                    last_refresh = ?8, token_serial = ?9, end_reason = ?10, updated_at = ?11
+                WHERE name = ?1 AND generation = ?2
+                """
+        case .newerGeneration:
+            sql = """
+                INSERT INTO sessions (name, generation, state, refresh_token, access_token, token_type, expires_at,
+                                      last_refresh, token_serial, end_reason, updated_at)
+                VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+                ON CONFLICT (name) DO UPDATE SET generation = excluded.generation, state = excluded.state,
+                    refresh_token = excluded.refresh_token, access_token = excluded.access_token,
+                    token_type = excluded.token_type, expires_at = excluded.expires_at,
+                    last_refresh = excluded.last_refresh, token_serial = excluded.token_serial,
+                    end_reason = excluded.end_reason, updated_at = excluded.updated_at
+                WHERE sessions.generation < excluded.generation
+                """
+        }
+        let statement = try Statement(db, sql)
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        statement.bind(1, record.name)
+        statement.bind(2, Int64(record.generation))
+        statement.bind(3, record.state.rawValue)
+        statement.bind(4, record.refreshToken?.reveal)
+        statement.bind(5, record.accessToken?.reveal)
+        statement.bind(6, record.tokenType)
+        statement.bind(7, record.expiresAt)
+        statement.bind(8, record.lastRefresh)
+        statement.bind(9, Int64(bitPattern: record.tokenSerial))
+        statement.bind(10, record.endReason)
+        statement.bind(11, Int64(now.tv_sec))
+        try statement.run()
+        return sqlite3_changes(db) == 1
+    }
+
+    private static func select(_ db: OpaquePointer, name: String?) throws -> [SessionRecord] {
+        let statement = try Statement(db, """
+            SELECT name, generation, state, refresh_token, access_token, token_type, expires_at, last_refresh,
+                   token_serial, end_reason
+            FROM sessions \(name == nil ? "" : "WHERE name = ?1") ORDER BY name
+            """)
+        if let name { statement.bind(1, name) }
+        var records: [SessionRecord] = []
+        while try statement.step() {
+            guard let name = statement.text(0), let state = statement.text(2).flatMap(SessionRecord.State.init(rawValue:)) else {
+                throw StoreError("a row of the sessions table is malformed")
+            }
+            records.append(SessionRecord(
+                name: name, generation: Int(statement.int(1) ?? 0), state: state,
+                refreshToken: statement.text(3).map(Secret.init), accessToken: statement.text(4).map(Secret.init),
+                tokenType: statement.text(5) ?? "Bearer", expiresAt: statement.int(6), lastRefresh: statement.int(7),
+                tokenSerial: UInt64(bitPattern: statement.int(8) ?? 0), endReason: statement.text(9)))
+        }
+        return records
+    }
+
+    // MARK: - SQLite helpers
+
+    static func execute(_ db: OpaquePointer, _ sql: String) throws {
+        var message: UnsafeMutablePointer<CChar>?
+        guard sqlite3_exec(db, sql, nil, nil, &message) == SQLITE_OK else {
+            let text = message.map { String(cString: $0) } ?? String(cString: sqlite3_errmsg(db))
+            sqlite3_free(message)
+            throw StoreError("SQLite: \(text)")
+        }
+    }
+
+    static func queryText(_ db: OpaquePointer, _ sql: String) throws -> String? {
+        let statement = try Statement(db, sql)
+        return try statement.step() ? statement.text(0) : nil
+    }
+
+    /// A prepared statement, finalized when released.
+    final class Statement {
+        let db: OpaquePointer
+        let handle: OpaquePointer
+
+        init(_ db: OpaquePointer, _ sql: String) throws {
+            var handle: OpaquePointer?
+            guard sqlite3_prepare_v2(db, sql, -1, &handle, nil) == SQLITE_OK, let handle else {
+                throw StoreError("SQLite: \(String(cString: sqlite3_errmsg(db)))")
+            }
+            self.db = db
+            self.handle = handle
+        }
+
+        deinit { sqlite3_finalize(handle) }
+
+        func bind(_ index: Int32, _ value: String?) {
+            if let value { tb_sqlite3_bind_text_transient(handle, index, value) } else { sqlite3_bind_null(handle, index) }
+        }
+
+        func bind(_ index: Int32, _ value: Int64?) {
+            if let value { sqlite3_bind_int64(handle, index, value) } else { sqlite3_bind_null(handle, index) }
+        }
+
+        /// Steps once: true for a row, false when done.
+        func step() throws -> Bool {
+            switch sqlite3_step(handle) {
+            case SQLITE_ROW: return true
+            case SQLITE_DONE: return false
+            default: throw StoreError("SQLite: \(String(cString: sqlite3_errmsg(db)))")
+            }
+        }
+
+        func run() throws {
+            while try step() {}
+        }
+
+        func text(_ column: Int32) -> String? {
+            guard sqlite3_column_type(handle, column) != SQLITE_NULL, let pointer = sqlite3_column_text(handle, column) else { return nil }
+            return String(cString: pointer)
+        }
+
+        func int(_ column: Int32) -> Int64? {
+            sqlite3_column_type(handle, column) == SQLITE_NULL ? nil : sqlite3_column_int64(handle, column)
+        }
+    }
+}

@@ -1,0 +1,116 @@
+import Foundation
+import SQLiteStore
+import Testing
+import TokenBrokerCore
+
+@Suite("SQLite session store")
+struct SQLiteStoreTests {
+    static func directory() -> String {
+        FileManager.default.temporaryDirectory.appendingPathComponent("tb-store-\(UUID().uuidString.prefix(8))/state").path
+    }
+
+    static func record(_ generation: Int, _ state: SessionRecord.State, refresh: String? = nil, access: String? = nil) -> SessionRecord {
+        SessionRecord(name: "api", generation: generation, state: state, refreshToken: refresh.map(Secret.init),
+                      accessToken: access.map(Secret.init), expiresAt: access == nil ? nil : 1_900_000_000, lastRefresh: 1_800_000_000,
+                      tokenSerial: UInt64(generation), endReason: state == .ended ? "invalid_grant" : nil)
+    }
+
+    @Test("records round-trip and survive reopening; the directory is 0700 and the files 0600")
+    func persistence() async throws {
+        let directory = Self.directory()
+        let written = Self.record(1, .active, refresh: "r+1/=", access: "a-1")
+        do {
+            let store = try SQLiteSessionStore(directory: directory)
+            #expect(try await store.write(StoreWrite(written, guardedBy: .newerGeneration)))
+            #expect(try await store.load("api") == written)
+            #expect(try await store.load("other") == nil)
+        }
+        let reopened = try SQLiteSessionStore(directory: directory)
+        #expect(try await reopened.load("api") == written)
+        #expect(try await reopened.loadAll().map(\.name) == ["api"])
+        let attributes = try FileManager.default.attributesOfItem(atPath: directory + "/state.db")
+        #expect((attributes[.posixPermissions] as? Int) == 0o600)
+        let directoryAttributes = try FileManager.default.attributesOfItem(atPath: directory)
+        #expect((directoryAttributes[.posixPermissions] as? Int) == 0o700)
+    }
+
+    @Test("same-generation writes apply only at their generation")
+    func sameGeneration() async throws {
+        let store = try SQLiteSessionStore(directory: Self.directory())
+        #expect(try await !store.write(StoreWrite(Self.record(1, .active, refresh: "r1"), guardedBy: .sameGeneration)))
+        #expect(try await store.write(StoreWrite(Self.record(1, .active, refresh: "r1"), guardedBy: .newerGeneration)))
+        #expect(try await store.write(StoreWrite(Self.record(1, .active, refresh: "r2"), guardedBy: .sameGeneration)))
+        #expect(try await !store.write(StoreWrite(Self.record(2, .active, refresh: "r3"), guardedBy: .sameGeneration)))
+        #expect(try await store.load("api")?.refreshToken == Secret("r2"))
+    }
+
+    @Test("boundary writes in any order: the newest generation wins; a late refresh never resurrects a logout")
+    func anyOrder() async throws {
+        let writes = [
+            StoreWrite(Self.record(1, .active, refresh: "late", access: "late"), guardedBy: .sameGeneration),
+            StoreWrite(Self.record(2, .signedOut), guardedBy: .newerGeneration),
+            StoreWrite(Self.record(3, .active, refresh: "login"), guardedBy: .newerGeneration),
+            StoreWrite(Self.record(4, .signedOut), guardedBy: .newerGeneration),
+        ]
+        for permutation in writes.permutations {
+            let store = try SQLiteSessionStore(directory: Self.directory())
+            _ = try await store.write(StoreWrite(Self.record(1, .active, refresh: "r1"), guardedBy: .newerGeneration))
+            for write in permutation { _ = try await store.write(write) }
+            let final = try await store.load("api")
+            #expect(final?.generation == 4 && final?.state == .signedOut && final?.refreshToken == nil && final?.accessToken == nil)
+        }
+    }
+
+    @Test("a corrupt database is moved aside with a timestamped name, never overwritten")
+    func corrupt() async throws {
+        let directory = Self.directory()
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        let garbage = Data(repeating: 0x5A, count: 8192)
+        try garbage.write(to: URL(fileURLWithPath: directory + "/state.db"))
+        let store = try SQLiteSessionStore(directory: directory)
+        let moved = try #require(store.movedAside)
+        #expect(moved.hasPrefix(directory + "/state.db.corrupt-"))
+        #expect(try Data(contentsOf: URL(fileURLWithPath: moved)) == garbage)
+        #expect(try await store.loadAll().isEmpty)
+        #expect(try await store.write(StoreWrite(Self.record(1, .active, refresh: "r"), guardedBy: .newerGeneration)))
+    }
+
+    @Test("a database from a newer build is refused, not touched")
+    func newerSchema() throws {
+        let directory = Self.directory()
+        do {
+            _ = try SQLiteSessionStore(directory: directory)
+        }
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
+        process.arguments = ["python3", "-c", "import sqlite3; c = sqlite3.connect('\(directory)/state.db'); c.execute('PRAGMA user_version = 99'); c.commit()"]
+        try process.run()
+        process.waitUntilExit()
+        #expect(throws: StoreError.self) { try SQLiteSessionStore(directory: directory) }
+    }
+
+    @Test("forget removes a row")
+    func forget() async throws {
+        let store = try SQLiteSessionStore(directory: Self.directory())
+        _ = try await store.write(StoreWrite(Self.record(1, .active, refresh: "r"), guardedBy: .newerGeneration))
+        #expect(try await store.forget("api"))
+        #expect(try await !store.forget("api"))
+        #expect(try await store.load("api") == nil)
+    }
+
+    @Test("no secret in the store's errors")
+    func errors() {
+        #expect(throws: StoreError.self) { try SQLiteSessionStore(directory: "/proc/self/no-such-dir/state") }
+    }
+}
+
+extension Array {
+    var permutations: [[Element]] {
+        guard count > 1 else { return [self] }
+        return indices.flatMap { index -> [[Element]] in
+            var rest = self
+            let head = rest.remove(at: index)
+            return rest.permutations.map { [head] + $0 }
+        }
+    }
+}
