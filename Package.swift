@@ -55,7 +55,7 @@ var package = Package(
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
-        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "Varlink", "DevIssuer", "Upstream"]),
+        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore"]),
     ],
     swiftLanguageModes: [.v6]
 )

@@ -115,7 +115,8 @@ public final class SerialThread: Sendable {
         // @unchecked: every field is only touched with `mutex` held.
         var mutex = pthread_mutex_t()
         var condition = pthread_cond_t()
-        var jobs: [@Sendable () -> Void] = []
+        /// `nil` ends the thread.
+        var jobs: [(@Sendable () -> Void)?] = []
 
         init() {
             pthread_mutex_init(&mutex, nil)
@@ -133,12 +134,20 @@ public final class SerialThread: Sendable {
                 while queue.jobs.isEmpty { pthread_cond_wait(&queue.condition, &queue.mutex) }
                 let job = queue.jobs.removeFirst()
                 pthread_mutex_unlock(&queue.mutex)
+                guard let job else { return }
                 job()
             }
         }
     }
 
+    /// The thread ends once the jobs submitted so far have run.
+    deinit { enqueue(nil) }
+
     public func submit(_ job: @escaping @Sendable () -> Void) {
+        enqueue(job)
+    }
+
+    private func enqueue(_ job: (@Sendable () -> Void)?) {
         pthread_mutex_lock(&queue.mutex)
         queue.jobs.append(job)
         pthread_cond_signal(&queue.condition)

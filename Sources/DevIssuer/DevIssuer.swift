@@ -65,6 +65,8 @@ public final class DevIssuer: Sendable {
 
     private struct RefreshRecord {
         var family: Int
+        /// Position in its family: 0 for the login's token, +1 per rotation.
+        var index: Int
         var retired = false
     }
 
@@ -94,6 +96,7 @@ public final class DevIssuer: Sendable {
         var faults: [Fault] = []
         /// The newest refresh token of each family.
         var newest: [Int: String] = [:]
+        var familySize: [Int: Int] = [:]
         var held = 0
     }
 
@@ -185,6 +188,15 @@ public final class DevIssuer: Sendable {
         state.withLock { state in
             guard let family = state.refreshTokens[token]?.family, let newest = state.newest[family] else { return nil }
             return (newest, state.revokedFamilies.contains(family))
+        }
+    }
+
+    /// Where `token` stands in its family: its position, the newest position (the token the
+    /// issuer last issued), and whether the family is revoked.
+    public func lineage(of token: String) -> (index: Int, newest: Int, revoked: Bool)? {
+        state.withLock { state in
+            guard let record = state.refreshTokens[token] else { return nil }
+            return (record.index, state.familySize[record.family, default: 1] - 1, state.revokedFamilies.contains(record.family))
         }
     }
 
@@ -427,7 +439,9 @@ public final class DevIssuer: Sendable {
 
     private func mintRefresh(_ state: inout State, family: Int) -> String {
         let token = "dev-rt." + Self.random(24)
-        state.refreshTokens[token] = RefreshRecord(family: family)
+        let index = state.familySize[family, default: 0]
+        state.familySize[family] = index + 1
+        state.refreshTokens[token] = RefreshRecord(family: family, index: index)
         state.newest[family] = token
         return token
     }

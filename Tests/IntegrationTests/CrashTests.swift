@@ -1,0 +1,157 @@
+import DevIssuer
+import Foundation
+import SQLiteStore
+import Synchronization
+import Testing
+import TokenBrokerCore
+import Varlink
+
+/// Kills the real daemon with SIGKILL at random points while it refreshes against the
+/// development issuer, restarts it, and checks every time that nothing was lost.
+///
+/// After each kill the test reads the state database and asks the issuer where the stored
+/// refresh token stands in its family:
+/// - the newest one: the session continues (the next refresh must succeed);
+/// - the one before the newest: the issuer answered a refresh the daemon died before
+///   committing (the death window). The next refresh is then a replay, which the issuer
+///   punishes by revoking the family; the test counts these and logs in again;
+/// - anything else: a session was lost, which fails the test.
+/// Some iterations log out instead and kill right after the acknowledgement: the restarted
+/// daemon must still be signed out.
+///
+/// Iterations: `TB_CRASH_ITERATIONS` (default 300); the random seed is printed and can be
+/// fixed with `TB_CRASH_SEED`.
+@Suite("Crash safety", .serialized)
+struct CrashTests {
+    struct SplitMix: RandomNumberGenerator {
+        var state: UInt64
+        mutating func next() -> UInt64 {
+            state &+= 0x9E37_79B9_7F4A_7C15
+            var z = state
+            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
+            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
+            return z ^ (z >> 31)
+        }
+    }
+
+    @Test("SIGKILL during refreshes and after logouts, then restart: nothing lost, no logout undone")
+    func killAndRestart() async throws {
+        let environment = ProcessInfo.processInfo.environment
+        let iterations = environment["TB_CRASH_ITERATIONS"].flatMap(Int.init) ?? 300
+        let seed = environment["TB_CRASH_SEED"].flatMap(UInt64.init) ?? UInt64.random(in: 1...UInt64.max)
+        print("crash test: \(iterations) iterations, TB_CRASH_SEED=\(seed)")
+        var random = SplitMix(state: seed)
+
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let directory = try Paths.temporaryDirectory()
+        let socket = directory + "/crash.sock"
+        let stateDirectory = directory + "/state"
+        try "dev-secret\n".write(toFile: directory + "/secret", atomically: true, encoding: .utf8)
+        try """
+            [Session]
+            Name=api
+            TokenEndpoint=\(issuer.tokenEndpoint)
+            ClientID=tokenbroker
+            ClientSecretFile=\(directory)/secret
+            RefreshLimitBurst=10000
+            RefreshLimitInterval=1s
+            """.write(toFile: directory + "/tokenbroker.conf", atomically: true, encoding: .utf8)
+        let arguments = ["serve", "--config", directory + "/tokenbroker.conf", "--socket", socket, "--state-dir", stateDirectory,
+                         "--log-level", "warning"]
+        let address = VarlinkAddress(path: socket)
+
+        func start() async throws -> Child {
+            let daemon = try Child(Paths.tokenbroker, arguments, directory: directory)
+            try await waitForSocket(socket)
+            return daemon
+        }
+        func call(_ method: String, _ parameters: JSONObject) throws -> VarlinkReply {
+            try VarlinkClient(address: address, timeout: 20).call("io.tokenbroker.Broker." + method, parameters)
+        }
+        func login() throws {
+            let reply = try call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())])
+            #expect(reply.error == nil, "login: \(reply.error ?? "")")
+        }
+        func stored() async throws -> SessionRecord? {
+            try await SQLiteSessionStore(directory: stateDirectory).load("api")
+        }
+
+        var deathWindow = 0
+        var continued = 0
+        var logoutsKept = 0
+        var lost = 0
+        var expectSignedOut = false
+
+        var daemon = try await start()
+        try login()
+        for iteration in 0..<iterations {
+            // Let the daemon run: either a stream of refreshes, or a logout.
+            if random.next() % 100 < 15 {
+                #expect(try call("Logout", ["session": "api"]) == VarlinkReply())
+                expectSignedOut = true
+                kill(daemon.process.processIdentifier, SIGKILL)
+            } else {
+                let stop = Atomic<Bool>(false)
+                let refresher = Task.detached {
+                    // Each round: the current token, rejected, forces one refresh.
+                    guard let client = try? VarlinkClient(address: address, timeout: 20) else { return 0 }
+                    var refreshes = 0
+                    while !stop.load(ordering: .relaxed) {
+                        guard let token = try? client.call("io.tokenbroker.Broker.GetToken", ["session": "api"]).parameters["token"],
+                              let reply = try? client.call("io.tokenbroker.Broker.Recover", ["session": "api", "rejected": token]),
+                              reply.error == nil else { break }
+                        refreshes += 1
+                    }
+                    return refreshes
+                }
+                try await Task.sleep(for: .microseconds(Int(random.next() % 30_000)))
+                kill(daemon.process.processIdentifier, SIGKILL)
+                stop.store(true, ordering: .relaxed)
+                _ = await refresher.value
+            }
+            #expect(await daemon.wait() != 0)
+
+            // The daemon is dead: what did it leave on disk?
+            let record = try #require(try await stored(), "iteration \(iteration): no stored session")
+            daemon = try await start()
+            if expectSignedOut {
+                expectSignedOut = false
+                #expect(record.state == .signedOut && record.refreshToken == nil, "iteration \(iteration): a logout was undone on disk")
+                #expect(try call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut",
+                        "iteration \(iteration): a logout was undone after restart")
+                logoutsKept += 1
+                try login()
+                continue
+            }
+            guard let refreshToken = record.refreshToken?.reveal, let lineage = issuer.lineage(of: refreshToken) else {
+                Issue.record("iteration \(iteration): the stored session has no refresh token the issuer knows")
+                lost += 1
+                try login()
+                continue
+            }
+            let token = try call("GetToken", ["session": "api"]).parameters["token"] ?? ""
+            let refresh = try call("Recover", ["session": "api", "rejected": token])
+            if lineage.index == lineage.newest && !lineage.revoked {
+                #expect(refresh.error == nil, "iteration \(iteration): the newest refresh token was refused: \(refresh.error ?? "")")
+                continued += 1
+            } else if lineage.index == lineage.newest - 1 {
+                // The death window: the issuer rotated, the daemon never committed the answer.
+                #expect(refresh.parameters["reason"] == "invalid_grant", "iteration \(iteration): expected a detected replay")
+                deathWindow += 1
+                try login()
+            } else {
+                Issue.record("iteration \(iteration): stored refresh token \(lineage.index) of \(lineage.newest): a rotation was lost")
+                lost += 1
+                try login()
+            }
+        }
+        daemon.terminate()
+        _ = await daemon.wait()
+        print("crash test: \(iterations) kills; \(continued) continued with the newest refresh token, "
+              + "\(deathWindow) replays in the death window (issuer answered, daemon died before its commit), "
+              + "\(logoutsKept) logouts kept, \(lost) lost; issuer replays \(issuer.counters.replays)")
+        #expect(lost == 0)
+        #expect(issuer.counters.replays == deathWindow)
+    }
+}

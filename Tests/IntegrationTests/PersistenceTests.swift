@@ -1,0 +1,95 @@
+import DevIssuer
+import Foundation
+import Testing
+import Varlink
+
+/// State across restarts of the real daemon, with its SQLite store.
+@Suite("Durable state", .serialized)
+struct PersistenceTests {
+    static func config(_ issuer: DevIssuer, sessions: [String] = ["api"]) -> String {
+        sessions.map { name in
+            """
+            [Session]
+            Name=\(name)
+            TokenEndpoint=\(issuer.tokenEndpoint)
+            ClientID=tokenbroker
+            ClientSecretFile=@DIR@/client-secret
+
+            """
+        }.joined()
+    }
+
+    /// Restarts `broker`'s daemon on the same configuration, socket and state.
+    static func restart(_ broker: Broker) async throws -> Child {
+        let daemon = try Child(Paths.tokenbroker, ["serve", "--config", broker.configPath, "--socket", broker.socket,
+                                                   "--state-dir", broker.directory + "/state"], directory: broker.directory)
+        try await waitForSocket(broker.socket)
+        return daemon
+    }
+
+    @Test("a restart keeps the session: same generation, same token, no new refresh")
+    func restartKeepsSession() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let broker = try await Broker(config: Self.config(issuer))
+        #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+        let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"])
+        #expect(await broker.stop() == 0)
+
+        let daemon = try await Self.restart(broker)
+        defer { daemon.terminate() }
+        let again = try broker.call("GetToken", ["session": "api"])
+        #expect(again.parameters["token"] == token && again.parameters["generation"] == 1)
+        #expect(issuer.counters.refreshGrants == 1)
+        #expect(daemon.stderr.contains("session api: restored active at generation 1, token #1"))
+        // Logout is durable too.
+        #expect(try broker.call("Logout", ["session": "api"]) == VarlinkReply())
+        daemon.terminate()
+        _ = await daemon.wait()
+        let third = try await Self.restart(broker)
+        defer { third.terminate() }
+        #expect(try broker.call("GetToken", ["session": "api"]) == .error("io.tokenbroker.Broker.SignedOut", ["session": "api"]))
+        #expect(try broker.status("api")?["generation"] == 2)
+    }
+
+    @Test("a session the configuration drops stays inert until forgotten")
+    func inertAndForget() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let broker = try await Broker(config: Self.config(issuer, sessions: ["api", "old"]))
+        #expect(try broker.call("Login", ["session": "old", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+        #expect(await broker.stop() == 0)
+        try Self.config(issuer, sessions: ["api"]).replacingOccurrences(of: "@DIR@", with: broker.directory)
+            .write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+        let daemon = try await Self.restart(broker)
+        defer { daemon.terminate() }
+
+        let old = try #require(try broker.status("old"))
+        #expect(old["inert"] == true && old["state"] == "active" && old["generation"] == 1)
+        #expect(try broker.call("GetToken", ["session": "old"]).error == "io.tokenbroker.Broker.NoSuchSession")
+        #expect(try broker.call("Forget", ["session": "api"]) == .error("io.tokenbroker.Broker.SessionConfigured", ["session": "api"]))
+        let forgotten = try await broker.ctl(["forget", "old"])
+        #expect(forgotten.code == 0 && forgotten.out == "forgot old\n")
+        #expect(try broker.status("old") == nil)
+        #expect(try broker.call("Forget", ["session": "old"]).error == "io.tokenbroker.Broker.NoSuchSession")
+    }
+
+    @Test("a corrupt state database is reported and moved aside; the daemon starts")
+    func corruptDatabase() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let directory = try Paths.temporaryDirectory()
+        try FileManager.default.createDirectory(atPath: directory + "/state", withIntermediateDirectories: true)
+        try Data(repeating: 0x42, count: 4096).write(to: URL(fileURLWithPath: directory + "/state/state.db"))
+        try "dev-secret\n".write(toFile: directory + "/client-secret", atomically: true, encoding: .utf8)
+        try Self.config(issuer).replacingOccurrences(of: "@DIR@", with: directory)
+            .write(toFile: directory + "/tokenbroker.conf", atomically: true, encoding: .utf8)
+        let daemon = try Child(Paths.tokenbroker, ["serve", "--config", directory + "/tokenbroker.conf", "--socket", directory + "/s.sock",
+                                                   "--state-dir", directory + "/state"], directory: directory)
+        defer { daemon.terminate() }
+        try await waitForSocket(directory + "/s.sock")
+        #expect(daemon.stderr.contains("<3>the state database \(directory)/state/state.db was unreadable and has been moved aside to"))
+        let moved = try FileManager.default.contentsOfDirectory(atPath: directory + "/state").filter { $0.hasPrefix("state.db.corrupt-") }
+        #expect(moved.count == 1)
+    }
+}
