@@ -92,23 +92,23 @@ struct CrashTests {
                 expectSignedOut = true
                 kill(daemon.process.processIdentifier, SIGKILL)
             } else {
-                let stop = Atomic<Bool>(false)
-                let refresher = Task.detached {
-                    // Each round: the current token, rejected, forces one refresh.
-                    guard let client = try? VarlinkClient(address: address, timeout: 20) else { return 0 }
-                    var refreshes = 0
-                    while !stop.load(ordering: .relaxed) {
-                        guard let token = try? client.call("io.tokenbroker.Broker.GetToken", ["session": "api"]).parameters["token"],
+                // The refresher blocks on its socket, so it gets a thread of its own rather
+                // than one of the cooperative pool's.
+                let finished = Atomic<Bool>(false)
+                let refresher = Thread {
+                    // Each round: the current token, rejected, forces one refresh. It ends when
+                    // the daemon dies under it.
+                    if let client = try? VarlinkClient(address: address, timeout: 20) {
+                        while let token = try? client.call("io.tokenbroker.Broker.GetToken", ["session": "api"]).parameters["token"],
                               let reply = try? client.call("io.tokenbroker.Broker.Recover", ["session": "api", "rejected": token]),
-                              reply.error == nil else { break }
-                        refreshes += 1
+                              reply.error == nil {}
                     }
-                    return refreshes
+                    finished.store(true, ordering: .releasing)
                 }
+                refresher.start()
                 try await Task.sleep(for: .microseconds(Int(random.next() % 30_000)))
                 kill(daemon.process.processIdentifier, SIGKILL)
-                stop.store(true, ordering: .relaxed)
-                _ = await refresher.value
+                try await eventually("the refresher to notice") { finished.load(ordering: .acquiring) }
             }
             #expect(await daemon.wait() != 0)
 
