@@ -5,14 +5,15 @@
 
 SWIFT       ?= swift
 SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
-# C libraries the package links (or will link) through system-library targets, and the
+# C libraries the package links through system-library targets, systemd's tools (systemd-analyze,
+# systemd-socket-activate) and setpriv for the tests, and the
 # independent varlink implementation the conformance tests run against (Go).
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev varlink-go python3-venv
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev varlink-go python3-venv systemd util-linux
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
 
-.PHONY: all deps build release run test bench clean
+.PHONY: all deps build release run test bench install clean
 
 all: build
 
@@ -69,3 +70,29 @@ bench: release
 	echo "== tokenbroker (GetToken, fresh token)"; $(BENCH_DIR)/run_baseline.sh --socket $(BENCH_SOCKET) --conns "$(BENCH_CONNS)"; \
 	echo "== C echo floor"; $(BENCH_DIR)/run_baseline.sh --modes epoll --conns "$(BENCH_CONNS)"; \
 	echo "== tokenbroker RSS (KiB): $$(ps -o rss= -p $$pid)"
+
+# Installation: the binary (Swift standard library linked in), units, sysusers/tmpfiles
+# snippets, the configuration (never over an existing one), the example drop-in and the man page.
+PREFIX      ?= /usr/local
+DESTDIR     ?=
+BINDIR      ?= $(PREFIX)/bin
+UNITDIR     ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
+MANDIR      ?= $(PREFIX)/share/man
+DOCDIR      ?= $(PREFIX)/share/doc/tokenbroker
+SYSCONFDIR  ?= /etc
+install: deps
+	$(SWIFT) build -c release --static-swift-stdlib $(SWIFT_FLAGS) --product tokenbroker
+	install -Dm755 "$$($(SWIFT) build -c release --static-swift-stdlib --show-bin-path)/tokenbroker" "$(DESTDIR)$(BINDIR)/tokenbroker"
+	install -d "$(DESTDIR)$(UNITDIR)"
+	sed 's|/usr/local/bin/tokenbroker|$(BINDIR)/tokenbroker|' systemd/tokenbroker.service > "$(DESTDIR)$(UNITDIR)/tokenbroker.service"
+	chmod 644 "$(DESTDIR)$(UNITDIR)/tokenbroker.service"
+	install -Dm644 systemd/tokenbroker.socket "$(DESTDIR)$(UNITDIR)/tokenbroker.socket"
+	install -Dm644 systemd/sysusers.d/tokenbroker.conf "$(DESTDIR)$(SYSUSERSDIR)/tokenbroker.conf"
+	install -Dm644 systemd/tmpfiles.d/tokenbroker.conf "$(DESTDIR)$(TMPFILESDIR)/tokenbroker.conf"
+	install -d "$(DESTDIR)$(SYSCONFDIR)/tokenbroker/tokenbroker.conf.d"
+	[ -e "$(DESTDIR)$(SYSCONFDIR)/tokenbroker/tokenbroker.conf" ] || \
+	  install -m644 config/tokenbroker.conf "$(DESTDIR)$(SYSCONFDIR)/tokenbroker/tokenbroker.conf"
+	install -Dm644 config/tokenbroker.conf.d/example.conf "$(DESTDIR)$(DOCDIR)/examples/example.conf"
+	install -Dm644 doc/tokenbroker.8 "$(DESTDIR)$(MANDIR)/man8/tokenbroker.8"

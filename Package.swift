@@ -36,12 +36,14 @@ var package = Package(
         .target(name: "Upstream", dependencies: ["Basics", "CCurl", "TokenBrokerCore", "WireJSON"]),
         // A development OAuth 2.0 authorization server on loopback HTTP (`tokenbroker serve --dev`, tests).
         .target(name: "DevIssuer", dependencies: ["Basics", "WireJSON"]),
+        // libsystemd: sd_notify, socket activation, the watchdog, the journal.
+        .systemLibrary(name: "CSystemd", pkgConfig: "libsystemd", providers: [.apt(["libsystemd-dev"])]),
         // SQLite, for the durable session state.
         .systemLibrary(name: "CSQLite", pkgConfig: "sqlite3", providers: [.apt(["libsqlite3-dev"])]),
         // The SQLite session store: generation-guarded writes, WAL + synchronous=FULL, migrations.
         .target(name: "SQLiteStore", dependencies: ["Basics", "CSQLite", "TokenBrokerCore"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
-        .target(name: "TokenBrokerDaemon", dependencies: ["TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore"],
+        .target(name: "TokenBrokerDaemon", dependencies: ["TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore", "CSystemd"],
                 resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The command line: argv in, exit code out.
         .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerDaemon"]),

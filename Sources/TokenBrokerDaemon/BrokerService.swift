@@ -91,10 +91,13 @@ final class BrokerService: VarlinkHandler {
             case "Logout":
                 try parameters.only(["session"])
                 let session = try administer(try parameters.string("session"), peer, call)
-                logger.notice("logout of session \(session.configuration.name) by \(peer)")
                 let revoke = revocation(for: session)
+                let logger = self.logger
                 return asyncReply(session.configuration.name) {
                     try await session.coordinator.logout(handingOver: revoke)
+                    let name = session.configuration.name
+                    logger.log(.notice, "logout of session \(name) by \(peer)", session: name,
+                               generation: await session.coordinator.status().generation)
                     return VarlinkReply()
                 }
             case "Login":
@@ -102,9 +105,11 @@ final class BrokerService: VarlinkHandler {
                 let session = try administer(try parameters.string("session"), peer, call)
                 let refreshToken = Secret(try parameters.string("refreshToken"))
                 guard !refreshToken.isEmpty else { throw ParameterError(name: "refreshToken") }
-                logger.notice("login of session \(session.configuration.name) by \(peer)")
+                let logger = self.logger
                 return asyncReply(session.configuration.name) {
                     let generation = try await session.coordinator.login(refreshToken: refreshToken)
+                    logger.log(.notice, "login of session \(session.configuration.name) by \(peer)", session: session.configuration.name,
+                               generation: generation)
                     return VarlinkReply(parameters: ["generation": .int(Int64(generation))])
                 }
             case "DeviceLogin":
@@ -115,7 +120,7 @@ final class BrokerService: VarlinkHandler {
                     return .reply(.error(BrokerInterface.Error.loginFailed,
                                          ["session": .string(session.configuration.name), "reason": "this session has no OAuth upstream"]))
                 }
-                logger.notice("device login of session \(session.configuration.name) started by \(peer)")
+                logger.notice("device login of session \(session.configuration.name) started by \(peer)", session: session.configuration.name)
                 return .async { [self] sink in await deviceLogin(session, upstream, sink) }
             case "Status":
                 try parameters.only([])
@@ -217,7 +222,7 @@ final class BrokerService: VarlinkHandler {
         return { refreshToken in
             Task {
                 if let problem = await upstream.revoke(refreshToken) {
-                    logger.warning("revocation at logout of session \(name) failed: \(problem)")
+                    logger.warning("revocation at logout of session \(name) failed: \(problem)", session: name)
                 }
             }
         }
@@ -228,7 +233,7 @@ final class BrokerService: VarlinkHandler {
     private func deviceLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, _ sink: VarlinkReplySink) async {
         let name = session.configuration.name
         func failed(_ reason: String) {
-            logger.warning("device login of session \(name) failed: \(reason)")
+            logger.warning("device login of session \(name) failed: \(reason)", session: name)
             sink.send(.error(BrokerInterface.Error.loginFailed, ["session": .string(name), "reason": .string(reason)]))
         }
         let client: OAuthClient
@@ -257,7 +262,7 @@ final class BrokerService: VarlinkHandler {
         }
         do {
             let generation = try await session.coordinator.login(refreshToken: token.refreshToken, initial: token)
-            logger.notice("device login of session \(name) done: generation \(generation)")
+            logger.log(.notice, "device login of session \(name) done: generation \(generation)", session: name, generation: generation)
             sink.send(VarlinkReply(parameters: ["event": "done", "generation": .int(Int64(generation))]))
         } catch {
             sink.send(reply(for: error, session: name))

@@ -50,7 +50,7 @@ public final class Daemon: Sendable {
 
     /// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
     public static func run(_ options: Options) async -> Int32 {
-        let logger = Logger(level: options.logLevel)
+        let logger = Logger(level: options.logLevel, journal: Systemd.stderrIsJournal())
         var development: DevelopmentSetup?
         if options.dev {
             do {
@@ -85,9 +85,16 @@ public final class Daemon: Sendable {
         raiseDescriptorLimit(to: configuration.maxConnections + 256)
         await apply(configuration)
 
-        let socket: (fd: Int32, inode: ino_t)
+        // The socket systemd passed (socket activation), else our own, bound here.
+        let socket: (fd: Int32, inode: ino_t?)
         do {
-            socket = try SocketPath.bind(configuration.socketPath, mode: configuration.socketMode, group: configuration.socketGroup)
+            if let fd = try Systemd.activatedListener() {
+                socket = (fd, nil)
+                logger.info("using the socket passed by systemd")
+            } else {
+                let bound = try SocketPath.bind(configuration.socketPath, mode: configuration.socketMode, group: configuration.socketGroup)
+                socket = (bound.fd, bound.inode)
+            }
         } catch {
             logger.error("cannot listen: \(error)")
             return ExitCode.failure
@@ -104,7 +111,8 @@ public final class Daemon: Sendable {
                 interfaces: [BrokerInterface.interface], handler: service,
                 configuration: VarlinkServerConfiguration(maximumMessageSize: configuration.maxMessageSize,
                                                           maximumConnections: configuration.maxConnections,
-                                                          protocolErrorName: BrokerInterface.Error.protocolError),
+                                                          protocolErrorName: BrokerInterface.Error.protocolError,
+                                                          heartbeat: Systemd.watchdogInterval().map { ($0, { Systemd.watchdog() }) }),
                 onEvent: { event in
                     switch event {
                     case let .connectionLimit(peer): logger.warning("connection limit reached; refused \(peer.map { "\($0)" } ?? "a client")")
@@ -123,6 +131,9 @@ public final class Daemon: Sendable {
             var output = FileOutput.standardOutput
             output.write(development.guide(socket: configuration.socketPath))
         }
+        // Ready means: the socket listens and the stored state is loaded (not that any
+        // upstream is reachable).
+        Systemd.ready(status: await statusLine())
 
         // The daemon's long-running work: signals, and retrying degraded sessions' writes. When
         // the signal loop ends (SIGTERM/SIGINT), the rest is cancelled.
@@ -130,21 +141,30 @@ public final class Daemon: Sendable {
             group.addTask { [self] in
                 for await signal in Signals.stream([SIGTERM, SIGINT, SIGHUP]) {
                     if signal == SIGHUP {
-                        if let problem = await reload() { logger.error("reload failed, keeping the old configuration: \(problem)") }
+                        Systemd.reloading()
+                        if let problem = await reload() {
+                            logger.error("reload failed, keeping the old configuration: \(problem)")
+                            reloadProblem.value = problem
+                        } else {
+                            reloadProblem.value = nil
+                        }
+                        Systemd.ready(status: await statusLine())
                         continue
                     }
+                    Systemd.stopping()
                     logger.info("stopping (signal \(signal))")
                     return
                 }
             }
-            group.addTask { [self] in await flushDegradedSessions() }
+            group.addTask { [self] in await maintain() }
             await group.next()
             group.cancelAll()
         }
 
         // Stop: no new connections; let calls in flight finish under a deadline; then close.
         server.stopAccepting()
-        SocketPath.remove(configuration.socketPath, inode: socket.inode)
+        // A socket systemd passed belongs to systemd; one we bound is removed.
+        if let inode = socket.inode { SocketPath.remove(configuration.socketPath, inode: inode) }
         let deadline = ContinuousClock.now + options.drainTimeout
         while server.callsInProgress > 0 && ContinuousClock.now < deadline {
             try? await Task.sleep(for: .milliseconds(10))
@@ -265,21 +285,61 @@ public final class Daemon: Sendable {
         return true
     }
 
-    /// Retries the pending writes of degraded sessions, backing off while they keep failing.
-    private func flushDegradedSessions() async {
+    /// Once a second: retry the pending writes of degraded sessions (backing off while they
+    /// keep failing) and keep systemd's STATUS= current.
+    private func maintain() async {
         var delay = Duration.seconds(1)
+        var nextFlush = ContinuousClock.now + delay
+        var lastStatus = ""
         while !Task.isCancelled {
-            try? await Task.sleep(for: delay)
-            var allFlushed = true
-            for session in table.snapshot.sessions.values where await session.coordinator.status().degraded {
-                if await session.coordinator.flushPendingWrite() {
-                    logger.notice("session \(session.configuration.name): pending state written; no longer degraded")
-                } else {
-                    allFlushed = false
+            try? await Task.sleep(for: .seconds(1))
+            if ContinuousClock.now >= nextFlush {
+                var allFlushed = true
+                for session in table.snapshot.sessions.values where await session.coordinator.status().degraded {
+                    if await session.coordinator.flushPendingWrite() {
+                        logger.notice("session \(session.configuration.name): pending state written; no longer degraded",
+                                      session: session.configuration.name)
+                    } else {
+                        allFlushed = false
+                    }
                 }
+                delay = allFlushed ? .seconds(1) : min(delay * 2, .seconds(60))
+                nextFlush = ContinuousClock.now + delay
             }
-            delay = allFlushed ? .seconds(1) : min(delay * 2, .seconds(60))
+            let status = await statusLine()
+            if status != lastStatus {
+                Systemd.status(status)
+                lastStatus = status
+            }
         }
+    }
+
+    /// The problem of the last failed reload, shown in STATUS= until a reload succeeds.
+    private let reloadProblem = SynchronizedBox<String?>(nil)
+
+    /// One line for systemd's STATUS=: sessions by state, degraded ones, the last refresh.
+    func statusLine() async -> String {
+        var active = 0, signedOut = 0, ended = 0, degraded = 0
+        var lastRefresh: Int64?
+        for session in table.snapshot.sessions.values {
+            let status = await session.coordinator.status()
+            switch status.state {
+            case .active: active += 1
+            case .signedOut: signedOut += 1
+            case .ended: ended += 1
+            }
+            if status.degraded { degraded += 1 }
+            if let refreshed = status.lastRefresh { lastRefresh = max(lastRefresh ?? refreshed, refreshed) }
+        }
+        var line = "\(active) active, \(signedOut) signed out, \(ended) failed, \(degraded) degraded"
+        if let lastRefresh {
+            var time = time_t(lastRefresh)
+            var parts = tm()
+            gmtime_r(&time, &parts)
+            line += "; last refresh \(String(format2: parts.tm_hour)):\(String(format2: parts.tm_min)):\(String(format2: parts.tm_sec)) UTC"
+        }
+        if let problem = reloadProblem.value { line += "; reload failed: \(problem)" }
+        return line
     }
 
     private func raiseDescriptorLimit(to wanted: Int) {
@@ -336,3 +396,10 @@ final class SynchronizedBox<Value: Sendable>: Sendable {
 }
 
 import Synchronization
+
+extension String {
+    /// A number with at least two digits.
+    init(format2 value: Int32) {
+        self = value < 10 ? "0\(value)" : "\(value)"
+    }
+}

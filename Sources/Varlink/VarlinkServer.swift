@@ -18,13 +18,17 @@ public struct VarlinkServerConfiguration: Sendable {
     /// call of that connection is in progress (`nil`: close without a word). It carries
     /// `reason`.
     public var protocolErrorName: String?
+    /// Called on the I/O thread at least this often while the loop runs (the systemd
+    /// watchdog ping: a wedged loop stops calling it).
+    public var heartbeat: (interval: Duration, action: @Sendable () -> Void)?
 
     public init(maximumMessageSize: Int = 1 << 20, maximumConnections: Int = 4096, maximumPendingOutput: Int = 4 << 20,
-                protocolErrorName: String? = nil) {
+                protocolErrorName: String? = nil, heartbeat: (interval: Duration, action: @Sendable () -> Void)? = nil) {
         self.maximumMessageSize = maximumMessageSize
         self.maximumConnections = maximumConnections
         self.maximumPendingOutput = maximumPendingOutput
         self.protocolErrorName = protocolErrorName
+        self.heartbeat = heartbeat
     }
 }
 
@@ -200,8 +204,21 @@ public final class VarlinkServer: Sendable {
 
         mutating func run() {
             var events = [epoll_event](repeating: epoll_event(), count: 256)
+            let heartbeat = server.configuration.heartbeat
+            let clock = ContinuousClock()
+            var nextBeat = clock.now
             while true {
-                let count = epoll_wait(server.epollFD, &events, Int32(events.count), -1)
+                var timeout: Int32 = -1
+                if let heartbeat {
+                    let now = clock.now
+                    if now >= nextBeat {
+                        heartbeat.action()
+                        nextBeat = now + heartbeat.interval
+                    }
+                    let (seconds, attoseconds) = (nextBeat - now).components
+                    timeout = Int32(max(1, seconds * 1000 + attoseconds / 1_000_000_000_000_000))
+                }
+                let count = epoll_wait(server.epollFD, &events, Int32(events.count), timeout)
                 if count < 0 {
                     if errno == EINTR { continue }
                     break

@@ -1,0 +1,223 @@
+import DevIssuer
+import Foundation
+import SQLiteStore
+import Synchronization
+import Testing
+import Varlink
+
+/// A datagram socket the test owns, standing in for systemd's notify socket (or journald's).
+final class DatagramReceiver: @unchecked Sendable {
+    // @unchecked: the descriptor is only read by the test task that owns the receiver.
+    let path: String
+    private let fd: Int32
+
+    init(path: String) throws {
+        self.path = path
+        fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue), 0)
+        var address = sockaddr_un()
+        address.sun_family = sa_family_t(AF_UNIX)
+        withUnsafeMutableBytes(of: &address.sun_path) { $0.copyBytes(from: Array(path.utf8) + [0]) }
+        let rc = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) }
+        }
+        guard rc == 0 else { throw POSIXError(.EADDRINUSE) }
+        chmod(path, 0o666)
+    }
+
+    deinit {
+        close(fd)
+        unlink(path)
+    }
+
+    /// The next datagram, or nil after `timeout`.
+    func receive(timeout: Double = 10) -> String? {
+        var pfd = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
+        guard poll(&pfd, 1, Int32(timeout * 1000)) > 0 else { return nil }
+        var buffer = [UInt8](repeating: 0, count: 65_536)
+        let n = buffer.withUnsafeMutableBytes { recv(fd, $0.baseAddress, $0.count, 0) }
+        return n > 0 ? String(decoding: buffer[0..<n], as: UTF8.self) : nil
+    }
+
+    /// Datagrams until one satisfies `condition` (included), skipping those `skip` matches.
+    func receive(until condition: (String) -> Bool, timeout: Double = 10) -> [String] {
+        var messages: [String] = []
+        let deadline = Date().addingTimeInterval(timeout)
+        while Date() < deadline, let message = receive(timeout: deadline.timeIntervalSinceNow) {
+            messages.append(message)
+            if condition(message) { break }
+        }
+        return messages
+    }
+}
+
+@Suite("systemd integration", .serialized)
+struct SystemdTests {
+    static let config = """
+        [Session]
+        Name=api
+        Upstream=test
+
+        """
+
+    @Test("notify: READY with STATUS, WATCHDOG pings, RELOADING then READY on SIGHUP (good and bad), STOPPING on SIGTERM")
+    func notifications() async throws {
+        let directory = try Paths.temporaryDirectory()
+        let notify = try DatagramReceiver(path: directory + "/notify")
+        let configPath = directory + "/tokenbroker.conf"
+        try Self.config.write(toFile: configPath, atomically: true, encoding: .utf8)
+        let socket = directory + "/tb.sock"
+        let daemon = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"],
+                               environment: ["NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "300000"], directory: directory)
+        defer { daemon.terminate() }
+
+        // READY=1 comes once the socket listens, with a status line.
+        let ready = try #require(notify.receive())
+        #expect(ready.hasPrefix("READY=1\nSTATUS=1 active, 0 signed out, 0 failed, 0 degraded"), "\(ready)")
+        #expect(try VarlinkClient(address: VarlinkAddress(path: socket)).call("io.tokenbroker.Broker.GetToken", ["session": "api"]).error == nil)
+
+        // The watchdog is pinged at half of WATCHDOG_USEC from the serving loop.
+        let pings = notify.receive(until: { $0 == "WATCHDOG=1" })
+        #expect(pings.last == "WATCHDOG=1")
+
+        // A good reload: RELOADING=1 with MONOTONIC_USEC, then READY=1; the new session is served.
+        try (Self.config + "[Session]\nName=extra\nUpstream=test\n").write(toFile: configPath, atomically: true, encoding: .utf8)
+        kill(daemon.process.processIdentifier, SIGHUP)
+        var messages = notify.receive(until: { $0.hasPrefix("READY=1") }).filter { $0 != "WATCHDOG=1" && !$0.hasPrefix("STATUS=") }
+        #expect(messages.count == 2 && messages[0].hasPrefix("RELOADING=1\nMONOTONIC_USEC=") && messages[1].hasPrefix("READY=1"), "\(messages)")
+        #expect(try VarlinkClient(address: VarlinkAddress(path: socket)).call("io.tokenbroker.Broker.GetToken", ["session": "extra"]).error == nil)
+
+        // A bad reload keeps the old configuration, logs file:line, and STATUS= says so.
+        try (Self.config + "[Session]\nName=extra\nUpstream=test\nRefreshAhead=eventually\n").write(toFile: configPath, atomically: true, encoding: .utf8)
+        kill(daemon.process.processIdentifier, SIGHUP)
+        messages = notify.receive(until: { $0.hasPrefix("READY=1") }).filter { $0 != "WATCHDOG=1" && !$0.hasPrefix("STATUS=") }
+        #expect(messages.first?.hasPrefix("RELOADING=1") == true)
+        let readyAgain = try #require(messages.last)
+        #expect(readyAgain.contains("reload failed: \(configPath):7: RefreshAhead="), "\(readyAgain)")
+        #expect(daemon.stderr.contains("\(configPath):7: RefreshAhead="))
+        #expect(try VarlinkClient(address: VarlinkAddress(path: socket)).call("io.tokenbroker.Broker.GetToken", ["session": "extra"]).error == nil)
+
+        // SIGTERM: STOPPING=1, then a clean exit.
+        daemon.terminate()
+        let stopping = notify.receive(until: { $0.hasPrefix("STOPPING=1") })
+        #expect(stopping.last?.hasPrefix("STOPPING=1") == true)
+        #expect(await daemon.wait() == 0)
+    }
+
+    @Test("socket activation under systemd-socket-activate; more than one socket is refused")
+    func socketActivation() async throws {
+        let directory = try Paths.temporaryDirectory()
+        let configPath = directory + "/tokenbroker.conf"
+        try Self.config.write(toFile: configPath, atomically: true, encoding: .utf8)
+        let socket = directory + "/activated.sock"
+        let activator = try Child("/usr/bin/systemd-socket-activate",
+                                  ["-l", socket, "--fdname=varlink", Paths.tokenbroker, "serve", "--config", configPath,
+                                   "--socket", socket, "--state-dir", directory + "/state"], directory: directory)
+        defer { activator.terminate() }
+        try await eventually("the activator's socket") { FileManager.default.fileExists(atPath: socket) }
+        // The first connection starts the daemon (exec'd in place of the activator).
+        let reply = try VarlinkClient(address: VarlinkAddress(path: socket)).call("io.tokenbroker.Broker.GetToken", ["session": "api"])
+        #expect(reply.error == nil)
+        try await eventually("the daemon's log") { activator.stderr.contains("using the socket passed by systemd") }
+        activator.terminate()
+        #expect(await activator.wait() == 0)
+        // The socket belongs to the service manager: the daemon leaves it in place.
+        #expect(FileManager.default.fileExists(atPath: socket))
+
+        let two = try Child("/usr/bin/systemd-socket-activate",
+                            ["-l", directory + "/a.sock", "-l", directory + "/b.sock", Paths.tokenbroker, "serve", "--config", configPath,
+                             "--state-dir", directory + "/state2"], directory: directory)
+        defer { two.kill() }
+        try await eventually("the activator's sockets") { FileManager.default.fileExists(atPath: directory + "/a.sock") }
+        _ = try? VarlinkClient(address: VarlinkAddress(path: directory + "/a.sock"), timeout: 5).call("io.tokenbroker.Broker.Status")
+        #expect(await two.wait() == 1)
+        #expect(two.stderr.contains("socket activation passed 2 sockets; tokenbroker takes exactly one"))
+    }
+
+    @Test("SIGTERM during an in-flight refresh: the refresh completes, its state is committed, exit 0")
+    func sigtermDuringRefresh() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let broker = try await Broker(config: """
+            [Session]
+            Name=api
+            TokenEndpoint=\(issuer.tokenEndpoint)
+            ClientID=tokenbroker
+            ClientSecretFile=@DIR@/client-secret
+
+            """)
+        #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+        issuer.inject([.hold])
+        let answered = Mutex<VarlinkReply?>(nil)
+        let caller = Thread {
+            let reply = try? VarlinkClient(address: broker.address, timeout: 30).call("io.tokenbroker.Broker.GetToken", ["session": "api"])
+            answered.withLock { $0 = reply }
+        }
+        caller.start()
+        try await eventually("the refresh held at the issuer") { issuer.heldCount == 1 }
+        broker.child.terminate()
+        try await eventually("the daemon stops accepting") { !FileManager.default.fileExists(atPath: broker.socket) }
+        issuer.releaseHeld()
+        #expect(await broker.child.wait() == 0)
+        try await eventually("the caller's answer") { answered.withLock { $0 } != nil }
+        let token = try #require(answered.withLock { $0 }?.parameters["token"]?.stringValue)
+        #expect(issuer.isValidAccessToken(token))
+        let stored = try #require(try await SQLiteSessionStore(directory: broker.directory + "/state").load("api"))
+        let lineage = try #require(issuer.lineage(of: stored.refreshToken?.reveal ?? ""))
+        #expect(lineage.index == lineage.newest && lineage.index == 1 && stored.accessToken?.reveal == token)
+    }
+
+    @Test("the unit files pass systemd-analyze verify with no warning, and the service's exposure is at most 1.5")
+    func unitFiles() async throws {
+        let directory = try Paths.temporaryDirectory()
+        let units = Paths.packageRoot.appendingPathComponent("systemd")
+        // verify needs ExecStart to name an executable: the one just built.
+        let service = try String(contentsOf: units.appendingPathComponent("tokenbroker.service"), encoding: .utf8)
+            .replacingOccurrences(of: "/usr/local/bin/tokenbroker", with: Paths.tokenbroker)
+        try service.write(toFile: directory + "/tokenbroker.service", atomically: true, encoding: .utf8)
+        try FileManager.default.copyItem(atPath: units.appendingPathComponent("tokenbroker.socket").path, toPath: directory + "/tokenbroker.socket")
+
+        let verify = try Child("/usr/bin/systemd-analyze", ["verify", "--man=no", "--recursive-errors=yes",
+                                                            directory + "/tokenbroker.service", directory + "/tokenbroker.socket"],
+                               directory: directory)
+        #expect(await verify.wait() == 0)
+        #expect(verify.stderr.isEmpty && verify.stdout.isEmpty, "\(verify.stderr)")
+
+        let security = try Child("/usr/bin/systemd-analyze", ["security", "--offline=true", directory + "/tokenbroker.service"],
+                                 directory: directory)
+        #expect(await security.wait() == 0)
+        let score = security.stdout.components(separatedBy: "Overall exposure level for tokenbroker.service: ").last?
+            .split(separator: " ").first.flatMap { Double($0) }
+        let exposure = try #require(score, "\(security.stdout.suffix(300))")
+        print("systemd-analyze security: exposure \(exposure)")
+        #expect(exposure <= 1.5)
+    }
+
+    @Test("journal: structured entries with SESSION and GENERATION when stderr is the journal, and no token",
+          .enabled(if: !FileManager.default.fileExists(atPath: "/run/systemd/journal/socket") && getuid() == 0))
+    func journal() async throws {
+        let createdDirectory = !FileManager.default.fileExists(atPath: "/run/systemd/journal")
+        try FileManager.default.createDirectory(atPath: "/run/systemd/journal", withIntermediateDirectories: true)
+        defer { if createdDirectory { try? FileManager.default.removeItem(atPath: "/run/systemd/journal") } }
+        let journal = try DatagramReceiver(path: "/run/systemd/journal/socket")
+        let directory = try Paths.temporaryDirectory()
+        try Self.config.write(toFile: directory + "/tokenbroker.conf", atomically: true, encoding: .utf8)
+        // Child sends stderr to a file it creates first: give the daemon that file's identity.
+        let errPath = directory + "/journal-daemon.err"
+        _ = FileManager.default.createFile(atPath: errPath, contents: nil)
+        let socket = directory + "/j.sock"
+        let daemon = try Child("/bin/sh", ["-c", "exec 2>>\(errPath); JOURNAL_STREAM=$(stat -c '%d:%i' \(errPath)) exec \"$0\" \"$@\"",
+                                           Paths.tokenbroker, "serve", "--config", directory + "/tokenbroker.conf", "--socket", socket,
+                                           "--state-dir", directory + "/state"], directory: directory)
+        defer { daemon.terminate() }
+        try await waitForSocket(socket)
+        let token = try #require(try VarlinkClient(address: VarlinkAddress(path: socket))
+            .call("io.tokenbroker.Broker.GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+        #expect(try VarlinkClient(address: VarlinkAddress(path: socket)).call("io.tokenbroker.Broker.Logout", ["session": "api"]).error == nil)
+        let entries = journal.receive(until: { $0.contains("logout of session api") })
+        let logout = try #require(entries.last)
+        #expect(logout.contains("PRIORITY=5\n") && logout.contains("SYSLOG_IDENTIFIER=tokenbroker\n") && logout.contains("SESSION=api\n"))
+        #expect(logout.contains("GENERATION=2\n"))
+        #expect(entries.allSatisfy { !$0.contains(token) })
+        #expect(!daemon.stderr.contains("logout of session"))   // nothing on stderr: it went to the journal
+    }
+}
