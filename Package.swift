@@ -15,6 +15,8 @@ var package = Package(
         .executable(name: "tokenbroker", targets: ["tokenbroker"]),
         .library(name: "TokenBrokerCore", targets: ["TokenBrokerCore"]),
         .library(name: "Varlink", targets: ["Varlink"]),
+        .library(name: "TokenBrokerClient", targets: ["TokenBrokerClient"]),
+        .library(name: "TokenBrokerURLSession", targets: ["TokenBrokerURLSession"]),
     ],
     targets: [
         // Pure: the refresh coordinator, its state machine, policies and errors. Standard library only
@@ -45,6 +47,13 @@ var package = Package(
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
         .target(name: "TokenBrokerDaemon", dependencies: ["TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore", "CSystemd"],
                 resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
+        // The Swift client library for workers: typed calls, reconnection, watch streams, and the
+        // one-refresh-one-retry helper for business requests.
+        .target(name: "TokenBrokerClient", dependencies: ["Basics", "TokenBrokerCore", "Varlink"]),
+        // The helper on URLSession, for workers that use FoundationNetworking.
+        .target(name: "TokenBrokerURLSession", dependencies: ["TokenBrokerClient", "TokenBrokerCore"]),
+        // An example worker: a protected resource called through the broker.
+        .executableTarget(name: "example-worker", dependencies: ["TokenBrokerClient", "TokenBrokerURLSession"]),
         // The command line: argv in, exit code out.
         .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerDaemon"]),
         // org.varlink.certification served and called on our varlink layer, for conformance tests
@@ -57,7 +66,8 @@ var package = Package(
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
-        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore"]),
+        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "example-worker",
+                                                            "TokenBrokerClient", "TokenBrokerURLSession", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore"]),
     ],
     swiftLanguageModes: [.v6]
 )

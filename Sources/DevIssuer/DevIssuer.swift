@@ -98,6 +98,7 @@ public final class DevIssuer: Sendable {
         var newest: [Int: String] = [:]
         var familySize: [Int: Int] = [:]
         var held = 0
+        var resourceRejectsAll = false
     }
 
     private let options: Options
@@ -198,6 +199,17 @@ public final class DevIssuer: Sendable {
             guard let record = state.refreshTokens[token] else { return nil }
             return (record.index, state.familySize[record.family, default: 1] - 1, state.revokedFamilies.contains(record.family))
         }
+    }
+
+    /// Revokes one access token (the resource then answers 401 `invalid_token` for it).
+    public func revokeAccessToken(_ token: String) {
+        state.withLock { $0.accessTokens[token]?.revoked = true }
+    }
+
+    /// Makes the protected resource refuse every token (to test what a worker does with a
+    /// second 401).
+    public func setResourceRejectsAll(_ value: Bool) {
+        state.withLock { $0.resourceRejectsAll = value }
     }
 
     /// Whether `token` is a live access token.
@@ -416,7 +428,7 @@ public final class DevIssuer: Sendable {
             return .respond(status: 401, headers: [("WWW-Authenticate", "Bearer realm=\"dev\"")], body: [])
         }
         let token = String(header.dropFirst(7))
-        guard state.withLock({ Self.valid(token, in: $0) }) else {
+        guard state.withLock({ Self.valid(token, in: $0) && !$0.resourceRejectsAll }) else {
             return .respond(status: 401, headers: [("WWW-Authenticate", "Bearer realm=\"dev\", error=\"invalid_token\"")], body: [])
         }
         if request.query.contains(where: { $0 == ("scope", "admin") }) {

@@ -87,6 +87,12 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         try await run(machine.demand(.recover(rejected: rejected), now: now()))
     }
 
+    /// Refreshes now, whatever the current token (an operator's `ctl refresh`): joins the
+    /// flight under way or starts one; backoff and the refresh guard still apply.
+    public func refresh() async throws -> IssuedToken {
+        try await run(machine.demand(.refresh, now: now()))
+    }
+
     private func run(_ action: RefreshStateMachine.DemandAction) async throws -> IssuedToken {
         switch action {
         case let .deliver(token):

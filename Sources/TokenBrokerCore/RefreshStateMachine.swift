@@ -36,6 +36,9 @@ public struct RefreshStateMachine: Sendable {
         case get
         /// `Recover`: the worker's request was rejected with `rejected`.
         case recover(rejected: Secret)
+        /// An operator's forced refresh: joins the flight under way or starts one (backoff
+        /// and the refresh guard still apply).
+        case refresh
     }
 
     /// What to do about a demand.
@@ -204,6 +207,7 @@ public struct RefreshStateMachine: Sendable {
         case let .ended(reason): return .fail(.refreshFailed(reason: reason, retryable: false, retryAfter: nil))
         case .active: break
         }
+        if case .refresh = demand { return refresh(now: now) }
         if case let .recover(rejected) = demand {
             // Guarantee 2: a rejection of a token that is no longer current is stale. The
             // worker gets the current token (refreshed first only if it has itself expired).

@@ -112,6 +112,16 @@ final class BrokerService: VarlinkHandler {
                                generation: generation)
                     return VarlinkReply(parameters: ["generation": .int(Int64(generation))])
                 }
+            case "Refresh":
+                try parameters.only(["session"])
+                let session = try administer(try parameters.string("session"), peer, call)
+                logger.notice("forced refresh of session \(session.configuration.name) by \(peer)", session: session.configuration.name)
+                return asyncReply(session.configuration.name) {
+                    let token = try await session.coordinator.refresh()
+                    var parameters: JSONObject = ["generation": .int(Int64(token.generation)), "tokenSerial": .int(Int64(token.serial))]
+                    if let expiresAt = token.expiresAt { parameters["expiresAt"] = .int(expiresAt) }
+                    return VarlinkReply(parameters: parameters)
+                }
             case "DeviceLogin":
                 try parameters.only(["session"])
                 let session = try administer(try parameters.string("session"), peer, call)

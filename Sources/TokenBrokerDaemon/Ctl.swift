@@ -15,6 +15,7 @@ enum Ctl {
         var words: [String] = []
         var json = false
         var refreshTokenFromStdin = false
+        var showToken = false
         var index = 0
         while index < arguments.count {
             let argument = arguments[index]
@@ -30,11 +31,16 @@ enum Ctl {
                 json = true
             case "--refresh-token-stdin":
                 refreshTokenFromStdin = true
+            case "--show-token":
+                showToken = true
             default:
                 if argument.hasPrefix("--socket=") {
                     socket = String(argument.dropFirst("--socket=".count))
                 } else if argument.hasPrefix("-") {
                     return usage("unknown option '\(argument)'", &errors)
+                } else if argument == "check-config" && words.isEmpty {
+                    // The same as `tokenbroker check-config`: it reads files, not the socket.
+                    return TokenBrokerCommand.checkConfig(Array(arguments[(index + 1)...]), output: &output, errors: &errors)
                 } else {
                     words.append(argument)
                 }
@@ -43,6 +49,7 @@ enum Ctl {
         }
         guard let verb = words.first else { return usage("missing verb", &errors) }
         if refreshTokenFromStdin && verb != "login" { return usage("--refresh-token-stdin belongs to login", &errors) }
+        if showToken && verb != "watch" { return usage("--show-token belongs to watch", &errors) }
         let operands = Array(words.dropFirst())
         guard let address = VarlinkAddress(socket) else { return usage("invalid socket address '\(socket)'", &errors) }
         do {
@@ -73,6 +80,23 @@ enum Ctl {
                 } else {
                     try deviceLogin(address, operands[0], output: &output)
                 }
+            case "refresh":
+                guard operands.count == 1 else { return usage("refresh needs exactly one SESSION", &errors) }
+                let reply = try call(address, "Refresh", ["session": .string(operands[0])])
+                if json {
+                    output.write(JSON.object(reply.parameters).text + "\n")
+                } else {
+                    let expiry = reply.parameters["expiresAt"]?.intValue.map { ", expires \(timestamp($0))" } ?? ""
+                    output.write("refreshed \(operands[0]): token #\(reply.parameters["tokenSerial"]?.intValue ?? 0), "
+                                 + "generation \(reply.parameters["generation"]?.intValue ?? 0)\(expiry)\n")
+                }
+            case "watch":
+                guard operands.count == 1 else { return usage("watch needs exactly one SESSION", &errors) }
+                try watch(address, operands[0], json: json, showToken: showToken, output: &output)
+            case "reload":
+                guard operands.isEmpty else { return usage("reload takes no operand", &errors) }
+                _ = try call(address, "Reload", [:])
+                output.write("reloaded\n")
             case "forget":
                 guard operands.count == 1 else { return usage("forget needs exactly one SESSION", &errors) }
                 _ = try call(address, "Forget", ["session": .string(operands[0])])
@@ -122,6 +146,45 @@ enum Ctl {
             }
         }
         output.write("logged in \(session) (generation \(reply.parameters["generation"]?.intValue ?? 0))\n")
+    }
+
+    /// Watch: one line per event until the session signs out (or the broker goes away).
+    static func watch(_ address: VarlinkAddress, _ session: String, json: Bool, showToken: Bool, output: inout some TextOutput) throws(Failure) {
+        let client: VarlinkClient
+        do {
+            client = try VarlinkClient(address: address, timeout: 0)
+        } catch {
+            throw Failure(code: ExitCode.unavailable, message: "cannot reach the broker at \(address.path): \(error) (is tokenbroker running?)")
+        }
+        var first = true
+        while true {
+            let reply = try exchange(address, "Watch", ["session": .string(session)]) { (method, parameters) throws(VarlinkClientError) -> VarlinkReply in
+                first ? try client.call(VarlinkCall(method: method, parameters: parameters, more: true)) : try client.nextReply()
+            }
+            first = false
+            var event = reply.parameters
+            if !showToken { event["token"] = nil }
+            if json {
+                output.write(JSON.object(event).text + "\n")
+            } else {
+                let name = event["event"]?.stringValue ?? "?"
+                var line = "\(name) generation \(event["generation"]?.intValue ?? 0)"
+                if let serial = event["tokenSerial"]?.intValue { line += " token #\(serial)" }
+                if let expiresAt = event["expiresAt"]?.intValue { line += " expires \(timestamp(expiresAt))" }
+                if let token = event["token"]?.stringValue { line += " token \(token)" }
+                output.write(line + "\n")
+            }
+            guard reply.continues else { return }
+        }
+    }
+
+    /// Unix seconds as `2026-11-30T09:30:00Z`.
+    static func timestamp(_ seconds: Int64) -> String {
+        var time = time_t(seconds)
+        var parts = tm()
+        gmtime_r(&time, &parts)
+        func two(_ value: Int32) -> String { value < 10 ? "0\(value)" : "\(value)" }
+        return "\(parts.tm_year + 1900)-\(two(parts.tm_mon + 1))-\(two(parts.tm_mday))T\(two(parts.tm_hour)):\(two(parts.tm_min)):\(two(parts.tm_sec))Z"
     }
 
     /// The whole of standard input, without trailing line breaks.

@@ -84,11 +84,15 @@ enum Help {
 
         SUBCOMMANDS:
           status                  Show the sessions this user may use.
+          watch <session>         Print one line per token and logout event (no token unless --show-token).
           token <session>         Print the session's current access token alone, for $(…).
           recover <session>       Read a rejected token on stdin; print the token to retry with.
           login <session>         Log the session in: device flow, or --refresh-token-stdin (admin).
           logout <session>        Log the session out (admin).
           forget <session>        Remove a stored session the configuration no longer names (admin).
+          refresh <session>       Refresh the session's token now (admin).
+          reload                  Make the daemon re-read its configuration (admin).
+          check-config            Validate the configuration files (same as `tokenbroker check-config`).
 
         EXAMPLE:
           curl -H "Authorization: Bearer $(tokenbroker ctl token api)" https://api.example.com/
@@ -201,8 +205,64 @@ enum Help {
 
         """
 
+    static let ctlWatch = """
+        OVERVIEW: Follow a session's events.
+
+        Prints one line per event: the current token at once, every new token, and the logout,
+        after which it exits. Lines name tokens by serial; the token itself is printed only with
+        --show-token.
+
+        USAGE: tokenbroker ctl [--socket <path>] watch <session> [--json] [--show-token]
+
+        OPTIONS:
+          --json                  One JSON object per event.
+          --show-token            Include the access token.
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl watch api
+
+        """
+
+    static let ctlRefresh = """
+        OVERVIEW: Refresh a session's token now (admin).
+
+        Starts a refresh whatever the token's expiry, or joins the one under way. Backoff and
+        the refresh limit still apply. Prints the new token's serial, never the token.
+
+        USAGE: tokenbroker ctl [--socket <path>] refresh <session> [--json]
+
+        OPTIONS:
+          --json                  The Refresh reply as JSON.
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl refresh api
+
+        """
+
+    static let ctlReload = """
+        OVERVIEW: Make the daemon re-read its configuration (admin).
+
+        The same as SIGHUP: a bad configuration is reported (file:line, exit 78) and the old one
+        stays in force; sessions whose settings did not change keep their tokens.
+
+        USAGE: tokenbroker ctl [--socket <path>] reload
+
+        OPTIONS:
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl reload
+
+        """
+
     static func ctlVerb(_ verb: String) -> String? {
         switch verb {
+        case "watch": return ctlWatch
+        case "refresh": return ctlRefresh
+        case "reload": return ctlReload
+        case "check-config": return checkConfig
         case "forget": return ctlForget
         case "recover": return ctlRecover
         case "login": return ctlLogin

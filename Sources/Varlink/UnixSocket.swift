@@ -98,7 +98,7 @@ public enum UnixSocket {
         guard flags >= 0, fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0 else { throw SocketError("fcntl O_NONBLOCK") }
     }
 
-    /// Sets send and receive timeouts on a blocking socket.
+    /// Sets send and receive timeouts on a blocking socket (0: none).
     public static func setTimeout(_ fd: Int32, seconds: Double) {
         var timeout = timeval(tv_sec: Int(seconds), tv_usec: Int((seconds - Double(Int(seconds))) * 1_000_000))
         _ = setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, socklen_t(MemoryLayout<timeval>.size))

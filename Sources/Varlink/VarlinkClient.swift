@@ -30,7 +30,8 @@ public final class VarlinkClient {
     private var decoder: FrameDecoder
     private var buffer = [UInt8](repeating: 0, count: 65_536)
 
-    /// Connects to `address`; `timeout` bounds every send and every wait for a reply.
+    /// Connects to `address`; `timeout` bounds every send and every wait for a reply (0: no
+    /// bound, for streams that may be quiet for long).
     public init(address: VarlinkAddress, timeout: Double = 45, maximumMessageSize: Int = 16 << 20) throws(VarlinkClientError) {
         do {
             fd = try UnixSocket.connect(path: address.path)

@@ -144,6 +144,46 @@ struct DaemonTests {
         }
     }
 
+    @Test("ctl watch, refresh, reload, check-config and --json shapes")
+    func moreVerbs() async throws {
+        try await withBroker { broker in
+            // refresh: prints the serial, never the token.
+            let refreshed = try await broker.ctl(["refresh", "api"])
+            #expect(refreshed.code == 0 && refreshed.out.hasPrefix("refreshed api: token #1, generation 1, expires 20"), "\(refreshed.err)")
+            let json = try await broker.ctl(["refresh", "api", "--json"])
+            let reply = try JSONParser.parse(json.out).objectValue
+            #expect(reply?.keys.sorted() == ["expiresAt", "generation", "tokenSerial"] && reply?["tokenSerial"] == 2)
+
+            // watch: one line per event; the token only with --show-token.
+            let watch = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "watch", "api"], directory: broker.directory)
+            let shown = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "watch", "api", "--show-token", "--json"],
+                                  directory: broker.directory)
+            try await eventually("both watchers started") { watch.stdout.contains("token #2") && shown.stdout.contains("tokenSerial") }
+            #expect(try await broker.ctl(["logout", "api"]).code == 0)
+            #expect(await watch.wait() == 0)
+            #expect(await shown.wait() == 0)
+            let lines = watch.stdout.split(separator: "\n")
+            #expect(lines.count == 2 && lines[0].hasPrefix("token generation 1 token #2 expires ") && lines[1] == "signedOut generation 2")
+            #expect(!watch.stdout.contains("tbtest."))
+            let events = shown.stdout.split(separator: "\n").map { try? JSONParser.parse(String($0)).objectValue }
+            #expect(events.first??["token"]?.stringValue?.hasPrefix("tbtest.") == true && events.last??["event"] == "signedOut")
+
+            // status --json: the Status reply.
+            let status = try await broker.ctl(["status", "--json"])
+            let sessions = try JSONParser.parse(status.out).objectValue?["sessions"]?.arrayValue
+            #expect(sessions?.count == 2 && sessions?.first?.objectValue?["state"] == "signedOut")
+
+            // reload: a bad configuration is refused with file:line and exit 78; the old stays.
+            try "[Session]\nName=api\nUpstream=test\nRefreshAhead=later\n".write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+            let badReload = try await broker.ctl(["reload"])
+            #expect(badReload.code == 78 && badReload.err.hasPrefix("Error: configuration error: \(broker.configPath):4: RefreshAhead="))
+            let check = try await broker.ctl(["check-config", "--config", broker.configPath])
+            #expect(check.code == 78 && check.err.contains("\(broker.configPath):4:"))
+            try Broker.defaultConfig.write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+            #expect(try await broker.ctl(["reload"]) == (0, "reloaded\n", ""))
+        }
+    }
+
     @Test("SIGTERM: exit 0 and the socket file is gone")
     func sigterm() async throws {
         let broker = try await Broker()

@@ -91,6 +91,19 @@ struct CoordinatorTests {
         #expect(Harness(loggedIn: false).coordinator.freshToken() == nil)
     }
 
+    @Test("a forced refresh fetches even with a valid token, and joins a flight under way")
+    func forcedRefresh() async throws {
+        let h = Harness()
+        let first = Racers(2) { _ in try await h.coordinator.refresh() }
+        try await h.source.started(1)
+        try await eventually("2 parked") { h.coordinator.parkedWaiters == 2 }
+        h.source.succeed(1, with: FakeTokenSource.token(2))
+        #expect(try await first.all().allSatisfy { $0.value?.serial == 2 })
+        #expect(h.source.fetchCount == 1)
+        try await h.coordinator.logout()
+        await #expect(throws: SessionError.signedOut) { try await h.coordinator.refresh() }
+    }
+
     @Test("login with no refresh token (client_credentials) fetches with none")
     func clientCredentials() async throws {
         let h = Harness(loggedIn: false)

@@ -1,0 +1,204 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Basics
+import Synchronization
+import TokenBrokerCore
+import Varlink
+
+/// A current access token as the broker hands it out.
+public struct AccessToken: Sendable, Equatable, CustomStringConvertible {
+    /// The bearer credential. Never log it.
+    public var token: String
+    public var tokenType: String
+    /// Expiry, Unix seconds.
+    public var expiresAt: Int64?
+    public var generation: Int
+
+    public var description: String { "access token (generation \(generation))" }
+}
+
+/// What a subscriber of `watch(session:)` receives.
+public enum TokenEvent: Sendable, Equatable {
+    case token(AccessToken, serial: Int)
+    case signedOut(generation: Int)
+}
+
+/// The broker's errors, mirroring the contract's, plus the client's own.
+public enum TokenBrokerError: Error, Sendable, Equatable, CustomStringConvertible {
+    case noSuchSession(String)
+    case signedOut(String)
+    case permissionDenied
+    case refreshFailed(session: String, reason: String, retryable: Bool, retryAfter: Double?)
+    case throttled(session: String, retryAfter: Double)
+    /// The broker could not be reached (not running, wrong socket, no permission on it).
+    case unavailable(String)
+    /// The broker answered something unexpected (another error name, a malformed reply).
+    case unexpected(String)
+
+    public var description: String {
+        switch self {
+        case let .noSuchSession(session): return "no session named '\(session)'"
+        case let .signedOut(session): return "session '\(session)' is signed out"
+        case .permissionDenied: return "permission denied"
+        case let .refreshFailed(session, reason, retryable, _): return "refresh of '\(session)' failed: \(reason)\(retryable ? "" : " (session ended)")"
+        case let .throttled(session, retryAfter): return "refresh limit reached for '\(session)'; retry in \(retryAfter)s"
+        case let .unavailable(reason): return "broker unavailable: \(reason)"
+        case let .unexpected(reason): return "unexpected answer from the broker: \(reason)"
+        }
+    }
+}
+
+/// A client of the tokenbroker daemon for Swift workers.
+///
+/// One connection, reused for every call and re-established when it breaks (the broker
+/// restarted): a call that fails on a broken connection is sent once more on a new one, which
+/// is safe for `GetToken` and `Recover`. Calls from several tasks are sent one after another
+/// on that connection (varlink answers in order); use several clients for parallel requests.
+/// The blocking socket work runs on the client's own thread, never in the cooperative pool.
+public final class TokenBrokerClient: Sendable {
+    public static let defaultSocket = "/run/tokenbroker/io.tokenbroker.Broker"
+
+    public let address: VarlinkAddress
+    private let timeout: Double
+    private let thread = SerialThread()
+    private let connection = ConnectionBox()
+
+    /// The connection, touched only on `thread`.
+    private final class ConnectionBox: @unchecked Sendable {
+        // @unchecked: `client` is read and written only by jobs on the client's serial thread.
+        var client: VarlinkClient?
+    }
+
+    /// - Parameters:
+    ///   - socketPath: the broker's socket; default `$TOKENBROKER_SOCKET`, else the system one.
+    ///   - timeout: the longest wait for one answer (a refresh may take a while upstream).
+    public init(socketPath: String? = nil, timeout: Duration = .seconds(60)) {
+        let path = socketPath ?? getenv("TOKENBROKER_SOCKET").map { String(cString: $0) } ?? Self.defaultSocket
+        address = VarlinkAddress(path: path)
+        self.timeout = Double(timeout.components.seconds) + Double(timeout.components.attoseconds) / 1e18
+    }
+
+    /// The session's current token (refreshed first by the broker if it has expired).
+    public func token(session: String) async throws(TokenBrokerError) -> AccessToken {
+        Self.accessToken(try await call("GetToken", ["session": .string(session)]))
+    }
+
+    /// The token to retry with after `rejected` was refused (`401 invalid_token`): the current
+    /// one if it is another, else a new one from the session's single refresh.
+    public func recover(session: String, rejected: String) async throws(TokenBrokerError) -> AccessToken {
+        Self.accessToken(try await call("Recover", ["session": .string(session), "rejected": .string(rejected)]))
+    }
+
+    /// The session's events: the current token at once, every new token, and the logout
+    /// (after which the sequence ends). Runs on its own connection; ending the iteration (or
+    /// cancelling the task) closes it.
+    public func watch(session: String) -> AsyncThrowingStream<TokenEvent, any Error> {
+        let (stream, continuation) = AsyncThrowingStream.makeStream(of: TokenEvent.self)
+        let address = self.address
+        let descriptor = Atomic<Int32>(-1)
+        let finished = Atomic<Bool>(false)
+        continuation.onTermination = { _ in
+            finished.store(true, ordering: .releasing)
+            let fd = descriptor.load(ordering: .acquiring)
+            if fd >= 0 { shutdown(fd, Int32(SHUT_RDWR)) }
+        }
+        spawnThread {
+            let client: VarlinkClient
+            do throws(VarlinkClientError) {
+                client = try VarlinkClient(address: address, timeout: 0)
+            } catch {
+                continuation.finish(throwing: TokenBrokerError.unavailable(error.description))
+                return
+            }
+            descriptor.store(client.fileDescriptor, ordering: .releasing)
+            if finished.load(ordering: .acquiring) { return }
+            var first = true
+            while true {
+                let reply: VarlinkReply
+                do throws(VarlinkClientError) {
+                    reply = first ? try client.call(VarlinkCall(method: "io.tokenbroker.Broker.Watch", parameters: ["session": .string(session)], more: true))
+                                  : try client.nextReply()
+                } catch {
+                    continuation.finish(throwing: finished.load(ordering: .acquiring) ? nil : TokenBrokerError.unavailable(error.description))
+                    return
+                }
+                first = false
+                if let error = Self.error(reply, session: session) {
+                    continuation.finish(throwing: error)
+                    return
+                }
+                let generation = Int(reply.parameters["generation"]?.intValue ?? 0)
+                if reply.parameters["event"] == "signedOut" {
+                    continuation.yield(.signedOut(generation: generation))
+                } else {
+                    continuation.yield(.token(Self.accessToken(reply), serial: Int(reply.parameters["tokenSerial"]?.intValue ?? 0)))
+                }
+                guard reply.continues else {
+                    continuation.finish()
+                    return
+                }
+            }
+        }
+        return stream
+    }
+
+    // MARK: - Calls
+
+    private func call(_ method: String, _ parameters: JSONObject) async throws(TokenBrokerError) -> VarlinkReply {
+        let (address, timeout, connection) = (self.address, self.timeout, self.connection)
+        let outcome: Result<VarlinkReply, VarlinkClientError>
+        do {
+            outcome = try await thread.run {
+                // Two tries: the first on the kept connection, the second on a new one if the
+                // first found it broken.
+                var lastError = VarlinkClientError.closed
+                for attempt in 0..<2 {
+                    do throws(VarlinkClientError) {
+                        if connection.client == nil { connection.client = try VarlinkClient(address: address, timeout: timeout) }
+                        return .success(try connection.client!.call("io.tokenbroker.Broker." + method, parameters))
+                    } catch {
+                        connection.client = nil
+                        lastError = error
+                        if case .unreachable = error { break }
+                        if attempt == 1 { break }
+                    }
+                }
+                return .failure(lastError)
+            }
+        } catch {
+            throw .unavailable("\(error)")
+        }
+        let reply: VarlinkReply
+        switch outcome {
+        case let .success(value): reply = value
+        case let .failure(error): throw .unavailable(error.description)
+        }
+        if let error = Self.error(reply, session: parameters["session"]?.stringValue ?? "") { throw error }
+        return reply
+    }
+
+    static func accessToken(_ reply: VarlinkReply) -> AccessToken {
+        AccessToken(token: reply.parameters["token"]?.stringValue ?? "", tokenType: reply.parameters["tokenType"]?.stringValue ?? "Bearer",
+                    expiresAt: reply.parameters["expiresAt"]?.intValue, generation: Int(reply.parameters["generation"]?.intValue ?? 0))
+    }
+
+    /// The contract's errors as typed errors.
+    static func error(_ reply: VarlinkReply, session: String) -> TokenBrokerError? {
+        guard let name = reply.error else { return nil }
+        let parameters = reply.parameters
+        let session = parameters["session"]?.stringValue ?? session
+        switch name {
+        case "io.tokenbroker.Broker.NoSuchSession": return .noSuchSession(session)
+        case "io.tokenbroker.Broker.SignedOut": return .signedOut(session)
+        case "io.tokenbroker.Broker.PermissionDenied", "org.varlink.service.PermissionDenied": return .permissionDenied
+        case "io.tokenbroker.Broker.RefreshFailed":
+            return .refreshFailed(session: session, reason: parameters["reason"]?.stringValue ?? "", retryable: parameters["retryable"]?.boolValue ?? false,
+                                  retryAfter: parameters["retryAfter"]?.doubleValue)
+        case "io.tokenbroker.Broker.Throttled":
+            return .throttled(session: session, retryAfter: parameters["retryAfter"]?.doubleValue ?? 0)
+        default:
+            return .unexpected(name)
+        }
+    }
+}
