@@ -341,15 +341,18 @@ final class BrokerService: VarlinkHandler {
         if !Task.isCancelled { sink.send(.error(BrokerInterface.Error.shuttingDown)) }
     }
 
+    /// A stored, unconfigured session: its stored state, no activity, marked inert.
     static func statusEntry(_ inert: InertSession) -> JSON {
-        var entry: JSONObject = ["name": .string(inert.name), "state": .string(inert.state.rawValue),
-                                 "generation": .int(Int64(inert.generation))]
-        if let serial = inert.tokenSerial { entry["tokenSerial"] = .int(Int64(serial)) }
-        if let expiresAt = inert.expiresAt { entry["expiresAt"] = .int(expiresAt) }
-        if let lastRefresh = inert.lastRefresh { entry["lastRefresh"] = .int(lastRefresh) }
-        entry["refreshing"] = false
-        entry["degraded"] = false
-        for counter in ["fetches", "joinedWaiters", "failures", "staleRejections", "throttled", "droppedResults"] { entry[counter] = 0 }
+        let state: SessionStatus.State
+        switch inert.state {
+        case .active: state = .active
+        case .signedOut: state = .signedOut
+        case .ended: state = .ended
+        }
+        let status = SessionStatus(name: inert.name, state: state, generation: inert.generation, tokenSerial: inert.tokenSerial,
+                                   expiresAt: inert.expiresAt, lastRefresh: inert.lastRefresh, refreshing: false, backoffRemaining: nil,
+                                   lastError: nil, degraded: false, counters: SessionCounters())
+        guard case var .object(entry) = statusEntry(status) else { return statusEntry(status) }
         entry["inert"] = true
         return .object(entry)
     }
