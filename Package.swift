@@ -67,7 +67,7 @@ var package = Package(
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "example-worker",
-                                                            "TokenBrokerClient", "TokenBrokerURLSession", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore"]),
+                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore"]),
     ],
     swiftLanguageModes: [.v6]
 )

@@ -174,3 +174,49 @@ public enum VarlinkServiceError {
     public static let permissionDenied = "org.varlink.service.PermissionDenied"
     public static let expectedMore = "org.varlink.service.ExpectedMore"
 }
+
+/// Descriptions of calls and replies hide the values of members whose names mark a credential
+/// (`token`, `…Token`, `…secret…`, `…password…`, `rejected`), at any depth, so that a call or
+/// reply printed by mistake (a log line, a failed test's report) shows no secret. Encoding is
+/// not affected.
+enum Redaction {
+    static func isSensitive(_ key: String) -> Bool {
+        let lower = key.lowercased()
+        return lower.contains("token") && !lower.hasSuffix("type") && !lower.hasSuffix("serial")
+            || lower.contains("secret") || lower.contains("password") || lower == "rejected"
+    }
+
+    static func redacted(_ object: JSONObject) -> String {
+        JSON.object(redact(object)).text
+    }
+
+    private static func redact(_ object: JSONObject) -> JSONObject {
+        JSONObject(object.members.map { member in
+            if isSensitive(member.key), case .string = member.value { return (member.key, JSON.string("<redacted>")) }
+            return (member.key, redact(member.value))
+        })
+    }
+
+    private static func redact(_ value: JSON) -> JSON {
+        switch value {
+        case let .object(object): return .object(redact(object))
+        case let .array(elements): return .array(elements.map(redact))
+        default: return value
+        }
+    }
+}
+
+extension VarlinkCall: CustomStringConvertible {
+    public var description: String {
+        var flags = ""
+        if oneway { flags += " oneway" }
+        if more { flags += " more" }
+        return "\(method)\(flags) \(Redaction.redacted(parameters))"
+    }
+}
+
+extension VarlinkReply: CustomStringConvertible {
+    public var description: String {
+        (error.map { "error \($0) " } ?? "") + Redaction.redacted(parameters) + (continues ? " (continues)" : "")
+    }
+}

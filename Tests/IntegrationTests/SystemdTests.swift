@@ -163,7 +163,7 @@ struct SystemdTests {
         #expect(issuer.isValidAccessToken(token))
         let stored = try #require(try await SQLiteSessionStore(directory: broker.directory + "/state").load("api"))
         let lineage = try #require(issuer.lineage(of: stored.refreshToken?.reveal ?? ""))
-        #expect(lineage.index == lineage.newest && lineage.index == 1 && stored.accessToken?.reveal == token)
+        #expect(lineage.index == lineage.newest && lineage.index == 1 && fp(stored.accessToken?.reveal) == fp(token))
     }
 
     @Test("the unit files pass systemd-analyze verify with no warning, and the service's exposure is at most 1.5")
@@ -217,7 +217,8 @@ struct SystemdTests {
         let logout = try #require(entries.last)
         #expect(logout.contains("PRIORITY=5\n") && logout.contains("SYSLOG_IDENTIFIER=tokenbroker\n") && logout.contains("SESSION=api\n"))
         #expect(logout.contains("GENERATION=2\n"))
-        #expect(entries.allSatisfy { !$0.contains(token) })
+        let leaked = entries.contains { $0.contains(token) }
+        #expect(!leaked)
         #expect(!daemon.stderr.contains("logout of session"))   // nothing on stderr: it went to the journal
     }
 }

@@ -115,6 +115,18 @@ struct FramingTests {
         #expect(try VarlinkReply.decode(ArraySlice(#"{"parameters":null,"error":"a.B"}"#.utf8)).error == "a.B")
     }
 
+    @Test("descriptions of calls and replies hide credential-like members at any depth")
+    func redaction() {
+        let reply = VarlinkReply(parameters: ["token": "hunter2", "tokenType": "Bearer", "tokenSerial": 3,
+                                              "nested": ["refreshToken": "hunter3", "client_secret": "hunter4"]])
+        let call = VarlinkCall(method: "a.b.Recover", parameters: ["session": "api", "rejected": "hunter5"])
+        for text in ["\(reply)", "\(call)", String(reflecting: reply)] {
+            #expect(!text.contains("hunter"), "\(text.count) characters")
+        }
+        #expect("\(reply)".contains("\"tokenType\":\"Bearer\"") && "\(reply)".contains("\"tokenSerial\":3"))
+        #expect(String(decoding: reply.encoded(), as: UTF8.self).contains("hunter2"))
+    }
+
     @Test("an interface description yields its name and methods")
     func interface() {
         let interface = VarlinkInterface(description: """

@@ -55,7 +55,7 @@ public enum INIFile {
             pending = ""
             if logical.hasPrefix("[") {
                 guard logical.hasSuffix("]"), logical.count > 2 else {
-                    throw ConfigError(file: file, line: pendingLine, "malformed section header '\(logical)'")
+                    throw ConfigError(file: file, line: pendingLine, "malformed section header (expected '[Name]')")
                 }
                 let name = String(logical.dropFirst().dropLast()).trimmingSpaces
                 guard !name.isEmpty, name.allSatisfy({ $0.isLetter || $0.isNumber }) else {
@@ -65,7 +65,8 @@ public enum INIFile {
                 continue
             }
             guard let equals = logical.firstIndex(of: "=") else {
-                throw ConfigError(file: file, line: pendingLine, "expected 'Key=Value' or '[Section]', got '\(logical.prefix(40))'")
+                // The line is not quoted: it might be a secret pasted in the wrong place.
+                throw ConfigError(file: file, line: pendingLine, "expected 'Key=Value' or '[Section]'")
             }
             let key = String(logical[..<equals]).trimmingSpaces
             let value = String(logical[logical.index(after: equals)...]).trimmingSpaces
