@@ -45,7 +45,7 @@ var package = Package(
         // The SQLite session store: generation-guarded writes, WAL + synchronous=FULL, migrations.
         .target(name: "SQLiteStore", dependencies: ["Basics", "CSQLite", "TokenBrokerCore"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
-        .target(name: "TokenBrokerDaemon", dependencies: ["TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore", "CSystemd"],
+        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore", "CSystemd"],
                 resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the
         // one-refresh-one-retry helper for business requests.

@@ -161,3 +161,51 @@ public final class SerialThread: Sendable {
         }
     }
 }
+
+/// Runs async operations one at a time, in arrival order (an actor would interleave them at
+/// every `await`).
+public final class AsyncSerializer: Sendable {
+    private final class State: @unchecked Sendable {
+        // @unchecked: guarded by `mutex`.
+        var mutex = pthread_mutex_t()
+        var busy = false
+        var waiters: [CheckedContinuation<Void, Never>] = []
+        init() { pthread_mutex_init(&mutex, nil) }
+    }
+
+    private let state = State()
+
+    public init() {}
+
+    public func run<T: Sendable>(_ body: @Sendable () async -> T) async -> T {
+        await acquire()
+        defer { release() }
+        return await body()
+    }
+
+    private func acquire() async {
+        await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
+            pthread_mutex_lock(&state.mutex)
+            if state.busy {
+                state.waiters.append(continuation)
+                pthread_mutex_unlock(&state.mutex)
+            } else {
+                state.busy = true
+                pthread_mutex_unlock(&state.mutex)
+                continuation.resume()
+            }
+        }
+    }
+
+    private func release() {
+        pthread_mutex_lock(&state.mutex)
+        if state.waiters.isEmpty {
+            state.busy = false
+            pthread_mutex_unlock(&state.mutex)
+        } else {
+            let next = state.waiters.removeFirst()
+            pthread_mutex_unlock(&state.mutex)
+            next.resume()
+        }
+    }
+}

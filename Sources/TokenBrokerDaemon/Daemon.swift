@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Basics
 import Dispatch
 import TokenBrokerCore
 import Upstream
@@ -68,6 +69,7 @@ public final class Daemon: Sendable {
             return ExitCode.config
         }
         for warning in configuration.warnings { logger.warning("\(warning)") }
+        if configuration.sessions.isEmpty { logger.warning("no sessions are configured (\(options.configPath))") }
         if let socket = options.socketPath { configuration.socketPath = socket }
         let state: StateStore
         do {
@@ -183,8 +185,15 @@ public final class Daemon: Sendable {
         return ExitCode.ok
     }
 
+    /// Reloads (SIGHUP and the Reload method) happen one at a time.
+    private let reloads = AsyncSerializer()
+
     /// Re-reads the configuration and applies it; returns the problem when it cannot.
     private func reload() async -> String? {
+        await reloads.run { await self.reloadNow() }
+    }
+
+    private func reloadNow() async -> String? {
         var configuration: BrokerConfiguration
         do {
             configuration = try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)

@@ -93,6 +93,15 @@ public enum UnixSocket {
         return fd
     }
 
+    /// Whether something listens on `path`, without ever blocking: a listener whose backlog is
+    /// full counts as listening.
+    public static func isListening(_ path: String) -> Bool {
+        guard let fd = try? makeSocket(nonBlocking: true) else { return false }
+        defer { close(fd) }
+        guard let rc = try? withAddress(path, { Glibc.connect(fd, $0, $1) }) else { return false }
+        return rc == 0 || errno == EAGAIN || errno == EINPROGRESS
+    }
+
     public static func setNonBlocking(_ fd: Int32) throws(SocketError) {
         let flags = fcntl(fd, F_GETFL)
         guard flags >= 0, fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0 else { throw SocketError("fcntl O_NONBLOCK") }

@@ -58,7 +58,7 @@ public final class VarlinkServer: Sendable {
 
     /// Work posted to the loop by tasks and by `stop()`.
     private let inbox = Mutex<Inbox>(Inbox())
-    /// Calls in progress (async ones) — for draining at shutdown.
+    /// Async calls in progress, streams (`more`) excepted — for draining at shutdown.
     private let busyCalls = Atomic<Int>(0)
     private let openConnections = Atomic<Int>(0)
     private let stopped = Mutex<[CheckedContinuation<Void, Never>]?>([])
@@ -138,7 +138,8 @@ public final class VarlinkServer: Sendable {
         }
     }
 
-    /// Calls whose task has not returned yet.
+    /// Calls whose task has not returned yet, not counting streams (`more` calls), which may
+    /// last as long as their client wants: a drain at shutdown waits for the others only.
     public var callsInProgress: Int { busyCalls.load(ordering: .relaxed) }
 
     /// Connections open now.
@@ -290,7 +291,7 @@ public final class VarlinkServer: Sendable {
                             .encode(into: &connection.output)
                     }
                     connection.current = nil
-                    server.busyCalls.subtract(1, ordering: .relaxed)
+                    if !call.more { server.busyCalls.subtract(1, ordering: .relaxed) }
                 }
                 pump(connection)
             }
@@ -453,7 +454,7 @@ public final class VarlinkServer: Sendable {
                 connection.nextCall += 1
                 let (server, connectionID, callID) = (server, connection.id, connection.nextCall)
                 let sink = VarlinkReplySink { reply in server.post(.init(connection: connectionID, call: callID, reply: reply)) }
-                server.busyCalls.add(1, ordering: .relaxed)
+                if !call.more { server.busyCalls.add(1, ordering: .relaxed) }
                 let task = Task {
                     await body(sink)
                     sink.finish()
@@ -506,7 +507,7 @@ public final class VarlinkServer: Sendable {
             guard connections.removeValue(forKey: connection.id) != nil else { return }
             if let call = connection.current {
                 call.task.cancel()
-                server.busyCalls.subtract(1, ordering: .relaxed)
+                if !call.more { server.busyCalls.subtract(1, ordering: .relaxed) }
             }
             epoll_ctl(server.epollFD, EPOLL_CTL_DEL, connection.fd, nil)
             close(connection.fd)

@@ -190,11 +190,16 @@ struct DaemonTests {
         }
     }
 
-    @Test("SIGTERM: exit 0 and the socket file is gone")
+    @Test("SIGTERM: exit 0 at once (an open watch stream is not waited for) and the socket file is gone")
     func sigterm() async throws {
         let broker = try await Broker()
         _ = try broker.call("GetToken", ["session": "api"])
+        let watcher = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "watch", "api"], directory: broker.directory)
+        try await eventually("the watcher's first line") { watcher.stdout.contains("token") }
+        let started = ContinuousClock.now
         #expect(await broker.stop() == 0)
+        #expect(ContinuousClock.now - started < .seconds(5))
+        _ = await watcher.wait()
         #expect(!FileManager.default.fileExists(atPath: broker.socket))
         #expect(broker.child.stderr.contains("<6>stopped"))
     }

@@ -26,10 +26,7 @@ enum SocketPath {
         var info = stat()
         if lstat(path, &info) == 0 {
             guard info.st_mode & S_IFMT == S_IFSOCK else { throw .notASocket(path) }
-            if let probe = try? UnixSocket.connect(path: path) {
-                close(probe)
-                throw .inUse(path)
-            }
+            if UnixSocket.isListening(path) { throw .inUse(path) }
             unlink(path)   // stale: nobody answers
         }
         // Create the file with no access beyond `mode` from the start (no window with a
