@@ -1,0 +1,109 @@
+import Foundation
+import Testing
+import TokenBrokerCore
+@testable import Upstream
+
+/// HTTPS with a private CA (`CAFile=`) and a client certificate (mTLS), against a Python TLS
+/// server on loopback whose certificates the test makes with openssl.
+@Suite("TLS: private CA and client certificates", .serialized)
+struct TLSTests {
+    /// A CA, a server certificate for 127.0.0.1 and a client certificate, in a fresh directory.
+    static func makeCertificates() throws -> String {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("tb-tls-\(UUID().uuidString.prefix(8))").path
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        let script = """
+            set -e
+            cd '\(directory)'
+            openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=tokenbroker-test-ca 2>/dev/null
+            openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=127.0.0.1 2>/dev/null
+            printf 'subjectAltName=IP:127.0.0.1\\nextendedKeyUsage=serverAuth\\n' > server.ext
+            openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile server.ext 2>/dev/null
+            openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=tokenbroker-client 2>/dev/null
+            printf 'extendedKeyUsage=clientAuth\\n' > client.ext
+            openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2 -extfile client.ext 2>/dev/null
+            openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.pem -days 2 -subj /CN=unrelated-ca 2>/dev/null
+            """
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: "/bin/sh")
+        process.arguments = ["-c", script]
+        try process.run()
+        process.waitUntilExit()
+        guard process.terminationStatus == 0 else { throw POSIXError(.EIO) }
+        return directory
+    }
+
+    /// A TLS token endpoint: answers every POST with a token whose value says whether the
+    /// client presented a certificate the CA signed.
+    final class Server: @unchecked Sendable {
+        // @unchecked: the process is only read and terminated by the test that owns it.
+        let process = Process()
+        let port: Int
+
+        init(_ directory: String) throws {
+            let script = """
+                import http.server, json, ssl, sys
+                class H(http.server.BaseHTTPRequestHandler):
+                    disable_nagle_algorithm = True
+                    def do_POST(self):
+                        self.rfile.read(int(self.headers.get('Content-Length', 0)))
+                        body = json.dumps({"access_token": "mtls" if self.connection.getpeercert() else "plain",
+                                           "token_type": "Bearer", "expires_in": 60}).encode()
+                        self.send_response(200); self.send_header('Content-Type', 'application/json')
+                        self.send_header('Content-Length', str(len(body))); self.end_headers(); self.wfile.write(body)
+                    def log_message(self, *args): pass
+                server = http.server.HTTPServer(('127.0.0.1', 0), H)
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                context.load_cert_chain('\(directory)/server.pem', '\(directory)/server.key')
+                context.load_verify_locations('\(directory)/ca.pem')
+                context.verify_mode = ssl.CERT_OPTIONAL
+                server.socket = context.wrap_socket(server.socket, server_side=True)
+                print(server.server_address[1], flush=True)
+                server.serve_forever()
+                """
+            let output = Pipe()
+            process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
+            process.arguments = ["python3", "-c", script]
+            process.standardOutput = output
+            try process.run()
+            let line = String(decoding: output.fileHandleForReading.availableData, as: UTF8.self)
+            guard let port = Int(line.trimmingCharacters(in: .whitespacesAndNewlines)) else { throw POSIXError(.EIO) }
+            self.port = port
+        }
+
+        deinit {
+            // SIGKILL: a child started from a test thread may inherit a blocked SIGTERM.
+            kill(process.processIdentifier, SIGKILL)
+            process.waitUntilExit()
+        }
+    }
+
+    static func client(_ port: Int, _ tls: TLSOptions) -> OAuthClient {
+        OAuthClient(endpoints: OAuthEndpoints(token: "https://127.0.0.1:\(port)/token"),
+                    configuration: OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("s"), tls: tls, timeout: .seconds(10)))
+    }
+
+    @Test("CAFile= trusts the private CA; the system store alone and an unrelated CA do not")
+    func privateCA() async throws {
+        let directory = try Self.makeCertificates()
+        let server = try Server(directory)
+        let trusted = try await Self.client(server.port, TLSOptions(caFile: directory + "/ca.pem")).refresh(Secret("r"))
+        #expect(trusted.accessToken == Secret("plain"))
+        for tls in [TLSOptions(), TLSOptions(caFile: directory + "/other.pem")] {
+            do {
+                _ = try await Self.client(server.port, tls).refresh(Secret("r"))
+                Issue.record("an untrusted server was accepted")
+            } catch {
+                #expect(error.kind == .transient(retryAfter: nil) && error.reason.hasPrefix("TLS:"), "\(error.reason)")
+            }
+        }
+    }
+
+    @Test("a client certificate and key (mTLS) are presented")
+    func clientCertificate() async throws {
+        let directory = try Self.makeCertificates()
+        let server = try Server(directory)
+        let token = try await Self.client(server.port, TLSOptions(caFile: directory + "/ca.pem", clientCertificate: directory + "/client.pem",
+                                                                  clientKey: directory + "/client.key")).refresh(Secret("r"))
+        #expect(token.accessToken == Secret("mtls"))
+    }
+}
