@@ -113,8 +113,8 @@ struct SystemdTests {
                                   ["-l", socket, "--fdname=varlink", Paths.tokenbroker, "serve", "--config", configPath,
                                    "--socket", socket, "--state-dir", directory + "/state"], directory: directory)
         defer { activator.terminate() }
-        try await eventually("the activator's socket") { FileManager.default.fileExists(atPath: socket) }
-        // The first connection starts the daemon (exec'd in place of the activator).
+        // The first connection (this wait's own) starts the daemon, exec'd in place of the activator.
+        try await waitForSocket(socket)
         let reply = try VarlinkClient(address: VarlinkAddress(path: socket)).call("io.tokenbroker.Broker.GetToken", ["session": "api"])
         #expect(reply.error == nil)
         try await eventually("the daemon's log") { activator.stderr.contains("using the socket passed by systemd") }
@@ -127,8 +127,8 @@ struct SystemdTests {
                             ["-l", directory + "/a.sock", "-l", directory + "/b.sock", Paths.tokenbroker, "serve", "--config", configPath,
                              "--state-dir", directory + "/state2"], directory: directory)
         defer { two.kill() }
-        try await eventually("the activator's sockets") { FileManager.default.fileExists(atPath: directory + "/a.sock") }
-        _ = try? VarlinkClient(address: VarlinkAddress(path: directory + "/a.sock"), timeout: 5).call("io.tokenbroker.Broker.Status")
+        // Connecting starts the daemon, which refuses the two sockets.
+        try await waitForSocket(directory + "/a.sock")
         #expect(await two.wait() == 1)
         #expect(two.stderr.contains("socket activation passed 2 sockets; tokenbroker takes exactly one"))
     }
