@@ -10,21 +10,35 @@ struct StateStore: Sendable {
 
     let sessions: any SessionStore
     let database: SQLiteSessionStore?
+    /// Held for the daemon's lifetime: one daemon per state directory (two would each run
+    /// their own refresh flight for the same sessions).
+    let lock: Int32?
+
+    struct AlreadyInUse: Error, CustomStringConvertible {
+        let directory: String
+        var description: String { "another tokenbroker is using \(directory) (its lock file is held)" }
+    }
 
     static func open(_ options: Daemon.Options, logger: Logger) throws -> StateStore {
         let environment = getenv("STATE_DIRECTORY").map { String(cString: $0) }
         // systemd may pass several directories separated by ':'; ours is the first.
         let fromSystemd = environment?.split(separator: ":").first.map(String.init)
         if options.dev && options.stateDirectory == nil {
-            return StateStore(sessions: InMemorySessionStore(), database: nil)
+            return StateStore(sessions: InMemorySessionStore(), database: nil, lock: nil)
         }
         let directory = options.stateDirectory ?? fromSystemd ?? defaultDirectory
         let database = try SQLiteSessionStore(directory: directory)
+        let lock = Glibc.open(directory + "/state.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
+        guard lock >= 0 else { throw AlreadyInUse(directory: directory) }
+        guard flock(lock, LOCK_EX | LOCK_NB) == 0 else {
+            close(lock)
+            throw AlreadyInUse(directory: directory)
+        }
         if let moved = database.movedAside {
             logger.error("the state database \(database.path) was unreadable and has been moved aside to \(moved); starting with an empty one")
         }
         logger.info("state database: \(database.path)")
-        return StateStore(sessions: database, database: database)
+        return StateStore(sessions: database, database: database, lock: lock)
     }
 }
 

@@ -215,7 +215,8 @@ struct DaemonTests {
     func staleSocket() async throws {
         let first = try await Broker()
         // A second daemon on the same socket finds the first one answering and refuses.
-        let second = try Child(Paths.tokenbroker, ["serve", "--config", first.configPath, "--socket", first.socket, "--state-dir", first.directory + "/state"], directory: first.directory)
+        let second = try Child(Paths.tokenbroker, ["serve", "--config", first.configPath, "--socket", first.socket, "--state-dir", first.directory + "/state2"],
+                               directory: first.directory)
         #expect(await second.wait() == 1)
         #expect(second.stderr.contains("another instance is listening"))
         #expect(try first.call("GetToken", ["session": "api"]).error == nil)

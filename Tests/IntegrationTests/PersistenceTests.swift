@@ -74,6 +74,17 @@ struct PersistenceTests {
         #expect(try broker.call("Forget", ["session": "old"]).error == "io.tokenbroker.Broker.NoSuchSession")
     }
 
+    @Test("one daemon per state directory: a second one on the same state refuses to start")
+    func oneDaemonPerState() async throws {
+        try await withBroker { broker in
+            let second = try Child(Paths.tokenbroker, ["serve", "--config", broker.configPath, "--socket", broker.directory + "/other.sock",
+                                                       "--state-dir", broker.directory + "/state"], directory: broker.directory)
+            #expect(await second.wait() == 1)
+            #expect(second.stderr.contains("another tokenbroker is using \(broker.directory)/state"))
+            #expect(try broker.call("GetToken", ["session": "api"]).error == nil)
+        }
+    }
+
     @Test("a corrupt state database is reported and moved aside; the daemon starts")
     func corruptDatabase() async throws {
         let issuer = try DevIssuer()
