@@ -140,7 +140,8 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     }
 
     private func landed(_ id: FlightID, _ outcome: Result<FetchedToken, any Error>) async {
-        if flightTask?.id == id { flightTask = nil }
+        // The task stays recorded until its answer is committed, so `retire()` waits for both.
+        defer { if flightTask?.id == id { flightTask = nil } }
         switch outcome {
         case let .success(fetched):
             guard let write = machine.fetchSucceeded(id, fetched, now: now(), unixNow: wall.unixTime()) else { return }
@@ -205,6 +206,17 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
             watchers.send(.token(token))
         }
         return try result.get()
+    }
+
+    /// Stops the coordinator gracefully: no new flight starts, the one under way (if any) is
+    /// allowed to land and commit — an upstream that has already rotated the refresh token
+    /// must not have its answer thrown away — then `shutdown()`. Bounded by the source's own
+    /// deadline.
+    public func retire() async {
+        machine.retire()
+        republish()
+        if let flight = flightTask?.task { await flight.value }
+        shutdown()
     }
 
     /// Stops the coordinator: the flight is cancelled, waiters and later demands get

@@ -111,6 +111,8 @@ public struct RefreshStateMachine: Sendable {
     public private(set) var generation: Int
     public private(set) var counters = SessionCounters()
     public private(set) var isShutDown = false
+    /// Retiring: the flight under way may finish, but no new one starts.
+    public private(set) var isRetiring = false
     /// A store write that failed and should be retried; the session is degraded meanwhile.
     public private(set) var pendingWrite: StoreWrite?
     public private(set) var lastError: String?
@@ -217,7 +219,7 @@ public struct RefreshStateMachine: Sendable {
         guard let current, !isExpired(current, now: now) else { return refresh(now: now) }
         let token = issued(current)
         guard let deadline = current.deadline, policy.refreshAhead > .zero, now >= deadline - policy.refreshAhead,
-              flight == nil, !inBackoff(now: now), refreshGuard.retryAfter(now: now) == nil
+              flight == nil, !isRetiring, !inBackoff(now: now), refreshGuard.retryAfter(now: now) == nil
         else { return .deliver(token) }
         let (request, id) = startFlight(now: now, refreshAhead: true)
         return .deliverAndStart(token, request, id)
@@ -229,6 +231,7 @@ public struct RefreshStateMachine: Sendable {
             counters.joinedWaiters += 1
             return .wait(flight.id)
         }
+        if isRetiring { return .fail(.shuttingDown) }
         if let backoff, now < backoff.until {
             return .fail(.refreshFailed(reason: backoff.reason, retryable: true, retryAfter: backoff.until - now))
         }
@@ -406,6 +409,12 @@ public struct RefreshStateMachine: Sendable {
 
     /// The refresh token in force (the one a logout should revoke).
     public var currentRefreshToken: Secret? { refreshToken }
+
+    /// Retirement, first half: no new flight starts (demands that would need one fail with
+    /// `shuttingDown`); the one under way, if any, may still land and commit.
+    public mutating func retire() {
+        isRetiring = true
+    }
 
     /// Shutdown: the flight is dropped and its waiters get `shuttingDown`; later demands too.
     public mutating func shutdown() -> Boundary {

@@ -172,12 +172,18 @@ public final class Daemon: Sendable {
             try? await Task.sleep(for: .milliseconds(10))
         }
         if server.callsInProgress > 0 { logger.warning("\(server.callsInProgress) call(s) still running at the deadline; cancelling") }
-        for session in table.snapshot.sessions.values {
-            // Commit what is still pending before the coordinators go.
-            if await !session.coordinator.flushPendingWrite() {
-                logger.error("session \(session.configuration.name): state could not be written before exit")
+        // Retire every coordinator: a refresh still in flight (one nobody waits for any more,
+        // say) lands and commits; then pending writes get a last try.
+        await withTaskGroup(of: Void.self) { group in
+            for session in table.snapshot.sessions.values {
+                group.addTask { [logger] in
+                    await session.coordinator.retire()
+                    if await !session.coordinator.flushPendingWrite() {
+                        logger.error("session \(session.configuration.name): state could not be written before exit",
+                                     session: session.configuration.name)
+                    }
+                }
             }
-            await session.coordinator.shutdown()
         }
         await server.stop()
         development?.issuer.stop()
@@ -222,7 +228,14 @@ public final class Daemon: Sendable {
                 snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: existing.coordinator,
                                                                        upstream: existing.upstream)
             } else {
-                if let existing = previous.sessions[session.name] { retired.append(existing.coordinator) }
+                if let existing = previous.sessions[session.name] {
+                    // Let its flight land and commit first: the new coordinator starts from
+                    // what the store then holds (a rotated refresh token must not be lost).
+                    if await existing.coordinator.status().refreshing {
+                        logger.info("session \(session.name): settings changed; waiting for its refresh in flight", session: session.name)
+                    }
+                    await existing.coordinator.retire()
+                }
                 snapshot.sessions[session.name] = await makeSession(session)
             }
             snapshot.order.append(session.name)
@@ -231,7 +244,7 @@ public final class Daemon: Sendable {
         snapshot.inert = await inertSessions(configured: Set(snapshot.order))
         table.replace(snapshot)
         current.value = configuration
-        for coordinator in retired { await coordinator.shutdown() }
+        for coordinator in retired { await coordinator.retire() }
     }
 
     private func makeSession(_ session: SessionConfiguration) async -> SessionTable.Session {

@@ -74,6 +74,30 @@ struct PersistenceTests {
         #expect(try broker.call("Forget", ["session": "old"]).error == "io.tokenbroker.Broker.NoSuchSession")
     }
 
+    @Test("a reload that changes a session's settings during its refresh keeps the rotated token")
+    func reloadDuringRefresh() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+            issuer.inject([.hold])
+            let caller = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "token", "api"], directory: broker.directory)
+            try await eventually("the refresh held at the issuer") { issuer.heldCount == 1 }
+            // New refresh settings: the session gets a new coordinator once the old one's flight lands.
+            try (Self.config(issuer) + "RefreshAhead=2min\n").replacingOccurrences(of: "@DIR@", with: broker.directory)
+                .write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+            let reload = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "reload"], directory: broker.directory)
+            try await eventually("the reload waiting for the flight") { broker.child.stderr.contains("waiting for its refresh in flight") }
+            issuer.releaseHeld()
+            #expect(await reload.wait() == 0)
+            #expect(await caller.wait() == 0)
+            // The new coordinator continues from the rotated token: the next refresh is no replay.
+            let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"])
+            let refreshed = try broker.call("Recover", ["session": "api", "rejected": token])
+            #expect(refreshed.error == nil && issuer.counters.replays == 0, "\(refreshed)")
+        }
+    }
+
     @Test("one daemon per state directory: a second one on the same state refuses to start")
     func oneDaemonPerState() async throws {
         try await withBroker { broker in

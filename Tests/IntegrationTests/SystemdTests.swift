@@ -166,6 +166,33 @@ struct SystemdTests {
         #expect(lineage.index == lineage.newest && lineage.index == 1 && fp(stored.accessToken?.reveal) == fp(token))
     }
 
+    @Test("SIGTERM while a refresh nobody waits for is in flight: it still lands and commits")
+    func sigtermDuringOrphanedRefresh() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let broker = try await Broker(config: """
+            [Session]
+            Name=api
+            TokenEndpoint=\(issuer.tokenEndpoint)
+            ClientID=tokenbroker
+            ClientSecretFile=@DIR@/client-secret
+
+            """)
+        #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+        issuer.inject([.hold])
+        // The caller starts a refresh and goes away; the flight goes on (guarantee 6).
+        let caller = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "refresh", "api"], directory: broker.directory)
+        try await eventually("the refresh held at the issuer") { issuer.heldCount == 1 }
+        caller.kill()
+        broker.child.terminate()
+        try await eventually("the daemon stops accepting") { !FileManager.default.fileExists(atPath: broker.socket) }
+        issuer.releaseHeld()
+        #expect(await broker.child.wait() == 0)
+        let stored = try #require(try await SQLiteSessionStore(directory: broker.directory + "/state").load("api"))
+        let lineage = try #require(issuer.lineage(of: stored.refreshToken?.reveal ?? ""))
+        #expect(lineage.index == 1 && lineage.newest == 1, "the rotated refresh token was not committed")
+    }
+
     @Test("the unit files pass systemd-analyze verify with no warning, and the service's exposure is at most 1.5")
     func unitFiles() async throws {
         let directory = try Paths.temporaryDirectory()

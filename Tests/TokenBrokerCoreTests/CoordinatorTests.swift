@@ -91,6 +91,29 @@ struct CoordinatorTests {
         #expect(Harness(loggedIn: false).coordinator.freshToken() == nil)
     }
 
+    @Test("retire lets the flight under way land and commit, starts no new one, then shuts down")
+    func retire() async throws {
+        let h = Harness(policy: RefreshPolicy(refreshAhead: .zero))
+        // A flight nobody waits for any more: its caller was cancelled.
+        let orphan = Racers(1) { _ in try await h.coordinator.refresh() }
+        try await h.source.started(1)
+        try await eventually("parked") { h.coordinator.parkedWaiters == 1 }
+        orphan.cancel(0)
+        _ = try await orphan.all()
+        let retiring = Racers(1) { _ in await h.coordinator.retire() }
+        try await eventually("retiring") {
+            // A demand that would need a new flight is refused; the current token is still served.
+            (try? await h.coordinator.recover(rejected: Secret("other"))).map { $0.serial == 1 } == true
+                && retiring.finished == 0
+        }
+        #expect(h.coordinator.freshToken()?.serial == 1)
+        h.source.succeed(1, with: FakeTokenSource.token(2))
+        _ = try await retiring.all()
+        #expect(await h.stored()?.refreshToken == Secret("refresh-2"))
+        #expect(h.source.fetchCount == 1)
+        await #expect(throws: SessionError.shuttingDown) { try await h.coordinator.token() }
+    }
+
     @Test("a forced refresh fetches even with a valid token, and joins a flight under way")
     func forcedRefresh() async throws {
         let h = Harness()
