@@ -24,6 +24,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     private nonisolated let clock: C
     private let wall: any WallClock
     private let randomUnit: @Sendable () -> Double
+    private let discarded: @Sendable (FetchedToken) -> Void
     private nonisolated let epoch: C.Instant
 
     private var machine: RefreshStateMachine
@@ -44,15 +45,20 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// - Parameters:
     ///   - restored: what the store held for this session at start-up (`nil`: nothing).
     ///   - randomUnit: draws the backoff jitter, a number in [0, 1).
+    ///   - discarded: receives a successful answer that arrived after its generation had ended
+    ///     (a logout or login overtook the flight); the daemon revokes what it carries, since
+    ///     nobody will ever use it.
     public init(session: String, policy: RefreshPolicy = RefreshPolicy(), source: any TokenSource,
                 store: any SessionStore, restored: SessionRecord? = nil, clock: C, wall: any WallClock,
-                randomUnit: @escaping @Sendable () -> Double = { Double.random(in: 0..<1) }) {
+                randomUnit: @escaping @Sendable () -> Double = { Double.random(in: 0..<1) },
+                discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in }) {
         self.session = session
         self.source = source
         self.store = store
         self.clock = clock
         self.wall = wall
         self.randomUnit = randomUnit
+        self.discarded = discarded
         let epoch = clock.now
         self.epoch = epoch
         let machine = RefreshStateMachine(session: session, policy: policy, restored: restored, now: .zero, unixNow: wall.unixTime())
@@ -144,10 +150,16 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         defer { if flightTask?.id == id { flightTask = nil } }
         switch outcome {
         case let .success(fetched):
-            guard let write = machine.fetchSucceeded(id, fetched, now: now(), unixNow: wall.unixTime()) else { return }
+            guard let write = machine.fetchSucceeded(id, fetched, now: now(), unixNow: wall.unixTime()) else {
+                discarded(fetched)
+                return
+            }
             let committed = await commit(write)
             // Re-check after the await: a logout may have ended this flight meanwhile.
-            guard let resolution = machine.commitFinished(id, committed) else { return }
+            guard let resolution = machine.commitFinished(id, committed) else {
+                discarded(fetched)
+                return
+            }
             resolve(resolution)
         case let .failure(error):
             guard let resolution = machine.fetchFailed(id, Self.classify(error), now: now(), unit: randomUnit()) else { return }

@@ -267,7 +267,8 @@ public final class Daemon: Sendable {
             upstream = http
         }
         let coordinator = Coordinator(session: session.name, policy: session.policy, source: source,
-                                      store: state.sessions, restored: restored, clock: ContinuousClock(), wall: SystemWallClock())
+                                      store: state.sessions, restored: restored, clock: ContinuousClock(), wall: SystemWallClock(),
+                                      discarded: discardedTokenRevocation(session, upstream))
         if let restored {
             logger.info("session \(session.name): restored \(restored.state.rawValue) at generation \(restored.generation)"
                         + (restored.accessToken == nil ? "" : ", token #\(restored.tokenSerial)"))
@@ -284,6 +285,22 @@ public final class Daemon: Sendable {
             break   // refresh_token sessions wait for a login (Login or DeviceLogin)
         }
         return SessionTable.Session(configuration: session, coordinator: coordinator, upstream: upstream)
+    }
+
+    /// What happens to an upstream answer that arrived after a logout (or login) had ended its
+    /// generation: its refresh token is revoked, best effort, like the one the logout retired.
+    private func discardedTokenRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource?) -> @Sendable (FetchedToken) -> Void {
+        guard let upstream, case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return { _ in } }
+        let logger = self.logger
+        let name = session.name
+        return { fetched in
+            guard let refreshToken = fetched.refreshToken else { return }
+            Task {
+                if let problem = await upstream.revoke(refreshToken) {
+                    logger.warning("revoking the refresh token of a discarded answer of session \(name) failed: \(problem)", session: name)
+                }
+            }
+        }
     }
 
     /// Stored sessions the configuration no longer names: shown by Status, kept until Forget.

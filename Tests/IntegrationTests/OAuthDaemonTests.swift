@@ -105,6 +105,27 @@ struct OAuthDaemonTests {
         }
     }
 
+    @Test("logout during a refresh: the caller gets SignedOut at once, the transfer is abandoned, the family revoked")
+    func logoutDuringRefresh() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            try await Self.logIn(broker, issuer)
+            issuer.inject([.hold])
+            let caller = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "token", "api"], directory: broker.directory)
+            try await eventually("the refresh held at the issuer") { issuer.heldCount == 1 }
+            #expect(try await broker.ctl(["logout", "api"]).code == 0)
+            #expect(await caller.wait() == 1)
+            #expect(caller.stderr == "Error: not logged in: run `tokenbroker ctl login api`\n")
+            // Logout cancelled the HTTP transfer; whatever the issuer does with the held request
+            // now, its answer reaches nobody, and the family is revoked through the old token.
+            try await eventually("the flight's end dropped") { try broker.status("api")?["droppedResults"] == 1 }
+            try await eventually("the revocation") { issuer.counters.revocations == 1 }
+            issuer.releaseHeld()
+            #expect(try broker.call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut")
+        }
+    }
+
     @Test("upstream failures reach every caller as the contract's errors")
     func upstreamErrors() async throws {
         let issuer = try Self.issuer()

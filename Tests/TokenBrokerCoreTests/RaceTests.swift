@@ -224,6 +224,8 @@ struct RaceTests {
                 h.store.release()
             }
             try await eventually("the late answer dropped") { await h.coordinator.status().counters.droppedResults == 1 }
+            // The dropped answer is handed over (the daemon revokes it), never installed.
+            try #require(h.discarded.all == [Secret("access-2")])
 
             let results = try await racers.all()
             try #require(results.allSatisfy { $0.error as? SessionError == .signedOut }, "iteration \(iteration)")
