@@ -68,7 +68,11 @@ public final class LoopbackHTTPServer: Sendable {
     public func stop() {
         guard !stopped.exchange(true, ordering: .acquiringAndReleasing) else { return }
         shutdown(listenFD, Int32(SHUT_RDWR))
-        for fd in connections.withLock({ $0 }) { shutdown(fd, Int32(SHUT_RDWR)) }
+        // Under the lock: a connection's thread removes its descriptor from the set (under the
+        // same lock) before closing it, so no number here can belong to another file yet.
+        connections.withLock { fds in
+            for fd in fds { shutdown(fd, Int32(SHUT_RDWR)) }
+        }
     }
 
     private func acceptLoop() {

@@ -96,12 +96,15 @@ public final class TokenBrokerClient: Sendable {
     public func watch(session: String) -> AsyncThrowingStream<TokenEvent, any Error> {
         let (stream, continuation) = AsyncThrowingStream.makeStream(of: TokenEvent.self)
         let address = self.address
-        let descriptor = Atomic<Int32>(-1)
-        let finished = Atomic<Bool>(false)
+        // The reading thread's descriptor while its connection is open (-1 otherwise), and
+        // whether the consumer has gone; both under one lock, so that ending the stream can
+        // unblock the thread's read but never touch a descriptor already closed and reused.
+        let link = WatchLink()
         continuation.onTermination = { _ in
-            finished.store(true, ordering: .releasing)
-            let fd = descriptor.load(ordering: .acquiring)
-            if fd >= 0 { shutdown(fd, Int32(SHUT_RDWR)) }
+            link.state.withLock { state in
+                state.finished = true
+                if state.descriptor >= 0 { shutdown(state.descriptor, Int32(SHUT_RDWR)) }
+            }
         }
         spawnThread {
             let client: VarlinkClient
@@ -111,8 +114,17 @@ public final class TokenBrokerClient: Sendable {
                 continuation.finish(throwing: TokenBrokerError.unavailable(error.description))
                 return
             }
-            descriptor.store(client.fileDescriptor, ordering: .releasing)
-            if finished.load(ordering: .acquiring) { return }
+            let alreadyFinished = link.state.withLock { state in
+                state.descriptor = client.fileDescriptor
+                return state.finished
+            }
+            // Forget the descriptor before the client (and its descriptor) goes away; the
+            // client is kept alive until then.
+            defer {
+                link.state.withLock { $0.descriptor = -1 }
+                withExtendedLifetime(client) {}
+            }
+            if alreadyFinished { return }
             var first = true
             while true {
                 let reply: VarlinkReply
@@ -120,7 +132,8 @@ public final class TokenBrokerClient: Sendable {
                     reply = first ? try client.call(VarlinkCall(method: "io.tokenbroker.Broker.Watch", parameters: ["session": .string(session)], more: true))
                                   : try client.nextReply()
                 } catch {
-                    continuation.finish(throwing: finished.load(ordering: .acquiring) ? nil : TokenBrokerError.unavailable(error.description))
+                    let gone = link.state.withLock { $0.finished }
+                    continuation.finish(throwing: gone ? nil : TokenBrokerError.unavailable(error.description))
                     return
                 }
                 first = false
@@ -141,6 +154,14 @@ public final class TokenBrokerClient: Sendable {
             }
         }
         return stream
+    }
+
+    private final class WatchLink: Sendable {
+        struct State {
+            var descriptor: Int32 = -1
+            var finished = false
+        }
+        let state = Mutex(State())
     }
 
     // MARK: - Calls

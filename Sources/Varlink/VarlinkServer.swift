@@ -67,6 +67,9 @@ public final class VarlinkServer: Sendable {
         var completions: [Completion] = []
         var stopAccepting = false
         var stop = false
+        /// The loop has ended and closed the wake-up descriptor: nothing may write to it (its
+        /// number may already belong to another file).
+        var closed = false
     }
 
     fileprivate struct Completion {
@@ -117,8 +120,10 @@ public final class VarlinkServer: Sendable {
 
     /// Stops accepting new connections; existing ones are still served.
     public func stopAccepting() {
-        inbox.withLock { $0.stopAccepting = true }
-        wake()
+        inbox.withLock { inbox in
+            inbox.stopAccepting = true
+            wake(inbox)
+        }
     }
 
     /// Closes every connection (cancelling their tasks) and ends the loop; returns when it has.
@@ -133,8 +138,10 @@ public final class VarlinkServer: Sendable {
                 continuation.resume()
                 return
             }
-            inbox.withLock { $0.stop = true }
-            wake()
+            inbox.withLock { inbox in
+                inbox.stop = true
+                wake(inbox)
+            }
         }
     }
 
@@ -145,14 +152,19 @@ public final class VarlinkServer: Sendable {
     /// Connections open now.
     public var connectionCount: Int { openConnections.load(ordering: .relaxed) }
 
-    private func wake() {
+    /// Wakes the loop; called with the inbox locked, so it never races the loop's close.
+    private func wake(_ inbox: borrowing Inbox) {
+        guard !inbox.closed else { return }
         var one: UInt64 = 1
         _ = write(wakeFD, &one, 8)
     }
 
     fileprivate func post(_ completion: Completion) {
-        inbox.withLock { $0.completions.append(completion) }
-        wake()
+        inbox.withLock { inbox in
+            guard !inbox.closed else { return }   // the server has stopped: nobody to answer
+            inbox.completions.append(completion)
+            wake(inbox)
+        }
     }
 
     // MARK: - The loop (its state lives on the loop thread only)
@@ -247,7 +259,10 @@ public final class VarlinkServer: Sendable {
             if accepting { stopListening() }
             close(spareFD)
             close(server.epollFD)
-            close(server.wakeFD)
+            server.inbox.withLock { inbox in
+                inbox.closed = true
+                close(server.wakeFD)
+            }
             let waiters = server.stopped.withLock { waiters in
                 defer { waiters = nil }
                 return waiters ?? []
