@@ -11,28 +11,11 @@ import TokenBrokerURLSession
 /// development issuer's protected resource.
 @Suite("TokenBrokerClient", .serialized)
 struct ClientLibraryTests {
-    static func config(_ issuer: DevIssuer) -> String {
-        """
-        [Session]
-        Name=api
-        TokenEndpoint=\(issuer.tokenEndpoint)
-        ClientID=tokenbroker
-        ClientSecretFile=@DIR@/client-secret
-
-        """
-    }
-
-    static func loggedIn(_ issuer: DevIssuer) async throws -> Broker {
-        let broker = try await Broker(config: Self.config(issuer))
-        #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
-        return broker
-    }
-
     /// Runs `body` with an issuer, a daemon whose session `api` is logged in there, and a client.
     static func withClient(_ body: (DevIssuer, Broker, TokenBrokerClient) async throws -> Void) async throws {
         let issuer = try DevIssuer()
         defer { issuer.stop() }
-        let broker = try await Self.loggedIn(issuer)
+        let broker = try await Broker.loggedIn(tokenEndpoint: issuer.tokenEndpoint, refreshToken: issuer.issueRefreshToken())
         defer { broker.child.terminate() }
         try await body(issuer, broker, TokenBrokerClient(socketPath: broker.socket))
     }
@@ -57,7 +40,7 @@ struct ClientLibraryTests {
     func reconnect() async throws {
         let issuer = try DevIssuer()
         defer { issuer.stop() }
-        let broker = try await Self.loggedIn(issuer)
+        let broker = try await Broker.loggedIn(tokenEndpoint: issuer.tokenEndpoint, refreshToken: issuer.issueRefreshToken())
         let client = TokenBrokerClient(socketPath: broker.socket)
         let first = try await client.token(session: "api")
         #expect(await broker.stop() == 0)
@@ -144,13 +127,11 @@ struct ClientLibraryTests {
 
     @Test("the example worker calls the resource through the broker")
     func exampleWorker() async throws {
-        let issuer = try DevIssuer()
-        defer { issuer.stop() }
-        let broker = try await Self.loggedIn(issuer)
-        defer { broker.child.terminate() }
-        let worker = try Child(Paths.binaries.appendingPathComponent("example-worker").path,
-                               ["--socket", broker.socket, "--session", "api", issuer.resourceURL], directory: broker.directory)
-        #expect(await worker.wait() == 0, "\(worker.stderr)")
-        #expect(worker.stdout.hasPrefix("HTTP 200"))
+        try await Self.withClient { issuer, broker, _ in
+            let worker = try Child(Paths.binaries.appendingPathComponent("example-worker").path,
+                                   ["--socket", broker.socket, "--session", "api", issuer.resourceURL], directory: broker.directory)
+            #expect(await worker.wait() == 0, "\(worker.stderr)")
+            #expect(worker.stdout.hasPrefix("HTTP 200"))
+        }
     }
 }

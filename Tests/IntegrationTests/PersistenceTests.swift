@@ -7,16 +7,7 @@ import Varlink
 @Suite("Durable state", .serialized)
 struct PersistenceTests {
     static func config(_ issuer: DevIssuer, sessions: [String] = ["api"]) -> String {
-        sessions.map { name in
-            """
-            [Session]
-            Name=\(name)
-            TokenEndpoint=\(issuer.tokenEndpoint)
-            ClientID=tokenbroker
-            ClientSecretFile=@DIR@/client-secret
-
-            """
-        }.joined()
+        sessions.map { Broker.oauthSession(issuer.tokenEndpoint, name: $0) }.joined()
     }
 
     /// Restarts `broker`'s daemon on the same configuration, socket and state.

@@ -137,15 +137,7 @@ struct SystemdTests {
     func sigtermDuringRefresh() async throws {
         let issuer = try DevIssuer()
         defer { issuer.stop() }
-        let broker = try await Broker(config: """
-            [Session]
-            Name=api
-            TokenEndpoint=\(issuer.tokenEndpoint)
-            ClientID=tokenbroker
-            ClientSecretFile=@DIR@/client-secret
-
-            """)
-        #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+        let broker = try await Broker.loggedIn(tokenEndpoint: issuer.tokenEndpoint, refreshToken: issuer.issueRefreshToken())
         issuer.inject([.hold])
         let answered = Mutex<VarlinkReply?>(nil)
         let caller = Thread {
@@ -170,15 +162,7 @@ struct SystemdTests {
     func sigtermDuringOrphanedRefresh() async throws {
         let issuer = try DevIssuer()
         defer { issuer.stop() }
-        let broker = try await Broker(config: """
-            [Session]
-            Name=api
-            TokenEndpoint=\(issuer.tokenEndpoint)
-            ClientID=tokenbroker
-            ClientSecretFile=@DIR@/client-secret
-
-            """)
-        #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+        let broker = try await Broker.loggedIn(tokenEndpoint: issuer.tokenEndpoint, refreshToken: issuer.issueRefreshToken())
         issuer.inject([.hold])
         // The caller starts a refresh and goes away; the flight goes on (guarantee 6).
         let caller = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "refresh", "api"], directory: broker.directory)

@@ -38,6 +38,27 @@ final class Broker: @unchecked Sendable {
         if wait { try await waitForSocket(socket) }
     }
 
+    /// A `[Session]` using the development issuer's token endpoint, with the client secret in
+    /// the broker's directory.
+    static func oauthSession(_ tokenEndpoint: String, name: String = "api") -> String {
+        """
+        [Session]
+        Name=\(name)
+        TokenEndpoint=\(tokenEndpoint)
+        ClientID=tokenbroker
+        ClientSecretFile=@DIR@/client-secret
+
+        """
+    }
+
+    /// A daemon with one OAuth session, `api`, logged in at the issuer (a fresh refresh token).
+    static func loggedIn(tokenEndpoint: String, refreshToken: String) async throws -> Broker {
+        let broker = try await Broker(config: oauthSession(tokenEndpoint))
+        let reply = try broker.call("Login", ["session": "api", "refreshToken": .string(refreshToken)])
+        #expect(reply.error == nil, "login: \(reply)")
+        return broker
+    }
+
     var address: VarlinkAddress { VarlinkAddress(path: socket) }
 
     func client(timeout: Double = 20) throws -> VarlinkClient { try VarlinkClient(address: address, timeout: timeout) }
