@@ -8,7 +8,7 @@ SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
 # C libraries the package links through system-library targets, systemd's tools (systemd-analyze,
 # systemd-socket-activate), setpriv and openssl for the tests, and the
 # independent varlink implementation the conformance tests run against (Go).
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev varlink-go python3-venv systemd util-linux openssl
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux openssl
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0

@@ -40,10 +40,12 @@ var package = Package(
         .target(name: "DevIssuer", dependencies: ["Basics", "WireJSON"]),
         // libsystemd: sd_notify, socket activation, the watchdog, the journal.
         .systemLibrary(name: "CSystemd", pkgConfig: "libsystemd", providers: [.apt(["libsystemd-dev"])]),
+        // libcrypto (OpenSSL), for AES-256-GCM of tokens at rest.
+        .systemLibrary(name: "CCrypto", pkgConfig: "libcrypto", providers: [.apt(["libssl-dev"])]),
         // SQLite, for the durable session state.
         .systemLibrary(name: "CSQLite", pkgConfig: "sqlite3", providers: [.apt(["libsqlite3-dev"])]),
         // The SQLite session store: generation-guarded writes, WAL + synchronous=FULL, migrations.
-        .target(name: "SQLiteStore", dependencies: ["Basics", "CSQLite", "TokenBrokerCore"]),
+        .target(name: "SQLiteStore", dependencies: ["Basics", "CCrypto", "CSQLite", "TokenBrokerCore"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
         .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore", "CSystemd"],
                 resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),

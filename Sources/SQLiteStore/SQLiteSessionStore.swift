@@ -22,7 +22,8 @@ public struct StoreError: Error, Sendable, Equatable, CustomStringConvertible {
 ///   `UPDATE … WHERE name = ? AND generation = ?` for refreshes, and an upsert that applies only
 ///   over an older generation for logins and logouts.
 /// - The directory is 0700 and the files 0600 (the daemon's umask is tightened while SQLite
-///   creates them); tokens are stored in clear inside them.
+///   creates them). With a `TokenCipher` the token columns are encrypted (AES-256-GCM); rows
+///   written before the key was configured are encrypted when the store opens.
 /// - A database that cannot be read as one (corrupt, not a database) is moved aside as
 ///   `state.db.corrupt-<unix time>` and a new one is created; the caller is told.
 ///
@@ -40,12 +41,14 @@ public final class SQLiteSessionStore: SessionStore {
 
     private let connection: Connection
     private let thread = SerialThread()
+    private let cipher: TokenCipher?
     public let path: String
     /// Set when an unreadable database was moved aside at open: where it went.
     public let movedAside: String?
 
-    /// Opens (or creates) `directory/state.db`.
-    public init(directory: String) throws {
+    /// Opens (or creates) `directory/state.db`; with `cipher`, token columns are encrypted.
+    public init(directory: String, cipher: TokenCipher? = nil) throws {
+        self.cipher = cipher
         try Self.prepareDirectory(directory)
         path = directory + "/state.db"
         var moved: String?
@@ -58,6 +61,57 @@ public final class SQLiteSessionStore: SessionStore {
         }
         connection = Connection(handle)
         movedAside = moved
+        if let cipher { try Self.sealPlaintextRows(handle, cipher) }
+    }
+
+    /// Encrypts token values stored in clear (written before a key was configured).
+    private static func sealPlaintextRows(_ db: OpaquePointer, _ cipher: TokenCipher) throws {
+        let rows = try Statement(db, "SELECT name, refresh_token, access_token FROM sessions")
+        var updates: [(String, String?, String?)] = []
+        while try rows.step() {
+            guard let name = rows.text(0) else { continue }
+            let refresh = rows.text(1)
+            let access = rows.text(2)
+            guard refresh.map({ !TokenCipher.isEncrypted($0) }) == true || access.map({ !TokenCipher.isEncrypted($0) }) == true else { continue }
+            updates.append((name, try refresh.map { try seal($0, cipher, name, "refresh_token") },
+                            try access.map { try seal($0, cipher, name, "access_token") }))
+        }
+        guard !updates.isEmpty else { return }
+        try execute(db, "BEGIN IMMEDIATE")
+        do {
+            for (name, refresh, access) in updates {
+                let update = try Statement(db, "UPDATE sessions SET refresh_token = ?2, access_token = ?3 WHERE name = ?1")
+                update.bind(1, name)
+                update.bind(2, refresh)
+                update.bind(3, access)
+                try update.run()
+            }
+            try execute(db, "COMMIT")
+        } catch {
+            try? execute(db, "ROLLBACK")
+            throw error
+        }
+        // Rewrite the file and empty the WAL, so the clear-text versions are gone from disk.
+        try execute(db, "VACUUM")
+        try execute(db, "PRAGMA wal_checkpoint(TRUNCATE)")
+    }
+
+    private static func seal(_ value: String, _ cipher: TokenCipher, _ name: String, _ column: String) throws -> String {
+        if TokenCipher.isEncrypted(value) { return value }
+        do { return try cipher.seal(value, associatedData: name + "/" + column) } catch { throw StoreError(error.description) }
+    }
+
+    private static func unseal(_ value: String?, _ cipher: TokenCipher?, _ name: String, _ column: String) throws -> Secret? {
+        guard let value else { return nil }
+        guard TokenCipher.isEncrypted(value) else { return Secret(value) }
+        guard let cipher else {
+            throw StoreError("the state database holds encrypted tokens (session \(name)); configure its key with StateKeyCredential= or StateKeyFile=")
+        }
+        do {
+            return Secret(try cipher.open(value, associatedData: name + "/" + column))
+        } catch {
+            throw StoreError("session \(name): \(error.description)")
+        }
     }
 
     private struct CorruptDatabase: Error {
@@ -97,6 +151,8 @@ public final class SQLiteSessionStore: SessionStore {
             guard check == "ok" else { throw CorruptDatabase(reason: "integrity check: \(check ?? "no answer")") }
             try execute(db, "PRAGMA journal_mode=WAL")
             try execute(db, "PRAGMA synchronous=FULL")
+            // Freed content (an erased token) is overwritten with zeros, not left in the file.
+            try execute(db, "PRAGMA secure_delete=ON")
             try execute(db, "PRAGMA foreign_keys=ON")
             try migrate(db)
             for suffix in ["", "-wal", "-shm"] { chmod(path + suffix, 0o600) }
@@ -163,19 +219,19 @@ public final class SQLiteSessionStore: SessionStore {
     // MARK: - SessionStore
 
     public func load(_ session: String) async throws -> SessionRecord? {
-        let connection = self.connection
-        return try await thread.run { try Self.select(connection.db, name: session).first }
+        let (connection, cipher) = (self.connection, self.cipher)
+        return try await thread.run { try Self.select(connection.db, name: session, cipher: cipher).first }
     }
 
     /// Every stored session, by name.
     public func loadAll() async throws -> [SessionRecord] {
-        let connection = self.connection
-        return try await thread.run { try Self.select(connection.db, name: nil) }
+        let (connection, cipher) = (self.connection, self.cipher)
+        return try await thread.run { try Self.select(connection.db, name: nil, cipher: cipher) }
     }
 
     public func write(_ write: StoreWrite) async throws -> Bool {
-        let connection = self.connection
-        return try await thread.run { try Self.apply(connection.db, write) }
+        let (connection, cipher) = (self.connection, self.cipher)
+        return try await thread.run { try Self.apply(connection.db, write, cipher: cipher) }
     }
 
     /// Removes a session's row; returns whether there was one.
@@ -185,11 +241,13 @@ public final class SQLiteSessionStore: SessionStore {
             let statement = try Statement(connection.db, "DELETE FROM sessions WHERE name = ?1")
             statement.bind(1, session)
             try statement.run()
-            return sqlite3_changes(connection.db) > 0
+            let removed = sqlite3_changes(connection.db) > 0
+            if removed { try Self.execute(connection.db, "PRAGMA wal_checkpoint(TRUNCATE)") }
+            return removed
         }
     }
 
-    private static func apply(_ db: OpaquePointer, _ write: StoreWrite) throws -> Bool {
+    private static func apply(_ db: OpaquePointer, _ write: StoreWrite, cipher: TokenCipher?) throws -> Bool {
         let record = write.record
         let sql: String
         switch write.guardedBy {
@@ -218,8 +276,13 @@ public final class SQLiteSessionStore: SessionStore {
         statement.bind(1, record.name)
         statement.bind(2, Int64(record.generation))
         statement.bind(3, record.state.rawValue)
-        statement.bind(4, record.refreshToken?.reveal)
-        statement.bind(5, record.accessToken?.reveal)
+        if let cipher {
+            statement.bind(4, try record.refreshToken.map { try seal($0.reveal, cipher, record.name, "refresh_token") })
+            statement.bind(5, try record.accessToken.map { try seal($0.reveal, cipher, record.name, "access_token") })
+        } else {
+            statement.bind(4, record.refreshToken?.reveal)
+            statement.bind(5, record.accessToken?.reveal)
+        }
         statement.bind(6, record.tokenType)
         statement.bind(7, record.expiresAt)
         statement.bind(8, record.lastRefresh)
@@ -227,10 +290,16 @@ public final class SQLiteSessionStore: SessionStore {
         statement.bind(10, record.endReason)
         statement.bind(11, Int64(now.tv_sec))
         try statement.run()
-        return sqlite3_changes(db) == 1
+        let applied = sqlite3_changes(db) == 1
+        if applied && record.refreshToken == nil && record.accessToken == nil {
+            // Tokens were erased (logout, end): move the WAL's older page versions, which still
+            // hold them, into the main file and empty the WAL.
+            try execute(db, "PRAGMA wal_checkpoint(TRUNCATE)")
+        }
+        return applied
     }
 
-    private static func select(_ db: OpaquePointer, name: String?) throws -> [SessionRecord] {
+    private static func select(_ db: OpaquePointer, name: String?, cipher: TokenCipher?) throws -> [SessionRecord] {
         let statement = try Statement(db, """
             SELECT name, generation, state, refresh_token, access_token, token_type, expires_at, last_refresh,
                    token_serial, end_reason
@@ -244,7 +313,8 @@ public final class SQLiteSessionStore: SessionStore {
             }
             records.append(SessionRecord(
                 name: name, generation: Int(statement.int(1) ?? 0), state: state,
-                refreshToken: statement.text(3).map(Secret.init), accessToken: statement.text(4).map(Secret.init),
+                refreshToken: try unseal(statement.text(3), cipher, name, "refresh_token"),
+                accessToken: try unseal(statement.text(4), cipher, name, "access_token"),
                 tokenType: statement.text(5) ?? "Bearer", expiresAt: statement.int(6), lastRefresh: statement.int(7),
                 tokenSerial: UInt64(bitPattern: statement.int(8) ?? 0), endReason: statement.text(9)))
         }

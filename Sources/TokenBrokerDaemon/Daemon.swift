@@ -73,7 +73,7 @@ public final class Daemon: Sendable {
         if let socket = options.socketPath { configuration.socketPath = socket }
         let state: StateStore
         do {
-            state = try StateStore.open(options, logger: logger)
+            state = try StateStore.open(options, stateKey: configuration.stateKey, logger: logger)
         } catch {
             logger.error("cannot open the state database: \(error)")
             return ExitCode.failure

@@ -7,6 +7,11 @@ import Varlink
 enum FileSystem {
     /// The whole file as UTF-8 text (at most 16 MiB).
     static func readText(_ path: String) -> Result<String, SocketError> {
+        readBytes(path).map { String(decoding: $0, as: UTF8.self) }
+    }
+
+    /// The whole file (at most 16 MiB).
+    static func readBytes(_ path: String) -> Result<[UInt8], SocketError> {
         let fd = open(path, O_RDONLY | O_CLOEXEC)
         guard fd >= 0 else { return .failure(SocketError("open \(path)")) }
         defer { close(fd) }
@@ -22,7 +27,7 @@ enum FileSystem {
                 return .failure(SocketError("read \(path)"))
             }
         }
-        return .success(String(decoding: bytes, as: UTF8.self))
+        return .success(bytes)
     }
 
     /// Names in a directory (empty when it does not exist).

@@ -19,7 +19,7 @@ struct StateStore: Sendable {
         var description: String { "another tokenbroker is using \(directory) (its lock file is held)" }
     }
 
-    static func open(_ options: Daemon.Options, logger: Logger) throws -> StateStore {
+    static func open(_ options: Daemon.Options, stateKey: Secret?, logger: Logger) throws -> StateStore {
         let environment = getenv("STATE_DIRECTORY").map { String(cString: $0) }
         // systemd may pass several directories separated by ':'; ours is the first.
         let fromSystemd = environment?.split(separator: ":").first.map(String.init)
@@ -27,7 +27,10 @@ struct StateStore: Sendable {
             return StateStore(sessions: InMemorySessionStore(), database: nil, lock: nil)
         }
         let directory = options.stateDirectory ?? fromSystemd ?? defaultDirectory
-        let database = try SQLiteSessionStore(directory: directory)
+        let cipher = try stateKey.map { key in
+            try TokenCipher(keyMaterial: key.reveal.unicodeScalars.map { UInt8(truncatingIfNeeded: $0.value) })
+        }
+        let database = try SQLiteSessionStore(directory: directory, cipher: cipher)
         let lock = Glibc.open(directory + "/state.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
         guard lock >= 0 else { throw AlreadyInUse(directory: directory) }
         guard flock(lock, LOCK_EX | LOCK_NB) == 0 else {
@@ -37,7 +40,7 @@ struct StateStore: Sendable {
         if let moved = database.movedAside {
             logger.error("the state database \(database.path) was unreadable and has been moved aside to \(moved); starting with an empty one")
         }
-        logger.info("state database: \(database.path)")
+        logger.info("state database: \(database.path)\(cipher == nil ? "" : " (tokens encrypted)")")
         return StateStore(sessions: database, database: database, lock: lock)
     }
 }

@@ -89,6 +89,35 @@ struct PersistenceTests {
         }
     }
 
+    @Test("with StateKeyFile= the database holds no token in clear; a restart reads it back; a bad key is a configuration error")
+    func encryptedState() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let directory = try Paths.temporaryDirectory()
+        try String(repeating: "0123456789abcdef", count: 4).write(toFile: directory + "/state.key", atomically: true, encoding: .utf8)
+        let config = "[Broker]\nStateKeyFile=\(directory)/state.key\n" + Self.config(issuer)
+        let broker = try await Broker(config: config)
+        let refreshToken = issuer.issueRefreshToken()
+        #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(refreshToken)]).error == nil)
+        let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+        #expect(await broker.stop() == 0)
+        #expect(broker.child.stderr.contains("(tokens encrypted)"))
+        for suffix in ["", "-wal"] {
+            let data = FileManager.default.contents(atPath: broker.directory + "/state/state.db" + suffix) ?? Data()
+            let inClear = data.range(of: Data(token.utf8)) != nil || data.range(of: Data("dev-rt.".utf8)) != nil
+            #expect(!inClear, "a token in clear in state.db\(suffix)")
+        }
+        let daemon = try await Self.restart(broker)
+        defer { daemon.terminate() }
+        #expect(fp(try broker.call("GetToken", ["session": "api"]).parameters["token"]) == fp(token))
+
+        try "[Broker]\nStateKeyFile=\(directory)/state.key\n".write(toFile: directory + "/bad.conf", atomically: true, encoding: .utf8)
+        try "too short".write(toFile: directory + "/state.key", atomically: true, encoding: .utf8)
+        let check = try Child(Paths.tokenbroker, ["check-config", "--config", directory + "/bad.conf"], directory: directory)
+        #expect(await check.wait() == 78)
+        #expect(check.stderr.contains("bad.conf:2: StateKeyFile=: a state key must be 32 bytes or 64 hexadecimal digits"))
+    }
+
     @Test("one daemon per state directory: a second one on the same state refuses to start")
     func oneDaemonPerState() async throws {
         try await withBroker { broker in

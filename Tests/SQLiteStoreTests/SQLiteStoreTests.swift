@@ -89,6 +89,16 @@ struct SQLiteStoreTests {
         #expect(throws: StoreError.self) { try SQLiteSessionStore(directory: directory) }
     }
 
+    @Test("a logout's erased tokens do not linger in the database files")
+    func erasedForGood() async throws {
+        let directory = Self.directory()
+        let store = try SQLiteSessionStore(directory: directory)
+        _ = try await store.write(StoreWrite(Self.record(1, .active, refresh: "refresh-GONE", access: "access-GONE"), guardedBy: .newerGeneration))
+        #expect(try EncryptionTests.fileContains(directory, "refresh-GONE"))
+        _ = try await store.write(StoreWrite(Self.record(2, .signedOut), guardedBy: .newerGeneration))
+        #expect(try !EncryptionTests.fileContains(directory, "GONE"))
+    }
+
     @Test("forget removes a row")
     func forget() async throws {
         let store = try SQLiteSessionStore(directory: Self.directory())
@@ -112,5 +122,75 @@ extension Array {
             let head = rest.remove(at: index)
             return rest.permutations.map { [head] + $0 }
         }
+    }
+}
+
+@Suite("Tokens encrypted at rest")
+struct EncryptionTests {
+    static let key = try! TokenCipher(keyMaterial: Array(String(repeating: "ab", count: 32).utf8))
+    static let otherKey = try! TokenCipher(keyMaterial: Array(repeating: 7, count: 32))
+
+    static func fileContains(_ directory: String, _ needle: String) throws -> Bool {
+        for suffix in ["", "-wal"] {
+            let path = directory + "/state.db" + suffix
+            guard let data = FileManager.default.contents(atPath: path) else { continue }
+            if data.range(of: Data(needle.utf8)) != nil { return true }
+        }
+        return false
+    }
+
+    @Test("with a key, no token appears in the database files, and records round-trip")
+    func roundTrip() async throws {
+        let directory = SQLiteStoreTests.directory()
+        let record = SQLiteStoreTests.record(1, .active, refresh: "refresh-SECRET-1", access: "access-SECRET-1")
+        do {
+            let store = try SQLiteSessionStore(directory: directory, cipher: Self.key)
+            #expect(try await store.write(StoreWrite(record, guardedBy: .newerGeneration)))
+        }
+        #expect(try !Self.fileContains(directory, "SECRET"))
+        #expect(try await SQLiteSessionStore(directory: directory, cipher: Self.key).load("api") == record)
+    }
+
+    @Test("a wrong key or no key is refused with a clear error, never read as signed out")
+    func wrongKey() async throws {
+        let directory = SQLiteStoreTests.directory()
+        do {
+            let store = try SQLiteSessionStore(directory: directory, cipher: Self.key)
+            _ = try await store.write(StoreWrite(SQLiteStoreTests.record(1, .active, refresh: "r"), guardedBy: .newerGeneration))
+        }
+        do {
+            _ = try await SQLiteSessionStore(directory: directory, cipher: Self.otherKey).load("api")
+            Issue.record("read with the wrong key")
+        } catch {
+            #expect("\(error)".contains("does not decrypt with this state key"))
+        }
+        do {
+            _ = try await SQLiteSessionStore(directory: directory).load("api")
+            Issue.record("read without a key")
+        } catch {
+            #expect("\(error)".contains("holds encrypted tokens"))
+        }
+    }
+
+    @Test("rows written in clear are encrypted once a key is configured")
+    func sealsOldRows() async throws {
+        let directory = SQLiteStoreTests.directory()
+        let record = SQLiteStoreTests.record(1, .active, refresh: "refresh-PLAIN", access: "access-PLAIN")
+        do {
+            _ = try await SQLiteSessionStore(directory: directory).write(StoreWrite(record, guardedBy: .newerGeneration))
+        }
+        #expect(try Self.fileContains(directory, "refresh-PLAIN"))
+        let store = try SQLiteSessionStore(directory: directory, cipher: Self.key)
+        #expect(try await store.load("api") == record)
+        #expect(try !Self.fileContains(directory, "PLAIN"))
+    }
+
+    @Test("a sealed value moved to another session or column does not open")
+    func boundToRowAndColumn() throws {
+        let sealed = try Self.key.seal("token", associatedData: "api/refresh_token")
+        #expect(try Self.key.open(sealed, associatedData: "api/refresh_token") == "token")
+        #expect(throws: TokenCipher.Failure.self) { try Self.key.open(sealed, associatedData: "other/refresh_token") }
+        #expect(throws: TokenCipher.Failure.self) { try Self.key.open(sealed, associatedData: "api/access_token") }
+        #expect(throws: TokenCipher.Failure.self) { try TokenCipher(keyMaterial: Array("short".utf8)) }
     }
 }

@@ -18,6 +18,9 @@ public struct BrokerConfiguration: Sendable, Equatable {
     public var maxConnections = 4096
     /// Largest varlink message accepted (`MaxMessageSize=`).
     public var maxMessageSize = 1 << 20
+    /// The key that encrypts tokens in the state database (`StateKeyCredential=` or
+    /// `StateKeyFile=`); read at start only.
+    public var stateKey: Secret?
     public var sessions: [SessionConfiguration] = []
     /// Unknown keys and other non-fatal findings, each at `file:line`.
     public var warnings: [ConfigError] = []

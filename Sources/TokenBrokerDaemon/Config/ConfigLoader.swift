@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import SQLiteStore
 import TokenBrokerCore
 import Upstream
 
@@ -82,6 +83,34 @@ public enum ConfigLoader {
                 throw fail("MaxMessageSize= needs a size from 1K to 64M")
             }
             configuration.maxMessageSize = size
+        case "StateKeyFile", "StateKeyCredential":
+            guard !entry.value.isEmpty else {
+                configuration.stateKey = nil
+                return
+            }
+            let path: String
+            if entry.key == "StateKeyCredential" {
+                guard let directory = getenv("CREDENTIALS_DIRECTORY").map({ String(cString: $0) }) else {
+                    throw fail("StateKeyCredential=: $CREDENTIALS_DIRECTORY is not set (use LoadCredential= in the unit)")
+                }
+                guard !entry.value.contains("/") else { throw fail("StateKeyCredential= needs a credential name") }
+                path = directory + "/" + entry.value
+            } else {
+                guard entry.value.hasPrefix("/") else { throw fail("StateKeyFile= needs an absolute path") }
+                path = entry.value
+            }
+            switch FileSystem.readBytes(path) {
+            case let .success(bytes):
+                do {
+                    _ = try TokenCipher(keyMaterial: bytes)
+                } catch {
+                    throw fail("\(entry.key)=: \(error.description)")
+                }
+                // Kept as Latin-1 text so that any 32 raw bytes round-trip.
+                configuration.stateKey = Secret(String(bytes.map { Character(Unicode.Scalar($0)) }))
+            case let .failure(error):
+                throw fail("\(entry.key)=: cannot read \(path): \(error)")
+            }
         default:
             configuration.warnings.append(fail("unknown key \(entry.key)= in [Broker], ignored"))
         }
