@@ -93,6 +93,23 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         try await run(machine.demand(.recover(rejected: rejected), now: now()))
     }
 
+    /// Starts the refresh a demand would start now — refresh-ahead inside the window, or a
+    /// refresh of an expired or missing token — without waiting for it. For sessions whose
+    /// only users are watchers: nobody else would ask, and they want the next token before the
+    /// current one expires. Backoff, the refresh guard and the single flight apply as usual.
+    public func prefetch() {
+        guard machine.phase == .active, !machine.isShutDown, freshToken() == nil else { return }
+        switch machine.demand(.get, now: now()) {
+        case let .deliverAndStart(_, request, id), let .startAndWait(request, id):
+            launch(request, id)
+        case .deliver, .wait, .fail:
+            break
+        }
+    }
+
+    /// Number of `watch()` subscribers.
+    public nonisolated var watcherCount: Int { watchers.count }
+
     /// Refreshes now, whatever the current token (an operator's `ctl refresh`): joins the
     /// flight under way or starts one; backoff and the refresh guard still apply.
     public func refresh() async throws -> IssuedToken {

@@ -325,7 +325,8 @@ public final class Daemon: Sendable {
     }
 
     /// Once a second: retry the pending writes of degraded sessions (backing off while they
-    /// keep failing) and keep systemd's STATUS= current.
+    /// keep failing), refresh ahead for sessions that have watchers, and keep systemd's STATUS=
+    /// current.
     private func maintain() async {
         var delay = Duration.seconds(1)
         var nextFlush = ContinuousClock.now + delay
@@ -344,6 +345,11 @@ public final class Daemon: Sendable {
                 }
                 delay = allFlushed ? .seconds(1) : min(delay * 2, .seconds(60))
                 nextFlush = ContinuousClock.now + delay
+            }
+            // Sessions followed only by watchers get their refresh-ahead here: no demand would
+            // start it otherwise.
+            for session in table.snapshot.sessions.values where session.coordinator.watcherCount > 0 {
+                await session.coordinator.prefetch()
             }
             let status = await statusLine()
             if status != lastStatus {

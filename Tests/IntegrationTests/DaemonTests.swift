@@ -190,6 +190,17 @@ struct DaemonTests {
         }
     }
 
+    @Test("a session followed only by a watcher is refreshed ahead of expiry: the watcher gets the next token")
+    func watcherOnlyRefreshAhead() async throws {
+        try await withBroker(config: "[Session]\nName=api\nUpstream=test\nTestTokenLifetime=3s\nRefreshAhead=2s\nAllowUsers=65534\n") { broker in
+            let watcher = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "watch", "api"], directory: broker.directory)
+            defer { watcher.kill() }
+            // Nobody calls GetToken: the daemon's own refresh-ahead must produce token #2 (and on).
+            try await eventually("token #2 pushed to the watcher") { watcher.stdout.contains("token #2") }
+            #expect(try broker.status("api")?["fetches"]?.intValue ?? 0 >= 2)
+        }
+    }
+
     @Test("SIGTERM: exit 0 at once (an open watch stream is not waited for) and the socket file is gone")
     func sigterm() async throws {
         let broker = try await Broker()

@@ -114,6 +114,29 @@ struct CoordinatorTests {
         await #expect(throws: SessionError.shuttingDown) { try await h.coordinator.token() }
     }
 
+    @Test("prefetch starts the due refresh without waiting for it, once; nothing when the token is fresh")
+    func prefetch() async throws {
+        let h = Harness(policy: RefreshPolicy(refreshAhead: .seconds(60)), expiresIn: 300)
+        await h.coordinator.prefetch()
+        #expect(h.source.fetchCount == 0)
+        h.clock.advance(by: .seconds(250))
+        await h.coordinator.prefetch()
+        await h.coordinator.prefetch()
+        try await h.source.started(1)
+        #expect(h.source.fetchCount == 1 && h.coordinator.parkedWaiters == 0)
+        let events = await h.coordinator.watch()
+        #expect(h.coordinator.watcherCount == 1)
+        h.source.succeed(1, with: FakeTokenSource.token(2))
+        var iterator = events.makeAsyncIterator()
+        #expect(await iterator.next() == .token(IssuedToken(token: Harness.firstToken, tokenType: "Bearer",
+                                                            expiresAt: Int64(h.clock.unixStart) + 300, generation: 1, serial: 1)))
+        guard case let .token(next)? = await iterator.next() else {
+            Issue.record("expected the new token")
+            return
+        }
+        #expect(next.serial == 2)
+    }
+
     @Test("a forced refresh fetches even with a valid token, and joins a flight under way")
     func forcedRefresh() async throws {
         let h = Harness()
