@@ -11,9 +11,6 @@ final class TestTokenSource: TokenSource {
         self.lifetime = lifetime
     }
 
-    /// Tokens minted so far.
-    var mintedCount: Int { minted.load(ordering: .relaxed) }
-
     func fetch(_ request: FetchRequest) async throws -> FetchedToken {
         let serial = minted.add(1, ordering: .relaxed).newValue
         return FetchedToken(accessToken: Secret("tbtest.\(serial).\(Self.random())"), tokenType: "Bearer",

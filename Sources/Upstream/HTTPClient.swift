@@ -61,10 +61,6 @@ public struct HTTPResponse: Sendable {
         return headers.last { $0.name == lower }?.value
     }
 
-    public func headers(_ name: String) -> [String] {
-        let lower = name.lowercased()
-        return headers.filter { $0.name == lower }.map(\.value)
-    }
 }
 
 /// A transfer that produced no HTTP response.
