@@ -38,6 +38,17 @@ struct OAuthDaemonTests {
         return try DevIssuer(options: options)
     }
 
+    /// Runs `body` with a development issuer and a daemon configured against it; with
+    /// `loggedIn`, session `api` is logged in first.
+    static func withIssuerAndBroker(loggedIn: Bool = true, _ body: (DevIssuer, Broker) async throws -> Void) async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            if loggedIn { try await Self.logIn(broker, issuer) }
+            try await body(issuer, broker)
+        }
+    }
+
     static func logIn(_ broker: Broker, _ issuer: DevIssuer) async throws {
         let login = try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n")
         #expect(login.code == 0 && login.out == "logged in api (generation 1)\n", "\(login.err)")
@@ -45,10 +56,7 @@ struct OAuthDaemonTests {
 
     @Test("50 worker processes recover the same old token at once: 1 token request, 50 identical new tokens")
     func fiftyWorkers() async throws {
-        let issuer = try Self.issuer()
-        defer { issuer.stop() }
-        try await withBroker(config: Self.config(issuer)) { broker in
-            try await Self.logIn(broker, issuer)
+        try await Self.withIssuerAndBroker { issuer, broker in
             let old = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
             #expect(issuer.counters.refreshGrants == 1)
             let workers = try (0..<50).map { _ in
@@ -68,9 +76,7 @@ struct OAuthDaemonTests {
 
     @Test("device login through ctl: prompt, approval, and the session is logged in with the grant's tokens")
     func deviceLogin() async throws {
-        let issuer = try Self.issuer()
-        defer { issuer.stop() }
-        try await withBroker(config: Self.config(issuer)) { broker in
+        try await Self.withIssuerAndBroker(loggedIn: false) { issuer, broker in
             #expect(try broker.call("GetToken", ["session": "api"]) == .error("io.tokenbroker.Broker.SignedOut", ["session": "api"]))
             let login = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "login", "api"], directory: broker.directory)
             try await eventually("a device code waits") { !issuer.pendingUserCodes.isEmpty }
@@ -94,10 +100,7 @@ struct OAuthDaemonTests {
 
     @Test("logout revokes the refresh token upstream, after the local boundary")
     func logoutRevokes() async throws {
-        let issuer = try Self.issuer()
-        defer { issuer.stop() }
-        try await withBroker(config: Self.config(issuer)) { broker in
-            try await Self.logIn(broker, issuer)
+        try await Self.withIssuerAndBroker { issuer, broker in
             let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
             #expect(try await broker.ctl(["logout", "api"]).code == 0)
             try await eventually("the revocation") { issuer.counters.revocations == 1 }
@@ -107,10 +110,7 @@ struct OAuthDaemonTests {
 
     @Test("logout during a refresh: the caller gets SignedOut at once, the transfer is abandoned, the family revoked")
     func logoutDuringRefresh() async throws {
-        let issuer = try Self.issuer()
-        defer { issuer.stop() }
-        try await withBroker(config: Self.config(issuer)) { broker in
-            try await Self.logIn(broker, issuer)
+        try await Self.withIssuerAndBroker { issuer, broker in
             issuer.inject([.hold])
             let caller = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "token", "api"], directory: broker.directory)
             try await eventually("the refresh held at the issuer") { issuer.heldCount == 1 }
@@ -128,10 +128,7 @@ struct OAuthDaemonTests {
 
     @Test("upstream failures reach every caller as the contract's errors")
     func upstreamErrors() async throws {
-        let issuer = try Self.issuer()
-        defer { issuer.stop() }
-        try await withBroker(config: Self.config(issuer)) { broker in
-            try await Self.logIn(broker, issuer)
+        try await Self.withIssuerAndBroker { issuer, broker in
             let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"])
             issuer.inject([.status(503, error: nil, retryAfter: 9)])
             let transient = try broker.call("Recover", ["session": "api", "rejected": token])
@@ -142,8 +139,7 @@ struct OAuthDaemonTests {
             let fast = try broker.call("Recover", ["session": "api", "rejected": token])
             #expect(fast.error == "io.tokenbroker.Broker.RefreshFailed" && issuer.counters.tokenRequests == 2)
         }
-        try await withBroker(config: Self.config(issuer)) { broker in
-            try await Self.logIn(broker, issuer)
+        try await Self.withIssuerAndBroker { issuer, broker in
             issuer.inject([.status(400, error: "invalid_grant", retryAfter: nil)])
             let terminal = try broker.call("GetToken", ["session": "api"])
             #expect(terminal == .error("io.tokenbroker.Broker.RefreshFailed", ["session": "api", "reason": "invalid_grant", "retryable": false]))
@@ -155,9 +151,7 @@ struct OAuthDaemonTests {
 
     @Test("client_credentials with discovery works without a login")
     func clientCredentials() async throws {
-        let issuer = try Self.issuer()
-        defer { issuer.stop() }
-        try await withBroker(config: Self.config(issuer)) { broker in
+        try await Self.withIssuerAndBroker(loggedIn: false) { issuer, broker in
             let token = try #require(try broker.call("GetToken", ["session": "machine"]).parameters["token"]?.stringValue)
             #expect(issuer.isValidAccessToken(token))
             #expect(issuer.counters.clientCredentialsGrants == 1 && issuer.counters.metadataRequests == 1)
