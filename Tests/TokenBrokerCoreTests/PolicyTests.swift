@@ -81,6 +81,18 @@ struct AuthRetryPolicyTests {
         #expect(forbidden == 403 && sent.count == 1)
     }
 
+    @Test("challenge parsing never traps on arbitrary header values")
+    func parseAnything() {
+        var generator = SystemRandomNumberGenerator()
+        let alphabet = Array(#"Bearer Basic realm="x", error=invalid_token "=,;= abc=="#)
+        for _ in 0..<5_000 {
+            let length = Int(generator.next() % 60)
+            let header = String((0..<length).map { _ in alphabet[Int(generator.next() % UInt64(alphabet.count))] })
+            _ = AuthChallenge.parse(header)
+            _ = Policy.decide(status: 401, wwwAuthenticate: [header], attempt: 1, replay: .replayable)
+        }
+    }
+
     @Test("challenge parsing: several schemes, quoted values, escapes, token68")
     func parse() {
         let parsed = AuthChallenge.parse(#"Basic abc==, Bearer realm="a \"b\"", error=invalid_token, DPoP algs="ES256""#)
