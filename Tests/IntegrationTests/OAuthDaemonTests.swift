@@ -54,7 +54,37 @@ struct OAuthDaemonTests {
         #expect(login.code == 0 && login.out == "logged in api (generation 1)\n", "\(login.err)")
     }
 
-    @Test("50 worker processes recover the same old token at once: 1 token request, 50 identical new tokens")
+    @Test("1,000 Recover calls from 50 worker processes (Python varlink) with the same old token: 1 token request")
+    func thousandRecoversFromFiftyProcesses() async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            let old = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            #expect(issuer.counters.refreshGrants == 1)
+            // Each worker: one connection, 20 Recover calls with the old token; it prints the
+            // fingerprints of the tokens it got (never the tokens).
+            let script = """
+                import hashlib, sys, varlink
+                old = sys.stdin.read()
+                with varlink.Client("unix:\(broker.socket)") as client, client.open("io.tokenbroker.Broker") as broker:
+                    seen = {hashlib.sha256(broker.Recover("api", old)["token"].encode()).hexdigest()[:12] for _ in range(20)}
+                print(" ".join(sorted(seen)))
+                """
+            let workers = try (0..<50).map { _ in
+                try Child(Paths.varlinkPython, ["-c", script], directory: broker.directory, stdin: old)
+            }
+            var fingerprints: Set<String> = []
+            for worker in workers {
+                #expect(await worker.wait() == 0, "\(worker.stderr.suffix(300))")
+                fingerprints.insert(worker.stdout.trimmingCharacters(in: .whitespacesAndNewlines))
+            }
+            #expect(fingerprints.count == 1 && !(fingerprints.first ?? "").contains(" "), "\(fingerprints)")
+            #expect(issuer.counters.refreshGrants == 2, "1,000 recovers made \(issuer.counters.refreshGrants - 1) token requests")
+            #expect(issuer.counters.replays == 0)
+            let status = try #require(try broker.status("api"))
+            #expect((status["joinedWaiters"]?.intValue ?? 0) + (status["staleRejections"]?.intValue ?? 0) == 999)
+        }
+    }
+
+    @Test("50 ctl processes recover the same old token at once: 1 token request, 50 identical new tokens")
     func fiftyWorkers() async throws {
         try await Self.withIssuerAndBroker { issuer, broker in
             let old = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
