@@ -45,6 +45,7 @@ struct CrashTests {
         let issuer = try DevIssuer()
         defer { issuer.stop() }
         let directory = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
         let socket = directory + "/crash.sock"
         let stateDirectory = directory + "/state"
         try "dev-secret\n".write(toFile: directory + "/secret", atomically: true, encoding: .utf8)

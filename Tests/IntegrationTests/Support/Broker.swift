@@ -101,6 +101,7 @@ final class Broker: @unchecked Sendable {
 /// Runs `body` with a broker and always stops it (SIGTERM, then waits for the exit).
 func withBroker(config: String = Broker.defaultConfig, _ body: (Broker) async throws -> Void) async throws {
     let broker = try await Broker(config: config)
+    defer { try? FileManager.default.removeItem(atPath: broker.directory) }
     do {
         try await body(broker)
     } catch {
