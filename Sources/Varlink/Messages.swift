@@ -3,6 +3,18 @@ public struct VarlinkProtocolError: Error, Sendable, Equatable, CustomStringConv
     public var reason: String
     public init(_ reason: String) { self.reason = reason }
     public var description: String { "protocol error: \(reason)" }
+
+    /// One message as a JSON object, or the protocol error saying why it is not one.
+    static func object(_ bytes: ArraySlice<UInt8>, _ what: String) throws(VarlinkProtocolError) -> JSONObject {
+        let json: JSON
+        do {
+            json = try JSONParser.parse(bytes)
+        } catch {
+            throw VarlinkProtocolError(error.description)
+        }
+        guard case let .object(object) = json else { throw VarlinkProtocolError("\(what) must be a JSON object") }
+        return object
+    }
 }
 
 /// A method call (client → service).
@@ -40,13 +52,7 @@ public struct VarlinkCall: Sendable, Equatable {
     /// Reads a call from one message. Unknown keys are refused unless they are vendor
     /// extensions (a dotted name); at most one of `oneway`, `more`, `upgrade` may be set.
     public static func decode(_ bytes: ArraySlice<UInt8>) throws(VarlinkProtocolError) -> VarlinkCall {
-        let json: JSON
-        do {
-            json = try JSONParser.parse(bytes)
-        } catch {
-            throw VarlinkProtocolError(error.description)
-        }
-        guard case let .object(object) = json else { throw VarlinkProtocolError("a call must be a JSON object") }
+        let object = try VarlinkProtocolError.object(bytes, "a call")
         var call = VarlinkCall(method: "")
         var sawMethod = false
         for (key, value) in object {
@@ -138,13 +144,7 @@ public struct VarlinkReply: Sendable, Equatable {
     /// Reads a reply from one message. Unknown keys are ignored; absent or null parameters
     /// are empty.
     public static func decode(_ bytes: ArraySlice<UInt8>) throws(VarlinkProtocolError) -> VarlinkReply {
-        let json: JSON
-        do {
-            json = try JSONParser.parse(bytes)
-        } catch {
-            throw VarlinkProtocolError(error.description)
-        }
-        guard case let .object(object) = json else { throw VarlinkProtocolError("a reply must be a JSON object") }
+        let object = try VarlinkProtocolError.object(bytes, "a reply")
         var reply = VarlinkReply()
         switch object["parameters"] {
         case nil, .null?: break
