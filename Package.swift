@@ -22,9 +22,9 @@ var package = Package(
         // Pure: the refresh coordinator, its state machine, policies and errors. Standard library only
         // (plus Synchronization): no sockets, no HTTP, no files.
         .target(name: "TokenBrokerCore"),
-        // Linux calls Swift's Glibc module lacks: epoll, eventfd, accept4, SO_PEERCRED/PEERGROUPS.
+        // Linux calls Swift's Glibc module lacks: epoll, eventfd, accept4, SO_PEERCRED/PEERGROUPS, prctl.
         .target(name: "CLinux"),
-        // Small shared pieces: a POSIX thread starter, form encoding, Base64 (standard library only).
+        // Small shared pieces: a POSIX thread starter, a wait for SIGTERM/SIGINT, form encoding, Base64.
         .target(name: "Basics"),
         // A strict JSON value type with its parser and compact encoder (standard library only).
         .target(name: "WireJSON"),
@@ -47,7 +47,7 @@ var package = Package(
         // The SQLite session store: generation-guarded writes, WAL + synchronous=FULL, migrations.
         .target(name: "SQLiteStore", dependencies: ["Basics", "CCrypto", "CSQLite", "TokenBrokerCore"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
-        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore", "CSystemd"],
+        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "CLinux", "TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore", "CSystemd"],
                 resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the
         // one-refresh-one-retry helper for business requests.
@@ -58,9 +58,11 @@ var package = Package(
         .executableTarget(name: "example-worker", dependencies: ["TokenBrokerClient", "TokenBrokerURLSession"]),
         // The command line: argv in, exit code out.
         .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerDaemon"]),
+        // The development issuer as a process of its own, for the real-systemd test (not installed).
+        .executableTarget(name: "dev-issuer", dependencies: ["Basics", "DevIssuer"]),
         // org.varlink.certification served and called on our varlink layer, for conformance tests
         // against independent implementations (Go, Python).
-        .executableTarget(name: "varlink-certification", dependencies: ["Varlink"]),
+        .executableTarget(name: "varlink-certification", dependencies: ["Basics", "Varlink"]),
 
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink"]),

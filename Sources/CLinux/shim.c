@@ -1,6 +1,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stddef.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include "CLinux.h"
 
@@ -33,3 +34,7 @@ void tb_epoll_event_set(struct epoll_event *event, uint32_t events, uint64_t dat
 uint32_t tb_epoll_event_events(const struct epoll_event *event) { return event->events; }
 
 uint64_t tb_epoll_event_data(const struct epoll_event *event) { return event->data.u64; }
+
+int tb_set_undumpable(void) { return prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); }
+
+int tb_is_dumpable(void) { return prctl(PR_GET_DUMPABLE, 0, 0, 0, 0); }

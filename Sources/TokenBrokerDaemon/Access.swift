@@ -8,15 +8,27 @@ import Varlink
 ///   Reload and see every session.
 /// - A session may be used by its `AllowUsers=` and by members (primary or supplementary) of its
 ///   `AllowGroups=`, and by admins. A session with neither list is for admins only.
+/// - The overflow ids (65534) never match anything, not even a daemon running as that user:
+///   the kernel reports them for any peer whose id has no mapping in the daemon's user
+///   namespace, so they name nobody in particular.
 struct Access: Sendable, Equatable {
     var daemonUID: UInt32
     var adminGroup: UInt32?
+    var overflowUID = ProcessDefences.overflowUID
+    var overflowGID = ProcessDefences.overflowGID
 
     func isAdmin(_ peer: PeerCredentials) -> Bool {
-        peer.uid == 0 || peer.uid == daemonUID || adminGroup.map(peer.isMember(of:)) == true
+        guard peer.uid != overflowUID else { return false }
+        return peer.uid == 0 || peer.uid == daemonUID || adminGroup.map { isMember(peer, of: $0) } == true
     }
 
     func mayUse(_ session: SessionConfiguration, _ peer: PeerCredentials) -> Bool {
-        isAdmin(peer) || session.allowUsers.contains(peer.uid) || session.allowGroups.contains(where: peer.isMember(of:))
+        isAdmin(peer)
+            || (peer.uid != overflowUID && session.allowUsers.contains(peer.uid))
+            || session.allowGroups.contains { isMember(peer, of: $0) }
+    }
+
+    private func isMember(_ peer: PeerCredentials, of gid: UInt32) -> Bool {
+        gid != overflowGID && peer.isMember(of: gid)
     }
 }

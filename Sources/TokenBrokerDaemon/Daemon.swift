@@ -51,7 +51,15 @@ public final class Daemon: Sendable {
 
     /// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
     public static func run(_ options: Options) async -> Int32 {
+        // First of all: SIGTERM, SIGINT and SIGHUP are caught from here on and queued until the
+        // serving loop reads them, so a stop or reload sent right after exec cannot kill the
+        // daemon with the default action while it starts.
+        let signals = Signals.stream([SIGTERM, SIGINT, SIGHUP])
         let logger = Logger(level: options.logLevel, journal: Systemd.stderrIsJournal())
+        // Before any secret is read: a crash must not write tokens, client secrets or the
+        // state key into a core file, and no process of the same uid may read this memory.
+        if !ProcessDefences.makeUndumpable() { logger.warning("cannot make the process undumpable: \(String(cString: strerror(errno)))") }
+        if ProcessDefences.idsAreIdentityMapped() == false { logger.warning(ProcessDefences.userNamespaceWarning) }
         var development: DevelopmentSetup?
         if options.dev {
             do {
@@ -79,10 +87,10 @@ public final class Daemon: Sendable {
             return ExitCode.failure
         }
         let daemon = Daemon(options: options, configuration: configuration, logger: logger, development: development, state: state)
-        return await daemon.serve(configuration)
+        return await daemon.serve(configuration, signals: signals)
     }
 
-    private func serve(_ configuration: BrokerConfiguration) async -> Int32 {
+    private func serve(_ configuration: BrokerConfiguration, signals: AsyncStream<Int32>) async -> Int32 {
         signal(SIGPIPE, SIG_IGN)
         raiseDescriptorLimit(to: configuration.maxConnections + 256)
         await apply(configuration)
@@ -141,7 +149,7 @@ public final class Daemon: Sendable {
         // the signal loop ends (SIGTERM/SIGINT), the rest is cancelled.
         await withTaskGroup(of: Void.self) { group in
             group.addTask { [self] in
-                for await signal in Signals.stream([SIGTERM, SIGINT, SIGHUP]) {
+                for await signal in signals {
                     if signal == SIGHUP {
                         Systemd.reloading()
                         if let problem = await reload() {
@@ -163,7 +171,23 @@ public final class Daemon: Sendable {
             group.cancelAll()
         }
 
-        // Stop: no new connections; let calls in flight finish under a deadline; then close.
+        // Stop: no new connections; let calls in flight finish under a deadline; let refreshes
+        // under way land and commit; then close. Meanwhile systemd is told, again and again,
+        // that the stop is still making progress, so TimeoutStopSec= never SIGKILLs the daemon
+        // in the middle of a rotation: for as long as the slowest refresh may still take.
+        await withTaskGroup(of: Void.self) { group in
+            group.addTask { [self] in await extendStopTimeout(for: options.drainTimeout + longestFlight()) }
+            await stop(server, socket: socket, configuration: configuration)
+            group.cancelAll()
+        }
+        development?.issuer.stop()
+        logger.info("stopped")
+        return ExitCode.ok
+    }
+
+    /// Drains calls, retires every coordinator and flushes their pending writes, then stops
+    /// the server.
+    private func stop(_ server: VarlinkServer, socket: (fd: Int32, inode: ino_t?), configuration: BrokerConfiguration) async {
         server.stopAccepting()
         // A socket systemd passed belongs to systemd; one we bound is removed.
         if let inode = socket.inode { SocketPath.remove(configuration.socketPath, inode: inode) }
@@ -186,9 +210,27 @@ public final class Daemon: Sendable {
             }
         }
         await server.stop()
-        development?.issuer.stop()
-        logger.info("stopped")
-        return ExitCode.ok
+    }
+
+    /// The longest a refresh started now may take: discovery (when an issuer is configured)
+    /// plus the token request, each under its own deadline.
+    private func longestFlight() -> Duration {
+        current.value.sessions.reduce(.zero) { longest, session in
+            guard case let .oauth(settings) = session.upstream else { return longest }
+            return max(longest, settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero))
+        }
+    }
+
+    /// Sends `EXTEND_TIMEOUT_USEC=` every few seconds until cancelled or until `budget` (plus a
+    /// margin) has passed: past that, a stop that has not finished is stuck, and systemd's
+    /// own timeout should end it.
+    private func extendStopTimeout(for budget: Duration) async {
+        let interval = Duration.seconds(5)
+        let end = ContinuousClock.now + budget + interval
+        while ContinuousClock.now < end && !Task.isCancelled {
+            Systemd.extendTimeout(by: interval * 2)
+            try? await Task.sleep(for: interval)
+        }
     }
 
     /// Reloads (SIGHUP and the Reload method) happen one at a time.
@@ -252,7 +294,7 @@ public final class Daemon: Sendable {
         do {
             restored = try await state.sessions.load(session.name)
         } catch {
-            logger.error("cannot load the state of session \(session.name): \(error); it starts signed out")
+            logger.error("cannot load the state of session \(session.name): \(error); it starts signed out", session: session.name)
             restored = nil
         }
         let source: any TokenSource
@@ -270,8 +312,10 @@ public final class Daemon: Sendable {
                                       store: state.sessions, restored: restored, clock: ContinuousClock(), wall: SystemWallClock(),
                                       discarded: discardedTokenRevocation(session, upstream))
         if let restored {
-            logger.info("session \(session.name): restored \(restored.state.rawValue) at generation \(restored.generation)"
-                        + (restored.accessToken == nil ? "" : ", token #\(restored.tokenSerial)"))
+            logger.log(.info, "session \(session.name): restored \(restored.state.rawValue) at generation \(restored.generation)"
+                       + (restored.accessToken == nil ? "" : ", token #\(restored.tokenSerial)"),
+                       session: session.name, generation: restored.generation,
+                       tokenSerial: restored.accessToken == nil ? nil : restored.tokenSerial)
             return SessionTable.Session(configuration: session, coordinator: coordinator, upstream: upstream)
         }
         switch session.upstream {

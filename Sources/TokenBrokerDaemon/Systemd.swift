@@ -15,6 +15,11 @@ enum Systemd {
     static func status(_ status: String) { notify("STATUS=\(oneLine(status))") }
     static func stopping() { notify("STOPPING=1\nSTATUS=stopping") }
     static func watchdog() { notify("WATCHDOG=1") }
+    /// The current start, run or stop timeout is extended: systemd must hear from the daemon
+    /// again within `duration`.
+    static func extendTimeout(by duration: Duration) {
+        notify("EXTEND_TIMEOUT_USEC=\(duration.components.seconds * 1_000_000 + duration.components.attoseconds / 1_000_000_000_000)")
+    }
 
     /// `RELOADING=1` with the monotonic time the reload starts (systemd ≥ 253 uses it; 252
     /// ignores it).

@@ -11,6 +11,14 @@ public struct AuthorizationServerMetadata: Sendable, Equatable {
 }
 
 public enum Discovery {
+    /// The deadline of each metadata request.
+    public static let timeout: Duration = .seconds(10)
+
+    /// The longest a discovery for `issuer` may take: every candidate URL timing out.
+    public static func longest(for issuer: String) -> Duration {
+        timeout * candidateURLs(for: issuer).count
+    }
+
     /// The metadata URLs to try for `issuer`: RFC 8414 inserts the well-known path between host
     /// and path; OpenID Connect appends it.
     public static func candidateURLs(for issuer: String) -> [String] {
@@ -27,7 +35,7 @@ public enum Discovery {
 
     /// Fetches and validates the metadata: the first candidate that answers 200 with a JSON
     /// object whose `issuer` is exactly `issuer` (a mismatch is refused: mix-up defence).
-    public static func fetch(issuer: String, tls: TLSOptions = TLSOptions(), timeout: Duration = .seconds(10),
+    public static func fetch(issuer: String, tls: TLSOptions = TLSOptions(), timeout: Duration = Discovery.timeout,
                              loop: CurlLoop = .shared) async throws(FetchFailure) -> AuthorizationServerMetadata {
         var lastProblem = "no metadata URL for issuer"
         for url in candidateURLs(for: issuer) {

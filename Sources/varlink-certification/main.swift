@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Basics
 import Varlink
 
 // varlink-certification: the org.varlink.certification service and client on tokenbroker's
@@ -41,13 +42,7 @@ do {
                                    interfaces: [Certification.interface], handler: CertificationService())
     server.start()
     print("Listening on \(address)")
-    var signals = sigset_t()
-    sigemptyset(&signals)
-    sigaddset(&signals, SIGTERM)
-    sigaddset(&signals, SIGINT)
-    pthread_sigmask(SIG_BLOCK, &signals, nil)
-    var received: Int32 = 0
-    sigwait(&signals, &received)
+    waitForTerminationSignal()
     unlink(address.path)
     exit(0)
 } catch {

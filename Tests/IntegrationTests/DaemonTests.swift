@@ -92,22 +92,73 @@ struct DaemonTests {
     @Test("peers: another uid is refused where it is not allowed and served where it is")
     func peers() async throws {
         try await withBroker { broker in
-            let allowed = try await broker.ctl(["token", "api"], asUser: 65534)
+            let allowed = try await broker.ctl(["token", "api"], asUser: Broker.workerUID)
             let printedToken = allowed.out.hasPrefix("tbtest.")
             #expect(allowed.code == 0 && printedToken && allowed.err.isEmpty, "\(allowed.err)")
-            let refused = try await broker.ctl(["token", "private"], asUser: 65534)
+            let refused = try await broker.ctl(["token", "private"], asUser: Broker.workerUID)
             #expect(refused.code == 77 && refused.err.hasPrefix("Error: permission denied") && refused.out.isEmpty)
-            let logout = try await broker.ctl(["logout", "api"], asUser: 65534)
+            let logout = try await broker.ctl(["logout", "api"], asUser: Broker.workerUID)
             #expect(logout.code == 77)
             // Status shows the stranger only the session it may use.
-            let status = try await broker.ctl(["status", "--json"], asUser: 65534)
+            let status = try await broker.ctl(["status", "--json"], asUser: Broker.workerUID)
             let sessions = try JSONParser.parse(status.out).objectValue?["sessions"]?.arrayValue?.compactMap { $0.objectValue?["name"] }
             #expect(sessions == ["api"])
             // The refusals were logged with uid and pid, and no token was.
             try await eventually("refusal logged") { broker.child.stderr.contains("permission denied: io.tokenbroker.Broker.GetToken by pid") }
-            #expect(broker.child.stderr.contains("uid 65534"))
+            #expect(broker.child.stderr.contains("uid \(Broker.workerUID)"))
             let logged = broker.child.stderr.contains(allowed.out.trimmingCharacters(in: .whitespacesAndNewlines))
             #expect(!logged)
+        }
+    }
+
+    @Test("the overflow uid 65534 (any unmapped peer) is refused even where an allow list names it; the daemon warns at start")
+    func overflowUID() async throws {
+        try await withBroker(config: "[Broker]\nSocketMode=0666\n[Session]\nName=api\nUpstream=test\nAllowUsers=65534\n") { broker in
+            let refused = try await broker.ctl(["token", "api"], asUser: 65534)
+            #expect(refused.code == 77 && refused.err.hasPrefix("Error: permission denied") && refused.out.isEmpty)
+            #expect(broker.child.stderr.contains("AllowUsers=: '65534' is the kernel's overflow id"))
+        }
+    }
+
+    @Test("the daemon is undumpable: running as an ordinary uid, its /proc files belong to root (no core file, no ptrace, no /proc/PID/mem by that uid)")
+    func undumpable() async throws {
+        let directory = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        let binary = directory + "/tokenbroker"
+        try FileManager.default.copyItem(atPath: Paths.tokenbroker, toPath: binary)   // the build tree may be closed to others
+        try "[Session]\nName=api\nUpstream=test\n".write(toFile: directory + "/tokenbroker.conf", atomically: true, encoding: .utf8)
+        let uid = Broker.workerUID
+        chown(directory, uid, uid)
+        chmod(binary, 0o755)
+        let daemon = try Child("/usr/bin/setpriv", ["--reuid=\(uid)", "--regid=\(uid)", "--clear-groups", binary, "serve",
+                                                    "--config", directory + "/tokenbroker.conf", "--socket", directory + "/tb.sock",
+                                                    "--state-dir", directory + "/state"], directory: directory)
+        defer { daemon.kill() }
+        try await waitForSocket(directory + "/tb.sock")
+        var info = stat()
+        #expect(stat("/proc/\(daemon.process.processIdentifier)/environ", &info) == 0)
+        #expect(info.st_uid == 0, "/proc/PID/environ belongs to uid \(info.st_uid): the daemon is dumpable")
+        #expect(!daemon.stderr.contains("cannot make the process undumpable"))
+        daemon.terminate()
+        #expect(await daemon.wait() == 0)
+    }
+
+    @Test("in a user namespace that does not map every id, the daemon warns that peers cannot be told apart")
+    func userNamespaceWarning() async throws {
+        let directory = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        try "[Session]\nName=api\nUpstream=test\n".write(toFile: directory + "/tokenbroker.conf", atomically: true, encoding: .utf8)
+        let daemon = try Child("/usr/bin/unshare", ["--user", "--map-root-user", Paths.tokenbroker, "serve",
+                                                    "--config", directory + "/tokenbroker.conf", "--socket", directory + "/tb.sock",
+                                                    "--state-dir", directory + "/state"], directory: directory)
+        defer { daemon.kill() }
+        try await waitForSocket(directory + "/tb.sock")
+        #expect(daemon.stderr.contains("<4>this process runs in a user namespace that does not map every uid and gid"))
+        daemon.terminate()
+        #expect(await daemon.wait() == 0)
+        // Outside one, no such warning.
+        try await withBroker { broker in
+            #expect(!broker.child.stderr.contains("user namespace"))
         }
     }
 
@@ -192,7 +243,7 @@ struct DaemonTests {
 
     @Test("a session followed only by a watcher is refreshed ahead of expiry: the watcher gets the next token")
     func watcherOnlyRefreshAhead() async throws {
-        try await withBroker(config: "[Session]\nName=api\nUpstream=test\nTestTokenLifetime=3s\nRefreshAhead=2s\nAllowUsers=65534\n") { broker in
+        try await withBroker(config: "[Session]\nName=api\nUpstream=test\nTestTokenLifetime=3s\nRefreshAhead=2s\nAllowUsers=\(Broker.workerUID)\n") { broker in
             let watcher = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "watch", "api"], directory: broker.directory)
             defer { watcher.kill() }
             // Nobody calls GetToken: the daemon's own refresh-ahead must produce token #2 (and on).

@@ -103,6 +103,47 @@ struct SystemdTests {
         #expect(await daemon.wait() == 0)
     }
 
+    @Test("a SIGHUP while the daemon is still starting neither kills it nor is lost: it reloads once ready")
+    func signalDuringStart() async throws {
+        let directory = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        let configPath = directory + "/tokenbroker.conf"
+        try "[Broker]\n".write(toFile: configPath, atomically: true, encoding: .utf8)
+        try FileManager.default.createDirectory(atPath: configPath + ".d", withIntermediateDirectories: true)
+        // The session's drop-in is a FIFO: reading the configuration blocks until the test
+        // writes it, which holds the daemon in its start-up for as long as the test needs.
+        let dropIn = configPath + ".d/api.conf"
+        #expect(mkfifo(dropIn, 0o600) == 0)
+        let socket = directory + "/tb.sock"
+        let daemon = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"],
+                               directory: directory)
+        defer { daemon.kill() }
+        try await writeFIFO(dropIn, Self.config) {
+            // The daemon is blocked reading its configuration: a `systemctl reload` now.
+            kill(daemon.process.processIdentifier, SIGHUP)
+        }
+        try await waitForSocket(socket)
+        // The reload it was asked for reads the configuration again.
+        try await writeFIFO(dropIn, Self.config + "[Session]\nName=extra\nUpstream=test\n")
+        try await eventually("the early SIGHUP handled as a reload") { daemon.stderr.contains("configuration reloaded: 2 session(s)") }
+        #expect(try VarlinkClient(address: VarlinkAddress(path: socket)).call("io.tokenbroker.Broker.GetToken", ["session": "extra"]).error == nil)
+        kill(daemon.process.processIdentifier, SIGINT)
+        #expect(await daemon.wait() == 0)
+    }
+
+    /// Writes `text` into the FIFO at `path` once its reader has opened it; `opened` runs between.
+    private func writeFIFO(_ path: String, _ text: String, opened: () -> Void = {}) async throws {
+        var fd: Int32 = -1
+        try await eventually("the daemon opens \(path)") {
+            fd = open(path, O_WRONLY | O_NONBLOCK)   // fails with ENXIO until a reader has it open
+            return fd >= 0
+        }
+        opened()
+        let bytes = Array(text.utf8)
+        #expect(write(fd, bytes, bytes.count) == bytes.count)
+        close(fd)
+    }
+
     @Test("socket activation under systemd-socket-activate; more than one socket is refused")
     func socketActivation() async throws {
         let directory = try Paths.temporaryDirectory()
@@ -158,17 +199,28 @@ struct SystemdTests {
         #expect(lineage.index == lineage.newest && lineage.index == 1 && fp(stored.accessToken?.reveal) == fp(token))
     }
 
-    @Test("SIGTERM while a refresh nobody waits for is in flight: it still lands and commits")
+    @Test("SIGTERM while a refresh nobody waits for is in flight: systemd's stop timeout is extended, and it still lands and commits")
     func sigtermDuringOrphanedRefresh() async throws {
         let issuer = try DevIssuer()
         defer { issuer.stop() }
-        let broker = try await Broker.loggedIn(tokenEndpoint: issuer.tokenEndpoint, refreshToken: issuer.issueRefreshToken())
+        let notifyDirectory = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: notifyDirectory) }
+        let notify = try DatagramReceiver(path: notifyDirectory + "/notify")
+        let broker = try await Broker.loggedIn(tokenEndpoint: issuer.tokenEndpoint, refreshToken: issuer.issueRefreshToken(),
+                                               environment: ["NOTIFY_SOCKET": notify.path])
         issuer.inject([.hold])
         // The caller starts a refresh and goes away; the flight goes on (guarantee 6).
         let caller = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "refresh", "api"], directory: broker.directory)
         try await eventually("the refresh held at the issuer") { issuer.heldCount == 1 }
         caller.kill()
         broker.child.terminate()
+        // STOPPING=1, then EXTEND_TIMEOUT_USEC while the refresh is still out, again and again
+        // (every 5 s, each asking for 10 s more): systemd must not kill a rotation in progress.
+        let stopping = notify.receive(until: { $0.hasPrefix("STOPPING=1") })
+        #expect(stopping.last?.hasPrefix("STOPPING=1") == true)
+        let extensions = notify.receive(until: { $0 == "EXTEND_TIMEOUT_USEC=10000000" })
+        #expect(extensions.last == "EXTEND_TIMEOUT_USEC=10000000", "\(extensions)")
+        #expect(notify.receive(until: { $0.hasPrefix("EXTEND_TIMEOUT_USEC=") }, timeout: 8).last == "EXTEND_TIMEOUT_USEC=10000000")
         try await eventually("the daemon stops accepting") { !FileManager.default.fileExists(atPath: broker.socket) }
         issuer.releaseHeld()
         #expect(await broker.child.wait() == 0)

@@ -133,4 +133,30 @@ struct BrokerServiceTests {
         #expect(access.mayUse(session, PeerCredentials(pid: 1, uid: 9, gid: 9, groups: [1, 2000])))
         #expect(!access.mayUse(session, PeerCredentials(pid: 1, uid: 9, gid: 9, groups: [1])))
     }
+
+    @Test("access: the overflow ids (an unmapped peer) match no allow list, no admin group, not even a daemon running as nobody")
+    func overflowIDs() {
+        let overflow = PeerCredentials(pid: 1, uid: 65534, gid: 65534, groups: [65534])
+        let session = SessionConfiguration(name: "s", upstream: .test(lifetime: .seconds(1)), allowUsers: [65534], allowGroups: [65534],
+                                           policy: RefreshPolicy(), origin: "t")
+        let access = Access(daemonUID: 65534, adminGroup: 65534, overflowUID: 65534, overflowGID: 65534)
+        #expect(!access.isAdmin(overflow))
+        #expect(!access.mayUse(session, overflow))
+        // An unmapped uid with a real supplementary group still counts as that group's member;
+        // a mapped uid in the overflow group does not.
+        let grouped = SessionConfiguration(name: "g", upstream: .test(lifetime: .seconds(1)), allowUsers: [], allowGroups: [2000],
+                                           policy: RefreshPolicy(), origin: "t")
+        #expect(access.mayUse(grouped, PeerCredentials(pid: 1, uid: 65534, gid: 65534, groups: [2000])))
+        #expect(!access.mayUse(session, PeerCredentials(pid: 1, uid: 1000, gid: 65534)))
+        // Root is still root.
+        #expect(access.isAdmin(PeerCredentials(pid: 1, uid: 0, gid: 0)))
+    }
+
+    @Test("user namespaces: only the identity map counts as one")
+    func identityMap() {
+        #expect(ProcessDefences.isIdentityMap("         0          0 4294967295\n"))
+        #expect(!ProcessDefences.isIdentityMap("         0     100000      65536\n"))
+        #expect(!ProcessDefences.isIdentityMap("0 0 1000\n1000 1000 4294966295\n"))
+        #expect(!ProcessDefences.isIdentityMap(""))
+    }
 }

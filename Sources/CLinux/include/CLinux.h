@@ -24,4 +24,11 @@ void tb_epoll_event_set(struct epoll_event *event, uint32_t events, uint64_t dat
 uint32_t tb_epoll_event_events(const struct epoll_event *event);
 uint64_t tb_epoll_event_data(const struct epoll_event *event);
 
+/// prctl(PR_SET_DUMPABLE, 0): no core file, no ptrace attach and no /proc/PID/mem or environ
+/// reads by the same uid. prctl is variadic, so Swift cannot call it. Returns 0 or -1 with errno.
+int tb_set_undumpable(void);
+
+/// prctl(PR_GET_DUMPABLE): 1 when the process may dump core, 0 when not, -1 with errno.
+int tb_is_dumpable(void);
+
 #endif

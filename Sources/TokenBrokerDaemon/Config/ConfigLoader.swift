@@ -75,6 +75,7 @@ public enum ConfigLoader {
             configuration.socketGroup = entry.value.isEmpty ? nil : try group(entry)
         case "AdminGroup":
             configuration.adminGroup = entry.value.isEmpty ? nil : try group(entry)
+            if configuration.adminGroup == ProcessDefences.overflowGID { configuration.warnings.append(fail(overflowWarning(entry.key, entry.value))) }
         case "MaxConnections":
             guard let count = Int(entry.value), (1...1_000_000).contains(count) else { throw fail("MaxConnections= needs a number from 1 to 1000000") }
             configuration.maxConnections = count
@@ -189,10 +190,18 @@ public enum ConfigLoader {
                 oauth.revokeOnLogout = value
             case "AllowUsers":
                 if entry.value.isEmpty { users = [] }
-                for word in ConfigValue.list(entry.value) { users.append(try resolve(word, entry, Identity.userID)) }
+                for word in ConfigValue.list(entry.value) {
+                    let uid = try resolve(word, entry, Identity.userID)
+                    if uid == ProcessDefences.overflowUID { warnings.append(fail(overflowWarning(entry.key, word))) }
+                    users.append(uid)
+                }
             case "AllowGroups":
                 if entry.value.isEmpty { groups = [] }
-                for word in ConfigValue.list(entry.value) { groups.append(try resolve(word, entry, Identity.groupID)) }
+                for word in ConfigValue.list(entry.value) {
+                    let gid = try resolve(word, entry, Identity.groupID)
+                    if gid == ProcessDefences.overflowGID { warnings.append(fail(overflowWarning(entry.key, word))) }
+                    groups.append(gid)
+                }
             case "RefreshAhead":
                 policy.refreshAhead = try duration(.zero...Duration.seconds(86400))
             case "RefreshLimitBurst":
@@ -267,6 +276,11 @@ public enum ConfigLoader {
         case let .failure(error):
             throw fail("\(entry.key)=: cannot read \(path): \(error)")
         }
+    }
+
+    /// Why an overflow id in an allow list is ignored (see `Access`).
+    private static func overflowWarning(_ key: String, _ word: String) -> String {
+        "\(key)=: '\(word)' is the kernel's overflow id, which stands for any unmapped peer; it never matches"
     }
 
     private static func group(_ entry: INIEntry) throws(ConfigError) -> UInt32 {

@@ -10,6 +10,10 @@ final class Broker: @unchecked Sendable {
     let configPath: String
     let child: Child
 
+    /// A worker's uid for the permission tests: an ordinary id with no passwd entry (never the
+    /// overflow id 65534, which stands for any unmapped peer and matches no allow list).
+    static let workerUID: UInt32 = 61042
+
     static let defaultConfig = """
         [Broker]
         SocketMode=0666
@@ -17,7 +21,7 @@ final class Broker: @unchecked Sendable {
         [Session]
         Name=api
         Upstream=test
-        AllowUsers=65534
+        AllowUsers=\(workerUID)
 
         [Session]
         Name=private
@@ -25,7 +29,8 @@ final class Broker: @unchecked Sendable {
 
         """
 
-    init(config: String = Broker.defaultConfig, extraArguments: [String] = [], waitForSocket wait: Bool = true) async throws {
+    init(config: String = Broker.defaultConfig, extraArguments: [String] = [], environment: [String: String]? = nil,
+         waitForSocket wait: Bool = true) async throws {
         directory = try Paths.temporaryDirectory()
         chmod(directory, 0o755)   // other users (the permission tests) must reach the socket
         socket = directory + "/broker.sock"
@@ -34,7 +39,7 @@ final class Broker: @unchecked Sendable {
         try "dev-secret\n".write(toFile: directory + "/client-secret", atomically: true, encoding: .utf8)
         try config.replacingOccurrences(of: "@DIR@", with: directory).write(toFile: configPath, atomically: true, encoding: .utf8)
         child = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"]
-                          + extraArguments, directory: directory)
+                          + extraArguments, environment: environment, directory: directory)
         if wait { try await waitForSocket(socket) }
     }
 
@@ -52,8 +57,8 @@ final class Broker: @unchecked Sendable {
     }
 
     /// A daemon with one OAuth session, `api`, logged in at the issuer (a fresh refresh token).
-    static func loggedIn(tokenEndpoint: String, refreshToken: String) async throws -> Broker {
-        let broker = try await Broker(config: oauthSession(tokenEndpoint))
+    static func loggedIn(tokenEndpoint: String, refreshToken: String, environment: [String: String]? = nil) async throws -> Broker {
+        let broker = try await Broker(config: oauthSession(tokenEndpoint), environment: environment)
         let reply = try broker.call("Login", ["session": "api", "refreshToken": .string(refreshToken)])
         #expect(reply.error == nil, "login: \(reply)")
         return broker
