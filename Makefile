@@ -6,9 +6,9 @@
 SWIFT       ?= swift
 SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
 # C libraries the package links through system-library targets, systemd's tools (systemd-analyze,
-# systemd-socket-activate), setpriv and openssl for the tests, and the
+# systemd-socket-activate), setpriv, kill (procps) and openssl for the tests, and the
 # independent varlink implementation the conformance tests run against (Go).
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux openssl
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
@@ -120,12 +120,12 @@ install-files:
 
 # The Debian package, built by Debian's tooling (dpkg-buildpackage, debhelper) from this tree:
 # .build/deb/tokenbroker_VERSION_ARCH.deb. Install it with `apt install ./.build/deb/tokenbroker_…deb`.
-DEB_PACKAGES = debhelper dpkg-dev
+DEB_PACKAGES = debhelper dpkg-dev build-essential
 DEB_DIR = $(CURDIR)/.build/deb
 deb: deps
 	@$(MAKE) --no-print-directory apt-install PACKAGES="$(DEB_PACKAGES)"
 	rm -rf $(DEB_DIR) && mkdir -p $(DEB_DIR)
-	DEB_OUTPUT_DIR=$(DEB_DIR) SWIFT=$(SWIFT) dpkg-buildpackage --build=binary --no-sign \
+	env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL DEB_OUTPUT_DIR=$(DEB_DIR) SWIFT=$(SWIFT) dpkg-buildpackage --build=binary --no-sign \
 	  --buildinfo-file=$(DEB_DIR)/tokenbroker.buildinfo --buildinfo-option=-u$(DEB_DIR) \
 	  --changes-file=$(DEB_DIR)/tokenbroker.changes --changes-option=-u$(DEB_DIR)
 	@ls $(DEB_DIR)/*.deb

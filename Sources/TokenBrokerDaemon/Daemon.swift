@@ -51,15 +51,15 @@ public final class Daemon: Sendable {
 
     /// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
     public static func run(_ options: Options) async -> Int32 {
-        // First of all: SIGTERM, SIGINT and SIGHUP are caught from here on and queued until the
-        // serving loop reads them, so a stop or reload sent right after exec cannot kill the
-        // daemon with the default action while it starts.
-        let signals = Signals.stream([SIGTERM, SIGINT, SIGHUP])
+        // SIGTERM, SIGINT and SIGHUP have been blocked since the process's first instruction
+        // (`TokenBrokerCommand.main`); from here on they are read, and queued until the
+        // serving loop takes them: a stop or reload sent while the daemon starts is neither
+        // fatal nor lost.
+        let signals = Signals.stream()
         let logger = Logger(level: options.logLevel, journal: Systemd.stderrIsJournal())
         // Before any secret is read: a crash must not write tokens, client secrets or the
         // state key into a core file, and no process of the same uid may read this memory.
         if !ProcessDefences.makeUndumpable() { logger.warning("cannot make the process undumpable: \(String(cString: strerror(errno)))") }
-        if ProcessDefences.idsAreIdentityMapped() == false { logger.warning(ProcessDefences.userNamespaceWarning) }
         var development: DevelopmentSetup?
         if options.dev {
             do {
@@ -77,6 +77,7 @@ public final class Daemon: Sendable {
             return ExitCode.config
         }
         for warning in configuration.warnings { logger.warning("\(warning)") }
+        for warning in ProcessDefences.unmappedIDWarnings(configuration) { logger.warning(warning) }
         if configuration.sessions.isEmpty { logger.warning("no sessions are configured (\(options.configPath))") }
         if let socket = options.socketPath { configuration.socketPath = socket }
         let state: StateStore
@@ -249,6 +250,7 @@ public final class Daemon: Sendable {
             return "\(error)"
         }
         for warning in configuration.warnings { logger.warning("\(warning)") }
+        for warning in ProcessDefences.unmappedIDWarnings(configuration) { logger.warning(warning) }
         let old = current.value
         // The socket is bound once; its settings take effect at the next start.
         configuration.socketPath = old.socketPath
@@ -449,12 +451,28 @@ public enum ExitCode {
     public static let config: Int32 = 78
 }
 
-/// Signals as an async sequence (Dispatch signal sources; the default action is turned off).
+/// The signals `serve` handles, as an async sequence (Dispatch signal sources, which read a
+/// signalfd on Linux).
+///
+/// `block()` runs first, on the main thread before any other thread exists
+/// (`TokenBrokerCommand.main`): the signals are then blocked in every thread, since each
+/// inherits the mask (libdispatch's workers block them too), so one that arrives before the
+/// stream exists stays pending — neither killing the process with the default action nor being
+/// lost — until the stream's signalfd reads it. (Their disposition is left alone: setting
+/// `SIG_IGN` would discard one already pending.)
 enum Signals {
-    static func stream(_ signals: [Int32]) -> AsyncStream<Int32> {
+    static let handled: [Int32] = [SIGTERM, SIGINT, SIGHUP]
+
+    static func block() {
+        var set = sigset_t()
+        sigemptyset(&set)
+        for number in handled { sigaddset(&set, number) }
+        pthread_sigmask(SIG_BLOCK, &set, nil)
+    }
+
+    static func stream() -> AsyncStream<Int32> {
         AsyncStream { continuation in
-            let sources = signals.map { number -> any DispatchSourceSignal in
-                signal(number, SIG_IGN)
+            let sources = handled.map { number -> any DispatchSourceSignal in
                 let source = DispatchSource.makeSignalSource(signal: number, queue: .global())
                 source.setEventHandler { continuation.yield(number) }
                 source.resume()

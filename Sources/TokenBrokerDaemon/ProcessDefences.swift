@@ -20,25 +20,60 @@ enum ProcessDefences {
     /// The same for gids (`/proc/sys/kernel/overflowgid`).
     static let overflowGID: UInt32 = readNumber("/proc/sys/kernel/overflowgid") ?? 65534
 
-    /// Whether every uid and gid is mapped to itself, i.e. this process is in the initial user
-    /// namespace (or one equivalent to it), so `SO_PEERCRED` and `SO_PEERGROUPS` report real ids.
-    /// `nil` when the maps cannot be read.
-    static func idsAreIdentityMapped() -> Bool? {
-        guard case let .success(uids) = FileSystem.readText("/proc/self/uid_map"),
-              case let .success(gids) = FileSystem.readText("/proc/self/gid_map") else { return nil }
-        return isIdentityMap(uids) && isIdentityMap(gids)
+    /// The ids of this process's user namespace that have a mapping to the initial one
+    /// (`/proc/self/uid_map`, `gid_map`): a peer whose id is outside them is reported as the
+    /// overflow id, so an allow list naming such an id can never match.
+    struct IDMap: Equatable {
+        /// `(first id inside, count)` per line.
+        var ranges: [(first: UInt32, count: UInt32)]
+
+        /// Parses a `uid_map`/`gid_map` text; `nil` when it is not one.
+        init?(_ text: String) {
+            var ranges: [(first: UInt32, count: UInt32)] = []
+            for line in text.split(separator: "\n") {
+                let fields = line.split(separator: " ", omittingEmptySubsequences: true)
+                guard fields.count == 3, let first = UInt32(fields[0]), UInt32(fields[1]) != nil, let count = UInt32(fields[2]) else {
+                    return nil
+                }
+                ranges.append((first, count))
+            }
+            self.ranges = ranges
+        }
+
+        func contains(_ id: UInt32) -> Bool {
+            ranges.contains { id >= $0.first && UInt64(id) < UInt64($0.first) + UInt64($0.count) }
+        }
+
+        static func == (lhs: IDMap, rhs: IDMap) -> Bool {
+            lhs.ranges.elementsEqual(rhs.ranges) { $0.first == $1.first && $0.count == $1.count }
+        }
     }
 
-    /// Whether a `uid_map`/`gid_map` text maps every id to itself: one line `0 0 4294967295`.
-    static func isIdentityMap(_ text: String) -> Bool {
-        let lines = text.split(separator: "\n").map { $0.split(separator: " ", omittingEmptySubsequences: true) }
-        return lines.count == 1 && lines[0] == ["0", "0", "4294967295"]
+    /// Warnings for the ids a configuration names that no peer can ever be reported with,
+    /// because this process's user namespace does not map them (e.g. under `PrivateUsers=yes`).
+    /// Empty in the initial namespace, or in a container that maps every id it uses.
+    static func unmappedIDWarnings(_ configuration: BrokerConfiguration,
+                                   uidMap: IDMap? = readMap("/proc/self/uid_map"),
+                                   gidMap: IDMap? = readMap("/proc/self/gid_map")) -> [String] {
+        var warnings: [String] = []
+        func check(_ ids: [UInt32], _ map: IDMap?, _ what: String, overflow: UInt32) {
+            guard let map else { return }
+            // (The overflow id itself has its own warning at configuration load.)
+            for id in Set(ids).sorted() where !map.contains(id) && id != overflow {
+                warnings.append("\(what) \(id) has no mapping in this process's user namespace (e.g. PrivateUsers=yes): "
+                                + "peers with it are reported as \(overflow) and can never match")
+            }
+        }
+        let sessions = configuration.sessions
+        check(sessions.flatMap(\.allowUsers), uidMap, "uid", overflow: overflowUID)
+        check(sessions.flatMap(\.allowGroups) + (configuration.adminGroup.map { [$0] } ?? []), gidMap, "gid", overflow: overflowGID)
+        return warnings
     }
 
-    /// The warning `serve` logs when peers' ids cannot be trusted.
-    static let userNamespaceWarning = "this process runs in a user namespace that does not map every uid and gid "
-        + "(e.g. PrivateUsers=yes): peers outside it are reported as uid \(overflowUID)/gid \(overflowGID), so "
-        + "AllowUsers= and AllowGroups= cannot match them; only root and the daemon's own user are recognised"
+    static func readMap(_ path: String) -> IDMap? {
+        guard case let .success(text) = FileSystem.readText(path) else { return nil }
+        return IDMap(text)
+    }
 
     private static func readNumber(_ path: String) -> UInt32? {
         guard case let .success(text) = FileSystem.readText(path) else { return nil }

@@ -1,15 +1,36 @@
+import Dispatch
+import Synchronization
+
 /// The `tokenbroker` command line: parses argv, runs a subcommand, returns the exit code.
 public enum TokenBrokerCommand {
-    public static func run(_ arguments: [String]) async -> Int32 {
+    /// The process's entry point, called from the main thread before any other thread exists.
+    ///
+    /// `serve` blocks the signals it handles first (see `Signals`), then runs the daemon on the
+    /// cooperative pool while the main thread waits — with those signals still blocked. (An
+    /// async `main` would park the main thread in libdispatch's `sigsuspend` with an empty mask,
+    /// where a SIGTERM that arrives before the daemon's signal sources are registered takes the
+    /// default action.) Every other subcommand runs synchronously on the main thread.
+    public static func main(_ arguments: [String]) -> Int32 {
         var output = FileOutput.standardOutput
         var errors = FileOutput.standardError
-        if arguments.first == "serve" {
-            switch parseServe(Array(arguments.dropFirst()), output: &output, errors: &errors) {
-            case let .run(options): return await Daemon.run(options)
-            case let .exit(code): return code
+        guard arguments.first == "serve" else { return run(arguments, output: &output, errors: &errors) }
+        Signals.block()
+        switch parseServe(Array(arguments.dropFirst()), output: &output, errors: &errors) {
+        case let .exit(code):
+            return code
+        case let .run(options):
+            let code = Mutex<Int32>(ExitCode.failure)
+            let done = DispatchSemaphore(value: 0)
+            // Default priority: a task made on the main thread would otherwise inherit its
+            // user-interactive class, whose worker threads ask for nice -4.
+            Task(priority: .medium) {
+                let result = await Daemon.run(options)
+                code.withLock { $0 = result }
+                done.signal()
             }
+            done.wait()
+            return code.withLock { $0 }
         }
-        return run(arguments, output: &output, errors: &errors)
     }
 
     /// Everything but `serve` (which runs the daemon); testable with string outputs.

@@ -3,4 +3,5 @@ import Glibc
 #endif
 import TokenBrokerDaemon
 
-exit(await TokenBrokerCommand.run(Array(CommandLine.arguments.dropFirst())))
+// Synchronous on purpose: see TokenBrokerCommand.main.
+exit(TokenBrokerCommand.main(Array(CommandLine.arguments.dropFirst())))

@@ -131,6 +131,29 @@ struct SystemdTests {
         #expect(await daemon.wait() == 0)
     }
 
+    @Test("a SIGHUP already pending when the daemon is exec'd is neither fatal nor lost: it reloads once ready")
+    func signalPendingAtExec() async throws {
+        let directory = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        let configPath = directory + "/tokenbroker.conf"
+        try Self.config.write(toFile: configPath, atomically: true, encoding: .utf8)
+        let socket = directory + "/tb.sock"
+        // The launcher blocks SIGHUP, sends it to itself and execs the daemon: the signal is
+        // pending before the daemon's first instruction (pending and blocked signals survive exec).
+        let daemon = try Child("/usr/bin/env", ["python3", "-c", """
+            import os, signal, sys
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGHUP])
+            os.kill(os.getpid(), signal.SIGHUP)
+            os.execv(sys.argv[1], sys.argv[1:])
+            """, Paths.tokenbroker, "serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"],
+                               directory: directory)
+        defer { daemon.kill() }
+        try await waitForSocket(socket)
+        try await eventually("the pending SIGHUP handled as a reload") { daemon.stderr.contains("configuration reloaded") }
+        kill(daemon.process.processIdentifier, SIGTERM)
+        #expect(await daemon.wait() == 0)
+    }
+
     /// Writes `text` into the FIFO at `path` once its reader has opened it; `opened` runs between.
     private func writeFIFO(_ path: String, _ text: String, opened: () -> Void = {}) async throws {
         var fd: Int32 = -1

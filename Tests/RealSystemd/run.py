@@ -15,11 +15,13 @@ when one failed, 0 with a SKIP line when no container can boot here. No token is
 tokens are named by a short fingerprint.
 """
 
+import ctypes
 import hashlib
 import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -60,6 +62,12 @@ class Skip(Exception):
     pass
 
 
+def die_with_parent():
+    """In the child before exec: SIGTERM when this test process dies, however it dies (then
+    systemd-nspawn powers the container off)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
 class Container:
     """A systemd booted as PID 1 in a throw-away root directory; everything is removed at exit."""
 
@@ -82,7 +90,7 @@ class Container:
         # The host's /etc (library cache, apt and dpkg settings, PAM, users) minus what would make
         # this machine not fresh: other services' enablement, any tokenbroker trace, the identity.
         shutil.copytree("/etc", os.path.join(root, "etc"), symlinks=True, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("tokenbroker", "credstore"))
+                        ignore=shutil.ignore_patterns("tokenbroker*", "credstore"))
         etc = os.path.join(root, "etc")
         os.remove(os.path.join(etc, "os-release")) if os.path.lexists(os.path.join(etc, "os-release")) else None
         shutil.copy("/usr/lib/os-release", os.path.join(etc, "os-release"))   # nspawn looks before /usr is mounted
@@ -111,26 +119,34 @@ class Container:
                     f.write("\n\n".join(p for p in paragraphs if not p.startswith("Package: tokenbroker\n")))
 
     # -- boot and stop ------------------------------------------------------------------------
+    def nspawn_argv(self, *rest):
+        return ["systemd-nspawn", "--quiet", "-D", self.root, f"--overlay=/usr:{self.upper}:/usr", "--register=no",
+                "--keep-unit", "--console=pipe", f"--machine=tokenbroker-test-{os.getpid()}", *rest]
+
     def boot(self):
         self.build_root()
+        # Can this machine run a container at all? If not, the test is skipped, saying why; if
+        # it can, any later failure to boot is a failure.
+        probe = subprocess.run(self.nspawn_argv("/bin/true"), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=BOOT_TIMEOUT)
+        if probe.returncode != 0:
+            raise Skip(f"systemd-nspawn cannot run /bin/true here: {(probe.stderr or probe.stdout).strip()[-500:]}")
         self.log = open(os.path.join(self.top, "console.log"), "w+")
-        self.nspawn = subprocess.Popen(
-            ["systemd-nspawn", "--quiet", "-D", self.root, f"--overlay=/usr:{self.upper}:/usr", "--boot",
-             "--register=no", "--keep-unit", "--console=pipe", f"--machine=tokenbroker-test-{os.getpid()}"],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.nspawn = subprocess.Popen(self.nspawn_argv("--boot"), stdin=subprocess.DEVNULL, stdout=self.log,
+                                       stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         self.leader = eventually(self.find_leader, timeout=BOOT_TIMEOUT)
         if self.leader is None:
             self.log.seek(0)
-            output = self.log.read()[-2000:]
-            if self.nspawn.poll() is not None:
-                raise Skip(f"systemd-nspawn exited with {self.nspawn.returncode}: {output.strip()}")
-            raise RuntimeError(f"no systemd in the container after {BOOT_TIMEOUT}s: {output}")
+            raise RuntimeError(f"no systemd in the container after {BOOT_TIMEOUT}s: {self.log.read()[-2000:]}")
         state = eventually(lambda: self.run(["systemctl", "is-system-running"], check=False).stdout.strip()
                            in ("running", "degraded") and self.run(["systemctl", "is-system-running"], check=False).stdout.strip(),
                            timeout=BOOT_TIMEOUT)
-        # The host may come from a Docker image whose policy-rc.d forbids starting services from
-        # maintainer scripts; a Debian machine booted with systemd has none.
-        self.run(["rm", "-f", "/usr/sbin/policy-rc.d"])
+        # A fresh machine: the host may come from a Docker image whose policy-rc.d forbids starting
+        # services from maintainer scripts, and may hold a `make install` under /usr/local that
+        # would shadow the package's units. (Removed in the overlay only.)
+        self.run(["sh", "-c", "rm -rf /usr/sbin/policy-rc.d /usr/local/bin/tokenbroker /usr/local/lib/systemd/system/tokenbroker.* "
+                  "/usr/local/lib/sysusers.d/tokenbroker.conf /usr/local/lib/tmpfiles.d/tokenbroker.conf "
+                  "/usr/local/share/man/man8/tokenbroker.8"])
         failed = self.run(["systemctl", "--failed", "--plain", "--no-legend"], check=False).stdout.strip()
         if not check(state == "running", "the container booted: systemd is PID 1 and the system is running", failed or state):
             raise RuntimeError("the container did not boot cleanly")
@@ -154,16 +170,29 @@ class Container:
         return None
 
     def close(self):
+        try:
+            if self.nspawn and self.nspawn.poll() is None:
+                # SIGTERM asks systemd-nspawn for a clean power-off of the container.
+                self.nspawn.send_signal(signal.SIGTERM)
+                try:
+                    self.nspawn.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.nspawn.pid, signal.SIGKILL)
+                    self.nspawn.wait(timeout=10)
+        finally:
+            subprocess.run(["umount", "-R", self.root], stderr=subprocess.DEVNULL, check=False)
+            shutil.rmtree(self.top, ignore_errors=True)
+
+    def leftovers(self):
+        """What would still be here after close(): a process, a mount, a file."""
+        found = []
         if self.nspawn and self.nspawn.poll() is None:
-            # SIGTERM asks systemd-nspawn for a clean power-off of the container.
-            self.nspawn.send_signal(signal.SIGTERM)
-            try:
-                self.nspawn.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.nspawn.pid, signal.SIGKILL)
-                self.nspawn.wait(timeout=10)
-        subprocess.run(["umount", "-R", self.root], stderr=subprocess.DEVNULL, check=False)
-        shutil.rmtree(self.top, ignore_errors=True)
+            found.append(f"systemd-nspawn {self.nspawn.pid}")
+        with open("/proc/self/mountinfo") as f:
+            found += [line.split()[4] for line in f if self.top in line]
+        if os.path.exists(self.top):
+            found.append(self.top)
+        return found
 
     # -- inside -------------------------------------------------------------------------------
     def run(self, argv, user=None, input=None, check=True, timeout=STEP_TIMEOUT):
@@ -172,7 +201,8 @@ class Container:
             argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--"] + argv
         full = ["nsenter", "-t", str(self.leader), "-a", "--", "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
                 "LANG=C.UTF-8", "HOME=/root", "TERM=dumb", "SYSTEMD_PAGER=", "DEBIAN_FRONTEND=noninteractive"] + argv
-        result = subprocess.run(full, input=input, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(full, input=input, stdin=None if input is not None else subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited with {result.returncode}: {result.stderr.strip()[-1500:]}")
         return result
@@ -191,20 +221,6 @@ class Container:
         os.chmod(path, mode)
 
 
-def http_json(url):
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.load(response)
-
-
-def resource_accepts(issuer, token):
-    request = urllib.request.Request(issuer + "/resource", headers={"Authorization": "Bearer " + token})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status == 200
-    except urllib.error.HTTPError:
-        return False
-
-
 def main():
     if len(sys.argv) != 3:
         print(__doc__.split("\n\n")[2], file=sys.stderr)
@@ -216,6 +232,8 @@ def main():
     if not shutil.which("systemd-nspawn"):
         print("SKIP real-systemd test: systemd-nspawn is not installed (package systemd-container)")
         return 0
+    # A CI timeout's SIGTERM still runs the clean-up below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("real-systemd test: terminated"))
     started = time.monotonic()
     container = Container()
     issuer = None
@@ -225,40 +243,74 @@ def main():
         except Skip as reason:
             print(f"SKIP real-systemd test: no container can boot here: {reason}")
             return 0
-        issuer, issuer_url, login_token = start_issuer(container, dev_issuer)
-        scenario(container, deb, issuer_url, login_token)
+        issuer = Issuer(dev_issuer, container)
+        scenario(container, deb, issuer)
     except Exception as error:   # a step that could not even run is a failure, with its reason
-        check(False, f"the scenario ran to its end", f"{type(error).__name__}: {error}")
+        check(False, "the scenario ran to its end", f"{type(error).__name__}: {error}")
     finally:
-        if issuer:
-            issuer.terminate()
-            issuer.wait(timeout=10)
-        container.close()
-        check(not os.path.exists(container.top), "the container is gone: nothing left running or on disk")
+        try:
+            if issuer:
+                issuer.stop()
+        finally:
+            container.close()
+        left = container.leftovers() + (issuer.leftovers() if issuer else [])
+        check(not left, "the container and the issuer are gone: nothing left running, mounted or on disk", str(left))
     print(f"real-systemd test: {len(FAILURES)} failure(s), {time.monotonic() - started:.1f} s")
     return 1 if FAILURES else 0
 
 
-def start_issuer(container, dev_issuer):
-    """The development issuer on the host's loopback, with a fresh client secret and login."""
-    secret = secrets.token_hex(16)
-    container.write("/etc/credstore/tokenbroker.work-secret", secret + "\n", 0o600)
-    secret_file = os.path.join(container.top, "issuer-secret")
-    refresh_file = os.path.join(container.top, "login-refresh-token")
-    with open(secret_file, "w") as f:
-        f.write(secret + "\n")
-    issuer = subprocess.Popen([dev_issuer, "--client-secret-file", secret_file, "--refresh-token-file", refresh_file],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = issuer.stdout.readline().strip()
-    if not line.startswith("issuer http://127.0.0.1:"):
-        raise RuntimeError(f"the development issuer did not start: {line}")
-    with open(refresh_file) as f:
-        login_token = f.read().strip()
-    return issuer, line.split(" ", 1)[1], login_token
+class Issuer:
+    """The development issuer on the host's loopback, with a fresh client secret and a login
+    (a refresh token) for the session under test."""
+
+    def __init__(self, executable, container):
+        self.client_secret = secrets.token_hex(16)
+        container.write("/etc/credstore/tokenbroker.work-secret", self.client_secret + "\n", 0o600)
+        secret_file = os.path.join(container.top, "issuer-secret")
+        refresh_file = os.path.join(container.top, "login-refresh-token")
+        with open(secret_file, "w") as f:
+            f.write(self.client_secret + "\n")
+        self.process = subprocess.Popen([executable, "--client-secret-file", secret_file, "--refresh-token-file", refresh_file],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
+        ready, _, _ = select.select([self.process.stdout], [], [], STEP_TIMEOUT)
+        line = self.process.stdout.readline().strip() if ready else "(nothing)"
+        if not line.startswith("issuer http://127.0.0.1:"):
+            self.stop()
+            raise RuntimeError(f"the development issuer did not start: {line}")
+        self.url = line.split(" ", 1)[1]
+        with open(refresh_file) as f:
+            self.login_token = f.read().strip()
+
+    def counters(self):
+        with urllib.request.urlopen(self.url + "/_dev/counters", timeout=10) as response:
+            return json.load(response)
+
+    def accepts(self, token):
+        """Whether the protected resource takes `token`."""
+        request = urllib.request.Request(self.url + "/resource", headers={"Authorization": "Bearer " + token})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status == 200
+        except urllib.error.HTTPError:
+            return False
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+    def leftovers(self):
+        return [f"dev-issuer {self.process.pid}"] if self.process.poll() is None else []
 
 
-def scenario(c, deb, issuer, login_token):
+def scenario(c, deb, issuer):
     version = subprocess.run(["dpkg-deb", "-f", deb, "Version"], capture_output=True, text=True, check=True).stdout.strip()
+    state_key = secrets.token_hex(32)
+    never_logged = [issuer.client_secret, issuer.login_token, state_key]   # and every token served, below
 
     # -- Install, as a user would --------------------------------------------------------------
     shutil.copy(deb, c.path("/root/"))
@@ -269,25 +321,26 @@ def scenario(c, deb, issuer, login_token):
           and c.run(["getent", "group", "tokenbroker"], check=False).returncode == 0, "the package created user and group tokenbroker")
     check(c.run(["systemctl", "is-enabled", "tokenbroker.socket"], check=False).stdout.strip() == "enabled"
           and c.show("tokenbroker.socket", "ActiveState") == "active", "tokenbroker.socket is enabled and listening")
-    check(c.show("tokenbroker.service", "ActiveState") == "inactive", "the service itself is not running yet")
+    check(c.show("tokenbroker.service", "FragmentPath") == "/lib/systemd/system/tokenbroker.service"
+          and c.show("tokenbroker.service", "ActiveState") == "inactive", "the package's service unit is loaded, not running yet")
     mode = os.stat(c.path("/var/lib/tokenbroker")).st_mode & 0o777 if os.path.exists(c.path("/var/lib/tokenbroker")) else None
     check(mode == 0o700, "the state directory exists, mode 0700", oct(mode) if mode else "missing")
 
     # -- Configure: two workers, a session for one of them, secrets as credentials --------------
     for user in ["alice", "bob"]:
         c.run(["useradd", "--create-home", "--groups", "tokenbroker", user])
-    c.write("/etc/credstore/tokenbroker.state-key", secrets.token_hex(32) + "\n", 0o600)
+    c.write("/etc/credstore/tokenbroker.state-key", state_key + "\n", 0o600)
     c.write("/etc/systemd/system/tokenbroker.service.d/credentials.conf",
             "[Service]\nLoadCredential=work-secret:/etc/credstore/tokenbroker.work-secret\n"
             "LoadCredential=state-key:/etc/credstore/tokenbroker.state-key\n")
-    session = (f"[Broker]\nStateKeyCredential=state-key\n\n[Session]\nName=work\nTokenEndpoint={issuer}/token\n"
-               f"RevocationEndpoint={issuer}/revoke\nClientID=tokenbroker\nClientSecretCredential=work-secret\nAllowUsers=alice\n")
+    session = (f"[Broker]\nStateKeyCredential=state-key\n\n[Session]\nName=work\nTokenEndpoint={issuer.url}/token\n"
+               f"RevocationEndpoint={issuer.url}/revoke\nClientID=tokenbroker\nClientSecretCredential=work-secret\nAllowUsers=alice\n")
     c.write("/etc/tokenbroker/tokenbroker.conf.d/work.conf", session)
     c.run(["systemctl", "daemon-reload"])
     cursor = c.run(["journalctl", "-n0", "--show-cursor", "-q"]).stdout.strip().removeprefix("-- cursor: ")
 
     # -- Socket activation: the first connection starts the daemon ------------------------------
-    login = c.run(["tokenbroker", "ctl", "login", "work", "--refresh-token-stdin"], input=login_token + "\n", check=False)
+    login = c.run(["tokenbroker", "ctl", "login", "work", "--refresh-token-stdin"], input=issuer.login_token + "\n", check=False)
     check(login.returncode == 0, "root logs the session in through the socket (ctl login --refresh-token-stdin)", login.stderr)
     check(c.show("tokenbroker.service", "ActiveState") == "active" and c.show("tokenbroker.service", "SubState") == "running",
           "the first connection started the service, and READY=1 made it active (Type=notify)")
@@ -298,13 +351,14 @@ def scenario(c, deb, issuer, login_token):
     # -- Non-root workers: alice is allowed, bob is not ----------------------------------------
     alice = c.run(["tokenbroker", "ctl", "token", "work"], user="alice", check=False)
     token = alice.stdout.strip()
+    never_logged.append(token)
     check(alice.returncode == 0 and token.startswith("dev-at."), "alice (AllowUsers=alice, group tokenbroker) gets a token",
           f"exit {alice.returncode}: {alice.stderr.strip()}")
-    check(resource_accepts(issuer, token), f"token {fingerprint(token)} is valid at the protected resource")
+    check(issuer.accepts(token), f"token {fingerprint(token)} is valid at the protected resource")
     bob = c.run(["tokenbroker", "ctl", "token", "work"], user="bob", check=False)
     check(bob.returncode == 77 and bob.stdout == "" and "permission denied" in bob.stderr,
           "bob (group tokenbroker, not allowed) is refused with exit 77", f"exit {bob.returncode}: {bob.stderr.strip()}")
-    counters = http_json(issuer + "/_dev/counters")
+    counters = issuer.counters()
     check(counters["refresh_token"] == 1, "one refresh at the issuer, authenticated with the secret from LoadCredential=",
           json.dumps(counters))
 
@@ -313,6 +367,20 @@ def scenario(c, deb, issuer, login_token):
     clear = [n for n in state if any(marker in open(n, "rb").read() for marker in (b"dev-at.", b"dev-rt.", token.encode()))]
     check(state and not clear, "the state database (sealed with the key from StateKeyCredential=) holds no token in clear",
           f"files {[os.path.basename(n) for n in state]}, clear in {clear}")
+
+    # -- The README's first session: a secret file in /etc/tokenbroker/secrets, a drop-in --------
+    # (The issuer registers one client, so this session uses the same client and secret.)
+    c.run(["install", "-m", "600", "-o", "tokenbroker", "/dev/stdin", "/etc/tokenbroker/secrets/readme"],
+          input=issuer.client_secret + "\n")
+    c.write("/etc/tokenbroker/tokenbroker.conf.d/readme.conf",
+            f"[Session]\nName=readme\nGrant=client_credentials\nTokenEndpoint={issuer.url}/token\nClientID=tokenbroker\n"
+            "ClientSecretFile=/etc/tokenbroker/secrets/readme\nAllowGroups=tokenbroker\n")
+    reload = c.run(["systemctl", "reload", "tokenbroker.service"], check=False)
+    readme = c.run(["tokenbroker", "ctl", "token", "readme"], user="bob", check=False)
+    never_logged.append(readme.stdout.strip())
+    check(reload.returncode == 0 and readme.returncode == 0 and issuer.counters()["client_credentials"] == 1,
+          "the README's session (ClientSecretFile= in /etc/tokenbroker/secrets, AllowGroups=): reloaded, served to bob",
+          reload.stderr + readme.stderr + c.show("tokenbroker.service", "StatusText"))
 
     # -- Reload: a good one, a broken one -------------------------------------------------------
     c.write("/etc/tokenbroker/tokenbroker.conf.d/extra.conf", "[Session]\nName=extra\nUpstream=test\nAllowUsers=alice bob\n")
@@ -340,7 +408,7 @@ def scenario(c, deb, issuer, login_token):
     again = c.run(["tokenbroker", "ctl", "token", "work"], user="alice", check=False).stdout.strip()
     check(restarted is not None and c.show("tokenbroker.service", "NRestarts") == "1",
           "kill -9 of the daemon: Restart=on-failure started it again")
-    check(again == token and http_json(issuer + "/_dev/counters")["refresh_token"] == 1,
+    check(again == token and issuer.counters()["refresh_token"] == 1,
           f"... serving the same session from its state: token {fingerprint(again)} == {fingerprint(token)}, no new refresh")
 
     # -- The watchdog: a frozen daemon is restarted ---------------------------------------------
@@ -363,24 +431,18 @@ def scenario(c, deb, issuer, login_token):
     clean = c.run(["journalctl", "-n0", "--show-cursor", "-q"]).stdout.strip().removeprefix("-- cursor: ")
     check(c.run(["tokenbroker", "ctl", "token", "work"], user="alice", check=False).returncode == 0,
           "the socket starts the stopped service again on demand")
-    c.run(["tokenbroker", "ctl", "logout", "extra"], check=False)   # a session-scoped entry for the fields check
     stopped = c.run(["systemctl", "stop", "tokenbroker.service"], check=False)
     check(stopped.returncode == 0 and c.show("tokenbroker.service", "Result") == "success"
           and c.show("tokenbroker.service", "ActiveState") == "inactive", "systemctl stop: Result=success")
     entries = [json.loads(line) for line in
                c.run(["journalctl", "-u", "tokenbroker.service", "--after-cursor", clean, "-o", "json", "--no-pager"]).stdout.splitlines()]
     daemon = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "tokenbroker"]
-    print("     journal of a clean start and stop:")
-    for e in entries:
-        print(f"       <{e.get('PRIORITY')}> {e.get('SYSLOG_IDENTIFIER')}: {e.get('MESSAGE')}"
-              + (f"  SESSION={e['SESSION']}" if "SESSION" in e else ""))
     check(any("SESSION" in e and "PRIORITY" in e for e in daemon), "journal entries carry SESSION= and PRIORITY= (journalctl -o json)")
     loud = [e.get("MESSAGE") for e in entries if int(e.get("PRIORITY", 6)) <= 4]
     check(daemon and not loud, "no line at warning or above during a clean start and stop", str(loud))
-    check(not any(token in json.dumps(e) for e in entries), "no token in the journal")
     # The Swift runtime's event thread asks for nice -4 (LimitNICE=-4 allows it). PID 1 can
     # raise that limit only with CAP_SYS_RESOURCE, which some sandboxes withhold from their
-    # containers; then the runtime's one complaint is expected and said so.
+    # containers; then the runtime's one complaint (at notice) is expected, and said so.
     noise = [e.get("MESSAGE") for e in entries if "thread priority" in str(e.get("MESSAGE"))]
     with open(f"/proc/{c.leader}/status") as f:
         can_raise = int(re.search(r"CapBnd:\s*([0-9a-f]+)", f.read()).group(1), 16) & (1 << 24) != 0
@@ -388,6 +450,14 @@ def scenario(c, deb, issuer, login_token):
         check(not noise, "no runtime complaint about thread priorities (LimitNICE=-4, setpriority allowed)", str(noise))
     else:
         print(f"note this machine withholds CAP_SYS_RESOURCE from PID 1, so LimitNICE= cannot apply: {len(noise)} runtime line(s) at notice")
+    # Everything the daemon and systemd logged since the first start, not a secret in it.
+    everything = c.run(["journalctl", "--after-cursor", cursor, "-o", "json", "--no-pager"]).stdout
+    leaked = [fingerprint(v) for v in never_logged if v and v in everything]
+    check(not leaked, "no token, client secret or state key anywhere in the journal since the first start", str(leaked))
+    print("     journal of a clean start and stop:")
+    for e in entries:
+        print(f"       <{e.get('PRIORITY')}> {e.get('SYSLOG_IDENTIFIER')}: {redact(str(e.get('MESSAGE')), never_logged)}"
+              + (f"  SESSION={e['SESSION']}" if "SESSION" in e else ""))
 
     # -- Exposure, measured by the running systemd -----------------------------------------------
     security = c.run(["systemd-analyze", "security", "--no-pager", "tokenbroker.service"], check=False).stdout
@@ -397,23 +467,33 @@ def scenario(c, deb, issuer, login_token):
     if score:
         print(f"     online exposure: {score.group(1)}")
 
-    # -- Upgrade keeps an edited configuration; purge removes the state ---------------------------
+    # -- Upgrade keeps an edited configuration and restarts a running daemon; purge -------------
     with open(c.path("/etc/tokenbroker/tokenbroker.conf"), "a") as f:
         f.write("# edited by the operator\n")
     c.run(["tokenbroker", "ctl", "token", "work"], user="alice")   # running during the upgrade
+    before = c.show("tokenbroker.service", "MainPID")
     newer = repackage(deb, version + "+systemtest1", c.path("/root"))
     upgraded = c.run(["apt-get", "install", "-y", "/root/" + os.path.basename(newer)], check=False, timeout=120)
     with open(c.path("/etc/tokenbroker/tokenbroker.conf")) as f:
         kept = f.read().endswith("# edited by the operator\n")
     check(upgraded.returncode == 0 and kept and not os.path.exists(c.path("/etc/tokenbroker/tokenbroker.conf.dpkg-new")),
           "an upgrade keeps the edited configuration", upgraded.stderr[-500:])
-    check(c.show("tokenbroker.service", "ActiveState") == "active"
+    after = c.show("tokenbroker.service", "MainPID")
+    check(c.show("tokenbroker.service", "ActiveState") == "active" and after not in ("0", before)
           and c.run(["tokenbroker", "ctl", "token", "work"], user="alice", check=False).stdout.strip() == token,
-          "... restarts the running daemon, which serves the same session")
+          f"... restarts the running daemon (pid {before} -> {after}), which serves the same session")
     purged = c.run(["apt-get", "purge", "-y", "tokenbroker"], check=False, timeout=120)
     check(purged.returncode == 0 and not os.path.exists(c.path("/var/lib/tokenbroker"))
+          and not os.path.exists(c.path("/etc/tokenbroker/secrets"))
           and c.show("tokenbroker.service", "ActiveState") == "inactive" and c.show("tokenbroker.socket", "ActiveState") == "inactive",
-          "apt purge stops the units and removes the state directory", purged.stderr[-500:])
+          "apt purge stops the units and removes the state and secrets directories", purged.stderr[-500:])
+
+
+def redact(text, values):
+    for value in values:
+        if value:
+            text = text.replace(value, f"<{fingerprint(value)}>")
+    return text
 
 
 def repackage(deb, version, directory):
@@ -425,7 +505,8 @@ def repackage(deb, version, directory):
         text = re.sub(r"^Version: .*$", f"Version: {version}", f.read(), flags=re.M)
     with open(control, "w") as f:
         f.write(text)
-    out = os.path.join(directory, f"tokenbroker_{version}_amd64.deb")
+    architecture = subprocess.run(["dpkg-deb", "-f", deb, "Architecture"], capture_output=True, text=True, check=True).stdout.strip()
+    out = os.path.join(directory, f"tokenbroker_{version}_{architecture}.deb")
     subprocess.run(["dpkg-deb", "--root-owner-group", "-b", work, out], check=True, capture_output=True)
     shutil.rmtree(work)
     return out

@@ -152,11 +152,24 @@ struct BrokerServiceTests {
         #expect(access.isAdmin(PeerCredentials(pid: 1, uid: 0, gid: 0)))
     }
 
-    @Test("user namespaces: only the identity map counts as one")
-    func identityMap() {
-        #expect(ProcessDefences.isIdentityMap("         0          0 4294967295\n"))
-        #expect(!ProcessDefences.isIdentityMap("         0     100000      65536\n"))
-        #expect(!ProcessDefences.isIdentityMap("0 0 1000\n1000 1000 4294966295\n"))
-        #expect(!ProcessDefences.isIdentityMap(""))
+    @Test("user namespaces: configured ids outside the uid/gid map are named; inside it (any container that maps them), nothing")
+    func unmappedIDs() throws {
+        var configuration = BrokerConfiguration()
+        configuration.adminGroup = 3000
+        configuration.sessions = [SessionConfiguration(name: "s", upstream: .test(lifetime: .seconds(1)), allowUsers: [1000, 0, 1000],
+                                                       allowGroups: [2000], policy: RefreshPolicy(), origin: "t")]
+        let identity = try #require(ProcessDefences.IDMap("         0          0 4294967295\n"))
+        #expect(ProcessDefences.unmappedIDWarnings(configuration, uidMap: identity, gidMap: identity).isEmpty)
+        // An unprivileged container: 0-65535 inside map to 100000-165535 outside. All mapped.
+        let container = try #require(ProcessDefences.IDMap("         0     100000      65536\n"))
+        #expect(ProcessDefences.unmappedIDWarnings(configuration, uidMap: container, gidMap: container).isEmpty)
+        // PrivateUsers=yes: only root and the daemon's own user (here 995).
+        let privateUsers = try #require(ProcessDefences.IDMap("0 0 1\n995 995 1\n"))
+        let warnings = ProcessDefences.unmappedIDWarnings(configuration, uidMap: privateUsers, gidMap: privateUsers)
+        #expect(warnings.count == 3, "\(warnings)")
+        #expect(warnings.first?.hasPrefix("uid 1000 has no mapping") == true && warnings.dropFirst().first?.hasPrefix("gid 2000") == true)
+        #expect(warnings.last?.hasPrefix("gid 3000") == true)
+        #expect(ProcessDefences.IDMap("0 0\n") == nil && ProcessDefences.IDMap("") == ProcessDefences.IDMap("\n"))
+        #expect(!(try #require(ProcessDefences.IDMap("4294967295 0 1\n"))).contains(0))
     }
 }
