@@ -64,14 +64,17 @@ var package = Package(
         // against independent implementations (Go, Python).
         .executableTarget(name: "varlink-certification", dependencies: ["Basics", "Varlink"]),
 
+        // What several test targets share (a seeded random generator, for now).
+        .target(name: "TestSupport", path: "Tests/TestSupport"),
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
-        .testTarget(name: "VarlinkTests", dependencies: ["Varlink"]),
+        .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "TokenBrokerCore"]),
-        .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics"]),
-        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink"]),
+        .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
+        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink", "TestSupport"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "example-worker",
-                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore"]),
+                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore",
+                                                            "TestSupport"]),
     ],
     swiftLanguageModes: [.v6]
 )

@@ -151,7 +151,8 @@ public struct RefreshStateMachine: Sendable {
             phase = .active
             refreshToken = record.refreshToken
             if let token = record.accessToken {
-                let deadline = record.expiresAt.map { now + .milliseconds(Int64((Double($0) - unixNow) * 1000)) }
+                // (A stored expiry is ours, but a damaged database must not trap: clamp to ±10 years.)
+                let deadline = record.expiresAt.map { now + .milliseconds(Int64(min(max(Double($0) - unixNow, -3e8), 3e8) * 1000)) }
                 current = Current(token: token, tokenType: record.tokenType, expiresAt: record.expiresAt,
                                   deadline: deadline, serial: record.tokenSerial)
             }

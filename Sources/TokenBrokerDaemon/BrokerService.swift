@@ -176,7 +176,7 @@ final class BrokerService: VarlinkHandler {
             return .reply(error.reply)
         } catch let refusal as Refusal {
             if case .permissionDenied = refusal {
-                logger.warning("permission denied: \(call.method) by \(peer)")
+                logger.limited(.warning, key: "denied:\(peer.uid)", "permission denied: \(call.method) by \(peer)")
             }
             return .reply(refusal.reply)
         } catch {
@@ -197,8 +197,13 @@ final class BrokerService: VarlinkHandler {
         }
     }
 
+    /// The session `peer` may use. A peer that may not use it learns nothing more: whether it
+    /// exists or not, the answer is `PermissionDenied` (only admins, who see every session
+    /// anyway, are told `NoSuchSession`), so session names cannot be probed.
     private func use(_ name: String, _ peer: PeerCredentials, _ call: VarlinkCall) throws -> SessionTable.Session {
-        guard let (session, allowed) = sessions.lookup(name, for: peer) else { throw Refusal.noSuchSession(name) }
+        guard let (session, allowed) = sessions.lookup(name, for: peer) else {
+            throw sessions.isAdmin(peer) ? Refusal.noSuchSession(name) : Refusal.permissionDenied
+        }
         guard allowed else { throw Refusal.permissionDenied }
         return session
     }

@@ -126,8 +126,11 @@ public final class Daemon: Sendable {
                                                           heartbeat: Systemd.watchdogInterval().map { ($0, { Systemd.watchdog() }) }),
                 onEvent: { event in
                     switch event {
-                    case let .connectionLimit(peer): logger.warning("connection limit reached; refused \(peer.map { "\($0)" } ?? "a client")")
-                    case let .protocolError(peer, reason): logger.notice("protocol error from \(peer): \(reason)")
+                    case let .connectionLimit(peer):
+                        logger.limited(.warning, key: "limit:\(peer.map { "\($0.uid)" } ?? "-")",
+                                       "connection limit reached; refused \(peer.map { "\($0)" } ?? "a client")")
+                    case let .protocolError(peer, reason):
+                        logger.limited(.notice, key: "protocol:\(peer.uid)", "protocol error from \(peer): \(reason)")
                     }
                 })
         } catch {

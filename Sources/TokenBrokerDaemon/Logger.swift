@@ -45,8 +45,7 @@ public final class Logger: Sendable {
 
     public func log(_ level: LogLevel, _ message: String, session: String? = nil, generation: Int? = nil, tokenSerial: UInt64? = nil) {
         guard level <= self.level else { return }
-        // One entry per line: a newline inside a message would forge a second entry.
-        let flat = String(message.map { $0 == "\n" ? " " : $0 })
+        let flat = Self.printable(message)
         if journal {
             var fields = ["MESSAGE=\(flat)", "PRIORITY=\(level.rawValue)", "SYSLOG_IDENTIFIER=tokenbroker"]
             if let session { fields.append("SESSION=\(session)") }
@@ -57,6 +56,80 @@ public final class Logger: Sendable {
         }
         var bytes = Array("<\(level.rawValue)>\(flat)\n".utf8)
         _ = bytes.withUnsafeMutableBytes { write(2, $0.baseAddress, $0.count) }
+    }
+
+    /// `message` as one line of bounded length that cannot forge another entry, whoever wrote
+    /// parts of it: control characters (C0, DEL, C1 — `\r` and `\n` among them) and the Unicode
+    /// line and paragraph separators become `\x..`/`\u{....}` escapes; past `limit` bytes it is
+    /// cut, with `…`.
+    static func printable(_ message: String, limit: Int = 2048) -> String {
+        var result = ""
+        var length = 0
+        for scalar in message.unicodeScalars {
+            let piece: String
+            switch scalar.value {
+            case 0x00..<0x20, 0x7F, 0x80...0x9F: piece = "\\x" + (scalar.value < 0x10 ? "0" : "") + String(scalar.value, radix: 16)
+            case 0x2028, 0x2029: piece = "\\u{" + String(scalar.value, radix: 16) + "}"
+            default: piece = String(scalar)
+            }
+            length += piece.utf8.count
+            if length > limit {
+                result += "…"
+                break
+            }
+            result += piece
+        }
+        return result
+    }
+
+    /// Logs `message` unless more than `burst` entries with the same `key` came in the last
+    /// `interval`: what an unauthenticated peer can trigger (refusals, protocol errors) must not
+    /// flood the journal. The first entry after a quiet spell says how many were left out.
+    public func limited(_ level: LogLevel, key: String, _ message: String) {
+        guard level <= self.level else { return }
+        let suppressed = limiter.withLock { $0.admit(key, now: ContinuousClock.now) }
+        guard let suppressed else { return }
+        log(level, suppressed > 0 ? message + " (\(suppressed) similar message(s) suppressed)" : message)
+    }
+
+    private let limiter = Mutex(RateLimiter())
+
+    /// Per key, at most `burst` admissions per `interval`; at most `maximumKeys` keys tracked
+    /// (beyond that, new keys share one).
+    struct RateLimiter {
+        let burst: Int
+        let interval: Duration
+        let maximumKeys: Int
+        private var windows: [String: (start: ContinuousClock.Instant, admitted: Int, suppressed: Int)] = [:]
+
+        init(burst: Int = 5, interval: Duration = .seconds(10), maximumKeys: Int = 1024) {
+            self.burst = burst
+            self.interval = interval
+            self.maximumKeys = maximumKeys
+        }
+
+        /// `nil` when the entry is to be left out; else how many were left out before it.
+        mutating func admit(_ key: String, now: ContinuousClock.Instant) -> Int? {
+            if windows.count >= maximumKeys && windows[key] == nil {
+                windows = windows.filter { now - $0.value.start < interval }
+            }
+            let key = windows.count >= maximumKeys && windows[key] == nil ? "(other)" : key
+            var window = windows[key] ?? (now, 0, 0)
+            if now - window.start >= interval {
+                let suppressed = window.suppressed
+                window = (now, 1, 0)
+                windows[key] = window
+                return suppressed
+            }
+            guard window.admitted < burst else {
+                window.suppressed += 1
+                windows[key] = window
+                return nil
+            }
+            window.admitted += 1
+            windows[key] = window
+            return 0
+        }
     }
 
     public func error(_ message: String, session: String? = nil) { log(.error, message, session: session) }

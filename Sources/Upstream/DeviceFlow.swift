@@ -46,17 +46,41 @@ extension OAuthClient {
             throw .failed(error)
         }
         guard response.status == 200 else { throw .failed(Self.classify(response)) }
-        guard let object = (try? JSONParser.parse(response.body))?.objectValue,
+        return try DeviceAuthorization.parse(response.body)
+    }
+}
+
+extension DeviceAuthorization {
+    /// Reads a device authorization response body (RFC 8628 §3.2).
+    static func parse(_ body: [UInt8]) throws(DeviceLoginError) -> DeviceAuthorization {
+        guard let object = (try? JSONParser.parse(body))?.objectValue,
               let deviceCode = object["device_code"]?.stringValue, let userCode = object["user_code"]?.stringValue,
-              let uri = object["verification_uri"]?.stringValue, let expiresIn = object["expires_in"]?.doubleValue, expiresIn > 0
+              let uri = object["verification_uri"]?.stringValue,
+              let expiresIn = UpstreamNumbers.seconds(object["expires_in"], atMost: Self.longestDeviceCode)
         else { throw .failed(.transient("malformed device authorization response")) }
-        let interval = object["interval"]?.doubleValue ?? 5
+        // What is shown to the operator must be a short line of plain text: no terminal escapes.
+        let complete = object["verification_uri_complete"]?.stringValue
+        guard Self.isDisplayable(userCode, 64), Self.isDisplayable(uri, 2048), complete.map({ Self.isDisplayable($0, 2048) }) ?? true else {
+            throw .failed(.transient("malformed device authorization response (user code or URI not plain text)"))
+        }
+        let interval = UpstreamNumbers.seconds(object["interval"], atMost: .seconds(300)) ?? .seconds(5)
         return DeviceAuthorization(deviceCode: Secret(deviceCode), userCode: userCode, verificationURI: uri,
-                                   verificationURIComplete: object["verification_uri_complete"]?.stringValue,
-                                   expiresIn: .milliseconds(Int64(expiresIn * 1000)),
-                                   interval: .milliseconds(Int64(max(interval, 1) * 1000)))
+                                   verificationURIComplete: complete, expiresIn: expiresIn, interval: max(interval, .seconds(1)))
     }
 
+    /// The longest a device code is believed to live (RFC 8628 suggests minutes).
+    static let longestDeviceCode: Duration = .seconds(86400)
+
+    /// Printable, single-line, not empty, at most `limit` bytes.
+    static func isDisplayable(_ text: String, _ limit: Int) -> Bool {
+        !text.isEmpty && text.utf8.count <= limit
+            && text.unicodeScalars.allSatisfy {
+                $0.value >= 0x20 && $0.value != 0x7F && !(0x80...0x9F).contains($0.value) && $0.value != 0x2028 && $0.value != 0x2029
+            }
+    }
+}
+
+extension OAuthClient {
     /// Polls the token endpoint until the user approves or denies, the code expires, or a hard
     /// error ends it (RFC 8628 §3.4–3.5): `authorization_pending` waits `interval`, `slow_down`
     /// adds 5 s to it for good, transient failures back off up to a minute. Cancelling the

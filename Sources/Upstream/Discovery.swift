@@ -54,16 +54,23 @@ public enum Discovery {
                 lastProblem = "discovery: \(url) is not a JSON object"
                 continue
             }
-            guard object["issuer"]?.stringValue == issuer else {
-                throw .transient("discovery: metadata at \(url) names another issuer; refused")
-            }
-            return AuthorizationServerMetadata(
-                issuer: issuer, tokenEndpoint: object["token_endpoint"]?.stringValue,
-                revocationEndpoint: object["revocation_endpoint"]?.stringValue,
-                deviceAuthorizationEndpoint: object["device_authorization_endpoint"]?.stringValue,
-                tokenEndpointAuthMethods: object["token_endpoint_auth_methods_supported"]?.arrayValue?.compactMap(\.stringValue)
-                    ?? ["client_secret_basic"])
+            return try AuthorizationServerMetadata(object, issuer: issuer, url: url)
         }
         throw .transient(lastProblem)
+    }
+}
+
+extension AuthorizationServerMetadata {
+    /// Reads a metadata document fetched from `url` for `issuer`; refuses one that names another
+    /// issuer (mix-up defence).
+    init(_ object: JSONObject, issuer: String, url: String) throws(FetchFailure) {
+        guard object["issuer"]?.stringValue == issuer else {
+            throw .transient("discovery: metadata at \(url) names another issuer; refused")
+        }
+        self.init(issuer: issuer, tokenEndpoint: object["token_endpoint"]?.stringValue,
+                  revocationEndpoint: object["revocation_endpoint"]?.stringValue,
+                  deviceAuthorizationEndpoint: object["device_authorization_endpoint"]?.stringValue,
+                  tokenEndpointAuthMethods: object["token_endpoint_auth_methods_supported"]?.arrayValue?.compactMap(\.stringValue)
+                      ?? ["client_secret_basic"])
     }
 }

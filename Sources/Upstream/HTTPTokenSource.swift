@@ -39,6 +39,14 @@ public final class HTTPTokenSource: TokenSource {
                 metadata = cached
             } else {
                 metadata = try await Discovery.fetch(issuer: issuer, tls: configuration.tls, loop: loop)
+                // Discovered endpoints obey the same policy as configured ones: metadata that
+                // points a credential at http:// off loopback is refused, and not cached.
+                for (name, url) in [("token_endpoint", metadata.tokenEndpoint), ("revocation_endpoint", metadata.revocationEndpoint),
+                                    ("device_authorization_endpoint", metadata.deviceAuthorizationEndpoint)] {
+                    if let url, let problem = EndpointPolicy.problem(with: url) {
+                        throw .transient("discovery: \(name) refused: \(problem)")
+                    }
+                }
                 cachedMetadata.withLock { $0 = metadata }
             }
             if endpoints.token.isEmpty { endpoints.token = metadata.tokenEndpoint ?? "" }

@@ -96,6 +96,9 @@ public struct OAuthClient: Sendable {
 
     /// POSTs a form with client authentication; transport failures are transient.
     func post(_ url: String, _ fields: [(String, String)]) async throws(FetchFailure) -> HTTPResponse {
+        // The last line of defence: no credential leaves for an endpoint the policy refuses,
+        // wherever its URL came from (checked at configuration and discovery already).
+        if let problem = EndpointPolicy.problem(with: url) { throw .transient("refused endpoint: \(problem)") }
         var fields = fields
         var headers: [(name: String, value: String)] = [("Accept", "application/json"),
                                                          ("Content-Type", "application/x-www-form-urlencoded")]
@@ -139,10 +142,7 @@ public struct OAuthClient: Sendable {
         // Only bearer tokens can be handed to workers as they are (DPoP or mTLS-bound types need
         // the client's key at every request).
         guard type.lowercased() == "bearer" else { throw .terminal("unsupported token_type \(type.prefix(20))") }
-        var expiresIn: Duration?
-        if let seconds = object["expires_in"]?.doubleValue ?? object["expires_in"]?.stringValue.flatMap(Double.init), seconds > 0 {
-            expiresIn = .milliseconds(Int64(min(seconds, 10 * 365 * 86400) * 1000))
-        }
+        let expiresIn = UpstreamNumbers.seconds(object["expires_in"], atMost: UpstreamNumbers.longestLifetime)
         let refreshToken = object["refresh_token"]?.stringValue.flatMap { $0.isEmpty ? nil : Secret($0) }
         return FetchedToken(accessToken: Secret(accessToken), tokenType: "Bearer", expiresIn: expiresIn, refreshToken: refreshToken)
     }
@@ -150,7 +150,7 @@ public struct OAuthClient: Sendable {
     /// A failed token response as a classified failure (see the type's documentation).
     static func classify(_ response: HTTPResponse) -> FetchFailure {
         let status = response.status
-        let retryAfter = response.retryAfter.map { Duration.seconds($0) }
+        let retryAfter = response.retryAfter.map { min(Duration.seconds($0), UpstreamNumbers.longestRetryAfter) }
         let code = errorCode(response)
         if status == 429 || status == 503 || status >= 500 {
             return .transient(code.map { "HTTP \(status) \($0)" } ?? "HTTP \(status)", retryAfter: retryAfter)

@@ -2,13 +2,21 @@
 public struct VarlinkProtocolError: Error, Sendable, Equatable, CustomStringConvertible {
     public var reason: String
     public init(_ reason: String) { self.reason = reason }
+
+    /// A client's text inside a reason: quoted, at most 40 characters, JSON-escaped (a reason is
+    /// logged, and must not carry a forged line or a megabyte of someone's key).
+    static func quoted(_ text: String) -> String {
+        var output: [UInt8] = []
+        JSON.string(text.count > 40 ? String(text.prefix(40)) + "…" : text).encode(into: &output)
+        return String(decoding: output, as: UTF8.self)
+    }
     public var description: String { "protocol error: \(reason)" }
 
     /// One message as a JSON object, or the protocol error saying why it is not one.
-    static func object(_ bytes: ArraySlice<UInt8>, _ what: String) throws(VarlinkProtocolError) -> JSONObject {
+    static func object(_ bytes: ArraySlice<UInt8>, _ what: String, limits: JSONLimits) throws(VarlinkProtocolError) -> JSONObject {
         let json: JSON
         do {
-            json = try JSONParser.parse(bytes)
+            json = try JSONParser.parse(bytes, limits: limits)
         } catch {
             throw VarlinkProtocolError(error.description)
         }
@@ -51,8 +59,8 @@ public struct VarlinkCall: Sendable, Equatable {
 
     /// Reads a call from one message. Unknown keys are refused unless they are vendor
     /// extensions (a dotted name); at most one of `oneway`, `more`, `upgrade` may be set.
-    public static func decode(_ bytes: ArraySlice<UInt8>) throws(VarlinkProtocolError) -> VarlinkCall {
-        let object = try VarlinkProtocolError.object(bytes, "a call")
+    public static func decode(_ bytes: ArraySlice<UInt8>, limits: JSONLimits = .standard) throws(VarlinkProtocolError) -> VarlinkCall {
+        let object = try VarlinkProtocolError.object(bytes, "a call", limits: limits)
         var call = VarlinkCall(method: "")
         var sawMethod = false
         for (key, value) in object {
@@ -76,7 +84,7 @@ public struct VarlinkCall: Sendable, Equatable {
                 }
                 if key == "oneway" { call.oneway = flag } else if key == "more" { call.more = flag } else { call.upgrade = flag }
             default:
-                guard key.contains(".") else { throw VarlinkProtocolError("unknown call field '\(key)'") }
+                guard key.contains(".") else { throw VarlinkProtocolError("unknown call field \(VarlinkProtocolError.quoted(key))") }
             }
         }
         guard sawMethod else { throw VarlinkProtocolError("no 'method'") }
@@ -143,8 +151,8 @@ public struct VarlinkReply: Sendable, Equatable {
 
     /// Reads a reply from one message. Unknown keys are ignored; absent or null parameters
     /// are empty.
-    public static func decode(_ bytes: ArraySlice<UInt8>) throws(VarlinkProtocolError) -> VarlinkReply {
-        let object = try VarlinkProtocolError.object(bytes, "a reply")
+    public static func decode(_ bytes: ArraySlice<UInt8>, limits: JSONLimits = .standard) throws(VarlinkProtocolError) -> VarlinkReply {
+        let object = try VarlinkProtocolError.object(bytes, "a reply", limits: limits)
         var reply = VarlinkReply()
         switch object["parameters"] {
         case nil, .null?: break

@@ -6,14 +6,32 @@ public struct JSONParseError: Error, Sendable, Equatable, CustomStringConvertibl
     public var description: String { "invalid JSON at byte \(offset): \(reason)" }
 }
 
-/// A strict RFC 8259 parser over bytes: no trailing commas, no comments, no NaN, valid UTF-8,
-/// no duplicate object keys, bounded nesting.
-public struct JSONParser {
-    /// Deepest nesting of arrays and objects accepted.
-    public static let maximumDepth = 64
+/// How much structure a parse accepts, beyond what the size of the input already bounds.
+public struct JSONLimits: Sendable, Equatable {
+    /// Deepest nesting of arrays and objects.
+    public var maximumDepth: Int
+    /// Most members in one object.
+    public var maximumMembers: Int
 
-    public static func parse(_ bytes: UnsafeRawBufferPointer) throws(JSONParseError) -> JSON {
-        var parser = JSONParser(bytes: bytes)
+    public init(maximumDepth: Int = 64, maximumMembers: Int = 1024) {
+        self.maximumDepth = maximumDepth
+        self.maximumMembers = maximumMembers
+    }
+
+    public static let standard = JSONLimits()
+}
+
+/// A strict RFC 8259 parser over bytes: no trailing commas, no comments, no NaN, valid UTF-8,
+/// no duplicate object keys, bounded nesting and members.
+///
+/// Linear in its input: duplicate keys are found through a hash set (Swift's string hashing is
+/// seeded per process, so chosen keys cannot make it collide), never by comparing every pair.
+public struct JSONParser {
+    /// Deepest nesting of arrays and objects accepted by default.
+    public static let maximumDepth = JSONLimits.standard.maximumDepth
+
+    public static func parse(_ bytes: UnsafeRawBufferPointer, limits: JSONLimits = .standard) throws(JSONParseError) -> JSON {
+        var parser = JSONParser(bytes: bytes, limits: limits)
         parser.skipWhitespace()
         let value = try parser.value(depth: 0)
         parser.skipWhitespace()
@@ -21,9 +39,9 @@ public struct JSONParser {
         return value
     }
 
-    public static func parse<Bytes: Collection<UInt8>>(_ bytes: Bytes) throws(JSONParseError) -> JSON {
+    public static func parse<Bytes: Collection<UInt8>>(_ bytes: Bytes, limits: JSONLimits = .standard) throws(JSONParseError) -> JSON {
         let parseBuffer = { (buffer: UnsafeRawBufferPointer) in
-            Result { () throws(JSONParseError) -> JSON in try parse(buffer) }
+            Result { () throws(JSONParseError) -> JSON in try parse(buffer, limits: limits) }
         }
         if let result = bytes.withContiguousStorageIfAvailable({ parseBuffer(UnsafeRawBufferPointer($0)) }) {
             return try result.get()
@@ -31,14 +49,21 @@ public struct JSONParser {
         return try Array(bytes).withUnsafeBytes(parseBuffer).get()
     }
 
-    public static func parse(_ text: String) throws(JSONParseError) -> JSON {
-        try parse(Array(text.utf8))
+    public static func parse(_ text: String, limits: JSONLimits = .standard) throws(JSONParseError) -> JSON {
+        try parse(Array(text.utf8), limits: limits)
     }
 
     private let bytes: UnsafeRawBufferPointer
+    private let limits: JSONLimits
     private var position = 0
 
-    private init(bytes: UnsafeRawBufferPointer) { self.bytes = bytes }
+    private init(bytes: UnsafeRawBufferPointer, limits: JSONLimits) {
+        self.bytes = bytes
+        self.limits = limits
+    }
+
+    /// Below this many members a linear look for a duplicate is cheaper than hashing.
+    private static let hashedFrom = 8
 
     private func fail(_ reason: String) -> JSONParseError {
         JSONParseError(offset: position, reason: reason)
@@ -78,9 +103,10 @@ public struct JSONParser {
     }
 
     private mutating func object(depth: Int) throws(JSONParseError) -> JSON {
-        guard depth <= Self.maximumDepth else { throw fail("nested too deeply") }
+        guard depth <= limits.maximumDepth else { throw fail("nested too deeply") }
         position += 1
         var members: [(key: String, value: JSON)] = []
+        var seen: Set<String> = []
         skipWhitespace()
         if peek == UInt8(ascii: "}") {
             position += 1
@@ -91,9 +117,17 @@ public struct JSONParser {
             guard peek == UInt8(ascii: "\"") else { throw fail("expected a member name") }
             let start = position
             let key = try string()
-            if members.contains(where: { $0.key == key }) {
-                throw JSONParseError(offset: start, reason: "duplicate member name")
+            guard members.count < limits.maximumMembers else {
+                throw JSONParseError(offset: start, reason: "more than \(limits.maximumMembers) members")
             }
+            let duplicate: Bool
+            if members.count < Self.hashedFrom {
+                duplicate = members.contains { $0.key == key }
+            } else {
+                if seen.isEmpty { seen = Set(members.lazy.map(\.key)) }
+                duplicate = !seen.insert(key).inserted
+            }
+            if duplicate { throw JSONParseError(offset: start, reason: "duplicate member name") }
             skipWhitespace()
             guard peek == UInt8(ascii: ":") else { throw fail("expected ':'") }
             position += 1
@@ -109,7 +143,7 @@ public struct JSONParser {
     }
 
     private mutating func array(depth: Int) throws(JSONParseError) -> JSON {
-        guard depth <= Self.maximumDepth else { throw fail("nested too deeply") }
+        guard depth <= limits.maximumDepth else { throw fail("nested too deeply") }
         position += 1
         var elements: [JSON] = []
         skipWhitespace()

@@ -3,6 +3,7 @@ import Foundation
 import SQLiteStore
 import Synchronization
 import Testing
+import TestSupport
 import TokenBrokerCore
 import Varlink
 
@@ -23,24 +24,13 @@ import Varlink
 /// fixed with `TB_CRASH_SEED`.
 @Suite("Crash safety", .serialized)
 struct CrashTests {
-    struct SplitMix: RandomNumberGenerator {
-        var state: UInt64
-        mutating func next() -> UInt64 {
-            state &+= 0x9E37_79B9_7F4A_7C15
-            var z = state
-            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
-            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
-            return z ^ (z >> 31)
-        }
-    }
-
     @Test("SIGKILL during refreshes and after logouts, then restart: nothing lost, no logout undone")
     func killAndRestart() async throws {
         let environment = ProcessInfo.processInfo.environment
         let iterations = environment["TB_CRASH_ITERATIONS"].flatMap(Int.init) ?? 300
         let seed = environment["TB_CRASH_SEED"].flatMap(UInt64.init) ?? UInt64.random(in: 1...UInt64.max)
         print("crash test: \(iterations) iterations, TB_CRASH_SEED=\(seed)")
-        var random = SplitMix(state: seed)
+        var random = SeededRandom(seed: seed)
 
         let issuer = try DevIssuer()
         defer { issuer.stop() }

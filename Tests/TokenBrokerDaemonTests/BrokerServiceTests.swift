@@ -18,8 +18,14 @@ struct BrokerServiceTests {
         let coordinator = Coordinator(session: "api", source: TestTokenSource(lifetime: .seconds(3600)), store: InMemorySessionStore(),
                                       clock: ContinuousClock(), wall: SystemWallClock())
         _ = try? await coordinator.login(refreshToken: nil)
-        table.replace(SessionTable.Snapshot(sessions: ["api": .init(configuration: configuration, coordinator: coordinator)],
-                                            order: ["api"], access: Access(daemonUID: 0, adminGroup: 3000)))
+        // "private": for admins only.
+        let privateConfiguration = SessionConfiguration(name: "private", upstream: .test(lifetime: .seconds(3600)), allowUsers: [],
+                                                        allowGroups: [], policy: RefreshPolicy(), origin: "test")
+        let privateCoordinator = Coordinator(session: "private", source: TestTokenSource(lifetime: .seconds(3600)),
+                                             store: InMemorySessionStore(), clock: ContinuousClock(), wall: SystemWallClock())
+        table.replace(SessionTable.Snapshot(sessions: ["api": .init(configuration: configuration, coordinator: coordinator),
+                                                       "private": .init(configuration: privateConfiguration, coordinator: privateCoordinator)],
+                                            order: ["api", "private"], access: Access(daemonUID: 0, adminGroup: 3000)))
         return BrokerService(sessions: table, logger: Logger(level: .emergency), reload: { nil })
     }
 
@@ -58,6 +64,18 @@ struct BrokerServiceTests {
         let service = await Self.service()
         #expect(await Self.call(service, "GetToken", ["session": "nope"]) == [.error("io.tokenbroker.Broker.NoSuchSession", ["session": "nope"])])
         #expect(await Self.call(service, "GetToken", ["session": "api"], from: Self.stranger) == [.error("io.tokenbroker.Broker.PermissionDenied")])
+        // Session names cannot be probed: to a peer that may not use it, a session that does
+        // not exist looks exactly like one that does (every method that names a session).
+        for (method, parameters) in [("GetToken", [:]), ("Recover", ["rejected": "x"]), ("Watch", [:])] as [(String, JSONObject)] {
+            for peer in [Self.stranger, Self.worker] {
+                var existing = parameters, missing = parameters
+                existing["session"] = peer == Self.worker ? "private" : "api"
+                missing["session"] = "nope"
+                let answers = [await Self.call(service, method, existing, more: method == "Watch", from: peer),
+                               await Self.call(service, method, missing, more: method == "Watch", from: peer)]
+                #expect(answers[0] == answers[1] && answers[0] == [.error("io.tokenbroker.Broker.PermissionDenied")], "\(method): \(answers)")
+            }
+        }
         #expect(await Self.call(service, "GetToken", [:]) == [.invalidParameter("session")])
         #expect(await Self.call(service, "GetToken", ["session": 3]) == [.invalidParameter("session")])
         #expect(await Self.call(service, "Recover", ["session": "api"]) == [.invalidParameter("rejected")])

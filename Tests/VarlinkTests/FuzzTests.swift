@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import Testing
+import TestSupport
 import Varlink
 
 /// Random mutations of valid messages through the parser and the call decoder: every input must
@@ -9,17 +10,6 @@ import Varlink
 /// client). `TB_FUZZ_ITERATIONS` sets the count (default 20,000); the seed is printed.
 @Suite("Parser fuzzing")
 struct FuzzTests {
-    struct SplitMix: RandomNumberGenerator {
-        var state: UInt64
-        mutating func next() -> UInt64 {
-            state &+= 0x9E37_79B9_7F4A_7C15
-            var z = state
-            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
-            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
-            return z ^ (z >> 31)
-        }
-    }
-
     static let seeds: [String] = [
         #"{"method":"io.tokenbroker.Broker.GetToken","parameters":{"session":"api"}}"#,
         #"{"method":"a.b.C","parameters":{"x":[1,2.5e-3,-0,true,null,{"y":"\u00e9\ud83d\ude00\n"}]},"more":true}"#,
@@ -30,10 +20,10 @@ struct FuzzTests {
 
     @Test("mutated messages never trap the parser or the call decoder")
     func mutations() {
-        let iterations = getenv("TB_FUZZ_ITERATIONS").flatMap { Int(String(cString: $0)) } ?? 20_000
-        let seed = UInt64.random(in: 1...UInt64.max)
-        print("fuzz: \(iterations) inputs, seed \(seed)")
-        var random = SplitMix(state: seed)
+        let iterations = SeededRandom.iterations(default: 20_000)
+        let seed = SeededRandom.seed()
+        print("fuzz: \(iterations) inputs, TB_FUZZ_SEED=\(seed)")
+        var random = SeededRandom(seed: seed)
         let interesting: [UInt8] = Array("{}[]\":,\\-+.eE0123456789tfnu\u{7f}".utf8) + [0x00, 0x80, 0xC3, 0xED, 0xF4, 0xFF, 0x20]
         var accepted = 0
         for _ in 0..<iterations {

@@ -34,6 +34,23 @@ struct JSONTests {
         #expect(throws: JSONParseError.self) { try JSONParser.parse(text) }
     }
 
+    @Test("large objects: duplicates found wherever they are (hashed past 8 members), members capped by the limits")
+    func largeObjects() throws {
+        func object(_ keys: [String]) -> String { "{" + keys.map { "\"\($0)\":0" }.joined(separator: ",") + "}" }
+        let distinct = (0..<1024).map { "k\($0)" }
+        #expect(try JSONParser.parse(object(distinct)).objectValue?.count == 1024)
+        for position in [1, 7, 8, 9, 500, 1023] {
+            var keys = Array(distinct.prefix(1023))
+            keys.insert(keys[position - 1], at: position)
+            let error = #expect(throws: JSONParseError.self) { try JSONParser.parse(object(keys)) }
+            #expect(error?.reason == "duplicate member name" && error?.offset == object(Array(keys.prefix(position))).utf8.count)
+        }
+        #expect(throws: JSONParseError.self) { try JSONParser.parse(object(distinct + ["one more"])) }
+        #expect(try JSONParser.parse(object(Array(distinct.prefix(20))), limits: JSONLimits(maximumMembers: 20)).objectValue?.count == 20)
+        #expect(throws: JSONParseError.self) { try JSONParser.parse(object(Array(distinct.prefix(21))), limits: JSONLimits(maximumMembers: 20)) }
+        #expect(throws: JSONParseError.self) { try JSONParser.parse("[[[[1]]]]", limits: JSONLimits(maximumDepth: 3)) }
+    }
+
     @Test("invalid UTF-8 is rejected")
     func invalidUTF8() {
         #expect(throws: JSONParseError.self) { try JSONParser.parse([0x22, 0xC3, 0x28, 0x22]) }

@@ -1,6 +1,7 @@
 /// Parsers for configuration values, each failing with a message for `file:line`.
 enum ConfigValue {
-    /// A systemd-style time span: `90`, `90s`, `5min`, `1h 30min`, `250ms`.
+    /// A systemd-style time span: `90`, `90s`, `5min`, `1h 30min`, `250ms`; at most 100 years
+    /// (anything longer is a typo, and would not fit in the arithmetic).
     static func duration(_ text: String) -> Duration? {
         let units: [(String, Double)] = [("usec", 1e-6), ("us", 1e-6), ("msec", 1e-3), ("ms", 1e-3), ("seconds", 1), ("second", 1),
                                          ("sec", 1), ("s", 1), ("minutes", 60), ("minute", 60), ("min", 60), ("m", 60),
@@ -9,7 +10,7 @@ enum ConfigValue {
         var rest = Substring(text.trimmingSpaces)
         guard !rest.isEmpty else { return nil }
         while !rest.isEmpty {
-            let number = rest.prefix { $0.isNumber || $0 == "." }
+            let number = rest.prefix { ("0"..."9").contains($0) || $0 == "." }
             guard !number.isEmpty, let value = Double(number) else { return nil }
             rest = rest.dropFirst(number.count).drop { $0 == " " }
             let unitText = rest.prefix { $0.isLetter }
@@ -22,17 +23,20 @@ enum ConfigValue {
                 return nil
             }
         }
-        return .milliseconds(Int64((total * 1000).rounded()))
+        let milliseconds = (total * 1000).rounded()
+        guard milliseconds.isFinite, milliseconds <= 100 * 366 * 86_400_000 else { return nil }
+        return .milliseconds(Int64(milliseconds))
     }
 
-    /// A size: `1048576`, `64K`, `1M` (binary multiples).
+    /// A size: `1048576`, `64K`, `1M`, `1G` (binary multiples; `k`, `m`, `g` too). `nil` when it
+    /// is not one or does not fit in an `Int`.
     static func size(_ text: String) -> Int? {
         let trimmed = text.trimmingSpaces
-        let multipliers: [Character: Int] = ["K": 1 << 10, "M": 1 << 20, "G": 1 << 30]
-        if let last = trimmed.last, let multiplier = multipliers[Character(last.uppercased())] {
-            return Int(trimmed.dropLast()).map { $0 * multiplier }
-        }
-        return Int(trimmed)
+        let multipliers: [Character: Int] = ["K": 1 << 10, "k": 1 << 10, "M": 1 << 20, "m": 1 << 20, "G": 1 << 30, "g": 1 << 30]
+        guard let last = trimmed.last, let multiplier = multipliers[last] else { return Int(trimmed) }
+        guard let number = Int(trimmed.dropLast()) else { return nil }
+        let (size, overflow) = number.multipliedReportingOverflow(by: multiplier)
+        return overflow ? nil : size
     }
 
     /// An octal file mode such as `0660`.
