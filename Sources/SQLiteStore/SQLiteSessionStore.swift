@@ -19,8 +19,8 @@ public struct StoreError: Error, Sendable, Equatable, CustomStringConvertible {
 ///   anyone sees the new access token (guarantee 7). `NORMAL` would be crash-safe but could lose
 ///   the last commits on power loss, and a lost rotation is a lost session.
 /// - Every write is guarded by the generation (`StoreWrite.Guard`), in one statement:
-///   `UPDATE … WHERE name = ? AND generation = ?` for refreshes, and an upsert that applies only
-///   over an older generation for logins and logouts.
+///   `UPDATE … WHERE name = ? AND generation = ? AND <not older by token serial>` for refreshes
+///   and ends, and an upsert that applies only over an older generation for logins and logouts.
 /// - The directory is 0700 and the files 0600 (the daemon's umask is tightened while SQLite
 ///   creates them). With a `TokenCipher` the token columns are encrypted (AES-256-GCM); rows
 ///   written before the key was configured are encrypted when the store opens.
@@ -118,7 +118,9 @@ public final class SQLiteSessionStore: SessionStore {
         var reason: String
     }
 
-    private static func prepareDirectory(_ directory: String) throws {
+    /// Creates `directory` (and missing parents, 0700) unless it exists; fails when it is not a
+    /// directory.
+    public static func prepareDirectory(_ directory: String) throws {
         var info = stat()
         if stat(directory, &info) != 0 {
             guard errno == ENOENT else { throw StoreError("\(directory): \(String(cString: strerror(errno)))") }
@@ -255,7 +257,7 @@ public final class SQLiteSessionStore: SessionStore {
             sql = """
                 UPDATE sessions SET state = ?3, refresh_token = ?4, access_token = ?5, token_type = ?6, expires_at = ?7,
                     last_refresh = ?8, token_serial = ?9, end_reason = ?10, updated_at = ?11
-                WHERE name = ?1 AND generation = ?2
+                WHERE name = ?1 AND generation = ?2 AND (token_serial < ?9 OR (token_serial = ?9 AND state != 'ended'))
                 """
         case .newerGeneration:
             sql = """

@@ -12,7 +12,7 @@ public actor InMemorySessionStore: SessionStore {
     }
 
     public func write(_ write: StoreWrite) -> Bool {
-        guard write.applies(over: records[write.record.name]?.generation) else { return false }
+        guard write.applies(over: records[write.record.name]) else { return false }
         records[write.record.name] = write.record
         return true
     }

@@ -49,7 +49,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     ///     (a logout or login overtook the flight); the daemon revokes what it carries, since
     ///     nobody will ever use it.
     public init(session: String, policy: RefreshPolicy = RefreshPolicy(), source: any TokenSource,
-                store: any SessionStore, restored: SessionRecord? = nil, clock: C, wall: any WallClock,
+                store: any SessionStore, restored: SessionRecord? = nil, pendingWrite: StoreWrite? = nil, clock: C, wall: any WallClock,
                 randomUnit: @escaping @Sendable () -> Double = { Double.random(in: 0..<1) },
                 discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in }) {
         self.session = session
@@ -61,7 +61,8 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         self.discarded = discarded
         let epoch = clock.now
         self.epoch = epoch
-        let machine = RefreshStateMachine(session: session, policy: policy, restored: restored, now: .zero, unixNow: wall.unixTime())
+        let machine = RefreshStateMachine(session: session, policy: policy, restored: restored, pendingWrite: pendingWrite,
+                                          now: .zero, unixNow: wall.unixTime())
         self.machine = machine
         published.withLock { $0 = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil) } }
     }
@@ -242,10 +243,24 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// must not have its answer thrown away — then `shutdown()`. Bounded by the source's own
     /// deadline.
     public func retire() async {
+        await quiesce()
+        shutdown()
+    }
+
+    /// The first half of `retire()`: no new flight starts, and the one under way lands and
+    /// commits; logins and logouts still work. Tokens already held are still handed out.
+    public func quiesce() async {
         machine.retire()
         republish()
         if let flight = flightTask?.task { await flight.value }
+    }
+
+    /// Ends this coordinator and gives its whole state to a successor (a reload that changes the
+    /// session's settings): the record as it stands in memory — newer than the store's when a
+    /// write failed — and the write the store still owes, if any. Call after `quiesce()`.
+    public func handOver() -> (record: SessionRecord, pendingWrite: StoreWrite?) {
         shutdown()
+        return (machine.record, machine.pendingWrite)
     }
 
     /// Stops the coordinator: the flight is cancelled, waiters and later demands get

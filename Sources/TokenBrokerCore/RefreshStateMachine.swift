@@ -128,11 +128,17 @@ public struct RefreshStateMachine: Sendable {
     /// The access token a login in progress brought along.
     private var pendingLogin: Current?
 
-    /// A coordinator's state, from what the store holds (`nil`: nothing stored yet).
-    public init(session: String, policy: RefreshPolicy, restored: SessionRecord?, now: Duration, unixNow: Double) {
+    /// A coordinator's state, from what the store holds (`nil`: nothing stored yet), or from a
+    /// predecessor's state together with the write it still owed the store (`pendingWrite`).
+    public init(session: String, policy: RefreshPolicy, restored: SessionRecord?, pendingWrite: StoreWrite? = nil,
+                now: Duration, unixNow: Double) {
         self.session = session
         self.policy = policy
         self.refreshGuard = RefreshGuard(limit: policy.guardLimit, window: policy.guardWindow)
+        if let pendingWrite {
+            self.pendingWrite = pendingWrite
+            lastError = "store: a write is still pending"
+        }
         guard let record = restored else {
             phase = .signedOut
             generation = 0

@@ -43,8 +43,11 @@ public struct SessionRecord: Sendable, Equatable {
 /// One generation-guarded write.
 public struct StoreWrite: Sendable, Equatable {
     public enum Guard: Sendable, Equatable {
-        /// Applies only when the stored generation equals `record.generation`: a refresh result
-        /// or a terminal end within a generation. A missing row is not written.
+        /// Applies only when the stored generation equals `record.generation` and the write is
+        /// not older than the stored record: a refresh result or a terminal end within a
+        /// generation. Within one generation the token serial orders the writes (a record retried
+        /// late after a failed write must not replace a newer refresh's), and at one serial only
+        /// the step from active to ended is taken. A missing row is not written.
         case sameGeneration
         /// Applies only when no row exists or the stored generation is lower than
         /// `record.generation`: login and logout. Because generations only grow, such writes may
@@ -60,11 +63,14 @@ public struct StoreWrite: Sendable, Equatable {
         self.guardedBy = guardedBy
     }
 
-    /// Whether this write applies on top of a row of the given generation (`nil`: no row).
-    public func applies(over storedGeneration: Int?) -> Bool {
+    /// Whether this write applies on top of `stored` (`nil`: no row).
+    public func applies(over stored: SessionRecord?) -> Bool {
         switch guardedBy {
-        case .sameGeneration: return storedGeneration == record.generation
-        case .newerGeneration: return storedGeneration.map { $0 < record.generation } ?? true
+        case .sameGeneration:
+            guard let stored, stored.generation == record.generation else { return false }
+            return stored.tokenSerial < record.tokenSerial || (stored.tokenSerial == record.tokenSerial && stored.state != .ended)
+        case .newerGeneration:
+            return stored.map { $0.generation < record.generation } ?? true
         }
     }
 }

@@ -25,6 +25,8 @@ final class SessionTable: Sendable {
     }
 
     private let state: Mutex<Snapshot>
+    /// Logouts, logins and forgets pass it shared; a reload's hand-over holds it alone.
+    let gate = BoundaryGate()
 
     init(access: Access) {
         state = Mutex(Snapshot(access: access))
@@ -34,6 +36,31 @@ final class SessionTable: Sendable {
 
     func replace(_ snapshot: Snapshot) {
         state.withLock { $0 = snapshot }
+        announceChange()
+    }
+
+    /// Changes the snapshot in place (no lost update between concurrent changes).
+    func modify(_ change: (inout Snapshot) -> Void) {
+        state.withLock { change(&$0) }
+        announceChange()
+    }
+
+    /// One element after each change of the table (for streams that must re-check access).
+    func changes() -> AsyncStream<Void> {
+        let (stream, continuation) = AsyncStream.makeStream(of: Void.self, bufferingPolicy: .bufferingNewest(1))
+        let id = listeners.withLock { listeners in
+            listeners.next += 1
+            listeners.all[listeners.next] = continuation
+            return listeners.next
+        }
+        continuation.onTermination = { [weak self] _ in _ = self?.listeners.withLock { $0.all.removeValue(forKey: id) } }
+        return stream
+    }
+
+    private let listeners = Mutex<(next: UInt64, all: [UInt64: AsyncStream<Void>.Continuation])>((0, [:]))
+
+    private func announceChange() {
+        for continuation in listeners.withLock({ Array($0.all.values) }) { continuation.yield() }
     }
 
     /// The session and whether `peer` may use it.
@@ -87,30 +114,31 @@ final class BrokerService: VarlinkHandler {
                 try parameters.only(["session"])
                 let session = try use(try parameters.string("session"), peer, call)
                 guard call.more else { return .reply(.error(VarlinkServiceError.expectedMore)) }
-                return .async { sink in await Self.watch(session.coordinator, sink) }
+                return .async { [self] sink in await watch(session, peer, sink) }
             case "Logout":
                 try parameters.only(["session"])
-                let session = try administer(try parameters.string("session"), peer, call)
-                let revoke = revocation(for: session)
+                let name = try administer(try parameters.string("session"), peer, call).configuration.name
                 let logger = self.logger
-                return asyncReply(session.configuration.name) {
-                    try await session.coordinator.logout(handingOver: revoke)
-                    let name = session.configuration.name
-                    logger.log(.notice, "logout of session \(name) by \(peer)", session: name,
-                               generation: await session.coordinator.status().generation)
-                    return VarlinkReply()
+                return asyncReply(name) { [self] in
+                    try await boundary(name) { session in
+                        try await session.coordinator.logout(handingOver: revocation(for: session))
+                        logger.log(.notice, "logout of session \(name) by \(peer)", session: name,
+                                   generation: await session.coordinator.status().generation)
+                        return VarlinkReply()
+                    }
                 }
             case "Login":
                 try parameters.only(["session", "refreshToken"])
-                let session = try administer(try parameters.string("session"), peer, call)
+                let name = try administer(try parameters.string("session"), peer, call).configuration.name
                 let refreshToken = Secret(try parameters.string("refreshToken"))
                 guard !refreshToken.isEmpty else { throw ParameterError(name: "refreshToken") }
                 let logger = self.logger
-                return asyncReply(session.configuration.name) {
-                    let generation = try await session.coordinator.login(refreshToken: refreshToken)
-                    logger.log(.notice, "login of session \(session.configuration.name) by \(peer)", session: session.configuration.name,
-                               generation: generation)
-                    return VarlinkReply(parameters: ["generation": .int(Int64(generation))])
+                return asyncReply(name) { [self] in
+                    try await boundary(name) { session in
+                        let generation = try await session.coordinator.login(refreshToken: refreshToken)
+                        logger.log(.notice, "login of session \(name) by \(peer)", session: name, generation: generation)
+                        return VarlinkReply(parameters: ["generation": .int(Int64(generation))])
+                    }
                 }
             case "Refresh":
                 try parameters.only(["session"])
@@ -152,11 +180,18 @@ final class BrokerService: VarlinkHandler {
                     return .reply(.error(BrokerInterface.Error.sessionConfigured, ["session": .string(name)]))
                 }
                 return .async { [self] sink in
-                    do {
-                        sink.send(try await forget(name) ? VarlinkReply() : .error(BrokerInterface.Error.noSuchSession, ["session": .string(name)]))
-                    } catch {
-                        sink.send(reply(for: error, session: name))
+                    // Under the gate, and checked again: a reload may configure it meanwhile.
+                    let answer: VarlinkReply = await sessions.gate.shared { [self] in
+                        guard sessions.lookup(name, for: peer) == nil else {
+                            return .error(BrokerInterface.Error.sessionConfigured, ["session": .string(name)])
+                        }
+                        do {
+                            return try await forget(name) ? VarlinkReply() : .error(BrokerInterface.Error.noSuchSession, ["session": .string(name)])
+                        } catch {
+                            return reply(for: error, session: name)
+                        }
                     }
+                    sink.send(answer)
                 }
             case "Reload":
                 try parameters.only([])
@@ -212,6 +247,17 @@ final class BrokerService: VarlinkHandler {
         guard sessions.isAdmin(peer) else { throw Refusal.permissionDenied }
         guard let (session, _) = sessions.lookup(name, for: peer) else { throw Refusal.noSuchSession(name) }
         return session
+    }
+
+    /// Runs a boundary (logout, login) on the session's coordinator as the table holds it *now*,
+    /// under the gate: never on one a reload is handing over (see `BoundaryGate`).
+    private func boundary(_ name: String, _ body: @Sendable (SessionTable.Session) async throws -> VarlinkReply) async throws -> VarlinkReply {
+        try await sessions.gate.shared { [sessions] in
+            guard let session = sessions.snapshot.sessions[name] else {
+                return .error(BrokerInterface.Error.noSuchSession, ["session": .string(name)])
+            }
+            return try await body(session)
+        }
     }
 
     private func asyncReply(_ session: String, _ body: @escaping @Sendable () async throws -> VarlinkReply) -> VarlinkHandling {
@@ -276,9 +322,12 @@ final class BrokerService: VarlinkHandler {
             return failed(error.description)
         }
         do {
-            let generation = try await session.coordinator.login(refreshToken: token.refreshToken, initial: token)
-            logger.log(.notice, "device login of session \(name) done: generation \(generation)", session: name, generation: generation)
-            sink.send(VarlinkReply(parameters: ["event": "done", "generation": .int(Int64(generation))]))
+            let logger = self.logger
+            sink.send(try await boundary(name) { session in
+                let generation = try await session.coordinator.login(refreshToken: token.refreshToken, initial: token)
+                logger.log(.notice, "device login of session \(name) done: generation \(generation)", session: name, generation: generation)
+                return VarlinkReply(parameters: ["event": "done", "generation": .int(Int64(generation))])
+            })
         } catch {
             sink.send(reply(for: error, session: name))
         }
@@ -322,14 +371,37 @@ final class BrokerService: VarlinkHandler {
         return VarlinkReply(parameters: parameters)
     }
 
-    /// Watch: the current state at once, then every event; `signedOut` ends the stream.
-    static func watch(_ coordinator: Coordinator, _ sink: VarlinkReplySink) async {
+    /// Watch, for as long as `peer` may use the session: a reload that takes the peer off its
+    /// allow lists ends the stream with `PermissionDenied` at once, and no token is sent after
+    /// such a change (each is checked against the table as it is when it goes out).
+    func watch(_ session: SessionTable.Session, _ peer: PeerCredentials, _ sink: VarlinkReplySink) async {
+        let name = session.configuration.name
+        let sessions = self.sessions
+        let allowed: @Sendable () -> Bool = { sessions.lookup(name, for: peer)?.allowed == true }
+        let changes = sessions.changes()
+        await withTaskGroup(of: Void.self) { group in
+            group.addTask { await Self.watch(session.coordinator, sink, while: allowed) }
+            group.addTask {
+                for await _ in changes where !allowed() {
+                    sink.send(.error(BrokerInterface.Error.permissionDenied))
+                    return
+                }
+            }
+            await group.next()
+            group.cancelAll()
+        }
+    }
+
+    /// Watch: the current state at once, then every event; `signedOut` ends the stream. Stops,
+    /// silently, when `allowed` turns false (the caller says why).
+    static func watch(_ coordinator: Coordinator, _ sink: VarlinkReplySink, while allowed: @Sendable () -> Bool = { true }) async {
         let events = await coordinator.watch()
         if await coordinator.status().state == .active && coordinator.freshToken() == nil {
             // Active but without a usable token: fetch one, so the stream starts with it.
             _ = try? await coordinator.token()
         }
         for await event in events {
+            guard allowed() else { return }
             switch event {
             case let .token(token):
                 var parameters: JSONObject = ["event": "token", "generation": .int(Int64(token.generation))]

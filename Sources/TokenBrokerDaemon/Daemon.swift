@@ -212,6 +212,13 @@ public final class Daemon: Sendable {
                     }
                 }
             }
+            for coordinator in unflushed.withLock({ $0 }) {
+                group.addTask { [logger] in
+                    if await !coordinator.flushPendingWrite() {
+                        logger.error("session \(coordinator.session): state could not be written before exit", session: coordinator.session)
+                    }
+                }
+            }
         }
         await server.stop()
     }
@@ -264,43 +271,74 @@ public final class Daemon: Sendable {
 
     /// Builds the session table for `configuration`, keeping the coordinators (tokens and
     /// flights) of sessions whose upstream and policy did not change.
+    ///
+    /// A session whose settings changed gets a new coordinator that takes over the old one's
+    /// state, and a session no longer configured is stopped, in two steps:
+    /// 1. While everything keeps serving, their coordinators start no new refresh, and the one
+    ///    under way lands and commits (a rotated refresh token must not be lost).
+    /// 2. With logouts and logins held back (`BoundaryGate`), each old coordinator hands its
+    ///    state as it stands in memory — with the write the store still owes, if it is degraded
+    ///    — to its successor, and the table is swapped. A logout acknowledged before the swap is
+    ///    in what is handed over; one after it reaches the new coordinator. A removed session's
+    ///    pending write is flushed, or kept and retried until it lands.
     private func apply(_ configuration: BrokerConfiguration) async {
         let previous = table.snapshot
-        var snapshot = SessionTable.Snapshot(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
-        var retired: [Coordinator] = []
-        for session in configuration.sessions {
-            if let existing = previous.sessions[session.name], !session.needsNewCoordinator(comparedTo: existing.configuration) {
-                // Same upstream and policy: keep tokens and flights; re-read discovery metadata.
-                existing.upstream?.resetDiscovery()
-                snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: existing.coordinator,
-                                                                       upstream: existing.upstream)
-            } else {
-                if let existing = previous.sessions[session.name] {
-                    // Let its flight land and commit first: the new coordinator starts from
-                    // what the store then holds (a rotated refresh token must not be lost).
-                    if await existing.coordinator.status().refreshing {
-                        logger.info("session \(session.name): settings changed; waiting for its refresh in flight", session: session.name)
-                    }
-                    await existing.coordinator.retire()
-                }
-                snapshot.sessions[session.name] = await makeSession(session)
-            }
-            snapshot.order.append(session.name)
+        let leaving = previous.sessions.filter { name, existing in
+            configuration.session(named: name).map { $0.needsNewCoordinator(comparedTo: existing.configuration) } ?? true
         }
-        for (name, session) in previous.sessions where snapshot.sessions[name] == nil { retired.append(session.coordinator) }
-        snapshot.inert = await inertSessions(configured: Set(snapshot.order))
-        table.replace(snapshot)
-        current.value = configuration
-        for coordinator in retired { await coordinator.retire() }
+        for (name, existing) in leaving {
+            if await existing.coordinator.status().refreshing {
+                logger.info("session \(name): settings changed; waiting for its refresh in flight", session: name)
+            }
+            await existing.coordinator.quiesce()
+        }
+        await table.gate.exclusive { [self] in
+            var snapshot = SessionTable.Snapshot(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
+            for session in configuration.sessions {
+                if let existing = previous.sessions[session.name], leaving[session.name] == nil {
+                    // Same upstream and policy: keep tokens and flights; re-read discovery metadata.
+                    existing.upstream?.resetDiscovery()
+                    snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: existing.coordinator,
+                                                                           upstream: existing.upstream)
+                } else if let existing = leaving[session.name] {
+                    let (record, pending) = await existing.coordinator.handOver()
+                    snapshot.sessions[session.name] = await makeSession(session, handedOver: (record, pending))
+                } else {
+                    snapshot.sessions[session.name] = await makeSession(session)
+                }
+                snapshot.order.append(session.name)
+            }
+            for (name, removed) in leaving where configuration.session(named: name) == nil {
+                await removed.coordinator.shutdown()
+                if await !removed.coordinator.flushPendingWrite() {
+                    logger.error("session \(name): removed from the configuration with a write still pending; retrying it", session: name)
+                    unflushed.withLock { $0.append(removed.coordinator) }
+                }
+            }
+            snapshot.inert = await inertSessions(configured: Set(snapshot.order))
+            table.replace(snapshot)
+            current.value = configuration
+        }
     }
 
-    private func makeSession(_ session: SessionConfiguration) async -> SessionTable.Session {
+    /// Coordinators of removed sessions whose last write has not reached the store yet: retried
+    /// by `maintain()` and at exit.
+    private let unflushed = Mutex<[Coordinator]>([])
+
+    /// A coordinator for `session`, from a predecessor's state when a reload replaces one, else
+    /// from what the store holds.
+    private func makeSession(_ session: SessionConfiguration, handedOver: (record: SessionRecord, pending: StoreWrite?)? = nil) async
+        -> SessionTable.Session {
         let restored: SessionRecord?
-        do {
-            restored = try await state.sessions.load(session.name)
-        } catch {
-            logger.error("cannot load the state of session \(session.name): \(error); it starts signed out", session: session.name)
-            restored = nil
+        if let handedOver {
+            restored = handedOver.record
+        } else {
+            do {
+                restored = try await state.sessions.load(session.name)
+            } catch {
+                logger.error("cannot load the state of session \(session.name): \(error); it starts signed out", session: session.name)
+                restored = nil
+            }
         }
         let source: any TokenSource
         var upstream: HTTPTokenSource?
@@ -314,7 +352,8 @@ public final class Daemon: Sendable {
             upstream = http
         }
         let coordinator = Coordinator(session: session.name, policy: session.policy, source: source,
-                                      store: state.sessions, restored: restored, clock: ContinuousClock(), wall: SystemWallClock(),
+                                      store: state.sessions, restored: restored, pendingWrite: handedOver?.pending,
+                                      clock: ContinuousClock(), wall: SystemWallClock(),
                                       discarded: discardedTokenRevocation(session, upstream))
         if let restored {
             logger.log(.info, "session \(session.name): restored \(restored.state.rawValue) at generation \(restored.generation)"
@@ -366,9 +405,7 @@ public final class Daemon: Sendable {
     /// Removes a stored session the configuration no longer names.
     func forget(_ name: String) async throws -> Bool {
         guard let database = state.database, try await database.forget(name) else { return false }
-        var snapshot = table.snapshot
-        snapshot.inert.removeAll { $0.name == name }
-        table.replace(snapshot)
+        table.modify { $0.inert.removeAll { $0.name == name } }
         logger.notice("forgot stored session \(name)")
         return true
     }
@@ -388,6 +425,15 @@ public final class Daemon: Sendable {
                     if await session.coordinator.flushPendingWrite() {
                         logger.notice("session \(session.configuration.name): pending state written; no longer degraded",
                                       session: session.configuration.name)
+                    } else {
+                        allFlushed = false
+                    }
+                }
+                for coordinator in unflushed.withLock({ $0 }) {
+                    if await coordinator.flushPendingWrite() {
+                        unflushed.withLock { $0.removeAll { $0 === coordinator } }
+                        logger.notice("session \(coordinator.session): the last write of the removed session has landed",
+                                      session: coordinator.session)
                     } else {
                         allFlushed = false
                     }

@@ -30,12 +30,21 @@ struct StateStore: Sendable {
         let cipher = try stateKey.map { key in
             try TokenCipher(keyMaterial: key.reveal.unicodeScalars.map { UInt8(truncatingIfNeeded: $0.value) })
         }
-        let database = try SQLiteSessionStore(directory: directory, cipher: cipher)
-        let lock = Glibc.open(directory + "/state.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
-        guard lock >= 0 else { throw AlreadyInUse(directory: directory) }
+        // The lock first: opening the database may migrate it, encrypt rows written in clear, or
+        // move an unreadable file aside — none of which may happen under another daemon.
+        try SQLiteSessionStore.prepareDirectory(directory)
+        let lock = Glibc.open(directory + "/state.lock", O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0o600)
+        guard lock >= 0 else { throw StoreError("cannot open \(directory)/state.lock: \(String(cString: strerror(errno)))") }
         guard flock(lock, LOCK_EX | LOCK_NB) == 0 else {
             close(lock)
             throw AlreadyInUse(directory: directory)
+        }
+        let database: SQLiteSessionStore
+        do {
+            database = try SQLiteSessionStore(directory: directory, cipher: cipher)
+        } catch {
+            close(lock)
+            throw error
         }
         if let moved = database.movedAside {
             logger.error("the state database \(database.path) was unreadable and has been moved aside to \(moved); starting with an empty one")

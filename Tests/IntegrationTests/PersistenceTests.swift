@@ -118,13 +118,22 @@ struct PersistenceTests {
         #expect(check.stderr.contains("bad.conf:2: StateKeyFile=: a state key must be 32 bytes or 64 hexadecimal digits"))
     }
 
-    @Test("one daemon per state directory: a second one on the same state refuses to start")
+    @Test("one daemon per state directory: a second one refuses to start before it touches the database (no re-encryption under the first)")
     func oneDaemonPerState() async throws {
         try await withBroker { broker in
-            let second = try Child(Paths.tokenbroker, ["serve", "--config", broker.configPath, "--socket", broker.directory + "/other.sock",
-                                                       "--state-dir", broker.directory + "/state"], directory: broker.directory)
+            #expect(try broker.call("GetToken", ["session": "api"]).error == nil)   // a token stored in clear
+            // The second daemon has a state key: opening the database would seal the clear rows.
+            try String(repeating: "ab", count: 32).write(toFile: broker.directory + "/state.key", atomically: true, encoding: .utf8)
+            try (Broker.defaultConfig + "[Broker]\nStateKeyFile=\(broker.directory)/state.key\n")
+                .write(toFile: broker.directory + "/keyed.conf", atomically: true, encoding: .utf8)
+            let second = try Child(Paths.tokenbroker, ["serve", "--config", broker.directory + "/keyed.conf",
+                                                       "--socket", broker.directory + "/other.sock", "--state-dir", broker.directory + "/state"],
+                                   directory: broker.directory)
             #expect(await second.wait() == 1)
             #expect(second.stderr.contains("another tokenbroker is using \(broker.directory)/state"))
+            let files = try FileManager.default.contentsOfDirectory(atPath: broker.directory + "/state").filter { $0.hasPrefix("state.db") }
+            let clear = try files.contains { try Data(contentsOf: URL(fileURLWithPath: broker.directory + "/state/" + $0)).range(of: Data("tbtest.".utf8)) != nil }
+            #expect(clear, "the second daemon rewrote the first one's database")
             #expect(try broker.call("GetToken", ["session": "api"]).error == nil)
         }
     }

@@ -44,6 +44,22 @@ struct SQLiteStoreTests {
         #expect(try await store.load("api")?.refreshToken == Secret("r2"))
     }
 
+    @Test("within a generation the token serial orders writes: an older record retried late is dropped; an end is never undone")
+    func serialOrder() async throws {
+        func write(_ serial: UInt64, _ state: SessionRecord.State, _ token: String?) -> StoreWrite {
+            StoreWrite(SessionRecord(name: "api", generation: 1, state: state, refreshToken: token.map(Secret.init), tokenSerial: serial),
+                       guardedBy: .sameGeneration)
+        }
+        let store = try SQLiteSessionStore(directory: Self.directory())
+        #expect(try await store.write(StoreWrite(Self.record(1, .active, refresh: "r1"), guardedBy: .newerGeneration)))
+        #expect(try await store.write(write(3, .active, "r3")))
+        #expect(try await !store.write(write(2, .active, "r2")))
+        #expect(try await store.load("api")?.refreshToken == Secret("r3"))
+        #expect(try await store.write(write(3, .ended, nil)))
+        #expect(try await !store.write(write(3, .active, "r3")))
+        #expect(try await store.load("api")?.state == .ended)
+    }
+
     @Test("boundary writes in any order: the newest generation wins; a late refresh never resurrects a logout")
     func anyOrder() async throws {
         let writes = [

@@ -17,6 +17,21 @@ struct StoreGuardTests {
         #expect(await store.load("api")?.refreshToken == Secret("r2"))
     }
 
+    @Test("within a generation the token serial orders writes: a late retry of an older record is dropped; active may end at its serial, an end is never undone")
+    func serialOrder() async {
+        func write(_ serial: UInt64, _ state: SessionRecord.State, _ token: String?) -> StoreWrite {
+            StoreWrite(SessionRecord(name: "api", generation: 1, state: state, refreshToken: token.map(Secret.init), tokenSerial: serial),
+                       guardedBy: .sameGeneration)
+        }
+        let store = InMemorySessionStore([SessionRecord(name: "api", generation: 1, state: .active, refreshToken: Secret("r1"), tokenSerial: 1)])
+        #expect(await store.write(write(3, .active, "r3")))
+        #expect(await !store.write(write(2, .active, "r2")))   // the degraded write of refresh #2, flushed late
+        #expect(await store.write(write(3, .active, "r3")))    // the same record again: harmless
+        #expect(await store.write(write(3, .ended, nil)))      // refresh #4 failed for good
+        #expect(await !store.write(write(3, .active, "r3")))   // a late retry must not undo the end
+        #expect(await store.load("api")?.state == .ended)
+    }
+
     @Test("boundary writes may arrive in any order: the newest generation wins, late refreshes are dropped")
     func anyOrder() async {
         let writes = [
