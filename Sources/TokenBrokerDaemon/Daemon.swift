@@ -120,15 +120,28 @@ public final class Daemon: Sendable {
                 info: VarlinkServiceInfo(vendor: "tokenbroker", product: "tokenbroker", version: Self.version,
                                          url: "https://github.com/tokenbroker/tokenbroker"),
                 interfaces: [BrokerInterface.interface], handler: service,
-                configuration: VarlinkServerConfiguration(maximumMessageSize: configuration.maxMessageSize,
-                                                          maximumConnections: configuration.maxConnections,
-                                                          protocolErrorName: BrokerInterface.Error.protocolError,
-                                                          heartbeat: Systemd.watchdogInterval().map { ($0, { Systemd.watchdog() }) }),
+                configuration: VarlinkServerConfiguration(
+                    maximumMessageSize: configuration.maxMessageSize,
+                    jsonLimits: JSONLimits(maximumMembers: configuration.maxObjectMembers),
+                    maximumConnections: configuration.maxConnections,
+                    maximumConnectionsPerUser: configuration.maxConnectionsPerUser,
+                    // Admins (root, the daemon's user, AdminGroup=) may always reach the daemon.
+                    isPrivileged: { [table] peer in table.isAdmin(peer) },
+                    messageTimeout: configuration.messageTimeout,
+                    maximumQueuedOutput: configuration.maxQueuedOutput,
+                    protocolErrorName: BrokerInterface.Error.protocolError,
+                    heartbeat: Systemd.watchdogInterval().map { ($0, { Systemd.watchdog() }) }),
                 onEvent: { event in
                     switch event {
-                    case let .connectionLimit(peer):
-                        logger.limited(.warning, key: "limit:\(peer.map { "\($0.uid)" } ?? "-")",
-                                       "connection limit reached; refused \(peer.map { "\($0)" } ?? "a client")")
+                    case let .connectionRefused(peer, refusal):
+                        let why: String
+                        switch refusal {
+                        case .serverFull: why = "MaxConnections= reached"
+                        case .userLimit: why = "MaxConnectionsPerUser= reached"
+                        case .descriptors: why = "out of file descriptors"
+                        }
+                        logger.limited(.warning, key: "refused:\(peer.map { "\($0.uid)" } ?? "-")",
+                                       "connection refused (\(why)): \(peer.map { "\($0)" } ?? "a client")")
                     case let .protocolError(peer, reason):
                         logger.limited(.notice, key: "protocol:\(peer.uid)", "protocol error from \(peer): \(reason)")
                     }

@@ -5,15 +5,33 @@ import Basics
 import CLinux
 import Synchronization
 
-/// Limits of a varlink server.
+/// Limits of a varlink server: what one client may cost it. Every one of them is enforced on the
+/// I/O thread before any handler runs, so no peer — authorized or not — can take more than its
+/// share of connections, memory or the loop's time.
 public struct VarlinkServerConfiguration: Sendable {
     /// Largest message accepted; a longer one closes its connection.
     public var maximumMessageSize: Int
+    /// How much structure one message may have (nesting, members per object). Parsing is
+    /// linear in the message's size whatever it holds.
+    public var jsonLimits: JSONLimits
     /// Connections served at once; beyond it a new connection is accepted and closed at once.
     public var maximumConnections: Int
+    /// Of `maximumConnections`, this many are kept for privileged peers (see `isPrivileged`): a
+    /// flood of ordinary peers cannot lock the operator out.
+    public var reservedConnections: Int
+    /// Connections one uid may hold at once (privileged peers excepted).
+    public var maximumConnectionsPerUser: Int
+    /// Which peers are exempt from the per-uid limit and may use the reserved connections.
+    public var isPrivileged: @Sendable (PeerCredentials) -> Bool
+    /// A message whose first byte has arrived must be complete within this time, or its
+    /// connection is closed (a half-sent message holds memory and a slot).
+    public var messageTimeout: Duration
     /// Replies queued for a client that does not read; past it the server stops reading that
     /// client's calls (and drops a stream whose events keep coming).
     public var maximumPendingOutput: Int
+    /// Replies queued for all clients together; past it, no client with replies still queued is
+    /// read from until they drain (those that read their replies go on).
+    public var maximumQueuedOutput: Int
     /// An error sent before closing a connection over a malformed or oversized message, when no
     /// call of that connection is in progress (`nil`: close without a word). It carries
     /// `reason`.
@@ -22,20 +40,45 @@ public struct VarlinkServerConfiguration: Sendable {
     /// watchdog ping: a wedged loop stops calling it).
     public var heartbeat: (interval: Duration, action: @Sendable () -> Void)?
 
-    public init(maximumMessageSize: Int = 1 << 20, maximumConnections: Int = 4096, maximumPendingOutput: Int = 4 << 20,
+    public init(maximumMessageSize: Int = 64 << 10, jsonLimits: JSONLimits = .standard, maximumConnections: Int = 4096,
+                reservedConnections: Int? = nil, maximumConnectionsPerUser: Int = 256,
+                isPrivileged: @escaping @Sendable (PeerCredentials) -> Bool = { $0.uid == 0 },
+                messageTimeout: Duration = .seconds(10), maximumPendingOutput: Int = 1 << 20, maximumQueuedOutput: Int = 32 << 20,
                 protocolErrorName: String? = nil, heartbeat: (interval: Duration, action: @Sendable () -> Void)? = nil) {
         self.maximumMessageSize = maximumMessageSize
+        self.jsonLimits = jsonLimits
         self.maximumConnections = maximumConnections
+        self.reservedConnections = reservedConnections ?? Self.reserve(for: maximumConnections)
+        self.maximumConnectionsPerUser = maximumConnectionsPerUser
+        self.isPrivileged = isPrivileged
+        self.messageTimeout = messageTimeout
         self.maximumPendingOutput = maximumPendingOutput
+        self.maximumQueuedOutput = maximumQueuedOutput
         self.protocolErrorName = protocolErrorName
         self.heartbeat = heartbeat
+    }
+
+    /// The connections kept for privileged peers by default: 1/32 of them, at least 1 and at
+    /// most 128 (none when there is only one).
+    public static func reserve(for maximumConnections: Int) -> Int {
+        maximumConnections < 2 ? 0 : min(128, max(1, maximumConnections / 32))
     }
 }
 
 /// Something the server wants the operator to know (refusals, protocol errors). Holds no
 /// message content.
 public enum VarlinkServerEvent: Sendable {
-    case connectionLimit(PeerCredentials?)
+    /// Why a connection was closed as soon as it was accepted.
+    public enum Refusal: Sendable, Equatable {
+        /// Every connection is taken (or every one not kept for privileged peers).
+        case serverFull
+        /// This peer's uid holds as many connections as it may.
+        case userLimit
+        /// The process is out of file descriptors.
+        case descriptors
+    }
+
+    case connectionRefused(PeerCredentials?, Refusal)
     case protocolError(PeerCredentials, String)
 }
 
@@ -173,7 +216,11 @@ public final class VarlinkServer: Sendable {
         let id: UInt64
         let fd: Int32
         let peer: PeerCredentials
+        /// Exempt from the per-uid limit (decided once, at accept).
+        let privileged: Bool
         var decoder: FrameDecoder
+        /// When the first byte of the message still unfinished arrived (`nil`: none is).
+        var messageStarted: ContinuousClock.Instant?
         var output: [UInt8] = []
         var outputStart = 0
         /// Events registered with epoll.
@@ -194,10 +241,11 @@ public final class VarlinkServer: Sendable {
             var finalSent = false
         }
 
-        init(id: UInt64, fd: Int32, peer: PeerCredentials, maximumMessageSize: Int) {
+        init(id: UInt64, fd: Int32, peer: PeerCredentials, privileged: Bool, maximumMessageSize: Int) {
             self.id = id
             self.fd = fd
             self.peer = peer
+            self.privileged = privileged
             decoder = FrameDecoder(maximumSize: maximumMessageSize)
         }
 
@@ -207,6 +255,10 @@ public final class VarlinkServer: Sendable {
     private struct Loop {
         let server: VarlinkServer
         var connections: [UInt64: Connection] = [:]
+        /// Connections per uid, privileged peers' not counted.
+        var perUser: [UInt32: Int] = [:]
+        /// Bytes of replies queued on all connections together.
+        var queuedOutput = 0
         var nextID: UInt64 = 2
         var accepting = true
         var readBuffer = [UInt8](repeating: 0, count: 65_536)
@@ -220,17 +272,22 @@ public final class VarlinkServer: Sendable {
             let heartbeat = server.configuration.heartbeat
             let clock = ContinuousClock()
             var nextBeat = clock.now
+            // Unfinished messages are checked this often against their deadline.
+            let sweepInterval = min(Duration.seconds(1), server.configuration.messageTimeout / 4)
+            var nextSweep = clock.now + sweepInterval
             while true {
-                var timeout: Int32 = -1
-                if let heartbeat {
-                    let now = clock.now
-                    if now >= nextBeat {
-                        heartbeat.action()
-                        nextBeat = now + heartbeat.interval
-                    }
-                    let (seconds, attoseconds) = (nextBeat - now).components
-                    timeout = Int32(max(1, seconds * 1000 + attoseconds / 1_000_000_000_000_000))
+                let now = clock.now
+                if let heartbeat, now >= nextBeat {
+                    heartbeat.action()
+                    nextBeat = now + heartbeat.interval
                 }
+                if now >= nextSweep {
+                    closeUnfinished(now: now)
+                    nextSweep = now + sweepInterval
+                }
+                let wake = heartbeat == nil ? nextSweep : min(nextSweep, nextBeat)
+                let (seconds, attoseconds) = (wake - now).components
+                let timeout = Int32(max(1, seconds * 1000 + attoseconds / 1_000_000_000_000_000))
                 let count = epoll_wait(server.epollFD, &events, Int32(events.count), timeout)
                 if count < 0 {
                     if errno == EINTR { continue }
@@ -294,7 +351,7 @@ public final class VarlinkServer: Sendable {
                     if !call.more || reply.error != nil { reply.continues = false }
                     if !reply.continues { call.finalSent = true }
                     connection.current = call
-                    if !call.oneway { reply.encode(into: &connection.output) }
+                    if !call.oneway { queue(reply, on: connection) }
                     if connection.pendingOutput > server.configuration.maximumPendingOutput * 2 {
                         // A stream nobody reads: drop the connection, not the server's memory.
                         closeConnection(connection)
@@ -302,8 +359,7 @@ public final class VarlinkServer: Sendable {
                     }
                 } else {
                     if !call.finalSent && !call.oneway {
-                        VarlinkReply.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)])
-                            .encode(into: &connection.output)
+                        queue(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]), on: connection)
                     }
                     connection.current = nil
                     if !call.more { server.busyCalls.subtract(1, ordering: .relaxed) }
@@ -321,7 +377,7 @@ public final class VarlinkServer: Sendable {
                     if errno == EMFILE || errno == ENFILE {
                         // Out of descriptors: accept with the spare one and close at once, so
                         // the pending connection does not keep the loop spinning.
-                        server.onEvent(.connectionLimit(nil))
+                        server.onEvent(.connectionRefused(nil, .descriptors))
                         close(spareFD)
                         let pending = tb_accept_nonblocking(server.listenFD)
                         if pending >= 0 { close(pending) }
@@ -330,13 +386,30 @@ public final class VarlinkServer: Sendable {
                     }
                     return   // EAGAIN: nothing more to accept
                 }
-                let peer = UnixSocket.peer(fd)
-                guard connections.count < server.configuration.maximumConnections, let peer else {
-                    server.onEvent(.connectionLimit(peer))
+                guard let peer = UnixSocket.peer(fd) else {
                     close(fd)
                     continue
                 }
-                let connection = Connection(id: nextID, fd: fd, peer: peer, maximumMessageSize: server.configuration.maximumMessageSize)
+                let limits = server.configuration
+                let privileged = limits.isPrivileged(peer)
+                // The last `reservedConnections` slots are for privileged peers; each other uid
+                // may hold `maximumConnectionsPerUser`.
+                let refusal: VarlinkServerEvent.Refusal?
+                if connections.count >= limits.maximumConnections
+                    || (!privileged && connections.count >= limits.maximumConnections - limits.reservedConnections) {
+                    refusal = .serverFull
+                } else if !privileged && perUser[peer.uid, default: 0] >= limits.maximumConnectionsPerUser {
+                    refusal = .userLimit
+                } else {
+                    refusal = nil
+                }
+                if let refusal {
+                    server.onEvent(.connectionRefused(peer, refusal))
+                    close(fd)
+                    continue
+                }
+                let connection = Connection(id: nextID, fd: fd, peer: peer, privileged: privileged,
+                                            maximumMessageSize: limits.maximumMessageSize)
                 nextID += 1
                 var event = epoll_event()
                 tb_epoll_event_set(&event, EPOLLIN.rawValue | EPOLLRDHUP.rawValue, connection.id)
@@ -346,6 +419,7 @@ public final class VarlinkServer: Sendable {
                 }
                 connection.interest = EPOLLIN.rawValue
                 connections[connection.id] = connection
+                if !privileged { perUser[peer.uid, default: 0] += 1 }
                 server.openConnections.add(1, ordering: .relaxed)
             }
         }
@@ -374,9 +448,22 @@ public final class VarlinkServer: Sendable {
         /// Whether to read more from the client: not while its replies pile up, and at most
         /// about one message's worth of calls ahead of the one in progress.
         private func wantsInput(_ connection: Connection) -> Bool {
-            guard !connection.inputClosed, !connection.closeAfterFlush else { return false }
-            guard connection.pendingOutput <= server.configuration.maximumPendingOutput else { return false }
+            guard !connection.inputClosed, !connection.closeAfterFlush, !outputBlocked(connection) else { return false }
             return connection.decoder.pendingCount <= server.configuration.maximumMessageSize
+        }
+
+        /// Whether the client must take its replies before more of its calls are handled: its
+        /// own queue is full, or everyone's together is and it has replies waiting.
+        private func outputBlocked(_ connection: Connection) -> Bool {
+            connection.pendingOutput > server.configuration.maximumPendingOutput
+                || (connection.pendingOutput > 0 && queuedOutput > server.configuration.maximumQueuedOutput)
+        }
+
+        /// Queues a reply on `connection`, counting it in the total.
+        private mutating func queue(_ reply: VarlinkReply, on connection: Connection) {
+            let before = connection.output.count
+            reply.encode(into: &connection.output)
+            queuedOutput += connection.output.count - before
         }
 
         /// Handles buffered calls and writes replies until nothing more can happen without the
@@ -385,8 +472,7 @@ public final class VarlinkServer: Sendable {
             while processFrames(connection) {
                 // Stopped because replies piled up: write, and go on if the client took them.
                 flush(connection)
-                guard connections[connection.id] != nil,
-                      connection.pendingOutput <= server.configuration.maximumPendingOutput else { return }
+                guard connections[connection.id] != nil, !outputBlocked(connection) else { return }
             }
             flush(connection)
         }
@@ -396,6 +482,10 @@ public final class VarlinkServer: Sendable {
                 let n = readBuffer.withUnsafeMutableBytes { read(connection.fd, $0.baseAddress, $0.count) }
                 if n > 0 {
                     readBuffer.withUnsafeBytes { connection.decoder.append(UnsafeRawBufferPointer(rebasing: $0[0..<n])) }
+                    // A message's deadline runs from its first byte to its NUL.
+                    let unfinished = readBuffer[n - 1] != 0
+                    if !unfinished || readBuffer[0..<n].contains(0) { connection.messageStarted = nil }
+                    if unfinished && connection.messageStarted == nil { connection.messageStarted = ContinuousClock.now }
                     if n < readBuffer.count || connection.decoder.pendingCount > server.configuration.maximumMessageSize { return }
                     continue
                 }
@@ -413,7 +503,7 @@ public final class VarlinkServer: Sendable {
         /// up (then returns true), or the connection ends.
         private mutating func processFrames(_ connection: Connection) -> Bool {
             while connection.current == nil && !connection.closeAfterFlush {
-                if connection.pendingOutput > server.configuration.maximumPendingOutput { return true }
+                if outputBlocked(connection) { return true }
                 let frame: ArraySlice<UInt8>
                 do {
                     guard let next = try connection.decoder.next() else { break }
@@ -424,7 +514,7 @@ public final class VarlinkServer: Sendable {
                 }
                 let call: VarlinkCall
                 do {
-                    call = try VarlinkCall.decode(frame)
+                    call = try VarlinkCall.decode(frame, limits: server.configuration.jsonLimits)
                 } catch {
                     protocolError(connection, error.reason)
                     return false
@@ -440,9 +530,27 @@ public final class VarlinkServer: Sendable {
         private mutating func protocolError(_ connection: Connection, _ reason: String) {
             server.onEvent(.protocolError(connection.peer, reason))
             if let name = server.configuration.protocolErrorName {
-                VarlinkReply.error(name, ["reason": .string(reason)]).encode(into: &connection.output)
+                queue(.error(name, ["reason": .string(reason)]), on: connection)
             }
             connection.closeAfterFlush = true
+        }
+
+        /// Closes the connections whose unfinished message has outlived `messageTimeout` (with a
+        /// protocol error when nothing else is being answered on them; never waiting for a
+        /// client that does not read).
+        private mutating func closeUnfinished(now: ContinuousClock.Instant) {
+            let timeout = server.configuration.messageTimeout
+            for connection in Array(connections.values) {
+                guard let started = connection.messageStarted, now - started > timeout else { continue }
+                let reason = "message not completed within \(timeout)"
+                if connection.current == nil && !connection.closeAfterFlush {
+                    protocolError(connection, reason)
+                    flush(connection)
+                } else {
+                    server.onEvent(.protocolError(connection.peer, reason))
+                }
+                closeConnection(connection)
+            }
         }
 
         private mutating func dispatch(_ call: VarlinkCall, on connection: Connection) {
@@ -464,7 +572,7 @@ public final class VarlinkServer: Sendable {
             case var .reply(reply):
                 guard !call.oneway else { return }
                 if !call.more { reply.continues = false }
-                reply.encode(into: &connection.output)
+                queue(reply, on: connection)
             case let .async(body):
                 connection.nextCall += 1
                 let (server, connectionID, callID) = (server, connection.id, connection.nextCall)
@@ -486,6 +594,7 @@ public final class VarlinkServer: Sendable {
                 }
                 if n > 0 {
                     connection.outputStart += n
+                    queuedOutput -= n
                     continue
                 }
                 if n < 0 && errno == EINTR { continue }
@@ -520,6 +629,11 @@ public final class VarlinkServer: Sendable {
 
         private mutating func closeConnection(_ connection: Connection) {
             guard connections.removeValue(forKey: connection.id) != nil else { return }
+            queuedOutput -= connection.pendingOutput
+            if !connection.privileged {
+                let held = perUser[connection.peer.uid, default: 1] - 1
+                perUser[connection.peer.uid] = held > 0 ? held : nil
+            }
             if let call = connection.current {
                 call.task.cancel()
                 if !call.more { server.busyCalls.subtract(1, ordering: .relaxed) }

@@ -84,13 +84,14 @@ final class TestServer: Sendable {
     let handler = TestHandler()
     let server: VarlinkServer
 
-    init(configuration: VarlinkServerConfiguration = VarlinkServerConfiguration(protocolErrorName: "io.example.Test.ProtocolError")) throws {
+    init(configuration: VarlinkServerConfiguration = VarlinkServerConfiguration(protocolErrorName: "io.example.Test.ProtocolError"),
+         onEvent: @escaping @Sendable (VarlinkServerEvent) -> Void = { _ in }) throws {
         directory = try FileManager.default.url(for: .itemReplacementDirectory, in: .userDomainMask,
                                                  appropriateFor: URL(fileURLWithPath: NSTemporaryDirectory()), create: true).path
         address = VarlinkAddress(path: directory + "/test.sock")
         let fd = try UnixSocket.listen(path: address.path)
         server = try VarlinkServer(listening: fd, info: VarlinkServiceInfo(vendor: "tokenbroker", product: "test", version: "1", url: "https://example.invalid"),
-                                   interfaces: [TestHandler.interface], handler: handler, configuration: configuration)
+                                   interfaces: [TestHandler.interface], handler: handler, configuration: configuration, onEvent: onEvent)
         server.start()
     }
 
@@ -253,6 +254,81 @@ struct ServerTests {
         let refused = try fixture.client()
         #expect(throws: VarlinkClientError.self) { try refused.call("io.example.Test.Echo", ["text": "x"]) }
         #expect(try clients[0].call("io.example.Test.Echo", ["text": "y"]).parameters["text"] == "y")
+    }
+
+    @Test("per uid: an ordinary peer's uid holds at most maximumConnectionsPerUser; a privileged peer is not counted and may take the reserved slots")
+    func perUserLimit() async throws {
+        // All test clients are this process's uid: privilege is switched per connection.
+        let privileged = Atomic<Bool>(false)
+        let events = Mutex<[VarlinkServerEvent.Refusal]>([])
+        let fixture = try TestServer(configuration: VarlinkServerConfiguration(maximumConnections: 6, reservedConnections: 2,
+                                                                              maximumConnectionsPerUser: 3,
+                                                                              isPrivileged: { _ in privileged.load(ordering: .relaxed) }),
+                                     onEvent: { if case let .connectionRefused(_, why) = $0 { events.withLock { $0.append(why) } } })
+        defer { Task { await fixture.stop() } }
+        let server = fixture.server
+        func connect() throws -> VarlinkClient { try fixture.client(timeout: 5) }
+        func served(_ client: VarlinkClient) -> Bool { (try? client.call("io.example.Test.Echo", ["text": "x"]))?.parameters["text"] == "x" }
+        var ordinary = try (0..<3).map { _ in try connect() }
+        #expect(ordinary.allSatisfy(served))
+        #expect(!served(try connect()), "a fourth connection of the same uid was served")
+        #expect(events.withLock { $0 } == [.userLimit])
+        // Privileged peers: not counted per uid; they may fill the 3 remaining slots, the last 2
+        // of which no ordinary peer may take.
+        privileged.store(true, ordering: .relaxed)
+        let admins = try (0..<3).map { _ in try connect() }
+        #expect(admins.allSatisfy(served))
+        #expect(!served(try connect()), "a seventh connection was served")
+        #expect(events.withLock { $0 } == [.userLimit, .serverFull])
+        // Closing an ordinary one frees its uid's slot, but not a reserved one: at 5 of 6 open,
+        // an ordinary peer is refused (serverFull) while a privileged one is served.
+        ordinary.removeFirst()   // closes it
+        try await eventually("a slot freed") { server.connectionCount == 5 }
+        privileged.store(false, ordering: .relaxed)
+        #expect(!served(try connect()))
+        #expect(events.withLock { $0.last } == .serverFull)
+        privileged.store(true, ordering: .relaxed)
+        #expect(served(try connect()))
+    }
+
+    @Test("a message started and not finished within messageTimeout closes its connection; the others are served meanwhile")
+    func unfinishedMessage() async throws {
+        let fixture = try TestServer(configuration: VarlinkServerConfiguration(messageTimeout: .milliseconds(300),
+                                                                              protocolErrorName: "io.example.Test.ProtocolError"))
+        defer { Task { await fixture.stop() } }
+        let slow = try fixture.client(timeout: 10)
+        try slow.send(Array(#"{"method":"io.example.Test.Echo","param"#.utf8))
+        let started = ContinuousClock.now
+        let other = try fixture.client()
+        #expect(try other.call("io.example.Test.Echo", ["text": "meanwhile"]).parameters["text"] == "meanwhile")
+        let reply = try slow.nextReply()
+        #expect(reply.error == "io.example.Test.ProtocolError" && reply.parameters["reason"]?.stringValue?.hasPrefix("message not completed") == true)
+        #expect(ContinuousClock.now - started >= .milliseconds(300))
+        #expect(throws: VarlinkClientError.self) { try slow.nextReply() }
+        // A client that keeps its messages whole is never timed out, however long it stays.
+        let steady = try fixture.client()
+        for _ in 0..<3 {
+            try await Task.sleep(for: .milliseconds(200))   // idle time between whole messages is fine
+            #expect(try steady.call("io.example.Test.Echo", ["text": "still here"]).parameters["text"] == "still here")
+        }
+    }
+
+    @Test("the output budget for all clients together: flooders that do not read stop being read; a client that reads is served")
+    func queuedOutputBudget() async throws {
+        let fixture = try TestServer(configuration: VarlinkServerConfiguration(maximumPendingOutput: 64 << 20, maximumQueuedOutput: 64 << 10))
+        defer { Task { await fixture.stop() } }
+        let call = VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": .string(String(repeating: "z", count: 1000))]).encoded()
+        let batch = Array(repeating: call, count: 50).flatMap { $0 }
+        var pushedBack = 0
+        for _ in 0..<4 {
+            let flooder = try fixture.client(timeout: 0.5)
+            var sent = 0
+            while sent < 20_000, (try? flooder.send(batch)) != nil { sent += 50 }
+            if sent < 20_000 { pushedBack += 1 }
+        }
+        #expect(pushedBack == 4, "a flooder was read from without limit")
+        let reader = try fixture.client()
+        for _ in 0..<50 { #expect(try reader.call("io.example.Test.Echo", ["text": "served"]).parameters["text"] == "served") }
     }
 
     @Test("a client that sends and never reads does not stop the others")

@@ -14,10 +14,19 @@ public struct BrokerConfiguration: Sendable, Equatable {
     public var socketGroup: UInt32?
     /// Members may call Login, Logout and Reload and see every session (`AdminGroup=`).
     public var adminGroup: UInt32?
-    /// Connections served at once (`MaxConnections=`).
+    /// Connections served at once (`MaxConnections=`); the last 1/32 of them (at most 128) are
+    /// kept for admins.
     public var maxConnections = 4096
+    /// Connections one non-admin uid may hold at once (`MaxConnectionsPerUser=`).
+    public var maxConnectionsPerUser = 256
     /// Largest varlink message accepted (`MaxMessageSize=`).
-    public var maxMessageSize = 1 << 20
+    public var maxMessageSize = 64 << 10
+    /// Most members in one JSON object of a message (`MaxObjectMembers=`).
+    public var maxObjectMembers = 1024
+    /// Time from a message's first byte to its end (`MessageTimeout=`).
+    public var messageTimeout: Duration = .seconds(10)
+    /// Replies queued for all clients together (`MaxQueuedOutput=`).
+    public var maxQueuedOutput = 32 << 20
     /// The key that encrypts tokens in the state database (`StateKeyCredential=` or
     /// `StateKeyFile=`); read at start only.
     public var stateKey: Secret?
@@ -34,7 +43,9 @@ public struct BrokerConfiguration: Sendable, Equatable {
     public static func == (lhs: BrokerConfiguration, rhs: BrokerConfiguration) -> Bool {
         lhs.socketPath == rhs.socketPath && lhs.socketMode == rhs.socketMode && lhs.socketGroup == rhs.socketGroup
             && lhs.adminGroup == rhs.adminGroup && lhs.maxConnections == rhs.maxConnections
-            && lhs.maxMessageSize == rhs.maxMessageSize && lhs.sessions == rhs.sessions
+            && lhs.maxConnectionsPerUser == rhs.maxConnectionsPerUser && lhs.maxMessageSize == rhs.maxMessageSize
+            && lhs.maxObjectMembers == rhs.maxObjectMembers && lhs.messageTimeout == rhs.messageTimeout
+            && lhs.maxQueuedOutput == rhs.maxQueuedOutput && lhs.sessions == rhs.sessions
     }
 }
 

@@ -79,11 +79,29 @@ public enum ConfigLoader {
         case "MaxConnections":
             guard let count = Int(entry.value), (1...1_000_000).contains(count) else { throw fail("MaxConnections= needs a number from 1 to 1000000") }
             configuration.maxConnections = count
+        case "MaxConnectionsPerUser":
+            guard let count = Int(entry.value), (1...1_000_000).contains(count) else { throw fail("MaxConnectionsPerUser= needs a number from 1 to 1000000") }
+            configuration.maxConnectionsPerUser = count
         case "MaxMessageSize":
-            guard let size = ConfigValue.size(entry.value), (1024...(64 << 20)).contains(size) else {
-                throw fail("MaxMessageSize= needs a size from 1K to 64M")
+            // At most 1M: parsing is linear, but one message is parsed in one go on the I/O thread
+            // (the worst 1M message costs other clients ~45 ms; the default 64K, ~3 ms).
+            guard let size = ConfigValue.size(entry.value), (1024...(1 << 20)).contains(size) else {
+                throw fail("MaxMessageSize= needs a size from 1K to 1M")
             }
             configuration.maxMessageSize = size
+        case "MaxObjectMembers":
+            guard let count = Int(entry.value), (16...1_000_000).contains(count) else { throw fail("MaxObjectMembers= needs a number from 16 to 1000000") }
+            configuration.maxObjectMembers = count
+        case "MessageTimeout":
+            guard let timeout = ConfigValue.duration(entry.value), (Duration.milliseconds(100)...Duration.seconds(3600)).contains(timeout) else {
+                throw fail("MessageTimeout= needs a time span between 0.1s and 3600s, e.g. 10s")
+            }
+            configuration.messageTimeout = timeout
+        case "MaxQueuedOutput":
+            guard let size = ConfigValue.size(entry.value), (64 << 10...(4 << 30)).contains(size) else {
+                throw fail("MaxQueuedOutput= needs a size from 64K to 4G")
+            }
+            configuration.maxQueuedOutput = size
         case "StateKeyFile", "StateKeyCredential":
             guard !entry.value.isEmpty else {
                 configuration.stateKey = nil

@@ -5,16 +5,24 @@ import Varlink
 
 /// Binding the daemon's socket file: the parent directory is created when missing, a stale
 /// socket is replaced only when nothing answers on it, and the file gets its mode and group.
+///
+/// The daemon often runs as root, so nothing here may follow a name someone else controls: the
+/// socket's directory and every directory above it must be writable only by root or the
+/// daemon's user (or be sticky, like /tmp, where nobody can replace another's file); the mode
+/// is set at creation (umask), and the group with `lchown`, which never follows a symlink.
 enum SocketPath {
     enum Failure: Error, CustomStringConvertible {
         case inUse(String)
         case notASocket(String)
+        case unsafeDirectory(String, String)
         case system(SocketError)
 
         var description: String {
             switch self {
             case let .inUse(path): return "\(path): another instance is listening on it"
             case let .notASocket(path): return "\(path): exists and is not a socket; not replacing it"
+            case let .unsafeDirectory(directory, why):
+                return "\(directory): \(why); the socket must live in a directory only root or this daemon's user can change"
             case let .system(error): return error.description
             }
         }
@@ -23,6 +31,7 @@ enum SocketPath {
     /// Binds and listens on `path`; returns the descriptor and the socket file's identity.
     static func bind(_ path: String, mode: UInt32, group: UInt32?) throws(Failure) -> (fd: Int32, inode: ino_t) {
         try makeParent(of: path)
+        try checkDirectories(above: path)
         var info = stat()
         if lstat(path, &info) == 0 {
             guard info.st_mode & S_IFMT == S_IFSOCK else { throw .notASocket(path) }
@@ -40,18 +49,31 @@ enum SocketPath {
             throw .system(error)
         }
         umask(previous)
-        guard chmod(path, mode_t(mode)) == 0 else {
-            let error = SocketError("chmod \(path)")
-            close(fd)
-            throw .system(error)
-        }
-        if let group, chown(path, uid_t.max, gid_t(group)) != 0 {
+        if let group, lchown(path, uid_t.max, gid_t(group)) != 0 {
             let error = SocketError("chown \(path) to group \(group)")
             close(fd)
             throw .system(error)
         }
         lstat(path, &info)
         return (fd, info.st_ino)
+    }
+
+    /// Refuses a socket path below a directory that someone other than root or this process's
+    /// user could change (replace the socket with a link between bind and chown, say).
+    static func checkDirectories(above path: String) throws(Failure) {
+        var directory = path
+        let me = getuid()
+        while let slash = directory.lastIndex(of: "/") {
+            directory = slash == directory.startIndex ? "/" : String(directory[..<slash])
+            var info = stat()
+            guard stat(directory, &info) == 0 else { throw .system(SocketError("stat \(directory)")) }
+            let sticky = info.st_mode & S_ISVTX != 0
+            if info.st_uid != 0 && info.st_uid != me { throw .unsafeDirectory(directory, "owned by uid \(info.st_uid)") }
+            if info.st_mode & (S_IWGRP | S_IWOTH) != 0 && !sticky {
+                throw .unsafeDirectory(directory, "writable by \(info.st_mode & S_IWOTH != 0 ? "everyone" : "group \(info.st_gid)")")
+            }
+            if directory == "/" { return }
+        }
     }
 
     /// Removes the socket file if it is still the one this process bound.
