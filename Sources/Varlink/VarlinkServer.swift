@@ -219,8 +219,9 @@ public final class VarlinkServer: Sendable {
         /// Exempt from the per-uid limit (decided once, at accept).
         let privileged: Bool
         var decoder: FrameDecoder
-        /// When the first byte of the message still unfinished arrived (`nil`: none is).
-        var messageStarted: ContinuousClock.Instant?
+        /// When the first byte of the message still unfinished arrived, in `Loop.milliseconds()`
+        /// (`nil`: none is).
+        var messageStarted: Int64?
         var output: [UInt8] = []
         var outputStart = 0
         /// Events registered with epoll.
@@ -270,24 +271,24 @@ public final class VarlinkServer: Sendable {
         mutating func run() {
             var events = [epoll_event](repeating: epoll_event(), count: 256)
             let heartbeat = server.configuration.heartbeat
-            let clock = ContinuousClock()
-            var nextBeat = clock.now
+            // Timers in whole milliseconds of the coarse monotonic clock: read once per wake-up,
+            // the cheapest clock there is (this loop is the hot path).
+            let beatInterval = heartbeat.map { max(1, Self.milliseconds($0.interval)) } ?? 0
+            var nextBeat = heartbeat == nil ? Int64.max / 4 : Self.milliseconds()
             // Unfinished messages are checked this often against their deadline.
-            let sweepInterval = min(Duration.seconds(1), server.configuration.messageTimeout / 4)
-            var nextSweep = clock.now + sweepInterval
+            let sweepInterval = min(1000, max(1, Self.milliseconds(server.configuration.messageTimeout) / 4))
+            var nextSweep = Self.milliseconds() + sweepInterval
             while true {
-                let now = clock.now
+                let now = Self.milliseconds()
                 if let heartbeat, now >= nextBeat {
                     heartbeat.action()
-                    nextBeat = now + heartbeat.interval
+                    nextBeat = now + beatInterval
                 }
                 if now >= nextSweep {
                     closeUnfinished(now: now)
                     nextSweep = now + sweepInterval
                 }
-                let wake = heartbeat == nil ? nextSweep : min(nextSweep, nextBeat)
-                let (seconds, attoseconds) = (wake - now).components
-                let timeout = Int32(max(1, seconds * 1000 + attoseconds / 1_000_000_000_000_000))
+                let timeout = Int32(max(1, min(nextSweep, nextBeat) - now))
                 let count = epoll_wait(server.epollFD, &events, Int32(events.count), timeout)
                 if count < 0 {
                     if errno == EINTR { continue }
@@ -325,6 +326,18 @@ public final class VarlinkServer: Sendable {
                 return waiters ?? []
             }
             for waiter in waiters { waiter.resume() }
+        }
+
+        /// Now, in milliseconds of CLOCK_MONOTONIC_COARSE (a few ms of resolution is plenty for
+        /// timeouts of seconds).
+        static func milliseconds() -> Int64 {
+            var now = timespec()
+            clock_gettime(CLOCK_MONOTONIC_COARSE, &now)
+            return Int64(now.tv_sec) * 1000 + Int64(now.tv_nsec) / 1_000_000
+        }
+
+        static func milliseconds(_ duration: Duration) -> Int64 {
+            duration.components.seconds * 1000 + duration.components.attoseconds / 1_000_000_000_000_000
         }
 
         private mutating func stopListening() {
@@ -484,8 +497,8 @@ public final class VarlinkServer: Sendable {
                     readBuffer.withUnsafeBytes { connection.decoder.append(UnsafeRawBufferPointer(rebasing: $0[0..<n])) }
                     // A message's deadline runs from its first byte to its NUL.
                     let unfinished = readBuffer[n - 1] != 0
-                    if !unfinished || readBuffer[0..<n].contains(0) { connection.messageStarted = nil }
-                    if unfinished && connection.messageStarted == nil { connection.messageStarted = ContinuousClock.now }
+                    if !unfinished || readBuffer.withUnsafeBytes({ memchr($0.baseAddress!, 0, n) != nil }) { connection.messageStarted = nil }
+                    if unfinished && connection.messageStarted == nil { connection.messageStarted = Self.milliseconds() }
                     if n < readBuffer.count || connection.decoder.pendingCount > server.configuration.maximumMessageSize { return }
                     continue
                 }
@@ -538,10 +551,11 @@ public final class VarlinkServer: Sendable {
         /// Closes the connections whose unfinished message has outlived `messageTimeout` (with a
         /// protocol error when nothing else is being answered on them; never waiting for a
         /// client that does not read).
-        private mutating func closeUnfinished(now: ContinuousClock.Instant) {
+        private mutating func closeUnfinished(now: Int64) {
             let timeout = server.configuration.messageTimeout
+            let limit = Self.milliseconds(timeout)
             for connection in Array(connections.values) {
-                guard let started = connection.messageStarted, now - started > timeout else { continue }
+                guard let started = connection.messageStarted, now - started > limit else { continue }
                 let reason = "message not completed within \(timeout)"
                 if connection.current == nil && !connection.closeAfterFlush {
                     protocolError(connection, reason)
