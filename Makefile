@@ -72,7 +72,7 @@ clean:
 # Round-trip benchmark: the release daemon and the C echo floor, measured by the same load
 # generator in the same run (`../shared/bench`). Not part of `make test`.
 BENCH_DIR ?= $(CURDIR)/../shared/bench
-BENCH_SOCKET ?= /tmp/tokenbroker-bench.sock
+BENCH_SOCKET ?= $(CURDIR)/.build/bench/tokenbroker.sock
 BENCH_CONNS ?= 1 16 64 256
 bench: release
 	@$$($(SWIFT) build -c release --show-bin-path)/tokenbroker serve --config $(CURDIR)/config/dev.conf \

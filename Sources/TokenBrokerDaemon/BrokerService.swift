@@ -324,6 +324,14 @@ final class BrokerService: VarlinkHandler {
         do {
             let logger = self.logger
             sink.send(try await boundary(name) { session in
+                // A reload may have pointed the session at another server meanwhile: a token of
+                // this one must not be installed there (it is revoked here instead).
+                guard session.upstream === upstream else {
+                    if let refreshToken = token.refreshToken { _ = await upstream.revoke(refreshToken) }
+                    logger.warning("device login of session \(name) failed: the session was reconfigured during the login", session: name)
+                    return .error(BrokerInterface.Error.loginFailed,
+                                  ["session": .string(name), "reason": "the session was reconfigured during the login; log in again"])
+                }
                 let generation = try await session.coordinator.login(refreshToken: token.refreshToken, initial: token)
                 logger.log(.notice, "device login of session \(name) done: generation \(generation)", session: name, generation: generation)
                 return VarlinkReply(parameters: ["event": "done", "generation": .int(Int64(generation))])
@@ -378,18 +386,19 @@ final class BrokerService: VarlinkHandler {
         let name = session.configuration.name
         let sessions = self.sessions
         let allowed: @Sendable () -> Bool = { sessions.lookup(name, for: peer)?.allowed == true }
+        // Listen for changes first, then check: a change between the call's check and now is
+        // not missed.
         let changes = sessions.changes()
-        await withTaskGroup(of: Void.self) { group in
-            group.addTask { await Self.watch(session.coordinator, sink, while: allowed) }
-            group.addTask {
-                for await _ in changes where !allowed() {
-                    sink.send(.error(BrokerInterface.Error.permissionDenied))
-                    return
-                }
+        if allowed() {
+            await withTaskGroup(of: Void.self) { group in
+                group.addTask { await Self.watch(session.coordinator, sink, while: allowed) }
+                group.addTask { for await _ in changes where !allowed() { return } }
+                await group.next()
+                group.cancelAll()
             }
-            await group.next()
-            group.cancelAll()
         }
+        // Whichever side noticed first, the stream ends saying why (ignored after a final reply).
+        if !allowed() { sink.send(.error(BrokerInterface.Error.permissionDenied)) }
     }
 
     /// Watch: the current state at once, then every event; `signedOut` ends the stream. Stops,

@@ -214,7 +214,19 @@ public final class Daemon: Sendable {
         }
         if server.callsInProgress > 0 { logger.warning("\(server.callsInProgress) call(s) still running at the deadline; cancelling") }
         // Retire every coordinator: a refresh still in flight (one nobody waits for any more,
-        // say) lands and commits; then pending writes get a last try.
+        // say) lands and commits; then pending writes get a last try. After any reload under
+        // way (its new coordinators are retired too), and no reload after it.
+        await reloads.run { [self] in
+            stopping.value = true
+            await retireAll()
+        }
+        await server.stop()
+    }
+
+    /// Set once the stop has begun retiring coordinators: reloads are refused from then on.
+    private let stopping = SynchronizedBox(false)
+
+    private func retireAll() async {
         await withTaskGroup(of: Void.self) { group in
             for session in table.snapshot.sessions.values {
                 group.addTask { [logger] in
@@ -233,7 +245,6 @@ public final class Daemon: Sendable {
                 }
             }
         }
-        await server.stop()
     }
 
     /// The longest a refresh started now may take: discovery (when an issuer is configured)
@@ -266,6 +277,7 @@ public final class Daemon: Sendable {
     }
 
     private func reloadNow() async -> String? {
+        guard !stopping.value else { return "the daemon is stopping" }
         var configuration: BrokerConfiguration
         do {
             configuration = try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
@@ -316,6 +328,11 @@ public final class Daemon: Sendable {
                 } else if let existing = leaving[session.name] {
                     let (record, pending) = await existing.coordinator.handOver()
                     snapshot.sessions[session.name] = await makeSession(session, handedOver: (record, pending))
+                } else if let earlier = takeUnflushed(session.name) {
+                    // Configured again while its last write from before is still pending: the
+                    // memory of that coordinator is newer than the store.
+                    let (record, pending) = await earlier.handOver()
+                    snapshot.sessions[session.name] = await makeSession(session, handedOver: (record, pending))
                 } else {
                     snapshot.sessions[session.name] = await makeSession(session)
                 }
@@ -337,6 +354,14 @@ public final class Daemon: Sendable {
     /// Coordinators of removed sessions whose last write has not reached the store yet: retried
     /// by `maintain()` and at exit.
     private let unflushed = Mutex<[Coordinator]>([])
+
+    /// Removes and returns the unflushed coordinator of `session`, if there is one.
+    private func takeUnflushed(_ session: String) -> Coordinator? {
+        unflushed.withLock { list in
+            guard let index = list.firstIndex(where: { $0.session == session }) else { return nil }
+            return list.remove(at: index)
+        }
+    }
 
     /// A coordinator for `session`, from a predecessor's state when a reload replaces one, else
     /// from what the store holds.
@@ -417,6 +442,8 @@ public final class Daemon: Sendable {
 
     /// Removes a stored session the configuration no longer names.
     func forget(_ name: String) async throws -> Bool {
+        // A pending write of the removed session would bring the row back: it is dropped too.
+        if takeUnflushed(name) != nil { logger.notice("session \(name): its unwritten state is discarded with it", session: name) }
         guard let database = state.database, try await database.forget(name) else { return false }
         table.modify { $0.inert.removeAll { $0.name == name } }
         logger.notice("forgot stored session \(name)")

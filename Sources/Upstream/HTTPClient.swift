@@ -199,6 +199,11 @@ public final class CurlLoop: Sendable {
             check(tb_easy_setopt_string(easy, CURLOPT_USERAGENT, "tokenbroker"), "user agent"),
             check(tb_easy_setopt_long(easy, CURLOPT_FOLLOWLOCATION, 0), "redirects"),
         ]
+        if request.url.lowercased().hasPrefix("http://") {
+            // Plain HTTP is allowed only to a loopback address: never through a proxy from the
+            // environment (http_proxy, all_proxy), which would see the credential in clear.
+            problems.append(check(tb_easy_setopt_string(easy, CURLOPT_PROXY, ""), "no proxy"))
+        }
         if let caFile = request.tls.caFile {
             // Only this CA: clear Debian's default CA path too, which would otherwise still apply.
             problems.append(check(tb_easy_setopt_string(easy, CURLOPT_CAINFO, caFile), "CA file"))

@@ -50,7 +50,8 @@ public struct FrameDecoder: Sendable {
     private mutating func compact() {
         guard start > 0 else { return }
         if start == buffer.count {
-            buffer.removeAll(keepingCapacity: buffer.capacity <= 65_536)
+            // An idle connection keeps at most a small buffer (thousands may be open).
+            buffer.removeAll(keepingCapacity: buffer.capacity <= 4096)
         } else if start > 4096 && start * 2 > buffer.count {
             buffer.removeSubrange(0..<start)
         } else {

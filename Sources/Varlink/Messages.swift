@@ -7,7 +7,8 @@ public struct VarlinkProtocolError: Error, Sendable, Equatable, CustomStringConv
     /// logged, and must not carry a forged line or a megabyte of someone's key).
     static func quoted(_ text: String) -> String {
         var output: [UInt8] = []
-        JSON.string(text.count > 40 ? String(text.prefix(40)) + "…" : text).encode(into: &output)
+        let scalars = text.unicodeScalars
+        JSON.string(scalars.count > 40 ? String(String.UnicodeScalarView(scalars.prefix(40))) + "…" : text).encode(into: &output)
         return String(decoding: output, as: UTF8.self)
     }
     public var description: String { "protocol error: \(reason)" }

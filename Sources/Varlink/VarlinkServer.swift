@@ -32,6 +32,10 @@ public struct VarlinkServerConfiguration: Sendable {
     /// Replies queued for all clients together; past it, no client with replies still queued is
     /// read from until they drain (those that read their replies go on).
     public var maximumQueuedOutput: Int
+    /// Bytes of calls received and not yet handled, all clients together (each holds at most
+    /// one message's worth); past it, no client that has a message still unfinished is read
+    /// from — its message deadline then ends it — while the others go on.
+    public var maximumBufferedInput: Int
     /// An error sent before closing a connection over a malformed or oversized message, when no
     /// call of that connection is in progress (`nil`: close without a word). It carries
     /// `reason`.
@@ -44,6 +48,7 @@ public struct VarlinkServerConfiguration: Sendable {
                 reservedConnections: Int? = nil, maximumConnectionsPerUser: Int = 256,
                 isPrivileged: @escaping @Sendable (PeerCredentials) -> Bool = { $0.uid == 0 },
                 messageTimeout: Duration = .seconds(10), maximumPendingOutput: Int = 1 << 20, maximumQueuedOutput: Int = 32 << 20,
+                maximumBufferedInput: Int = 32 << 20,
                 protocolErrorName: String? = nil, heartbeat: (interval: Duration, action: @Sendable () -> Void)? = nil) {
         self.maximumMessageSize = maximumMessageSize
         self.jsonLimits = jsonLimits
@@ -54,6 +59,7 @@ public struct VarlinkServerConfiguration: Sendable {
         self.messageTimeout = messageTimeout
         self.maximumPendingOutput = maximumPendingOutput
         self.maximumQueuedOutput = maximumQueuedOutput
+        self.maximumBufferedInput = maximumBufferedInput
         self.protocolErrorName = protocolErrorName
         self.heartbeat = heartbeat
     }
@@ -260,6 +266,8 @@ public final class VarlinkServer: Sendable {
         var perUser: [UInt32: Int] = [:]
         /// Bytes of replies queued on all connections together.
         var queuedOutput = 0
+        /// Bytes of calls received and not yet handled, all connections together.
+        var bufferedInput = 0
         var nextID: UInt64 = 2
         var accepting = true
         var readBuffer = [UInt8](repeating: 0, count: 65_536)
@@ -383,7 +391,11 @@ public final class VarlinkServer: Sendable {
         }
 
         private mutating func acceptAll() {
-            while accepting {
+            // A bounded batch per wake-up (the listener is level-triggered): a peer reconnecting
+            // as fast as it is refused must not keep the loop from everyone else.
+            var batch = 0
+            while accepting && batch < 64 {
+                batch += 1
                 let fd = tb_accept_nonblocking(server.listenFD)
                 if fd < 0 {
                     if errno == EINTR || errno == ECONNABORTED { continue }
@@ -462,8 +474,20 @@ public final class VarlinkServer: Sendable {
         /// about one message's worth of calls ahead of the one in progress.
         private func wantsInput(_ connection: Connection) -> Bool {
             guard !connection.inputClosed, !connection.closeAfterFlush, !outputBlocked(connection) else { return false }
-            return connection.decoder.pendingCount <= server.configuration.maximumMessageSize
+            let pending = connection.decoder.pendingCount
+            return pending <= server.configuration.maximumMessageSize && pending < inputAllowance
         }
+
+        /// How much one connection may hold in its input buffer now: a message's worth and one
+        /// read more (so that an oversized message is seen whole enough to be answered before the
+        /// connection closes), or, once everyone's together is over budget, only a small call's
+        /// (normal calls still pass).
+        private var inputAllowance: Int {
+            bufferedInput > server.configuration.maximumBufferedInput ? Self.smallCall : server.configuration.maximumMessageSize + readBuffer.count
+        }
+
+        /// What a connection may still send while input is over budget.
+        static let smallCall = 4096
 
         /// Whether the client must take its replies before more of its calls are handled: its
         /// own queue is full, or everyone's together is and it has replies waiting.
@@ -492,14 +516,18 @@ public final class VarlinkServer: Sendable {
 
         private mutating func readAvailable(_ connection: Connection) {
             while true {
-                let n = readBuffer.withUnsafeMutableBytes { read(connection.fd, $0.baseAddress, $0.count) }
+                // Never more than about one message's worth buffered per connection.
+                let room = min(readBuffer.count, inputAllowance - connection.decoder.pendingCount)
+                guard room > 0 else { return }
+                let n = readBuffer.withUnsafeMutableBytes { read(connection.fd, $0.baseAddress, room) }
                 if n > 0 {
                     readBuffer.withUnsafeBytes { connection.decoder.append(UnsafeRawBufferPointer(rebasing: $0[0..<n])) }
+                    bufferedInput += n
                     // A message's deadline runs from its first byte to its NUL.
                     let unfinished = readBuffer[n - 1] != 0
                     if !unfinished || readBuffer.withUnsafeBytes({ memchr($0.baseAddress!, 0, n) != nil }) { connection.messageStarted = nil }
                     if unfinished && connection.messageStarted == nil { connection.messageStarted = Self.milliseconds() }
-                    if n < readBuffer.count || connection.decoder.pendingCount > server.configuration.maximumMessageSize { return }
+                    if n < room || !wantsInput(connection) { return }
                     continue
                 }
                 if n == 0 {
@@ -515,6 +543,8 @@ public final class VarlinkServer: Sendable {
         /// Handles buffered calls until one goes async, the input runs dry, the replies pile
         /// up (then returns true), or the connection ends.
         private mutating func processFrames(_ connection: Connection) -> Bool {
+            let before = connection.decoder.pendingCount
+            defer { bufferedInput -= before - connection.decoder.pendingCount }
             while connection.current == nil && !connection.closeAfterFlush {
                 if outputBlocked(connection) { return true }
                 let frame: ArraySlice<UInt8>
@@ -617,7 +647,7 @@ public final class VarlinkServer: Sendable {
                 return
             }
             if connection.pendingOutput == 0 {
-                connection.output.removeAll(keepingCapacity: connection.output.capacity <= 65_536)
+                connection.output.removeAll(keepingCapacity: connection.output.capacity <= 4096)
                 connection.outputStart = 0
                 if connection.closeAfterFlush {
                     closeConnection(connection)
@@ -644,6 +674,7 @@ public final class VarlinkServer: Sendable {
         private mutating func closeConnection(_ connection: Connection) {
             guard connections.removeValue(forKey: connection.id) != nil else { return }
             queuedOutput -= connection.pendingOutput
+            bufferedInput -= connection.decoder.pendingCount
             if !connection.privileged {
                 let held = perUser[connection.peer.uid, default: 1] - 1
                 perUser[connection.peer.uid] = held > 0 ? held : nil

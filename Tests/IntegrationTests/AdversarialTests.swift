@@ -1,3 +1,4 @@
+import DevIssuer
 import Foundation
 import Testing
 import Varlink
@@ -186,7 +187,7 @@ struct AdversarialTests {
         }
     }
 
-    @Test("Socket= below a directory someone else may change is refused")
+    @Test("Socket= below a directory someone else may change is refused, symlinks resolved first")
     func unsafeSocketDirectory() async throws {
         let directory = try Paths.temporaryDirectory()
         defer { try? FileManager.default.removeItem(atPath: directory) }
@@ -203,12 +204,24 @@ struct AdversarialTests {
                     "\(daemon.stderr)")
             #expect(!FileManager.default.fileExists(atPath: unsafe + "/tb.sock"))
         }
-        // The sticky /tmp itself is fine (nobody can replace another's file there).
-        let sticky = try Child(Paths.tokenbroker, ["serve", "--config", directory + "/tokenbroker.conf", "--socket", "/tmp/tb-adv-\(getpid()).sock",
-                                                   "--state-dir", directory + "/state-tmp"], directory: directory)
-        try await waitForSocket("/tmp/tb-adv-\(getpid()).sock")
-        sticky.terminate()
-        #expect(await sticky.wait() == 0)
+        // Directly in the sticky, world-writable /tmp: refused too (anyone could take the name
+        // first); in a directory of its own below it: fine.
+        let inTmp = try Child(Paths.tokenbroker, ["serve", "--config", directory + "/tokenbroker.conf", "--socket", "/tmp/tb-adv-\(getpid()).sock",
+                                                  "--state-dir", directory + "/state-tmp"], directory: directory)
+        #expect(await inTmp.wait() == 1)
+        #expect(inTmp.stderr.contains("/tmp: writable by everyone"), "\(inTmp.stderr)")
+        let own = try Child(Paths.tokenbroker, ["serve", "--config", directory + "/tokenbroker.conf", "--socket", directory + "/own/tb.sock",
+                                                "--state-dir", directory + "/state-own"], directory: directory)
+        try await waitForSocket(directory + "/own/tb.sock")
+        own.terminate()
+        #expect(await own.wait() == 0)
+        // A symlink in the path is resolved first, and the real directories are what is checked.
+        let open = directory + "/open"
+        try FileManager.default.createSymbolicLink(atPath: directory + "/link", withDestinationPath: open)
+        let linked = try Child(Paths.tokenbroker, ["serve", "--config", directory + "/tokenbroker.conf", "--socket", directory + "/link/tb.sock",
+                                                   "--state-dir", directory + "/state-link"], directory: directory)
+        #expect(await linked.wait() == 1)
+        #expect(linked.stderr.contains("\(open): writable by everyone"), "\(linked.stderr)")
     }
 
     /// An authorization server nobody should trust, on loopback: its discovery metadata points
@@ -282,6 +295,20 @@ struct AdversarialTests {
             #expect(try broker.call("GetToken", ["session": "discovered"]).error != nil)   // still answering
             #expect(broker.child.process.isRunning)
         }
+    }
+
+    @Test("a proxy from the environment never carries plain-HTTP (loopback) requests: the credential would cross it in clear")
+    func noProxyForLoopback() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        // Port 9 (discard) on loopback: nothing listens; a request through it would fail.
+        let proxy = ["http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "all_proxy": "http://127.0.0.1:9"]
+        let broker = try await Broker.loggedIn(tokenEndpoint: issuer.tokenEndpoint, refreshToken: issuer.issueRefreshToken(), environment: proxy)
+        defer { try? FileManager.default.removeItem(atPath: broker.directory) }
+        let token = try broker.call("GetToken", ["session": "api"])
+        #expect(token.error == nil, "\(token)")
+        #expect(issuer.counters.refreshGrants == 1)
+        _ = await broker.stop()
     }
 
     /// Resident memory of `pid`, in KiB.

@@ -6,10 +6,12 @@ import Varlink
 /// Binding the daemon's socket file: the parent directory is created when missing, a stale
 /// socket is replaced only when nothing answers on it, and the file gets its mode and group.
 ///
-/// The daemon often runs as root, so nothing here may follow a name someone else controls: the
-/// socket's directory and every directory above it must be writable only by root or the
-/// daemon's user (or be sticky, like /tmp, where nobody can replace another's file); the mode
-/// is set at creation (umask), and the group with `lchown`, which never follows a symlink.
+/// The daemon often runs as root, so nothing here may follow a name someone else controls. The
+/// socket's directory is resolved (symlinks followed once, by `realpath`), and then it and
+/// every directory above it must be owned by root or the daemon's user; the socket's own
+/// directory writable by nobody else, those above it only if sticky (like /tmp, where nobody
+/// can replace another's entry). The socket is bound at the resolved path, its mode set at
+/// creation (umask), its group with `lchown`, which never follows a symlink.
 enum SocketPath {
     enum Failure: Error, CustomStringConvertible {
         case inUse(String)
@@ -29,8 +31,9 @@ enum SocketPath {
     }
 
     /// Binds and listens on `path`; returns the descriptor and the socket file's identity.
-    static func bind(_ path: String, mode: UInt32, group: UInt32?) throws(Failure) -> (fd: Int32, inode: ino_t) {
-        try makeParent(of: path)
+    static func bind(_ configured: String, mode: UInt32, group: UInt32?) throws(Failure) -> (fd: Int32, inode: ino_t) {
+        try makeParent(of: configured)
+        let path = try resolved(configured)
         try checkDirectories(above: path)
         var info = stat()
         if lstat(path, &info) == 0 {
@@ -58,20 +61,34 @@ enum SocketPath {
         return (fd, info.st_ino)
     }
 
+    /// `path` with its directory resolved to a path without symlinks.
+    static func resolved(_ path: String) throws(Failure) -> String {
+        guard let slash = path.lastIndex(of: "/") else { return path }
+        let directory = slash == path.startIndex ? "/" : String(path[..<slash])
+        guard let real = realpath(directory, nil) else { throw .system(SocketError("realpath \(directory)")) }
+        defer { free(real) }
+        let base = String(cString: real)
+        return (base == "/" ? "" : base) + String(path[slash...])
+    }
+
     /// Refuses a socket path below a directory that someone other than root or this process's
-    /// user could change (replace the socket with a link between bind and chown, say).
+    /// user could change (replace the socket with a link between bind and chown, say, or take
+    /// its name first). `path`'s directories must hold no symlink (see `resolved`).
     static func checkDirectories(above path: String) throws(Failure) {
         var directory = path
         let me = getuid()
+        var immediate = true
         while let slash = directory.lastIndex(of: "/") {
             directory = slash == directory.startIndex ? "/" : String(directory[..<slash])
             var info = stat()
-            guard stat(directory, &info) == 0 else { throw .system(SocketError("stat \(directory)")) }
-            let sticky = info.st_mode & S_ISVTX != 0
+            guard lstat(directory, &info) == 0 else { throw .system(SocketError("lstat \(directory)")) }
+            guard info.st_mode & S_IFMT == S_IFDIR else { throw .unsafeDirectory(directory, "not a directory (a symlink?)") }
             if info.st_uid != 0 && info.st_uid != me { throw .unsafeDirectory(directory, "owned by uid \(info.st_uid)") }
-            if info.st_mode & (S_IWGRP | S_IWOTH) != 0 && !sticky {
+            let sticky = info.st_mode & S_ISVTX != 0
+            if info.st_mode & (S_IWGRP | S_IWOTH) != 0 && (immediate || !sticky) {
                 throw .unsafeDirectory(directory, "writable by \(info.st_mode & S_IWOTH != 0 ? "everyone" : "group \(info.st_gid)")")
             }
+            immediate = false
             if directory == "/" { return }
         }
     }
