@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Basics
 import Varlink
 
 /// `tokenbroker ctl …`: talks to the running broker over its socket.
@@ -86,7 +87,7 @@ enum Ctl {
                 if json {
                     output.write(JSON.object(reply.parameters).text + "\n")
                 } else {
-                    let expiry = reply.parameters["expiresAt"]?.intValue.map { ", expires \(timestamp($0))" } ?? ""
+                    let expiry = reply.parameters["expiresAt"]?.intValue.map { ", expires \(UTCTime.timestamp($0))" } ?? ""
                     output.write("refreshed \(operands[0]): token #\(reply.parameters["tokenSerial"]?.intValue ?? 0), "
                                  + "generation \(reply.parameters["generation"]?.intValue ?? 0)\(expiry)\n")
                 }
@@ -170,21 +171,12 @@ enum Ctl {
                 let name = event["event"]?.stringValue ?? "?"
                 var line = "\(name) generation \(event["generation"]?.intValue ?? 0)"
                 if let serial = event["tokenSerial"]?.intValue { line += " token #\(serial)" }
-                if let expiresAt = event["expiresAt"]?.intValue { line += " expires \(timestamp(expiresAt))" }
+                if let expiresAt = event["expiresAt"]?.intValue { line += " expires \(UTCTime.timestamp(expiresAt))" }
                 if let token = event["token"]?.stringValue { line += " token \(token)" }
                 output.write(line + "\n")
             }
             guard reply.continues else { return }
         }
-    }
-
-    /// Unix seconds as `2026-11-30T09:30:00Z`.
-    static func timestamp(_ seconds: Int64) -> String {
-        var time = time_t(seconds)
-        var parts = tm()
-        gmtime_r(&time, &parts)
-        func two(_ value: Int32) -> String { value < 10 ? "0\(value)" : "\(value)" }
-        return "\(parts.tm_year + 1900)-\(two(parts.tm_mon + 1))-\(two(parts.tm_mday))T\(two(parts.tm_hour)):\(two(parts.tm_min)):\(two(parts.tm_sec))Z"
     }
 
     /// The whole of standard input, without trailing line breaks.
@@ -262,11 +254,10 @@ enum Ctl {
         let s = max(seconds, 0)
         if s < 60 { return "\(s)s" }
         if s < 3600 { return "\(s / 60)m" }
-        if s < 86400 { return "\(s / 3600)h\(pad(s % 3600 / 60))m" }
-        return "\(s / 86400)d\(pad(s % 86400 / 3600))h"
+        if s < 86400 { return "\(s / 3600)h\(UTCTime.twoDigits(s % 3600 / 60))m" }
+        return "\(s / 86400)d\(UTCTime.twoDigits(s % 86400 / 3600))h"
     }
 
-    private static func pad(_ n: Int64) -> String { n < 10 ? "0\(n)" : "\(n)" }
 
     static func statusTable(_ sessions: [JSON]) -> String {
         guard !sessions.isEmpty else { return "no sessions\n" }

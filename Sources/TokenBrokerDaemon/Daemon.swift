@@ -3,6 +3,7 @@ import Glibc
 #endif
 import Basics
 import Dispatch
+import Synchronization
 import TokenBrokerCore
 import Upstream
 import Varlink
@@ -512,12 +513,7 @@ public final class Daemon: Sendable {
             if let refreshed = status.lastRefresh { lastRefresh = max(lastRefresh ?? refreshed, refreshed) }
         }
         var line = "\(active) active, \(signedOut) signed out, \(ended) failed, \(degraded) degraded"
-        if let lastRefresh {
-            var time = time_t(lastRefresh)
-            var parts = tm()
-            gmtime_r(&time, &parts)
-            line += "; last refresh \(String(format2: parts.tm_hour)):\(String(format2: parts.tm_min)):\(String(format2: parts.tm_sec)) UTC"
-        }
+        if let lastRefresh { line += "; last refresh \(UTCTime.timeOfDay(lastRefresh)) UTC" }
         if let problem = reloadProblem.value { line += "; reload failed: \(problem)" }
         return line
     }
@@ -527,75 +523,5 @@ public final class Daemon: Sendable {
         guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0, limit.rlim_cur < rlim_t(wanted) else { return }
         limit.rlim_cur = min(rlim_t(wanted), limit.rlim_max)
         setrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
-    }
-}
-
-/// Exit codes (sysexits).
-public enum ExitCode {
-    public static let ok: Int32 = 0
-    public static let failure: Int32 = 1
-    public static let usage: Int32 = 64
-    public static let unavailable: Int32 = 69
-    public static let permission: Int32 = 77
-    public static let config: Int32 = 78
-}
-
-/// The signals `serve` handles, as an async sequence (Dispatch signal sources, which read a
-/// signalfd on Linux).
-///
-/// `block()` runs first, on the main thread before any other thread exists
-/// (`TokenBrokerCommand.main`): the signals are then blocked in every thread, since each
-/// inherits the mask (libdispatch's workers block them too), so one that arrives before the
-/// stream exists stays pending — neither killing the process with the default action nor being
-/// lost — until the stream's signalfd reads it. (Their disposition is left alone: setting
-/// `SIG_IGN` would discard one already pending.)
-enum Signals {
-    static let handled: [Int32] = [SIGTERM, SIGINT, SIGHUP]
-
-    static func block() {
-        var set = sigset_t()
-        sigemptyset(&set)
-        for number in handled { sigaddset(&set, number) }
-        pthread_sigmask(SIG_BLOCK, &set, nil)
-    }
-
-    static func stream() -> AsyncStream<Int32> {
-        AsyncStream { continuation in
-            let sources = handled.map { number -> any DispatchSourceSignal in
-                let source = DispatchSource.makeSignalSource(signal: number, queue: .global())
-                source.setEventHandler { continuation.yield(number) }
-                source.resume()
-                return source
-            }
-            let box = SignalSources(sources)
-            continuation.onTermination = { _ in box.cancel() }
-        }
-    }
-
-    private final class SignalSources: @unchecked Sendable {
-        // @unchecked: the sources are only cancelled (DispatchSource.cancel is thread-safe) and
-        // never mutated after init.
-        let sources: [any DispatchSourceSignal]
-        init(_ sources: [any DispatchSourceSignal]) { self.sources = sources }
-        func cancel() { for source in sources { source.cancel() } }
-    }
-}
-
-/// A value behind a lock.
-final class SynchronizedBox<Value: Sendable>: Sendable {
-    private let state: Mutex<Value>
-    init(_ value: Value) { state = Mutex(value) }
-    var value: Value {
-        get { state.withLock { $0 } }
-        set { state.withLock { $0 = newValue } }
-    }
-}
-
-import Synchronization
-
-extension String {
-    /// A number with at least two digits.
-    init(format2 value: Int32) {
-        self = value < 10 ? "0\(value)" : "\(value)"
     }
 }

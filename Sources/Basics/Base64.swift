@@ -1,0 +1,39 @@
+/// Base64 (RFC 4648, with padding).
+public enum Base64 {
+    private static let alphabet = Array("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".utf8)
+
+    public static func encode(_ bytes: [UInt8]) -> String {
+        var output: [UInt8] = []
+        output.reserveCapacity((bytes.count + 2) / 3 * 4)
+        var index = 0
+        while index < bytes.count {
+            let chunk = bytes[index..<min(index + 3, bytes.count)]
+            let b0 = chunk[chunk.startIndex]
+            let b1 = chunk.count > 1 ? chunk[chunk.startIndex + 1] : 0
+            let b2 = chunk.count > 2 ? chunk[chunk.startIndex + 2] : 0
+            output.append(alphabet[Int(b0 >> 2)])
+            output.append(alphabet[Int((b0 & 0x03) << 4 | b1 >> 4)])
+            output.append(chunk.count > 1 ? alphabet[Int((b1 & 0x0F) << 2 | b2 >> 6)] : UInt8(ascii: "="))
+            output.append(chunk.count > 2 ? alphabet[Int(b2 & 0x3F)] : UInt8(ascii: "="))
+            index += 3
+        }
+        return String(decoding: output, as: UTF8.self)
+    }
+
+    public static func decode(_ text: String) -> [UInt8]? {
+        var values: [UInt8] = []
+        for byte in text.utf8 where byte != UInt8(ascii: "=") {
+            guard let index = alphabet.firstIndex(of: byte) else { return nil }
+            values.append(UInt8(index))
+        }
+        var output: [UInt8] = []
+        var index = 0
+        while index + 1 < values.count {
+            output.append(values[index] << 2 | values[index + 1] >> 4)
+            if index + 2 < values.count { output.append(values[index + 1] << 4 | values[index + 2] >> 2) }
+            if index + 3 < values.count { output.append(values[index + 2] << 6 | values[index + 3]) }
+            index += 4
+        }
+        return output
+    }
+}

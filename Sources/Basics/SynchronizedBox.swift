@@ -1,0 +1,13 @@
+import Synchronization
+
+/// A value behind a lock.
+public final class SynchronizedBox<Value: Sendable>: Sendable {
+    private let state: Mutex<Value>
+
+    public init(_ value: Value) { state = Mutex(value) }
+
+    public var value: Value {
+        get { state.withLock { $0 } }
+        set { state.withLock { $0 = newValue } }
+    }
+}
