@@ -64,11 +64,12 @@ var package = Package(
         // against independent implementations (Go, Python).
         .executableTarget(name: "varlink-certification", dependencies: ["Basics", "Varlink"]),
 
-        // What several test targets share (a seeded random generator, for now).
+        // What the test targets share: waiting for a state, a seeded random generator, permutations,
+        // child processes.
         .target(name: "TestSupport", path: "Tests/TestSupport"),
-        .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore"]),
+        .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
-        .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "TokenBrokerCore"]),
+        .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink", "TestSupport"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.

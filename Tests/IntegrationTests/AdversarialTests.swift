@@ -1,6 +1,7 @@
 import DevIssuer
 import Foundation
 import Testing
+import TestSupport
 import Varlink
 
 /// Hostile local clients, upstreams and configurations against the real daemon: each attack
@@ -136,7 +137,7 @@ struct AdversarialTests {
                 print("sent", total, flush=True)
                 time.sleep(3)
                 """)
-            try await eventually("the flood sent", timeout: 60) { flood.stdout.contains("sent") }
+            try await eventually("the flood sent", timeout: .seconds(60)) { flood.stdout.contains("sent") }
             let during = try Self.residentKiB(pid)
             #expect(try broker.call("GetToken", ["session": "api"]).error == nil)
             _ = await flood.wait()

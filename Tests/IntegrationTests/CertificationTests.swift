@@ -1,5 +1,6 @@
 import Foundation
 import Testing
+import TestSupport
 
 /// Conformance of our varlink layer against independent implementations: the Go and Python
 /// certification clients against our service, and our client against their services.

@@ -4,6 +4,7 @@ import Foundation
 import FoundationNetworking
 #endif
 import Testing
+import TestSupport
 import TokenBrokerClient
 import TokenBrokerURLSession
 

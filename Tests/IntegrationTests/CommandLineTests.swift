@@ -1,41 +1,20 @@
 import Foundation
 import Testing
+import TestSupport
 
 /// Runs the real `tokenbroker` binary (the test target depends on it, so it sits next to the
 /// test bundle).
-struct Run {
-    let status: Int32
-    let stdout: String
-    let stderr: String
-
-    static let binary = Bundle.main.bundleURL.appendingPathComponent("tokenbroker")
-
-    init(_ arguments: String...) throws {
-        let process = Process()
-        process.executableURL = Self.binary
-        process.arguments = arguments
-        let out = Pipe()
-        let err = Pipe()
-        process.standardOutput = out
-        process.standardError = err
-        process.standardInput = FileHandle.nullDevice
-        try process.run()
-        let outData = out.fileHandleForReading.readDataToEndOfFile()
-        let errData = err.fileHandleForReading.readDataToEndOfFile()
-        process.waitUntilExit()
-        status = process.terminationStatus
-        stdout = String(decoding: outData, as: UTF8.self)
-        stderr = String(decoding: errData, as: UTF8.self)
-    }
+func run(_ arguments: String...) async throws -> (code: Int32, stdout: String, stderr: String) {
+    try await Child.run(Paths.tokenbroker, arguments)
 }
 
 @Suite("tokenbroker command line")
 struct CommandLineTests {
     @Test("-h, --help and help print the same help, with every section, and exit 0")
-    func help() throws {
-        let runs = try [Run("-h"), Run("--help"), Run("help")]
+    func help() async throws {
+        let runs = [try await run("-h"), try await run("--help"), try await run("help")]
         for run in runs {
-            #expect(run.status == 0)
+            #expect(run.code == 0)
             #expect(run.stdout == runs[0].stdout)
             #expect(run.stderr.isEmpty)
         }
@@ -45,25 +24,17 @@ struct CommandLineTests {
     }
 
     @Test("--version prints the name and a semantic version")
-    func version() throws {
-        let run = try Run("--version")
-        #expect(run.status == 0)
-        #expect(run.stdout.wholeMatch(of: /tokenbroker \d+\.\d+\.\d+\n/) != nil)
+    func version() async throws {
+        let version = try await run("--version")
+        #expect(version.code == 0)
+        #expect(version.stdout.wholeMatch(of: /tokenbroker \d+\.\d+\.\d+\n/) != nil)
     }
 
     @Test("bad usage: `Error: …` and the usage on stderr, exit 64", arguments: [[], ["frobnicate"], ["--nope"]])
-    func usage(arguments: [String]) throws {
-        let process = Process()
-        process.executableURL = Run.binary
-        process.arguments = arguments
-        let err = Pipe()
-        process.standardError = err
-        process.standardOutput = FileHandle.nullDevice
-        try process.run()
-        let text = String(decoding: err.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
-        process.waitUntilExit()
-        #expect(process.terminationStatus == 64)
-        #expect(text.hasPrefix("Error: "))
-        #expect(text.contains("USAGE: tokenbroker"))
+    func usage(arguments: [String]) async throws {
+        let result = try await Child.run(Paths.tokenbroker, arguments)
+        #expect(result.code == 64)
+        #expect(result.stderr.hasPrefix("Error: "))
+        #expect(result.stderr.contains("USAGE: tokenbroker"))
     }
 }

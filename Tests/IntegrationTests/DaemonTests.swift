@@ -1,5 +1,6 @@
 import Foundation
 import Testing
+import TestSupport
 import Varlink
 
 /// The real daemon binary on a temporary socket: every method and error of the contract,
@@ -309,15 +310,3 @@ struct DaemonTests {
     }
 }
 
-/// Waits for a condition under a deadline, polling.
-func eventually(_ what: String, timeout: Double = 20, sourceLocation: SourceLocation = #_sourceLocation,
-                _ condition: () throws -> Bool) async throws {
-    let deadline = ContinuousClock.now + .seconds(timeout)
-    while !(try condition()) {
-        guard ContinuousClock.now < deadline else {
-            Issue.record("timed out waiting for \(what)", sourceLocation: sourceLocation)
-            throw POSIXError(.ETIMEDOUT)
-        }
-        try await Task.sleep(for: .milliseconds(5))
-    }
-}

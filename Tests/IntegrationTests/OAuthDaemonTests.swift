@@ -1,6 +1,7 @@
 import DevIssuer
 import Foundation
 import Testing
+import TestSupport
 import Upstream
 import Varlink
 

@@ -1,6 +1,7 @@
 import DevIssuer
 import Foundation
 import Testing
+import TestSupport
 import Varlink
 
 /// State across restarts of the real daemon, with its SQLite store.

@@ -2,6 +2,7 @@ import DevIssuer
 import Foundation
 import SQLiteStore
 import Testing
+import TestSupport
 import Varlink
 
 /// Reloads that replace coordinators, against the boundaries and the durability guarantees: the
@@ -97,7 +98,7 @@ struct ReloadBoundaryTests {
             #expect(try broker.status("a")?["degraded"] == true, "the pending write was dropped by the reload")
             // Room again: the pending write lands (the daemon retries it).
             try FileManager.default.removeItem(atPath: disk + "/filler")
-            try await eventually("a written", timeout: 30) { try broker.status("a")?["degraded"] == false }
+            try await eventually("a written", timeout: .seconds(30)) { try broker.status("a")?["degraded"] == false }
             let stored = try #require(try await SQLiteSessionStore(directory: disk + "/state").load("a"))
             let lineage = try #require(issuer.lineage(of: stored.refreshToken?.reveal ?? ""))
             #expect(lineage.index == 1 && lineage.newest == 1 && !lineage.revoked, "the stored refresh token is not the rotated one")

@@ -3,6 +3,7 @@ import Foundation
 import SQLiteStore
 import Synchronization
 import Testing
+import TestSupport
 import Varlink
 
 /// A datagram socket the test owns, standing in for systemd's notify socket (or journald's).

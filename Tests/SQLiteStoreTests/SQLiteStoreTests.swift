@@ -1,6 +1,7 @@
 import Foundation
 import SQLiteStore
 import Testing
+import TestSupport
 import TokenBrokerCore
 
 @Suite("SQLite session store")
@@ -92,16 +93,14 @@ struct SQLiteStoreTests {
     }
 
     @Test("a database from a newer build is refused, not touched")
-    func newerSchema() throws {
+    func newerSchema() async throws {
         let directory = Self.directory()
         do {
             _ = try SQLiteSessionStore(directory: directory)
         }
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
-        process.arguments = ["python3", "-c", "import sqlite3; c = sqlite3.connect('\(directory)/state.db'); c.execute('PRAGMA user_version = 99'); c.commit()"]
-        try process.run()
-        process.waitUntilExit()
+        let python = try await Child.run("/usr/bin/env", ["python3", "-c",
+            "import sqlite3; c = sqlite3.connect('\(directory)/state.db'); c.execute('PRAGMA user_version = 99'); c.commit()"])
+        #expect(python.code == 0, "\(python.stderr)")
         #expect(throws: StoreError.self) { try SQLiteSessionStore(directory: directory) }
     }
 
@@ -130,16 +129,6 @@ struct SQLiteStoreTests {
     }
 }
 
-extension Array {
-    var permutations: [[Element]] {
-        guard count > 1 else { return [self] }
-        return indices.flatMap { index -> [[Element]] in
-            var rest = self
-            let head = rest.remove(at: index)
-            return rest.permutations.map { [head] + $0 }
-        }
-    }
-}
 
 @Suite("Tokens encrypted at rest")
 struct EncryptionTests {

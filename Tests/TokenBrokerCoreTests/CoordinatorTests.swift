@@ -1,4 +1,5 @@
 import Testing
+import TestSupport
 import TokenBrokerCore
 
 /// Coordinator behaviour outside the races: store faults, shutdown, watch, the hot path.

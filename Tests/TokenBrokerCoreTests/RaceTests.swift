@@ -1,5 +1,6 @@
 import Synchronization
 import Testing
+import TestSupport
 import TokenBrokerCore
 
 /// The race suite of the refresh coordinator. Every interleaving is driven by the test: fetches

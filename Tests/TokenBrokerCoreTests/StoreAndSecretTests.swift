@@ -1,4 +1,5 @@
 import Testing
+import TestSupport
 import TokenBrokerCore
 
 @Suite("Generation-guarded store writes")
@@ -67,13 +68,3 @@ struct SecretTests {
     }
 }
 
-extension Array {
-    var permutations: [[Element]] {
-        guard count > 1 else { return [self] }
-        return indices.flatMap { index -> [[Element]] in
-            var rest = self
-            let head = rest.remove(at: index)
-            return rest.permutations.map { [head] + $0 }
-        }
-    }
-}

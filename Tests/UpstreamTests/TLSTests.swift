@@ -1,5 +1,6 @@
 import Foundation
 import Testing
+import TestSupport
 import TokenBrokerCore
 @testable import Upstream
 
@@ -8,7 +9,7 @@ import TokenBrokerCore
 @Suite("TLS: private CA and client certificates", .serialized)
 struct TLSTests {
     /// A CA, a server certificate for 127.0.0.1 and a client certificate, in a fresh directory.
-    static func makeCertificates() throws -> String {
+    static func makeCertificates() async throws -> String {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("tb-tls-\(UUID().uuidString.prefix(8))").path
         try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
         let script = """
@@ -23,23 +24,18 @@ struct TLSTests {
             openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2 -extfile client.ext 2>/dev/null
             openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.pem -days 2 -subj /CN=unrelated-ca 2>/dev/null
             """
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: "/bin/sh")
-        process.arguments = ["-c", script]
-        try process.run()
-        process.waitUntilExit()
-        guard process.terminationStatus == 0 else { throw POSIXError(.EIO) }
+        let made = try await Child.run("/bin/sh", ["-c", script])
+        guard made.code == 0 else { throw POSIXError(.EIO) }
         return directory
     }
 
     /// A TLS token endpoint: answers every POST with a token whose value says whether the
-    /// client presented a certificate the CA signed.
-    final class Server: @unchecked Sendable {
-        // @unchecked: the process is only read and terminated by the test that owns it.
-        let process = Process()
+    /// client presented a certificate the CA signed. Stopped when the test lets go of it.
+    final class Server: Sendable {
+        let child: Child
         let port: Int
 
-        init(_ directory: String) throws {
+        init(_ directory: String) async throws {
             let script = """
                 import http.server, json, ssl, sys
                 class H(http.server.BaseHTTPRequestHandler):
@@ -60,20 +56,10 @@ struct TLSTests {
                 print(server.server_address[1], flush=True)
                 server.serve_forever()
                 """
-            let output = Pipe()
-            process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
-            process.arguments = ["python3", "-c", script]
-            process.standardOutput = output
-            try process.run()
-            let line = String(decoding: output.fileHandleForReading.availableData, as: UTF8.self)
-            guard let port = Int(line.trimmingCharacters(in: .whitespacesAndNewlines)) else { throw POSIXError(.EIO) }
-            self.port = port
-        }
-
-        deinit {
-            // SIGKILL: a child started from a test thread may inherit a blocked SIGTERM.
-            kill(process.processIdentifier, SIGKILL)
-            process.waitUntilExit()
+            let child = try Child("/usr/bin/env", ["python3", "-c", script], directory: directory)
+            try await eventually("the TLS server's port") { Int(child.stdout.trimmingCharacters(in: .whitespacesAndNewlines)) != nil }
+            self.child = child
+            port = Int(child.stdout.trimmingCharacters(in: .whitespacesAndNewlines)) ?? 0
         }
     }
 
@@ -84,8 +70,8 @@ struct TLSTests {
 
     @Test("CAFile= trusts the private CA; the system store alone and an unrelated CA do not")
     func privateCA() async throws {
-        let directory = try Self.makeCertificates()
-        let server = try Server(directory)
+        let directory = try await Self.makeCertificates()
+        let server = try await Server(directory)
         let trusted = try await Self.client(server.port, TLSOptions(caFile: directory + "/ca.pem")).refresh(Secret("r"))
         #expect(trusted.accessToken == Secret("plain"))
         for tls in [TLSOptions(), TLSOptions(caFile: directory + "/other.pem")] {
@@ -100,8 +86,8 @@ struct TLSTests {
 
     @Test("a client certificate and key (mTLS) are presented")
     func clientCertificate() async throws {
-        let directory = try Self.makeCertificates()
-        let server = try Server(directory)
+        let directory = try await Self.makeCertificates()
+        let server = try await Server(directory)
         let token = try await Self.client(server.port, TLSOptions(caFile: directory + "/ca.pem", clientCertificate: directory + "/client.pem",
                                                                   clientKey: directory + "/client.key")).refresh(Secret("r"))
         #expect(token.accessToken == Secret("mtls"))

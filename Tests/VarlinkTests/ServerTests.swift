@@ -1,6 +1,7 @@
 import Foundation
 import Synchronization
 import Testing
+import TestSupport
 import Varlink
 
 /// A varlink service for exercising the server: `Echo` answers inline, `Slow` parks until the
@@ -100,18 +101,6 @@ final class TestServer: Sendable {
     func stop() async {
         await server.stop()
         try? FileManager.default.removeItem(atPath: directory)
-    }
-}
-
-/// Waits (polling with yields) for a condition under a deadline.
-func eventually(_ what: String, timeout: Double = 20, _ condition: () -> Bool) async throws {
-    let deadline = ContinuousClock.now + .seconds(timeout)
-    while !condition() {
-        guard ContinuousClock.now < deadline else {
-            Issue.record("timed out waiting for \(what)")
-            throw CancellationError()
-        }
-        await Task.yield()
     }
 }
 

@@ -1,5 +1,6 @@
 import Foundation
 import Testing
+import TestSupport
 import Varlink
 
 /// The real `tokenbroker serve` on a temporary socket with a temporary configuration.

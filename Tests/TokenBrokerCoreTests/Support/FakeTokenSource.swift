@@ -1,5 +1,6 @@
 import Synchronization
 import Testing
+import TestSupport
 import TokenBrokerCore
 
 /// A token source whose fetches park until the test releases them with `succeed` or `fail`.

@@ -3,27 +3,8 @@ import Glibc
 #endif
 import Synchronization
 import Testing
+import TestSupport
 import TokenBrokerCore
-
-struct TimedOut: Error, CustomStringConvertible {
-    let what: String
-    var description: String { "timed out waiting for \(what)" }
-}
-
-/// Waits until `condition` holds, yielding to other tasks, and fails after `timeout` of real
-/// time. This waits *for a state*; it never sleeps to make an interleaving happen.
-func eventually(_ what: String, timeout: Duration = .seconds(30), sourceLocation: SourceLocation = #_sourceLocation,
-                _ condition: () async -> Bool) async throws {
-    let clock = ContinuousClock()
-    let deadline = clock.now + timeout
-    while !(await condition()) {
-        if clock.now >= deadline {
-            Issue.record("timed out waiting for \(what)", sourceLocation: sourceLocation)
-            throw TimedOut(what: what)
-        }
-        await Task.yield()
-    }
-}
 
 /// `count` concurrent callers, each running `body` in its own task; results are collected by
 /// index, so a test can wait for all of them with a deadline and cancel single ones.
