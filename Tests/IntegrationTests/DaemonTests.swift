@@ -7,56 +7,68 @@ import Varlink
 /// peer checks, ctl, and the life cycle.
 @Suite("tokenbroker serve", .serialized)
 struct DaemonTests {
-    @Test("every method of the contract and its errors over the socket")
-    func contract() async throws {
+    @Test("contract: GetToken answers a token with type, expiry and generation, the same one until it changes")
+    func getToken() async throws {
         try await withBroker { broker in
-
-            // GetToken: a token with type, expiry and generation.
             let first = try broker.call("GetToken", ["session": "api"])
             let token = try #require(first.parameters["token"]?.stringValue)
             #expect(first.parameters["tokenType"] == "Bearer" && first.parameters["generation"] == 1)
             #expect(first.parameters["expiresAt"]?.intValue.map { $0 > Int64(Date().timeIntervalSince1970) } == true)
             #expect(fp(try broker.call("GetToken", ["session": "api"]).parameters["token"]) == fp(token))
+        }
+    }
 
-            // Recover: a stale rejection returns the current token; the current one refreshes.
+    @Test("contract: Recover returns the current token for a stale rejection and refreshes for the current one; Status counts it, without the token")
+    func recover() async throws {
+        try await withBroker { broker in
+            let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
             #expect(fp(try broker.call("Recover", ["session": "api", "rejected": "some-old-token"]).parameters["token"]) == fp(token))
             let recovered = try #require(try broker.call("Recover", ["session": "api", "rejected": .string(token)]).parameters["token"]?.stringValue)
             #expect(fp(recovered) != fp(token))
-            var status = try #require(try broker.status("api"))
+            let status = try #require(try broker.status("api"))
             #expect(status["fetches"] == 2 && status["staleRejections"] == 1 && status["state"] == "active" && status["tokenSerial"] == 2)
             let statusLeaks = JSON.object(status).text.contains(recovered)
             #expect(!statusLeaks)
+        }
+    }
 
-            // Watch: the current token at once, then a new token, then the logout as the final reply.
+    @Test("contract: Watch sends the current token at once, then each new one, then the logout as its final reply; Login starts a new generation")
+    func watchLogoutLogin() async throws {
+        try await withBroker { broker in
+            let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"])
             let watcher = try broker.client()
             let initial = try watcher.call("io.tokenbroker.Broker.Watch", ["session": "api"], more: true)
-            #expect(initial.parameters["event"] == "token" && initial.continues && fp(initial.parameters["token"]) == fp(recovered))
-            let third = try #require(try broker.call("Recover", ["session": "api", "rejected": .string(recovered)]).parameters["token"])
+            #expect(initial.parameters["event"] == "token" && initial.continues && fp(initial.parameters["token"]) == fp(token))
+            let next = try #require(try broker.call("Recover", ["session": "api", "rejected": token]).parameters["token"])
             let pushed = try watcher.nextReply()
-            #expect(pushed.parameters["event"] == "token" && fp(pushed.parameters["token"]) == fp(third) && pushed.parameters["tokenSerial"] == 3)
+            #expect(pushed.parameters["event"] == "token" && fp(pushed.parameters["token"]) == fp(next) && pushed.parameters["tokenSerial"] == 2)
 
-            // Logout: watchers told, callers get SignedOut; Login starts a new generation.
             #expect(try broker.call("Logout", ["session": "api"]) == VarlinkReply())
             let last = try watcher.nextReply()
             #expect(last.parameters["event"] == "signedOut" && last.parameters["generation"] == 2 && !last.continues)
             #expect(try broker.call("GetToken", ["session": "api"]) == .error("io.tokenbroker.Broker.SignedOut", ["session": "api"]))
             #expect(try broker.call("Login", ["session": "api", "refreshToken": "r-new"]) == VarlinkReply(parameters: ["generation": 3]))
             #expect(try broker.call("GetToken", ["session": "api"]).parameters["generation"] == 3)
+            #expect(try broker.status("api")?["generation"] == 3)
+        }
+    }
 
-            // Errors.
+    @Test("contract: errors for an unknown session, bad parameters, an unknown method, Watch without more")
+    func contractErrors() async throws {
+        try await withBroker { broker async throws in
             #expect(try broker.call("GetToken", ["session": "nope"]) == .error("io.tokenbroker.Broker.NoSuchSession", ["session": "nope"]))
             #expect(try broker.call("GetToken", ["session": 1]) == .invalidParameter("session"))
             #expect(try broker.call("GetToken", ["session": "api", "x": 1]) == .invalidParameter("x"))
             #expect(try broker.call("Frobnicate") == .error("org.varlink.service.MethodNotFound", ["method": "io.tokenbroker.Broker.Frobnicate"]))
             #expect(try broker.call("Watch", ["session": "api"]) == .error("org.varlink.service.ExpectedMore"))
+        }
+    }
 
-            // Status lists every session for an admin, in configuration order.
+    @Test("contract: Status lists every session for an admin, in configuration order; Reload keeps a session whose settings did not change")
+    func statusAndReload() async throws {
+        try await withBroker { broker in
             let sessions = try broker.call("Status").parameters["sessions"]?.arrayValue?.compactMap { $0.objectValue?["name"] }
             #expect(sessions == ["api", "private"])
-            status = try #require(try broker.status("api"))
-            #expect(status["generation"] == 3)
-
-            // Reload keeps a session whose settings did not change (same generation, same token).
             let before = try broker.call("GetToken", ["session": "api"]).parameters["token"]
             #expect(try broker.call("Reload") == VarlinkReply())
             #expect(fp(try broker.call("GetToken", ["session": "api"]).parameters["token"]) == fp(before))

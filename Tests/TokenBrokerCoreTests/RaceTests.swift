@@ -7,13 +7,14 @@ import TokenBrokerCore
 /// park until released, store writes park until released, and the test waits for states
 /// ("fetch 1 started", "k callers parked") — never for time. Each race repeats
 /// `TB_RACE_ITERATIONS` times (default 500), varying the point at which the test lets go.
+/// Each test is titled by the README guarantee (G1–G7) it proves.
 @Suite("Race suite")
 struct RaceTests {
     static let old = Harness.firstToken
 
     // MARK: 1
 
-    @Test("1. concurrent recovers with the same old token cause one fetch", arguments: [20, 1000])
+    @Test("G1 one flight: concurrent recovers with the same old token cause one fetch", arguments: [20, 1000])
     func concurrentRecoversShareOneFetch(callers: Int) async throws {
         let iterations = raceIterations()
         for iteration in 0..<iterations {
@@ -38,7 +39,7 @@ struct RaceTests {
 
     // MARK: 2
 
-    @Test("2. a rejection of the old token arriving late never causes a second fetch")
+    @Test("G2 stale rejections: a rejection of the old token arriving late never causes a second fetch")
     func lateRejectionDoesNotRefresh() async throws {
         for iteration in 0..<raceIterations() {
             let h = Harness()
@@ -78,7 +79,7 @@ struct RaceTests {
         #expect(h.source.fetchCount == 1)
     }
 
-    @Test("G7: the new token is committed before any waiter sees it")
+    @Test("G7 durable rotation: the new token is committed before any waiter sees it")
     func commitBeforeDelivery() async throws {
         for iteration in 0..<raceIterations(100) {
             let h = Harness()
@@ -100,7 +101,7 @@ struct RaceTests {
 
     // MARK: 3
 
-    @Test("3. a failed fetch reaches every waiter; backoff fails fast; then exactly one new fetch")
+    @Test("G5 shared failure: a failed fetch reaches every waiter; backoff fails fast; then exactly one new fetch")
     func failureIsShared() async throws {
         let policy = RefreshPolicy(backoff: Backoff(initial: .seconds(10), maximum: .seconds(60), jitter: 0.2))
         let callers = 20
@@ -146,7 +147,7 @@ struct RaceTests {
 
     // MARK: 4
 
-    @Test("4. a cancelled waiter leaves at once; the others still succeed from the one fetch")
+    @Test("G6 local cancellation: a cancelled waiter leaves at once; the others still succeed from the one fetch")
     func cancelledWaiterLeaves() async throws {
         let callers = 20
         for iteration in 0..<raceIterations() {
@@ -173,7 +174,7 @@ struct RaceTests {
         }
     }
 
-    @Test("4b. when every waiter leaves, the flight still lands and installs its token")
+    @Test("G6 local cancellation: when every waiter leaves, the flight still lands and installs its token")
     func flightOutlivesItsWaiters() async throws {
         let h = Harness()
         let racers = Racers(5) { _ in try await h.coordinator.recover(rejected: Self.old) }
@@ -190,7 +191,7 @@ struct RaceTests {
 
     // MARK: 5
 
-    @Test("5. logout during the flight: the late success installs nothing, anywhere")
+    @Test("G3 logout boundary: logout during the flight; the late success installs nothing, anywhere")
     func logoutDuringFlight() async throws {
         for iteration in 0..<raceIterations() {
             let h = Harness()
@@ -253,7 +254,7 @@ struct RaceTests {
 
     // MARK: 6
 
-    @Test("6. the freshly fetched token rejected again: the policy hands the 401 back, no second refresh")
+    @Test("G4 one refresh, one retry: the freshly fetched token rejected again; the policy hands the 401 back, no second refresh")
     func rejectedAgainGoesBack() async throws {
         let h = Harness()
         let sent = Mutex<[Secret]>([])
@@ -278,7 +279,7 @@ struct RaceTests {
 
     // MARK: 7
 
-    @Test("7a. a terminal failure ends the session for every waiter until the next login")
+    @Test("G5 shared failure: a terminal failure ends the session for every waiter until the next login")
     func terminalFailure() async throws {
         let h = Harness()
         let events = await h.coordinator.watch()
@@ -311,7 +312,7 @@ struct RaceTests {
         #expect(seen.map(\.kind) == ["token", "signedOut", "token"])
     }
 
-    @Test("7b. a transient failure keeps the session and honours the server's Retry-After")
+    @Test("G5 shared failure: a transient failure keeps the session and honours the server's Retry-After")
     func transientFailure() async throws {
         let h = Harness(policy: RefreshPolicy(backoff: Backoff(initial: .seconds(1), maximum: .seconds(60), jitter: 0)))
         let racers = Racers(3) { _ in try await h.coordinator.recover(rejected: Self.old) }
@@ -338,7 +339,7 @@ struct RaceTests {
 
     // MARK: 8
 
-    @Test("8a. the refresh guard caps fetches per sliding window")
+    @Test("G4 refresh cap: the refresh guard caps fetches per sliding window")
     func refreshGuard() async throws {
         let h = Harness(policy: RefreshPolicy(refreshAhead: .zero, guardLimit: 3, guardWindow: .seconds(60)))
         var current = Self.old
@@ -365,7 +366,7 @@ struct RaceTests {
         #expect(try await racer.all().first?.value?.serial == 5)
     }
 
-    @Test("8b. refresh-ahead: served at once, one background refresh shared with reactive demands")
+    @Test("G1 one flight: refresh-ahead is served at once, with one background refresh shared with reactive demands")
     func refreshAhead() async throws {
         let h = Harness(policy: RefreshPolicy(refreshAhead: .seconds(60)), expiresIn: 300)
         #expect(h.coordinator.freshToken()?.serial == 1)
@@ -413,7 +414,7 @@ struct RaceTests {
 
     // MARK: 9
 
-    @Test("9. login after logout: a higher generation, and the old flight can never install its token")
+    @Test("G3 logout boundary: login after logout gives a higher generation, and the old flight can never install its token")
     func loginAfterLogout() async throws {
         for iteration in 0..<raceIterations() {
             let h = Harness()

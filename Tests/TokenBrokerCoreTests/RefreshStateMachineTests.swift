@@ -14,7 +14,7 @@ struct RefreshStateMachineTests {
     }
 
     @Test("nothing stored: signed out at generation 0, demands fail at once")
-    func empty() {
+    func empty() throws {
         var machine = Machine(session: "api", policy: RefreshPolicy(), restored: nil, now: .zero, unixNow: Self.unix)
         #expect(machine.phase == .signedOut && machine.generation == 0)
         #expect(machine.demand(.get, now: .zero) == .fail(.signedOut))
@@ -26,15 +26,15 @@ struct RefreshStateMachineTests {
         var machine = Self.active(expiresIn: 100, policy: RefreshPolicy(refreshAhead: .zero))
         let published = try #require(machine.publishable)
         #expect(published.freshUntil == .seconds(100) && published.token.serial == 1)
-        guard case .deliver = machine.demand(.get, now: .seconds(99)) else { Issue.record("expected deliver"); return }
-        guard case .startAndWait = machine.demand(.get, now: .seconds(100)) else { Issue.record("expected a fetch"); return }
+        #expect(machine.demand(.get, now: .seconds(99)).isDelivery)
+        #expect(machine.demand(.get, now: .seconds(100)).startedFlight != nil)
     }
 
     @Test("one flight: the second demand waits on the first's flight")
-    func oneFlight() {
+    func oneFlight() throws {
         var machine = Self.active()
         let first = machine.demand(.recover(rejected: Secret("access-1")), now: .zero)
-        guard case let .startAndWait(request, id) = first else { Issue.record("expected a fetch"); return }
+        let (request, id) = try #require(first.startedFlight)
         #expect(request.refreshToken == Secret("refresh-1") && request.generation == 1)
         #expect(machine.demand(.recover(rejected: Secret("access-1")), now: .zero) == .wait(id))
         #expect(machine.counters.fetches == 1 && machine.counters.joinedWaiters == 1)
@@ -43,7 +43,7 @@ struct RefreshStateMachineTests {
     @Test("the fetched token is written before it is installed; rotation keeps the old refresh token when none comes")
     func commitThenInstall() throws {
         var machine = Self.active()
-        guard case let .startAndWait(_, id) = machine.demand(.recover(rejected: Secret("access-1")), now: .zero) else { return }
+        let id = try #require(machine.demand(.recover(rejected: Secret("access-1")), now: .zero).startedFlight).id
         let fetched = FetchedToken(accessToken: Secret("access-2"), expiresIn: .seconds(60), refreshToken: nil)
         let step1 = machine.fetchSucceeded(id, fetched, now: .seconds(1), unixNow: Self.unix + 1)
         let write = try #require(step1)
@@ -62,7 +62,7 @@ struct RefreshStateMachineTests {
     @Test("logout drops the flight: its answer and its commit are refused")
     func boundary() throws {
         var machine = Self.active()
-        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { Issue.record("expected a fetch"); return }
+        let id = try #require(machine.demand(.get, now: .seconds(3600)).startedFlight).id
         let boundary = machine.logout()
         #expect(boundary.cancelled == id && boundary.error == .signedOut && boundary.event == .signedOut(generation: 2))
         #expect(boundary.write?.guardedBy == .newerGeneration && boundary.write?.record.state == .signedOut)
@@ -75,7 +75,7 @@ struct RefreshStateMachineTests {
     @Test("a logout during the commit wins over it")
     func logoutDuringCommit() throws {
         var machine = Self.active()
-        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { return }
+        let id = try #require(machine.demand(.get, now: .seconds(3600)).startedFlight).id
         let step3 = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("x")), now: .zero, unixNow: Self.unix)
         _ = try #require(step3)
         _ = machine.logout()
@@ -91,7 +91,7 @@ struct RefreshStateMachineTests {
         #expect(write.record.generation == 2 && write.record.state == .active && write.guardedBy == .newerGeneration)
         #expect(machine.demand(.get, now: .zero) == .fail(.signedOut))
         #expect(machine.loginFinished(write, .applied) == .success(2))
-        guard case let .startAndWait(request, _) = machine.demand(.get, now: .zero) else { Issue.record("expected a fetch"); return }
+        let request = try #require(machine.demand(.get, now: .zero).startedFlight).request
         #expect(request.refreshToken == Secret("refresh-L"))
 
         let step4 = machine.beginLogin(refreshToken: Secret("refresh-M")).write
@@ -117,7 +117,7 @@ struct RefreshStateMachineTests {
     @Test("a failed commit serves from memory and keeps the write pending (degraded)")
     func degradedCommit() throws {
         var machine = Self.active()
-        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { return }
+        let id = try #require(machine.demand(.get, now: .seconds(3600)).startedFlight).id
         let step6 = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("access-2"), refreshToken: Secret("refresh-2")),
                                                 now: .seconds(3600), unixNow: Self.unix)
         _ = try #require(step6)
@@ -134,7 +134,7 @@ struct RefreshStateMachineTests {
     @Test("a store holding another generation ends this one")
     func commitRejected() throws {
         var machine = Self.active()
-        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { return }
+        let id = try #require(machine.demand(.get, now: .seconds(3600)).startedFlight).id
         let step8 = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("x")), now: .zero, unixNow: Self.unix)
         _ = try #require(step8)
         let step9 = machine.commitFinished(id, .rejected)
@@ -149,30 +149,55 @@ struct RefreshStateMachineTests {
         var now = Duration.seconds(3600)
         var delays: [Duration] = []
         for _ in 0..<5 {
-            guard case let .startAndWait(_, id) = machine.demand(.get, now: now) else { Issue.record("expected a fetch"); return }
+            let id = try #require(machine.demand(.get, now: now).startedFlight).id
             let step10 = machine.fetchFailed(id, .transient("HTTP 500"), now: now, unit: 0)
             let resolution = try #require(step10)
-            guard case let .refreshFailed(_, _, retryAfter?)? = resolution.result.error else { return }
+            let retryAfter = try #require(resolution.result.error?.retryAfter)
             delays.append(retryAfter)
             now += retryAfter
         }
         #expect(delays == [.seconds(1), .seconds(2), .seconds(4), .seconds(5), .seconds(5)])
-        guard case let .startAndWait(_, id) = machine.demand(.get, now: now) else { return }
+        let id = try #require(machine.demand(.get, now: now).startedFlight).id
         _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("a"), expiresIn: .seconds(1)), now: now, unixNow: Self.unix)
         _ = machine.commitFinished(id, .applied)
         now += .seconds(2)
-        guard case let .startAndWait(_, id2) = machine.demand(.get, now: now) else { return }
+        let id2 = try #require(machine.demand(.get, now: now).startedFlight).id
         let step11 = machine.fetchFailed(id2, .transient("HTTP 500"), now: now, unit: 0)
         let resolution = try #require(step11)
         #expect(resolution.result.error == .refreshFailed(reason: "HTTP 500", retryable: true, retryAfter: .seconds(1)))
     }
 
     @Test("shutdown fails the flight's waiters and later demands")
-    func shutdown() {
+    func shutdown() throws {
         var machine = Self.active()
-        guard case let .startAndWait(_, id) = machine.demand(.get, now: .seconds(3600)) else { return }
+        let id = try #require(machine.demand(.get, now: .seconds(3600)).startedFlight).id
         let boundary = machine.shutdown()
         #expect(boundary.cancelled == id && boundary.error == .shuttingDown)
         #expect(machine.demand(.get, now: .zero) == .fail(.shuttingDown))
+    }
+}
+
+extension RefreshStateMachine.DemandAction {
+    /// The flight a demand started and now waits on (`nil` for any other action), so that a test
+    /// fails, rather than passes silently, when the expected flight never starts.
+    var startedFlight: (request: FetchRequest, id: FlightID)? {
+        if case let .startAndWait(request, id) = self { return (request, id) }
+        return nil
+    }
+
+    var isDelivery: Bool {
+        if case .deliver = self { return true }
+        return false
+    }
+}
+
+extension SessionError {
+    /// The wait a `refreshFailed` or `throttled` error carries.
+    var retryAfter: Duration? {
+        switch self {
+        case let .refreshFailed(_, _, retryAfter): return retryAfter
+        case let .throttled(retryAfter): return retryAfter
+        default: return nil
+        }
     }
 }
