@@ -46,12 +46,15 @@ var package = Package(
         .systemLibrary(name: "CSQLite", pkgConfig: "sqlite3", providers: [.apt(["libsqlite3-dev"])]),
         // The SQLite session store: generation-guarded writes, WAL + synchronous=FULL, migrations.
         .target(name: "SQLiteStore", dependencies: ["Basics", "CCrypto", "CSQLite", "TokenBrokerCore"]),
+        // The wire contract of io.tokenbroker.Broker — its text, methods, typed requests and replies,
+        // and its errors with their names — shared by the daemon's service, ctl and the client library.
+        .target(name: "BrokerContract", dependencies: ["Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
-        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "CLinux", "TokenBrokerCore", "Varlink", "Upstream", "DevIssuer", "SQLiteStore", "CSystemd"],
-                resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
+        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "BrokerContract", "CLinux", "TokenBrokerCore", "Varlink", "Upstream", "DevIssuer",
+                                                         "SQLiteStore", "CSystemd"]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the
         // one-refresh-one-retry helper for business requests.
-        .target(name: "TokenBrokerClient", dependencies: ["Basics", "TokenBrokerCore", "Varlink"]),
+        .target(name: "TokenBrokerClient", dependencies: ["Basics", "BrokerContract", "TokenBrokerCore", "Varlink"]),
         // The helper on URLSession, for workers that use FoundationNetworking.
         .target(name: "TokenBrokerURLSession", dependencies: ["TokenBrokerClient", "TokenBrokerCore"]),
         // An example worker: a protected resource called through the broker.

@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import Basics
+import BrokerContract
 import Synchronization
 import TokenBrokerCore
 import Varlink
@@ -81,13 +82,13 @@ public final class TokenBrokerClient: Sendable {
 
     /// The session's current token (refreshed first by the broker if it has expired).
     public func token(session: String) async throws(TokenBrokerError) -> AccessToken {
-        Self.accessToken(try await call("GetToken", ["session": .string(session)]))
+        AccessToken(TokenReply(try await call(.getToken(session: session)).parameters))
     }
 
     /// The token to retry with after `rejected` was refused (`401 invalid_token`): the current
     /// one if it is another, else a new one from the session's single refresh.
     public func recover(session: String, rejected: String) async throws(TokenBrokerError) -> AccessToken {
-        Self.accessToken(try await call("Recover", ["session": .string(session), "rejected": .string(rejected)]))
+        AccessToken(TokenReply(try await call(.recover(session: session, rejected: rejected)).parameters))
     }
 
     /// The session's events: the current token at once, every new token, and the logout
@@ -129,8 +130,7 @@ public final class TokenBrokerClient: Sendable {
             while true {
                 let reply: VarlinkReply
                 do throws(VarlinkClientError) {
-                    reply = first ? try client.call(VarlinkCall(method: "io.tokenbroker.Broker.Watch", parameters: ["session": .string(session)], more: true))
-                                  : try client.nextReply()
+                    reply = first ? try client.call(BrokerRequest.watch(session: session).call) : try client.nextReply()
                 } catch {
                     let gone = link.state.withLock { $0.finished }
                     continuation.finish(throwing: gone ? nil : TokenBrokerError.unavailable(error.description))
@@ -141,11 +141,9 @@ public final class TokenBrokerClient: Sendable {
                     continuation.finish(throwing: error)
                     return
                 }
-                let generation = Int(reply.parameters["generation"]?.intValue ?? 0)
-                if reply.parameters["event"] == "signedOut" {
-                    continuation.yield(.signedOut(generation: generation))
-                } else {
-                    continuation.yield(.token(Self.accessToken(reply), serial: Int(reply.parameters["tokenSerial"]?.intValue ?? 0)))
+                switch WatchEvent(reply.parameters) {
+                case let .signedOut(generation): continuation.yield(.signedOut(generation: generation))
+                case let .token(token, serial): continuation.yield(.token(AccessToken(token), serial: serial))
                 }
                 guard reply.continues else {
                     continuation.finish()
@@ -166,7 +164,7 @@ public final class TokenBrokerClient: Sendable {
 
     // MARK: - Calls
 
-    private func call(_ method: String, _ parameters: JSONObject) async throws(TokenBrokerError) -> VarlinkReply {
+    private func call(_ request: BrokerRequest) async throws(TokenBrokerError) -> VarlinkReply {
         let (address, timeout, connection) = (self.address, self.timeout, self.connection)
         let outcome: Result<VarlinkReply, VarlinkClientError>
         do {
@@ -177,7 +175,7 @@ public final class TokenBrokerClient: Sendable {
                 for attempt in 0..<2 {
                     do throws(VarlinkClientError) {
                         if connection.client == nil { connection.client = try VarlinkClient(address: address, timeout: timeout) }
-                        return .success(try connection.client!.call("io.tokenbroker.Broker." + method, parameters))
+                        return .success(try connection.client!.call(request.call))
                     } catch {
                         connection.client = nil
                         lastError = error
@@ -195,31 +193,27 @@ public final class TokenBrokerClient: Sendable {
         case let .success(value): reply = value
         case let .failure(error): throw .unavailable(error.description)
         }
-        if let error = Self.error(reply, session: parameters["session"]?.stringValue ?? "") { throw error }
+        if let error = Self.error(reply, session: request.session ?? "") { throw error }
         return reply
     }
 
-    static func accessToken(_ reply: VarlinkReply) -> AccessToken {
-        AccessToken(token: reply.parameters["token"]?.stringValue ?? "", tokenType: reply.parameters["tokenType"]?.stringValue ?? "Bearer",
-                    expiresAt: reply.parameters["expiresAt"]?.intValue, generation: Int(reply.parameters["generation"]?.intValue ?? 0))
-    }
-
-    /// The contract's errors as typed errors.
+    /// The contract's errors as the library's typed errors.
     static func error(_ reply: VarlinkReply, session: String) -> TokenBrokerError? {
         guard let name = reply.error else { return nil }
-        let parameters = reply.parameters
-        let session = parameters["session"]?.stringValue ?? session
-        switch name {
-        case "io.tokenbroker.Broker.NoSuchSession": return .noSuchSession(session)
-        case "io.tokenbroker.Broker.SignedOut": return .signedOut(session)
-        case "io.tokenbroker.Broker.PermissionDenied", "org.varlink.service.PermissionDenied": return .permissionDenied
-        case "io.tokenbroker.Broker.RefreshFailed":
-            return .refreshFailed(session: session, reason: parameters["reason"]?.stringValue ?? "", retryable: parameters["retryable"]?.boolValue ?? false,
-                                  retryAfter: parameters["retryAfter"]?.doubleValue)
-        case "io.tokenbroker.Broker.Throttled":
-            return .throttled(session: session, retryAfter: parameters["retryAfter"]?.doubleValue ?? 0)
-        default:
-            return .unexpected(name)
+        switch BrokerError(reply, session: session) {
+        case let .noSuchSession(session)?: return .noSuchSession(session)
+        case let .signedOut(session)?: return .signedOut(session)
+        case .permissionDenied?: return .permissionDenied
+        case let .refreshFailed(session, reason, retryable, retryAfter)?:
+            return .refreshFailed(session: session, reason: reason, retryable: retryable, retryAfter: retryAfter)
+        case let .throttled(session, retryAfter)?: return .throttled(session: session, retryAfter: retryAfter)
+        default: return .unexpected(name)
         }
+    }
+}
+
+extension AccessToken {
+    init(_ reply: TokenReply) {
+        self.init(token: reply.token, tokenType: reply.tokenType, expiresAt: reply.expiresAt, generation: reply.generation)
     }
 }

@@ -1,3 +1,4 @@
+import BrokerContract
 import Synchronization
 import SQLiteStore
 import TokenBrokerCore
@@ -96,157 +97,182 @@ final class BrokerService: VarlinkHandler {
         self.forget = forget
     }
 
-    func handle(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
-        let parameters = Parameters(call.parameters)
-        do {
-            switch call.member {
-            case "GetToken":
-                try parameters.only(["session"])
-                let session = try use(try parameters.string("session"), peer, call)
-                if let token = session.coordinator.freshToken() { return .reply(Self.tokenReply(token)) }
-                return asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.token()) }
-            case "Recover":
-                try parameters.only(["session", "rejected"])
-                let session = try use(try parameters.string("session"), peer, call)
-                let rejected = Secret(try parameters.string("rejected"))
-                return asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.recover(rejected: rejected)) }
-            case "Watch":
-                try parameters.only(["session"])
-                let session = try use(try parameters.string("session"), peer, call)
-                guard call.more else { return .reply(.error(VarlinkServiceError.expectedMore)) }
-                return .async { [self] sink in await watch(session, peer, sink) }
-            case "Logout":
-                try parameters.only(["session"])
-                let name = try administer(try parameters.string("session"), peer, call).configuration.name
-                let logger = self.logger
-                return asyncReply(name) { [self] in
-                    try await boundary(name) { session in
-                        try await session.coordinator.logout(handingOver: revocation(for: session))
-                        logger.log(.notice, "logout of session \(name) by \(peer)", session: name,
-                                   generation: await session.coordinator.status().generation)
-                        return VarlinkReply()
-                    }
-                }
-            case "Login":
-                try parameters.only(["session", "refreshToken"])
-                let name = try administer(try parameters.string("session"), peer, call).configuration.name
-                let refreshToken = Secret(try parameters.string("refreshToken"))
-                guard !refreshToken.isEmpty else { throw ParameterError(name: "refreshToken") }
-                let logger = self.logger
-                return asyncReply(name) { [self] in
-                    try await boundary(name) { session in
-                        let generation = try await session.coordinator.login(refreshToken: refreshToken)
-                        logger.log(.notice, "login of session \(name) by \(peer)", session: name, generation: generation)
-                        return VarlinkReply(parameters: ["generation": .int(Int64(generation))])
-                    }
-                }
-            case "Refresh":
-                try parameters.only(["session"])
-                let session = try administer(try parameters.string("session"), peer, call)
-                logger.notice("forced refresh of session \(session.configuration.name) by \(peer)", session: session.configuration.name)
-                return asyncReply(session.configuration.name) {
-                    let token = try await session.coordinator.refresh()
-                    var parameters: JSONObject = ["generation": .int(Int64(token.generation)), "tokenSerial": .int(Int64(token.serial))]
-                    if let expiresAt = token.expiresAt { parameters["expiresAt"] = .int(expiresAt) }
-                    return VarlinkReply(parameters: parameters)
-                }
-            case "DeviceLogin":
-                try parameters.only(["session"])
-                let session = try administer(try parameters.string("session"), peer, call)
-                guard call.more else { return .reply(.error(VarlinkServiceError.expectedMore)) }
-                guard let upstream = session.upstream else {
-                    return .reply(.error(BrokerInterface.Error.loginFailed,
-                                         ["session": .string(session.configuration.name), "reason": "this session has no OAuth upstream"]))
-                }
-                logger.notice("device login of session \(session.configuration.name) started by \(peer)", session: session.configuration.name)
-                return .async { [self] sink in await deviceLogin(session, upstream, sink) }
-            case "Status":
-                try parameters.only([])
-                let snapshot = sessions.snapshot
-                let visible = snapshot.order.compactMap { snapshot.sessions[$0] }
-                    .filter { snapshot.access.mayUse($0.configuration, peer) }
-                let inert = snapshot.access.isAdmin(peer) ? snapshot.inert : []
-                return .async { sink in
-                    var entries: [JSON] = []
-                    for session in visible { entries.append(Self.statusEntry(await session.coordinator.status())) }
-                    entries += inert.map(Self.statusEntry)
-                    sink.send(VarlinkReply(parameters: ["sessions": .array(entries)]))
-                }
-            case "Forget":
-                try parameters.only(["session"])
-                let name = try parameters.string("session")
-                guard sessions.isAdmin(peer) else { throw Refusal.permissionDenied }
-                if sessions.lookup(name, for: peer) != nil {
-                    return .reply(.error(BrokerInterface.Error.sessionConfigured, ["session": .string(name)]))
-                }
-                return .async { [self] sink in
-                    // Under the gate, and checked again: a reload may configure it meanwhile.
-                    let answer: VarlinkReply = await sessions.gate.shared { [self] in
-                        guard sessions.lookup(name, for: peer) == nil else {
-                            return .error(BrokerInterface.Error.sessionConfigured, ["session": .string(name)])
-                        }
-                        do {
-                            return try await forget(name) ? VarlinkReply() : .error(BrokerInterface.Error.noSuchSession, ["session": .string(name)])
-                        } catch {
-                            return reply(for: error, session: name)
-                        }
-                    }
-                    sink.send(answer)
-                }
-            case "Reload":
-                try parameters.only([])
-                guard sessions.isAdmin(peer) else { throw Refusal.permissionDenied }
-                logger.notice("reload requested by \(peer)")
-                return .async { [reload] sink in
-                    if let problem = await reload() {
-                        sink.send(.error(BrokerInterface.Error.configurationError, ["reason": .string(problem)]))
-                    } else {
-                        sink.send(VarlinkReply())
-                    }
-                }
-            default:
-                return .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
-            }
-        } catch let error as ParameterError {
-            return .reply(error.reply)
-        } catch let refusal as Refusal {
-            if case .permissionDenied = refusal {
-                logger.limited(.warning, key: "denied:\(peer.uid)", "permission denied: \(call.method) by \(peer)")
-            }
-            return .reply(refusal.reply)
-        } catch {
-            return .reply(reply(for: error, session: ""))
-        }
+    // MARK: - The method table
+
+    /// Who may call a method.
+    enum Access: Sendable {
+        /// The session's users (`AllowUsers=`/`AllowGroups=`) and admins.
+        case sessionUser
+        /// Admins only.
+        case admin
+        /// Anyone who may connect (what they see is filtered).
+        case anyone
     }
 
-    /// A refusal decided before any session work starts.
-    private enum Refusal: Error {
-        case noSuchSession(String)
-        case permissionDenied
+    /// One method: who may call it, whether it streams (needs `more`), and its handler.
+    struct Method: Sendable {
+        var access: Access
+        var streams = false
+        /// The request, the caller, and the configured session it names (resolved and checked
+        /// by the dispatcher; `nil` for methods that name none, or an unconfigured one).
+        var handler: @Sendable (BrokerService, BrokerRequest, PeerCredentials, SessionTable.Session?) throws -> VarlinkHandling
+    }
 
-        var reply: VarlinkReply {
-            switch self {
-            case let .noSuchSession(name): return .error(BrokerInterface.Error.noSuchSession, ["session": .string(name)])
-            case .permissionDenied: return .error(BrokerInterface.Error.permissionDenied)
+    static let methods: [BrokerMethod: Method] = [
+        .getToken: Method(access: .sessionUser, handler: { $0.getToken($3!) }),
+        .recover: Method(access: .sessionUser, handler: { service, request, _, session in
+            guard case let .recover(_, rejected) = request else { throw BrokerError.internalError }
+            return service.recover(session!, rejected: Secret(rejected))
+        }),
+        .watch: Method(access: .sessionUser, streams: true, handler: { service, _, peer, session in
+            .async { sink in await service.watch(session!, peer, sink) }
+        }),
+        .logout: Method(access: .admin, handler: { $0.logout($3!.configuration.name, by: $2) }),
+        .login: Method(access: .admin, handler: { service, request, peer, session in
+            guard case let .login(_, refreshToken) = request else { throw BrokerError.internalError }
+            return service.login(session!.configuration.name, Secret(refreshToken), by: peer)
+        }),
+        .refresh: Method(access: .admin, handler: { $0.refresh($3!, by: $2) }),
+        .deviceLogin: Method(access: .admin, streams: true, handler: { try $0.deviceLogin($3!, by: $2) }),
+        .status: Method(access: .anyone, handler: { service, _, peer, _ in service.status(for: peer) }),
+        .forget: Method(access: .admin, handler: { service, request, peer, _ in try service.forget(request.session ?? "", by: peer) }),
+        .reload: Method(access: .admin, handler: { service, _, peer, _ in service.reload(by: peer) }),
+    ]
+
+    /// Decodes the call once, checks who may make it, resolves the session it names, and hands
+    /// it to its method; refusals and bad parameters are answered here.
+    func handle(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
+        guard let name = BrokerMethod(rawValue: call.member), let method = Self.methods[name] else {
+            return .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
+        }
+        do {
+            let request = try BrokerRequest(name, call.parameters)
+            var session: SessionTable.Session?
+            switch method.access {
+            case .sessionUser:
+                session = try use(request.session ?? "", peer)
+            case .admin:
+                guard sessions.isAdmin(peer) else { throw BrokerError.permissionDenied }
+                // Forget names a session that is not configured (any more).
+                if let named = request.session, name != .forget {
+                    guard let found = sessions.snapshot.sessions[named] else { throw BrokerError.noSuchSession(session: named) }
+                    session = found
+                }
+            case .anyone:
+                break
             }
+            if method.streams && !call.more { return .reply(.error(VarlinkServiceError.expectedMore)) }
+            return try method.handler(self, request, peer, session)
+        } catch let error as ParameterError {
+            return .reply(error.reply)
+        } catch {
+            if case BrokerError.permissionDenied = error {
+                logger.limited(.warning, key: "denied:\(peer.uid)", "permission denied: \(call.method) by \(peer)")
+            }
+            return .reply(reply(for: error, session: ""))
         }
     }
 
     /// The session `peer` may use. A peer that may not use it learns nothing more: whether it
     /// exists or not, the answer is `PermissionDenied` (only admins, who see every session
     /// anyway, are told `NoSuchSession`), so session names cannot be probed.
-    private func use(_ name: String, _ peer: PeerCredentials, _ call: VarlinkCall) throws -> SessionTable.Session {
+    private func use(_ name: String, _ peer: PeerCredentials) throws(BrokerError) -> SessionTable.Session {
         guard let (session, allowed) = sessions.lookup(name, for: peer) else {
-            throw sessions.isAdmin(peer) ? Refusal.noSuchSession(name) : Refusal.permissionDenied
+            throw sessions.isAdmin(peer) ? .noSuchSession(session: name) : .permissionDenied
         }
-        guard allowed else { throw Refusal.permissionDenied }
+        guard allowed else { throw .permissionDenied }
         return session
     }
 
-    private func administer(_ name: String, _ peer: PeerCredentials, _ call: VarlinkCall) throws -> SessionTable.Session {
-        guard sessions.isAdmin(peer) else { throw Refusal.permissionDenied }
-        guard let (session, _) = sessions.lookup(name, for: peer) else { throw Refusal.noSuchSession(name) }
-        return session
+    // MARK: - The methods
+
+    /// GetToken: a fresh token inline, from the coordinator's snapshot; otherwise wait for it.
+    private func getToken(_ session: SessionTable.Session) -> VarlinkHandling {
+        if let token = session.coordinator.freshToken() { return .reply(Self.tokenReply(token)) }
+        return asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.token()) }
+    }
+
+    private func recover(_ session: SessionTable.Session, rejected: Secret) -> VarlinkHandling {
+        asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.recover(rejected: rejected)) }
+    }
+
+    private func logout(_ name: String, by peer: PeerCredentials) -> VarlinkHandling {
+        let logger = self.logger
+        return asyncReply(name) { [self] in
+            try await boundary(name) { session in
+                try await session.coordinator.logout(handingOver: revocation(for: session))
+                logger.log(.notice, "logout of session \(name) by \(peer)", session: name, generation: await session.coordinator.status().generation)
+                return VarlinkReply()
+            }
+        }
+    }
+
+    private func login(_ name: String, _ refreshToken: Secret, by peer: PeerCredentials) -> VarlinkHandling {
+        let logger = self.logger
+        return asyncReply(name) { [self] in
+            try await boundary(name) { session in
+                let generation = try await session.coordinator.login(refreshToken: refreshToken)
+                logger.log(.notice, "login of session \(name) by \(peer)", session: name, generation: generation)
+                return VarlinkReply(parameters: ["generation": .int(Int64(generation))])
+            }
+        }
+    }
+
+    private func refresh(_ session: SessionTable.Session, by peer: PeerCredentials) -> VarlinkHandling {
+        logger.notice("forced refresh of session \(session.configuration.name) by \(peer)", session: session.configuration.name)
+        return asyncReply(session.configuration.name) {
+            let token = try await session.coordinator.refresh()
+            var parameters: JSONObject = ["generation": .int(Int64(token.generation)), "tokenSerial": .int(Int64(token.serial))]
+            if let expiresAt = token.expiresAt { parameters["expiresAt"] = .int(expiresAt) }
+            return VarlinkReply(parameters: parameters)
+        }
+    }
+
+    private func deviceLogin(_ session: SessionTable.Session, by peer: PeerCredentials) throws(BrokerError) -> VarlinkHandling {
+        let name = session.configuration.name
+        guard let upstream = session.upstream else { throw .loginFailed(session: name, reason: "this session has no OAuth upstream") }
+        logger.notice("device login of session \(name) started by \(peer)", session: name)
+        return .async { [self] sink in await deviceLogin(session, upstream, sink) }
+    }
+
+    /// Status: the sessions `peer` may use, and, for admins, the stored ones no longer configured.
+    private func status(for peer: PeerCredentials) -> VarlinkHandling {
+        let snapshot = sessions.snapshot
+        let visible = snapshot.order.compactMap { snapshot.sessions[$0] }.filter { snapshot.access.mayUse($0.configuration, peer) }
+        let inert = snapshot.access.isAdmin(peer) ? snapshot.inert : []
+        return .async { sink in
+            var entries: [JSON] = []
+            for session in visible { entries.append(Self.statusEntry(await session.coordinator.status())) }
+            entries += inert.map(Self.statusEntry)
+            sink.send(VarlinkReply(parameters: ["sessions": .array(entries)]))
+        }
+    }
+
+    private func forget(_ name: String, by peer: PeerCredentials) throws(BrokerError) -> VarlinkHandling {
+        if sessions.lookup(name, for: peer) != nil { throw .sessionConfigured(session: name) }
+        return .async { [self] sink in
+            // Under the gate, and checked again: a reload may configure it meanwhile.
+            let answer: VarlinkReply = await sessions.gate.shared { [self] in
+                guard sessions.lookup(name, for: peer) == nil else { return BrokerError.sessionConfigured(session: name).reply }
+                do {
+                    return try await forget(name) ? VarlinkReply() : BrokerError.noSuchSession(session: name).reply
+                } catch {
+                    return reply(for: error, session: name)
+                }
+            }
+            sink.send(answer)
+        }
+    }
+
+    private func reload(by peer: PeerCredentials) -> VarlinkHandling {
+        logger.notice("reload requested by \(peer)")
+        return .async { [reload] sink in
+            if let problem = await reload() {
+                sink.send(BrokerError.configurationError(reason: problem).reply)
+            } else {
+                sink.send(VarlinkReply())
+            }
+        }
     }
 
     /// Runs a boundary (logout, login) on the session's coordinator as the table holds it *now*,
@@ -254,7 +280,7 @@ final class BrokerService: VarlinkHandler {
     private func boundary(_ name: String, _ body: @Sendable (SessionTable.Session) async throws -> VarlinkReply) async throws -> VarlinkReply {
         try await sessions.gate.shared { [sessions] in
             guard let session = sessions.snapshot.sessions[name] else {
-                return .error(BrokerInterface.Error.noSuchSession, ["session": .string(name)])
+                return BrokerError.noSuchSession(session: name).reply
             }
             return try await body(session)
         }
@@ -295,7 +321,7 @@ final class BrokerService: VarlinkHandler {
         let name = session.configuration.name
         func failed(_ reason: String) {
             logger.warning("device login of session \(name) failed: \(reason)", session: name)
-            sink.send(.error(BrokerInterface.Error.loginFailed, ["session": .string(name), "reason": .string(reason)]))
+            sink.send(BrokerError.loginFailed(session: name, reason: reason).reply)
         }
         let client: OAuthClient
         do {
@@ -329,8 +355,7 @@ final class BrokerService: VarlinkHandler {
                 guard session.upstream === upstream else {
                     if let refreshToken = token.refreshToken { _ = await upstream.revoke(refreshToken) }
                     logger.warning("device login of session \(name) failed: the session was reconfigured during the login", session: name)
-                    return .error(BrokerInterface.Error.loginFailed,
-                                  ["session": .string(name), "reason": "the session was reconfigured during the login; log in again"])
+                    return BrokerError.loginFailed(session: name, reason: "the session was reconfigured during the login; log in again").reply
                 }
                 let generation = try await session.coordinator.login(refreshToken: token.refreshToken, initial: token)
                 logger.log(.notice, "device login of session \(name) done: generation \(generation)", session: name, generation: generation)
@@ -344,39 +369,33 @@ final class BrokerService: VarlinkHandler {
     /// The one place where errors become wire errors. Anything unexpected is logged (by type,
     /// never by content) and answered with `InternalError`.
     func reply(for error: any Error, session: String) -> VarlinkReply {
-        let name: JSON = .string(session)
+        contractError(error, session: session).reply
+    }
+
+    func contractError(_ error: any Error, session: String) -> BrokerError {
         switch error {
+        case let error as BrokerError:
+            return error
         case let error as SessionError:
             switch error {
-            case .signedOut:
-                return .error(BrokerInterface.Error.signedOut, ["session": name])
+            case .signedOut: return .signedOut(session: session)
             case let .refreshFailed(reason, retryable, retryAfter):
-                var parameters: JSONObject = ["session": name, "reason": .string(reason), "retryable": .bool(retryable)]
-                if let retryAfter { parameters["retryAfter"] = .double(retryAfter.seconds) }
-                return .error(BrokerInterface.Error.refreshFailed, parameters)
-            case let .throttled(retryAfter):
-                return .error(BrokerInterface.Error.throttled, ["session": name, "retryAfter": .double(retryAfter.seconds)])
-            case let .storeFailed(reason):
-                return .error(BrokerInterface.Error.storeFailed, ["session": name, "reason": .string(reason)])
-            case .shuttingDown:
-                return .error(BrokerInterface.Error.shuttingDown)
+                return .refreshFailed(session: session, reason: reason, retryable: retryable, retryAfter: retryAfter?.seconds)
+            case let .throttled(retryAfter): return .throttled(session: session, retryAfter: retryAfter.seconds)
+            case let .storeFailed(reason): return .storeFailed(session: session, reason: reason)
+            case .shuttingDown: return .shuttingDown
             }
-        case let error as ParameterError:
-            return error.reply
         case let error as StoreError:
             logger.error("state database error in session \(session): \(error)")
-            return .error(BrokerInterface.Error.storeFailed, ["session": .string(session), "reason": .string(error.message)])
+            return .storeFailed(session: session, reason: error.message)
         default:
             logger.error("internal error in session \(session): \(type(of: error))")
-            return .error(BrokerInterface.Error.internalError)
+            return .internalError
         }
     }
 
     static func tokenReply(_ token: IssuedToken) -> VarlinkReply {
-        var parameters: JSONObject = ["token": .string(token.token.reveal), "tokenType": .string(token.tokenType)]
-        if let expiresAt = token.expiresAt { parameters["expiresAt"] = .int(expiresAt) }
-        parameters["generation"] = .int(Int64(token.generation))
-        return VarlinkReply(parameters: parameters)
+        VarlinkReply(parameters: TokenReply(token).parameters)
     }
 
     /// Watch, for as long as `peer` may use the session: a reload that takes the peer off its
@@ -398,7 +417,7 @@ final class BrokerService: VarlinkHandler {
             }
         }
         // Whichever side noticed first, the stream ends saying why (ignored after a final reply).
-        if !allowed() { sink.send(.error(BrokerInterface.Error.permissionDenied)) }
+        if !allowed() { sink.send(BrokerError.permissionDenied.reply) }
     }
 
     /// Watch: the current state at once, then every event; `signedOut` ends the stream. Stops,
@@ -413,18 +432,13 @@ final class BrokerService: VarlinkHandler {
             guard allowed() else { return }
             switch event {
             case let .token(token):
-                var parameters: JSONObject = ["event": "token", "generation": .int(Int64(token.generation))]
-                if let expiresAt = token.expiresAt { parameters["expiresAt"] = .int(expiresAt) }
-                parameters["token"] = .string(token.token.reveal)
-                parameters["tokenType"] = .string(token.tokenType)
-                parameters["tokenSerial"] = .int(Int64(token.serial))
-                sink.send(VarlinkReply(parameters: parameters, continues: true))
+                sink.send(VarlinkReply(parameters: WatchEvent.token(TokenReply(token), serial: Int(token.serial)).parameters, continues: true))
             case let .signedOut(generation):
-                sink.send(VarlinkReply(parameters: ["event": "signedOut", "generation": .int(Int64(generation))]))
+                sink.send(VarlinkReply(parameters: WatchEvent.signedOut(generation: generation).parameters))
                 return
             }
         }
-        if !Task.isCancelled { sink.send(.error(BrokerInterface.Error.shuttingDown)) }
+        if !Task.isCancelled { sink.send(BrokerError.shuttingDown.reply) }
     }
 
     /// A stored, unconfigured session: its stored state, no activity, marked inert.
@@ -461,5 +475,12 @@ final class BrokerService: VarlinkHandler {
         entry["throttled"] = .int(Int64(counters.throttled))
         entry["droppedResults"] = .int(Int64(counters.droppedResults))
         return .object(entry)
+    }
+}
+
+extension TokenReply {
+    /// The token as the contract sends it (the only place its value leaves the coordinator).
+    init(_ token: IssuedToken) {
+        self.init(token: token.token.reveal, tokenType: token.tokenType, expiresAt: token.expiresAt, generation: token.generation)
     }
 }

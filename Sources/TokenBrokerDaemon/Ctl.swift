@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import Basics
+import BrokerContract
 import Varlink
 
 /// `tokenbroker ctl …`: talks to the running broker over its socket.
@@ -57,18 +58,18 @@ enum Ctl {
             switch verb {
             case "status":
                 guard operands.isEmpty else { return usage("status takes no operand", &errors) }
-                let reply = try call(address, "Status", [:])
+                let reply = try call(address, .status)
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : statusTable(reply.parameters["sessions"]?.arrayValue ?? []))
             case "token":
                 guard operands.count == 1 else { return usage("token needs exactly one SESSION", &errors) }
-                let reply = try call(address, "GetToken", ["session": .string(operands[0])])
+                let reply = try call(address, .getToken(session: operands[0]))
                 guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
             case "recover":
                 guard operands.count == 1 else { return usage("recover needs exactly one SESSION", &errors) }
                 let rejected = readStandardInput()
                 guard !rejected.isEmpty else { return usage("recover reads the rejected token from standard input, which is empty", &errors) }
-                let reply = try call(address, "Recover", ["session": .string(operands[0]), "rejected": .string(rejected)])
+                let reply = try call(address, .recover(session: operands[0], rejected: rejected))
                 guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
             case "login":
@@ -76,14 +77,14 @@ enum Ctl {
                 if refreshTokenFromStdin {
                     let token = readStandardInput()
                     guard !token.isEmpty else { return usage("--refresh-token-stdin: standard input is empty", &errors) }
-                    let reply = try call(address, "Login", ["session": .string(operands[0]), "refreshToken": .string(token)])
+                    let reply = try call(address, .login(session: operands[0], refreshToken: token))
                     output.write("logged in \(operands[0]) (generation \(reply.parameters["generation"]?.intValue ?? 0))\n")
                 } else {
                     try deviceLogin(address, operands[0], output: &output)
                 }
             case "refresh":
                 guard operands.count == 1 else { return usage("refresh needs exactly one SESSION", &errors) }
-                let reply = try call(address, "Refresh", ["session": .string(operands[0])])
+                let reply = try call(address, .refresh(session: operands[0]))
                 if json {
                     output.write(JSON.object(reply.parameters).text + "\n")
                 } else {
@@ -96,15 +97,15 @@ enum Ctl {
                 try watch(address, operands[0], json: json, showToken: showToken, output: &output)
             case "reload":
                 guard operands.isEmpty else { return usage("reload takes no operand", &errors) }
-                _ = try call(address, "Reload", [:])
+                _ = try call(address, .reload)
                 output.write("reloaded\n")
             case "forget":
                 guard operands.count == 1 else { return usage("forget needs exactly one SESSION", &errors) }
-                _ = try call(address, "Forget", ["session": .string(operands[0])])
+                _ = try call(address, .forget(session: operands[0]))
                 output.write("forgot \(operands[0])\n")
             case "logout":
                 guard operands.count == 1 else { return usage("logout needs exactly one SESSION", &errors) }
-                _ = try call(address, "Logout", ["session": .string(operands[0])])
+                _ = try call(address, .logout(session: operands[0]))
                 output.write("logged out \(operands[0])\n")
             default:
                 return usage("unknown verb '\(verb)'", &errors)
@@ -133,8 +134,8 @@ enum Ctl {
         } catch {
             throw Failure(code: ExitCode.unavailable, message: "cannot reach the broker at \(address.path): \(error) (is tokenbroker running?)")
         }
-        var reply = try exchange(address, "DeviceLogin", ["session": .string(session)]) { (method, parameters) throws(VarlinkClientError) -> VarlinkReply in
-            try client.call(VarlinkCall(method: method, parameters: parameters, more: true))
+        var reply = try exchange(address, .deviceLogin(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
+            try client.call(call)
         }
         if reply.parameters["event"] == "prompt" {
             let uri = reply.parameters["verificationUri"]?.stringValue ?? "?"
@@ -142,7 +143,7 @@ enum Ctl {
             output.write("To log in '\(session)', open \(uri) and enter the code \(code)\n")
             if let complete = reply.parameters["verificationUriComplete"]?.stringValue { output.write("(or open \(complete))\n") }
             output.write("Waiting for approval…\n")
-            reply = try exchange(address, "DeviceLogin", ["session": .string(session)]) { (_, _) throws(VarlinkClientError) -> VarlinkReply in
+            reply = try exchange(address, .deviceLogin(session: session)) { (_) throws(VarlinkClientError) -> VarlinkReply in
                 try client.nextReply()
             }
         }
@@ -159,8 +160,8 @@ enum Ctl {
         }
         var first = true
         while true {
-            let reply = try exchange(address, "Watch", ["session": .string(session)]) { (method, parameters) throws(VarlinkClientError) -> VarlinkReply in
-                first ? try client.call(VarlinkCall(method: method, parameters: parameters, more: true)) : try client.nextReply()
+            let reply = try exchange(address, .watch(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
+                first ? try client.call(call) : try client.nextReply()
             }
             first = false
             var event = reply.parameters
@@ -192,18 +193,18 @@ enum Ctl {
     }
 
     /// One call to `io.tokenbroker.Broker`; errors become messages that say what to do next.
-    static func call(_ address: VarlinkAddress, _ method: String, _ parameters: JSONObject) throws(Failure) -> VarlinkReply {
-        try exchange(address, method, parameters) { (method, parameters) throws(VarlinkClientError) -> VarlinkReply in
-            try VarlinkClient(address: address, timeout: 60).call(method, parameters)
+    static func call(_ address: VarlinkAddress, _ request: BrokerRequest) throws(Failure) -> VarlinkReply {
+        try exchange(address, request) { (call) throws(VarlinkClientError) -> VarlinkReply in
+            try VarlinkClient(address: address, timeout: 60).call(call)
         }
     }
 
     /// Runs `send` (one call or reply read) and maps what goes wrong to a `Failure`.
-    static func exchange(_ address: VarlinkAddress, _ method: String, _ parameters: JSONObject,
-                         _ send: (String, JSONObject) throws(VarlinkClientError) -> VarlinkReply) throws(Failure) -> VarlinkReply {
+    static func exchange(_ address: VarlinkAddress, _ request: BrokerRequest,
+                         _ send: (VarlinkCall) throws(VarlinkClientError) -> VarlinkReply) throws(Failure) -> VarlinkReply {
         let reply: VarlinkReply
         do {
-            reply = try send(BrokerInterface.name + "." + method, parameters)
+            reply = try send(request.call)
         } catch {
             switch error {
             case let .unreachable(cause):
@@ -213,35 +214,44 @@ enum Ctl {
                 throw Failure(code: ExitCode.unavailable, message: "the broker at \(address.path) did not answer: \(error)")
             }
         }
-        guard let error = reply.error else { return reply }
-        let session = reply.parameters["session"]?.stringValue ?? parameters["session"]?.stringValue ?? ""
+        guard let name = reply.error else { return reply }
+        guard let error = BrokerError(reply, session: request.session ?? "") else {
+            throw Failure(code: ExitCode.failure, message: "the broker answered \(name)")
+        }
+        throw failure(error, request)
+    }
+
+    /// What `ctl` says, and exits with, for each contract error.
+    static func failure(_ error: BrokerError, _ request: BrokerRequest) -> Failure {
         switch error {
-        case BrokerInterface.Error.noSuchSession:
-            throw Failure(code: ExitCode.failure, message: "no session named '\(session)' (see `tokenbroker ctl status`)")
-        case BrokerInterface.Error.signedOut:
-            throw Failure(code: ExitCode.failure, message: "not logged in: run `tokenbroker ctl login \(session)`")
-        case BrokerInterface.Error.permissionDenied:
-            throw Failure(code: ExitCode.permission, message: "permission denied: this user may not call \(method)\(session.isEmpty ? "" : " on '\(session)'")")
-        case BrokerInterface.Error.refreshFailed:
-            let reason = reply.parameters["reason"]?.stringValue ?? "unknown"
-            let retryable = reply.parameters["retryable"]?.boolValue ?? false
+        case let .noSuchSession(session):
+            return Failure(code: ExitCode.failure, message: "no session named '\(session)' (see `tokenbroker ctl status`)")
+        case let .signedOut(session):
+            return Failure(code: ExitCode.failure, message: "not logged in: run `tokenbroker ctl login \(session)`")
+        case .permissionDenied:
+            let on = request.session.map { " on '\($0)'" } ?? ""
+            return Failure(code: ExitCode.permission, message: "permission denied: this user may not call \(request.method.rawValue)\(on)")
+        case let .refreshFailed(session, reason, retryable, retryAfter):
             var message = "refresh of '\(session)' failed: \(reason)"
             if !retryable { message += "; the session has ended: run `tokenbroker ctl login \(session)`" }
-            if let after = reply.parameters["retryAfter"]?.doubleValue { message += "; retry in \(seconds(after))" }
-            throw Failure(code: ExitCode.failure, message: message)
-        case BrokerInterface.Error.throttled:
-            let after = reply.parameters["retryAfter"]?.doubleValue ?? 0
-            throw Failure(code: ExitCode.failure, message: "refresh limit reached for '\(session)': retry in \(seconds(after))")
-        case BrokerInterface.Error.sessionConfigured:
-            throw Failure(code: ExitCode.failure, message: "'\(session)' is still configured: remove it from the configuration and reload first")
-        case BrokerInterface.Error.storeFailed:
-            throw Failure(code: ExitCode.failure, message: "the state of '\(session)' could not be written: \(reply.parameters["reason"]?.stringValue ?? "")")
-        case BrokerInterface.Error.loginFailed:
-            throw Failure(code: ExitCode.failure, message: "login of '\(session)' failed: \(reply.parameters["reason"]?.stringValue ?? "unknown")")
-        case BrokerInterface.Error.configurationError:
-            throw Failure(code: ExitCode.config, message: "configuration error: \(reply.parameters["reason"]?.stringValue ?? "")")
-        default:
-            throw Failure(code: ExitCode.failure, message: "the broker answered \(error)")
+            if let retryAfter { message += "; retry in \(seconds(retryAfter))" }
+            return Failure(code: ExitCode.failure, message: message)
+        case let .throttled(session, retryAfter):
+            return Failure(code: ExitCode.failure, message: "refresh limit reached for '\(session)': retry in \(seconds(retryAfter))")
+        case let .sessionConfigured(session):
+            return Failure(code: ExitCode.failure, message: "'\(session)' is still configured: remove it from the configuration and reload first")
+        case let .storeFailed(session, reason):
+            return Failure(code: ExitCode.failure, message: "the state of '\(session)' could not be written: \(reason)")
+        case let .loginFailed(session, reason):
+            return Failure(code: ExitCode.failure, message: "login of '\(session)' failed: \(reason)")
+        case let .configurationError(reason):
+            return Failure(code: ExitCode.config, message: "configuration error: \(reason)")
+        case .shuttingDown:
+            return Failure(code: ExitCode.unavailable, message: "the broker is shutting down")
+        case .internalError:
+            return Failure(code: ExitCode.failure, message: "the broker failed internally (see its log)")
+        case let .protocolError(reason):
+            return Failure(code: ExitCode.failure, message: "the broker refused the message: \(reason)")
         }
     }
 

@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import Basics
+import BrokerContract
 import Dispatch
 import Synchronization
 import TokenBrokerCore
@@ -120,7 +121,7 @@ public final class Daemon: Sendable {
                 listening: socket.fd,
                 info: VarlinkServiceInfo(vendor: "tokenbroker", product: "tokenbroker", version: Self.version,
                                          url: "https://github.com/tokenbroker/tokenbroker"),
-                interfaces: [BrokerInterface.interface], handler: service,
+                interfaces: [BrokerContract.interface], handler: service,
                 configuration: VarlinkServerConfiguration(
                     maximumMessageSize: configuration.maxMessageSize,
                     jsonLimits: JSONLimits(maximumMembers: configuration.maxObjectMembers),
@@ -130,7 +131,7 @@ public final class Daemon: Sendable {
                     isPrivileged: { [table] peer in table.isAdmin(peer) },
                     messageTimeout: configuration.messageTimeout,
                     maximumQueuedOutput: configuration.maxQueuedOutput,
-                    protocolErrorName: BrokerInterface.Error.protocolError,
+                    protocolErrorName: BrokerError.protocolErrorName,
                     heartbeat: Systemd.watchdogInterval().map { ($0, { Systemd.watchdog() }) }),
                 onEvent: { event in
                     switch event {

@@ -82,7 +82,7 @@ struct DaemonTests {
             #expect(info.parameters["interfaces"] == ["org.varlink.service", "io.tokenbroker.Broker"])
             #expect(info.parameters["product"] == "tokenbroker")
             let description = try broker.client().call("org.varlink.service.GetInterfaceDescription", ["interface": "io.tokenbroker.Broker"])
-            let file = try String(contentsOf: Paths.packageRoot.appendingPathComponent("Sources/TokenBrokerDaemon/io.tokenbroker.Broker.varlink"), encoding: .utf8)
+            let file = try String(contentsOf: Paths.packageRoot.appendingPathComponent("Sources/BrokerContract/io.tokenbroker.Broker.varlink"), encoding: .utf8)
             #expect(description.parameters["description"]?.stringValue == file)
 
             // The Python varlink client parses the description every time it opens the interface.

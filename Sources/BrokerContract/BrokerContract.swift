@@ -1,0 +1,237 @@
+import Varlink
+
+/// The `io.tokenbroker.Broker` interface as both sides speak it: the daemon's service, `ctl`
+/// and the client library all use these names, requests, replies and errors, so the wire
+/// contract is written once (the interface text next to this file is the human-readable
+/// version, served byte for byte by `GetInterfaceDescription`).
+public enum BrokerContract {
+    public static let name = "io.tokenbroker.Broker"
+    /// The text of `io.tokenbroker.Broker.varlink`, embedded at build time.
+    public static let text = String(decoding: PackageResources.io_tokenbroker_Broker_varlink, as: UTF8.self)
+    public static let interface = VarlinkInterface(description: text)
+}
+
+/// The interface's methods.
+public enum BrokerMethod: String, Sendable, CaseIterable {
+    case getToken = "GetToken", recover = "Recover", watch = "Watch", logout = "Logout", login = "Login"
+    case status = "Status", reload = "Reload", refresh = "Refresh", deviceLogin = "DeviceLogin", forget = "Forget"
+
+    /// `io.tokenbroker.Broker.<Method>`.
+    public var qualifiedName: String { BrokerContract.name + "." + rawValue }
+}
+
+/// A call, decoded once from its parameters (unknown parameters are refused).
+public enum BrokerRequest: Sendable, Equatable {
+    case getToken(session: String)
+    case recover(session: String, rejected: String)
+    case watch(session: String)
+    case logout(session: String)
+    case login(session: String, refreshToken: String)
+    case status
+    case reload
+    case refresh(session: String)
+    case deviceLogin(session: String)
+    case forget(session: String)
+
+    public var method: BrokerMethod {
+        switch self {
+        case .getToken: return .getToken
+        case .recover: return .recover
+        case .watch: return .watch
+        case .logout: return .logout
+        case .login: return .login
+        case .status: return .status
+        case .reload: return .reload
+        case .refresh: return .refresh
+        case .deviceLogin: return .deviceLogin
+        case .forget: return .forget
+        }
+    }
+
+    /// The session the call names, if any.
+    public var session: String? {
+        switch self {
+        case let .getToken(session), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
+             let .refresh(session), let .deviceLogin(session), let .forget(session):
+            return session
+        case .status, .reload:
+            return nil
+        }
+    }
+
+    /// Decodes `method`'s parameters.
+    public init(_ method: BrokerMethod, _ object: JSONObject) throws(ParameterError) {
+        let parameters = Parameters(object)
+        func session(_ others: Set<String> = []) throws(ParameterError) -> String {
+            try parameters.only(others.union(["session"]))
+            return try parameters.string("session")
+        }
+        switch method {
+        case .getToken: self = .getToken(session: try session())
+        case .recover: self = .recover(session: try session(["rejected"]), rejected: try parameters.string("rejected"))
+        case .watch: self = .watch(session: try session())
+        case .logout: self = .logout(session: try session())
+        case .login:
+            let name = try session(["refreshToken"])
+            let refreshToken = try parameters.string("refreshToken")
+            guard !refreshToken.isEmpty else { throw ParameterError(name: "refreshToken") }
+            self = .login(session: name, refreshToken: refreshToken)
+        case .status:
+            try parameters.only([])
+            self = .status
+        case .reload:
+            try parameters.only([])
+            self = .reload
+        case .refresh: self = .refresh(session: try session())
+        case .deviceLogin: self = .deviceLogin(session: try session())
+        case .forget: self = .forget(session: try session())
+        }
+    }
+
+    /// The parameters to send.
+    public var parameters: JSONObject {
+        switch self {
+        case let .getToken(session), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
+             let .forget(session):
+            return ["session": .string(session)]
+        case let .recover(session, rejected): return ["session": .string(session), "rejected": .string(rejected)]
+        case let .login(session, refreshToken): return ["session": .string(session), "refreshToken": .string(refreshToken)]
+        case .status, .reload: return [:]
+        }
+    }
+
+    /// The call to send (`Watch` and `DeviceLogin` stream, so they ask for more replies).
+    public var call: VarlinkCall {
+        VarlinkCall(method: method.qualifiedName, parameters: parameters, more: method == .watch || method == .deviceLogin)
+    }
+}
+
+/// A token as `GetToken`, `Recover` and `Watch` send it.
+public struct TokenReply: Sendable, Equatable {
+    /// The bearer credential. Never log it.
+    public var token: String
+    public var tokenType: String
+    /// Expiry, Unix seconds.
+    public var expiresAt: Int64?
+    public var generation: Int
+
+    public init(token: String, tokenType: String, expiresAt: Int64?, generation: Int) {
+        self.token = token
+        self.tokenType = tokenType
+        self.expiresAt = expiresAt
+        self.generation = generation
+    }
+
+    public init(_ parameters: JSONObject) {
+        self.init(token: parameters["token"]?.stringValue ?? "", tokenType: parameters["tokenType"]?.stringValue ?? "Bearer",
+                  expiresAt: parameters["expiresAt"]?.intValue, generation: Int(parameters["generation"]?.intValue ?? 0))
+    }
+
+    public var parameters: JSONObject {
+        var parameters: JSONObject = ["token": .string(token), "tokenType": .string(tokenType)]
+        if let expiresAt { parameters["expiresAt"] = .int(expiresAt) }
+        parameters["generation"] = .int(Int64(generation))
+        return parameters
+    }
+}
+
+/// One reply of a `Watch` stream.
+public enum WatchEvent: Sendable, Equatable {
+    /// A new token (also the first reply, when the session has one); `serial` numbers the
+    /// session's tokens.
+    case token(TokenReply, serial: Int)
+    /// The session was logged out; the stream's last reply.
+    case signedOut(generation: Int)
+
+    public init(_ parameters: JSONObject) {
+        let generation = Int(parameters["generation"]?.intValue ?? 0)
+        if parameters["event"] == "signedOut" {
+            self = .signedOut(generation: generation)
+        } else {
+            self = .token(TokenReply(parameters), serial: Int(parameters["tokenSerial"]?.intValue ?? 0))
+        }
+    }
+
+    public var parameters: JSONObject {
+        switch self {
+        case let .token(token, serial):
+            var parameters: JSONObject = ["event": "token", "generation": .int(Int64(token.generation))]
+            if let expiresAt = token.expiresAt { parameters["expiresAt"] = .int(expiresAt) }
+            parameters["token"] = .string(token.token)
+            parameters["tokenType"] = .string(token.tokenType)
+            parameters["tokenSerial"] = .int(Int64(serial))
+            return parameters
+        case let .signedOut(generation):
+            return ["event": "signedOut", "generation": .int(Int64(generation))]
+        }
+    }
+}
+
+/// Every error the interface names, with its parameters. `reply` and `init?(_:)` are the only
+/// places its wire names are spelled.
+public enum BrokerError: Error, Sendable, Equatable {
+    case noSuchSession(session: String)
+    case signedOut(session: String)
+    case permissionDenied
+    case refreshFailed(session: String, reason: String, retryable: Bool, retryAfter: Double?)
+    case throttled(session: String, retryAfter: Double)
+    case storeFailed(session: String, reason: String)
+    case configurationError(reason: String)
+    case loginFailed(session: String, reason: String)
+    case sessionConfigured(session: String)
+    case shuttingDown
+    case internalError
+    case protocolError(reason: String)
+
+    /// `io.tokenbroker.Broker.ProtocolError`, which the varlink layer sends by name.
+    public static let protocolErrorName = BrokerContract.name + ".ProtocolError"
+
+    public var reply: VarlinkReply {
+        func error(_ member: String, _ parameters: JSONObject = [:]) -> VarlinkReply {
+            .error(BrokerContract.name + "." + member, parameters)
+        }
+        switch self {
+        case let .noSuchSession(session): return error("NoSuchSession", ["session": .string(session)])
+        case let .signedOut(session): return error("SignedOut", ["session": .string(session)])
+        case .permissionDenied: return error("PermissionDenied")
+        case let .refreshFailed(session, reason, retryable, retryAfter):
+            var parameters: JSONObject = ["session": .string(session), "reason": .string(reason), "retryable": .bool(retryable)]
+            if let retryAfter { parameters["retryAfter"] = .double(retryAfter) }
+            return error("RefreshFailed", parameters)
+        case let .throttled(session, retryAfter): return error("Throttled", ["session": .string(session), "retryAfter": .double(retryAfter)])
+        case let .storeFailed(session, reason): return error("StoreFailed", ["session": .string(session), "reason": .string(reason)])
+        case let .configurationError(reason): return error("ConfigurationError", ["reason": .string(reason)])
+        case let .loginFailed(session, reason): return error("LoginFailed", ["session": .string(session), "reason": .string(reason)])
+        case let .sessionConfigured(session): return error("SessionConfigured", ["session": .string(session)])
+        case .shuttingDown: return error("ShuttingDown")
+        case .internalError: return error("InternalError")
+        case let .protocolError(reason): return error("ProtocolError", ["reason": .string(reason)])
+        }
+    }
+
+    /// The contract error a reply carries; `nil` for a reply without an error or with an error
+    /// of another interface. `session` fills in an error that names none.
+    public init?(_ reply: VarlinkReply, session: String = "") {
+        guard let name = reply.error else { return nil }
+        let parameters = reply.parameters
+        let session = parameters["session"]?.stringValue ?? session
+        let reason = parameters["reason"]?.stringValue ?? ""
+        switch name {
+        case BrokerContract.name + ".NoSuchSession": self = .noSuchSession(session: session)
+        case BrokerContract.name + ".SignedOut": self = .signedOut(session: session)
+        case BrokerContract.name + ".PermissionDenied", VarlinkServiceError.permissionDenied: self = .permissionDenied
+        case BrokerContract.name + ".RefreshFailed":
+            self = .refreshFailed(session: session, reason: reason, retryable: parameters["retryable"]?.boolValue ?? false,
+                                  retryAfter: parameters["retryAfter"]?.doubleValue)
+        case BrokerContract.name + ".Throttled": self = .throttled(session: session, retryAfter: parameters["retryAfter"]?.doubleValue ?? 0)
+        case BrokerContract.name + ".StoreFailed": self = .storeFailed(session: session, reason: reason)
+        case BrokerContract.name + ".ConfigurationError": self = .configurationError(reason: reason)
+        case BrokerContract.name + ".LoginFailed": self = .loginFailed(session: session, reason: reason)
+        case BrokerContract.name + ".SessionConfigured": self = .sessionConfigured(session: session)
+        case BrokerContract.name + ".ShuttingDown": self = .shuttingDown
+        case BrokerContract.name + ".InternalError": self = .internalError
+        case BrokerContract.name + ".ProtocolError": self = .protocolError(reason: reason)
+        default: return nil
+        }
+    }
+}
