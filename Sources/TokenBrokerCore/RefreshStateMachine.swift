@@ -28,6 +28,15 @@ public struct RefreshStateMachine: Sendable {
         case active
         /// A terminal failure ended the session until the next login.
         case ended(reason: String)
+
+        /// The phase without its details.
+        public var state: SessionState {
+            switch self {
+            case .signedOut: return .signedOut
+            case .active: return .active
+            case .ended: return .ended
+            }
+        }
     }
 
     /// A demand for a token.
@@ -180,26 +189,16 @@ public struct RefreshStateMachine: Sendable {
 
     /// What the store should hold now (secrets included; never printed).
     public var record: SessionRecord {
-        let state: SessionRecord.State
         var endReason: String?
-        switch phase {
-        case .active: state = .active
-        case .signedOut: state = .signedOut
-        case let .ended(reason): state = .ended; endReason = reason
-        }
-        return SessionRecord(name: session, generation: generation, state: state, refreshToken: refreshToken,
+        if case let .ended(reason) = phase { endReason = reason }
+        return SessionRecord(name: session, generation: generation, state: phase.state, refreshToken: refreshToken,
                              accessToken: current?.token, tokenType: current?.tokenType ?? "Bearer",
                              expiresAt: current?.expiresAt, lastRefresh: lastRefresh, tokenSerial: lastSerial,
                              endReason: endReason)
     }
 
     public func status(now: Duration) -> SessionStatus {
-        let state: SessionStatus.State
-        switch phase {
-        case .active: state = .active
-        case .signedOut: state = .signedOut
-        case .ended: state = .ended
-        }
+        let state = phase.state
         let remaining = backoff.flatMap { $0.until > now ? $0.until - now : nil }
         return SessionStatus(name: session, state: state, generation: generation, tokenSerial: current?.serial,
                              expiresAt: current?.expiresAt, lastRefresh: lastRefresh, refreshing: flight != nil,

@@ -19,9 +19,7 @@ public struct SessionCounters: Sendable, Equatable {
 
 /// A point-in-time view of a session for `Status` and `ctl status`. Holds no secret.
 public struct SessionStatus: Sendable, Equatable {
-    public enum State: String, Sendable, Equatable {
-        case active, signedOut, ended
-    }
+    public typealias State = SessionState
 
     public var name: String
     public var state: State

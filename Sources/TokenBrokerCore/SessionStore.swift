@@ -1,13 +1,17 @@
+/// Where a session stands: the one enumeration the store, the status and the state machine's
+/// phase share (its raw values are what the database and `Status` carry).
+public enum SessionState: String, Sendable, Equatable {
+    /// Logged in: a refresh credential (or a `client_credentials` grant) is installed.
+    case active
+    /// Logged out, or never logged in.
+    case signedOut
+    /// A terminal refresh failure ended the session until the next login.
+    case ended
+}
+
 /// The persisted state of one session. Every write to it is guarded by its generation.
 public struct SessionRecord: Sendable, Equatable {
-    public enum State: String, Sendable, Equatable {
-        /// Logged in: a refresh credential (or a `client_credentials` grant) is installed.
-        case active
-        /// Logged out, or never logged in.
-        case signedOut
-        /// A terminal refresh failure ended the session until the next login.
-        case ended
-    }
+    public typealias State = SessionState
 
     public var name: String
     public var generation: Int

@@ -443,13 +443,7 @@ final class BrokerService: VarlinkHandler {
 
     /// A stored, unconfigured session: its stored state, no activity, marked inert.
     static func statusEntry(_ inert: InertSession) -> JSON {
-        let state: SessionStatus.State
-        switch inert.state {
-        case .active: state = .active
-        case .signedOut: state = .signedOut
-        case .ended: state = .ended
-        }
-        let status = SessionStatus(name: inert.name, state: state, generation: inert.generation, tokenSerial: inert.tokenSerial,
+        let status = SessionStatus(name: inert.name, state: inert.state, generation: inert.generation, tokenSerial: inert.tokenSerial,
                                    expiresAt: inert.expiresAt, lastRefresh: inert.lastRefresh, refreshing: false, backoffRemaining: nil,
                                    lastError: nil, degraded: false, counters: SessionCounters())
         guard case var .object(entry) = statusEntry(status) else { return statusEntry(status) }
