@@ -164,8 +164,56 @@ public final class Daemon: Sendable {
         // upstream is reachable).
         Systemd.ready(status: await statusLine())
 
-        // The daemon's long-running work: signals, and retrying degraded sessions' writes. When
-        // the signal loop ends (SIGTERM/SIGINT), the rest is cancelled.
+        // Run: the daemon's parts as one task tree. Listed so that each outlives the ones after
+        // it (they stop in reverse order): the stop-timeout extension, the HTTP loop, the
+        // connections, the sessions, the listener, maintenance, signals.
+        let shutdown = Latch()
+        let group = ServiceGroup(parts: [
+            DaemonPart("stop timeout") { [self] stop in
+                // While the others stop, tell systemd, again and again, that the stop is making
+                // progress: TimeoutStopSec= must never SIGKILL a rotation. For as long as the
+                // slowest refresh may take.
+                await shutdown.wait()
+                await extendStopTimeout(for: options.drainTimeout + longestFlight(), until: stop)
+            },
+            DaemonPart("HTTP loop") { stop in
+                await stop.wait()
+                CurlLoop.shared.stop()
+            },
+            DaemonPart("connections") { stop in
+                await stop.wait()
+                await server.stop()
+            },
+            DaemonPart("sessions") { [self] stop in
+                await stop.wait()
+                // Every coordinator retires: a refresh still in flight (one nobody waits for any
+                // more, say) lands and commits; pending writes get a last try. After any reload
+                // under way (its new coordinators retire too), and no reload after it.
+                await reloads.run { [self] in
+                    stopping.value = true
+                    await retireAll()
+                }
+            },
+            DaemonPart("listener") { [self] stop in
+                await stop.wait()
+                server.stopAccepting()
+                // A socket systemd passed belongs to systemd; one we bound is removed.
+                if let inode = socket.inode { SocketPath.remove(configuration.socketPath, inode: inode) }
+                if !(await server.callsDrained(within: options.drainTimeout)) {
+                    logger.warning("\(server.callsInProgress) call(s) still running at the deadline; cancelling")
+                }
+            },
+            DaemonPart("maintenance") { [self] stop in await maintain(until: stop) },
+            DaemonPart("signals") { [self] stop in await handle(signals, shutdown: shutdown, until: stop) },
+        ], shutdown: shutdown, report: { [logger] in logger.error($0) })
+        let failed = await group.run()
+        development?.issuer.stop()
+        logger.info("stopped")
+        return failed.isEmpty ? ExitCode.ok : ExitCode.failure
+    }
+
+    /// SIGHUP reloads; SIGTERM and SIGINT start the graceful stop.
+    private func handle(_ signals: AsyncStream<Int32>, shutdown: Latch, until stop: Latch) async {
         await withTaskGroup(of: Void.self) { group in
             group.addTask { [self] in
                 for await signal in signals {
@@ -182,47 +230,13 @@ public final class Daemon: Sendable {
                     }
                     Systemd.stopping()
                     logger.info("stopping (signal \(signal))")
-                    return
+                    shutdown.fire()
                 }
             }
-            group.addTask { [self] in await maintain() }
+            group.addTask { await stop.wait() }
             await group.next()
             group.cancelAll()
         }
-
-        // Stop: no new connections; let calls in flight finish under a deadline; let refreshes
-        // under way land and commit; then close. Meanwhile systemd is told, again and again,
-        // that the stop is still making progress, so TimeoutStopSec= never SIGKILLs the daemon
-        // in the middle of a rotation: for as long as the slowest refresh may still take.
-        await withTaskGroup(of: Void.self) { group in
-            group.addTask { [self] in await extendStopTimeout(for: options.drainTimeout + longestFlight()) }
-            await stop(server, socket: socket, configuration: configuration)
-            group.cancelAll()
-        }
-        development?.issuer.stop()
-        logger.info("stopped")
-        return ExitCode.ok
-    }
-
-    /// Drains calls, retires every coordinator and flushes their pending writes, then stops
-    /// the server.
-    private func stop(_ server: VarlinkServer, socket: (fd: Int32, inode: ino_t?), configuration: BrokerConfiguration) async {
-        server.stopAccepting()
-        // A socket systemd passed belongs to systemd; one we bound is removed.
-        if let inode = socket.inode { SocketPath.remove(configuration.socketPath, inode: inode) }
-        let deadline = ContinuousClock.now + options.drainTimeout
-        while server.callsInProgress > 0 && ContinuousClock.now < deadline {
-            try? await Task.sleep(for: .milliseconds(10))
-        }
-        if server.callsInProgress > 0 { logger.warning("\(server.callsInProgress) call(s) still running at the deadline; cancelling") }
-        // Retire every coordinator: a refresh still in flight (one nobody waits for any more,
-        // say) lands and commits; then pending writes get a last try. After any reload under
-        // way (its new coordinators are retired too), and no reload after it.
-        await reloads.run { [self] in
-            stopping.value = true
-            await retireAll()
-        }
-        await server.stop()
     }
 
     /// Set once the stop has begun retiring coordinators: reloads are refused from then on.
@@ -258,15 +272,15 @@ public final class Daemon: Sendable {
         }
     }
 
-    /// Sends `EXTEND_TIMEOUT_USEC=` every few seconds until cancelled or until `budget` (plus a
-    /// margin) has passed: past that, a stop that has not finished is stuck, and systemd's
-    /// own timeout should end it.
-    private func extendStopTimeout(for budget: Duration) async {
+    /// Sends `EXTEND_TIMEOUT_USEC=` every few seconds until `stop` fires or until `budget`
+    /// (plus a margin) has passed: past that, a stop that has not finished is stuck, and
+    /// systemd's own timeout should end it.
+    private func extendStopTimeout(for budget: Duration, until stop: Latch) async {
         let interval = Duration.seconds(5)
         let end = ContinuousClock.now + budget + interval
-        while ContinuousClock.now < end && !Task.isCancelled {
+        while ContinuousClock.now < end {
             Systemd.extendTimeout(by: interval * 2)
-            try? await Task.sleep(for: interval)
+            if await stop.wait(upTo: interval) { return }
         }
     }
 
@@ -455,12 +469,11 @@ public final class Daemon: Sendable {
     /// Once a second: retry the pending writes of degraded sessions (backing off while they
     /// keep failing), refresh ahead for sessions that have watchers, and keep systemd's STATUS=
     /// current.
-    private func maintain() async {
+    private func maintain(until stop: Latch) async {
         var delay = Duration.seconds(1)
         var nextFlush = ContinuousClock.now + delay
         var lastStatus = ""
-        while !Task.isCancelled {
-            try? await Task.sleep(for: .seconds(1))
+        while !(await stop.wait(upTo: .seconds(1))) {
             if ContinuousClock.now >= nextFlush {
                 var allFlushed = true
                 for session in table.snapshot.sessions.values where await session.coordinator.status().degraded {

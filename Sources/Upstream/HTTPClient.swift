@@ -101,9 +101,11 @@ public final class CurlLoop: Sendable {
         let raw: UnsafeMutableRawPointer
     }
 
-    /// Submissions waiting for the loop thread.
+    /// Submissions waiting for the loop thread, and whether the loop is to end.
     private final class Inbox: Sendable {
-        let queue = Mutex<[Submission]>([])
+        /// Closed by the loop thread when it ends: nothing is accepted after that.
+        let queue = Mutex<(submissions: [Submission], closed: Bool)>(([], false))
+        let stopped = Atomic<Bool>(false)
     }
 
     private let multi: Multi
@@ -127,7 +129,14 @@ public final class CurlLoop: Sendable {
         let flag = CancelFlag()
         return try await withTaskCancellationHandler {
             try await withCheckedThrowingContinuation { continuation in
-                inbox.queue.withLock { $0.append(Submission(request: request, flag: flag, continuation: continuation)) }
+                let accepted = inbox.queue.withLock { queue -> Bool in
+                    guard !queue.closed else { return false }
+                    queue.submissions.append(Submission(request: request, flag: flag, continuation: continuation))
+                    return true
+                }
+                guard accepted else {
+                    return continuation.resume(throwing: HTTPError(kind: .other, message: "the HTTP loop has stopped", code: -1))
+                }
                 curl_multi_wakeup(multi.raw)
             }
         } onCancel: {
@@ -136,11 +145,33 @@ public final class CurlLoop: Sendable {
         }
     }
 
+    /// Ends the loop: transfers under way and submitted later fail at once. The daemon stops
+    /// it last, once nothing needs it any more.
+    public func stop() {
+        inbox.stopped.store(true, ordering: .releasing)
+        curl_multi_wakeup(multi.raw)
+    }
+
     private static func run(_ multi: Multi, _ inbox: Inbox) {
         var active: [UnsafeMutableRawPointer: CurlTransfer] = [:]
         var running: Int32 = 0
         while true {
-            for submission in inbox.queue.withLock({ queue in defer { queue.removeAll() }; return queue }) {
+            if inbox.stopped.load(ordering: .acquiring) {
+                let stopped = HTTPError(kind: .other, message: "the HTTP loop has stopped", code: -1)
+                for (easy, transfer) in active {
+                    curl_multi_remove_handle(multi.raw, easy)
+                    curl_easy_cleanup(easy)
+                    transfer.submission.continuation.resume(throwing: stopped)
+                }
+                let left = inbox.queue.withLock { queue in
+                    queue.closed = true
+                    defer { queue.submissions.removeAll() }
+                    return queue.submissions
+                }
+                for submission in left { submission.continuation.resume(throwing: stopped) }
+                return
+            }
+            for submission in inbox.queue.withLock({ queue in defer { queue.submissions.removeAll() }; return queue.submissions }) {
                 if submission.flag.isCancelled {
                     submission.continuation.resume(throwing: CancellationError())
                     continue

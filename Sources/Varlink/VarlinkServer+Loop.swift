@@ -131,7 +131,7 @@ extension VarlinkServer {
                         queue(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]), on: connection)
                     }
                     connection.current = nil
-                    if !call.more { server.busyCalls.subtract(1, ordering: .relaxed) }
+                    if !call.more { server.callEnded() }
                 }
                 pump(connection)
             }
@@ -429,7 +429,7 @@ extension VarlinkServer {
             }
             if let call = connection.current {
                 call.task.cancel()
-                if !call.more { server.busyCalls.subtract(1, ordering: .relaxed) }
+                if !call.more { server.callEnded() }
             }
             epoll_ctl(server.epollFD, EPOLL_CTL_DEL, connection.fd, nil)
             close(connection.fd)

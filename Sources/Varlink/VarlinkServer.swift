@@ -26,6 +26,8 @@ public final class VarlinkServer: Sendable {
     let inbox = Mutex<Inbox>(Inbox())
     /// Async calls in progress, streams (`more`) excepted — for draining at shutdown.
     let busyCalls = Atomic<Int>(0)
+    /// Who waits for `busyCalls` to reach zero (`callsDrained`).
+    let drainWaiters = Mutex<[Latch]>([])
     let openConnections = Atomic<Int>(0)
     let stopped = Mutex<[CheckedContinuation<Void, Never>]?>([])
 
@@ -114,6 +116,25 @@ public final class VarlinkServer: Sendable {
     /// Calls whose task has not returned yet, not counting streams (`more` calls), which may
     /// last as long as their client wants: a drain at shutdown waits for the others only.
     public var callsInProgress: Int { busyCalls.load(ordering: .relaxed) }
+
+    /// Waits until no call is in progress (streams aside), at most `timeout`; returns whether
+    /// none is. No polling: the loop signals the moment the last one ends.
+    public func callsDrained(within timeout: Duration) async -> Bool {
+        let latch = Latch()
+        let idle = drainWaiters.withLock { waiters -> Bool in
+            guard busyCalls.load(ordering: .acquiring) > 0 else { return true }
+            waiters.append(latch)
+            return false
+        }
+        if idle { return true }
+        return await latch.wait(upTo: timeout)
+    }
+
+    /// A call (not a stream) has ended: when it was the last, the drain waiters are told.
+    func callEnded() {
+        guard busyCalls.subtract(1, ordering: .acquiringAndReleasing).newValue == 0 else { return }
+        for latch in drainWaiters.withLock({ waiters in defer { waiters.removeAll() }; return waiters }) { latch.fire() }
+    }
 
     /// Connections open now.
     public var connectionCount: Int { openConnections.load(ordering: .relaxed) }
