@@ -50,8 +50,10 @@ var package = Package(
         // and its errors with their names — shared by the daemon's service, ctl and the client library.
         .target(name: "BrokerContract", dependencies: ["Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
-        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "BrokerContract", "CLinux", "TokenBrokerCore", "Varlink", "Upstream", "DevIssuer",
+        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "BrokerContract", "CLinux", "TokenBrokerCore", "Varlink", "Upstream",
                                                          "SQLiteStore", "CSystemd"]),
+        // `serve --dev`: the development issuer beside the daemon. Only the executable links it.
+        .target(name: "TokenBrokerDevelopment", dependencies: ["DevIssuer", "TokenBrokerCore", "TokenBrokerDaemon", "Upstream"]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the
         // one-refresh-one-retry helper for business requests.
         .target(name: "TokenBrokerClient", dependencies: ["Basics", "BrokerContract", "TokenBrokerCore", "Varlink"]),
@@ -60,7 +62,7 @@ var package = Package(
         // An example worker: a protected resource called through the broker.
         .executableTarget(name: "example-worker", dependencies: ["TokenBrokerClient", "TokenBrokerURLSession"]),
         // The command line: argv in, exit code out.
-        .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerDaemon"]),
+        .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerDaemon", "TokenBrokerDevelopment"]),
         // The development issuer as a process of its own, for the real-systemd test (not installed).
         .executableTarget(name: "dev-issuer", dependencies: ["Basics", "DevIssuer"]),
         // org.varlink.certification served and called on our varlink layer, for conformance tests

@@ -22,6 +22,8 @@ public final class Daemon: Sendable {
         /// session, `demo`, against it (the configuration file is not read; state stays in
         /// memory unless `stateDirectory` is given).
         public var dev = false
+        /// Makes the development environment (given by the executable, which links it).
+        public var makeDevelopment: (@Sendable () throws -> any DevelopmentEnvironment)?
         /// Where the state database lives (`--state-dir`; else `$STATE_DIRECTORY` from systemd's
         /// `StateDirectory=`; else /var/lib/tokenbroker).
         public var stateDirectory: String?
@@ -39,10 +41,10 @@ public final class Daemon: Sendable {
     /// The configuration in force (for reloads: what changed).
     private let current: SynchronizedBox<BrokerConfiguration>
 
-    private let development: DevelopmentSetup?
+    private let development: (any DevelopmentEnvironment)?
     private let state: StateStore
 
-    private init(options: Options, configuration: BrokerConfiguration, logger: Logger, development: DevelopmentSetup?, state: StateStore) {
+    private init(options: Options, configuration: BrokerConfiguration, logger: Logger, development: (any DevelopmentEnvironment)?, state: StateStore) {
         self.options = options
         self.logger = logger
         self.development = development
@@ -62,10 +64,11 @@ public final class Daemon: Sendable {
         // Before any secret is read: a crash must not write tokens, client secrets or the
         // state key into a core file, and no process of the same uid may read this memory.
         if !ProcessDefences.makeUndumpable() { logger.warning("cannot make the process undumpable: \(String(cString: strerror(errno)))") }
-        var development: DevelopmentSetup?
+        var development: (any DevelopmentEnvironment)?
         if options.dev {
             do {
-                development = try DevelopmentSetup()
+                guard let make = options.makeDevelopment else { throw DevelopmentUnavailable() }
+                development = try make()
             } catch {
                 logger.error("cannot start the development issuer: \(error)")
                 return ExitCode.failure
@@ -155,7 +158,7 @@ public final class Daemon: Sendable {
         }
         server.start()
         logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
-        if let development, let demo = table.snapshot.sessions[DevelopmentSetup.session] {
+        if let development, let demo = table.snapshot.sessions[development.sessionName] {
             await development.logIn(demo.coordinator)
             var output = FileOutput.standardOutput
             output.write(development.guide(socket: configuration.socketPath))
@@ -207,7 +210,7 @@ public final class Daemon: Sendable {
             DaemonPart("signals") { [self] stop in await handle(signals, shutdown: shutdown, until: stop) },
         ], shutdown: shutdown, report: { [logger] in logger.error($0) })
         let failed = await group.run()
-        development?.issuer.stop()
+        development?.stop()
         logger.info("stopped")
         return failed.isEmpty ? ExitCode.ok : ExitCode.failure
     }
@@ -538,4 +541,9 @@ public final class Daemon: Sendable {
         limit.rlim_cur = min(rlim_t(wanted), limit.rlim_max)
         setrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
     }
+}
+
+/// `--dev` in a build without the development environment.
+struct DevelopmentUnavailable: Error, CustomStringConvertible {
+    var description: String { "this build has no development environment" }
 }

@@ -10,7 +10,7 @@ public enum TokenBrokerCommand {
     /// async `main` would park the main thread in libdispatch's `sigsuspend` with an empty mask,
     /// where a SIGTERM that arrives before the daemon's signal sources are registered takes the
     /// default action.) Every other subcommand runs synchronously on the main thread.
-    public static func main(_ arguments: [String]) -> Int32 {
+    public static func main(_ arguments: [String], development: (@Sendable () throws -> any DevelopmentEnvironment)? = nil) -> Int32 {
         var output = FileOutput.standardOutput
         var errors = FileOutput.standardError
         guard arguments.first == "serve" else { return run(arguments, output: &output, errors: &errors) }
@@ -18,7 +18,8 @@ public enum TokenBrokerCommand {
         switch parseServe(Array(arguments.dropFirst()), output: &output, errors: &errors) {
         case let .exit(code):
             return code
-        case let .run(options):
+        case var .run(options):
+            options.makeDevelopment = development
             let code = Mutex<Int32>(ExitCode.failure)
             let done = DispatchSemaphore(value: 0)
             // Default priority: a task made on the main thread would otherwise inherit its

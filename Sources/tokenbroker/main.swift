@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import TokenBrokerDaemon
+import TokenBrokerDevelopment
 
 // Synchronous on purpose: see TokenBrokerCommand.main.
-exit(TokenBrokerCommand.main(Array(CommandLine.arguments.dropFirst())))
+exit(TokenBrokerCommand.main(Array(CommandLine.arguments.dropFirst()), development: { try DevelopmentSetup() }))

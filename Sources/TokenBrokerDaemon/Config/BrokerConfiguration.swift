@@ -70,6 +70,8 @@ public struct SessionConfiguration: Sendable, Equatable {
         /// Revoke the refresh token at logout when a revocation endpoint is known.
         public var revokeOnLogout = true
 
+        public init(client: OAuthClientSettings) { self.client = client }
+
         public var endpoints: OAuthEndpoints? {
             guard tokenEndpoint != nil || revocationEndpoint != nil || deviceAuthorizationEndpoint != nil else { return nil }
             return OAuthEndpoints(token: tokenEndpoint ?? "", revocation: revocationEndpoint, deviceAuthorization: deviceAuthorizationEndpoint)
@@ -86,6 +88,8 @@ public struct SessionConfiguration: Sendable, Equatable {
         public var connectTimeout: Duration = .seconds(5)
         public var timeout: Duration = .seconds(30)
 
+        public init() {}
+
         public var configuration: OAuthClientConfiguration {
             OAuthClientConfiguration(clientID: clientID, clientSecret: clientSecret, authentication: authentication, scope: scope,
                                      tls: tls, connectTimeout: connectTimeout, timeout: timeout)
@@ -101,6 +105,15 @@ public struct SessionConfiguration: Sendable, Equatable {
     public var policy: RefreshPolicy
     /// Where the section was first written, for messages.
     public var origin: String
+
+    public init(name: String, upstream: Upstream, allowUsers: [UInt32], allowGroups: [UInt32], policy: RefreshPolicy, origin: String) {
+        self.name = name
+        self.upstream = upstream
+        self.allowUsers = allowUsers
+        self.allowGroups = allowGroups
+        self.policy = policy
+        self.origin = origin
+    }
 
     public static func == (lhs: SessionConfiguration, rhs: SessionConfiguration) -> Bool {
         lhs.name == rhs.name && lhs.upstream == rhs.upstream && lhs.allowUsers == rhs.allowUsers

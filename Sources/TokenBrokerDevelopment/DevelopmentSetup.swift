@@ -3,25 +3,26 @@ import Glibc
 #endif
 import DevIssuer
 import TokenBrokerCore
+import TokenBrokerDaemon
 import Upstream
 
 /// `tokenbroker serve --dev`: the development issuer in this process, and a configuration with
 /// one session, `demo`, that uses it and is logged in at start.
-struct DevelopmentSetup: Sendable {
+public struct DevelopmentSetup: DevelopmentEnvironment {
     static let session = "demo"
     static let clientID = "tokenbroker"
     static let clientSecret = "dev-secret"
 
     let issuer: DevIssuer
 
-    init() throws {
+    public init() throws {
         var options = DevIssuer.Options()
         options.clients = [Self.clientID: Self.clientSecret]
         options.deviceInterval = .seconds(2)
         issuer = try DevIssuer(options: options)
     }
 
-    var configuration: BrokerConfiguration {
+    public var configuration: BrokerConfiguration {
         var configuration = BrokerConfiguration()
         configuration.socketMode = 0o660
         var oauth = SessionConfiguration.OAuthSettings(client: SessionConfiguration.OAuthClientSettings())
@@ -34,12 +35,14 @@ struct DevelopmentSetup: Sendable {
     }
 
     /// Logs `demo` in with a refresh token fresh from the issuer.
-    func logIn(_ coordinator: RefreshCoordinator<ContinuousClock>) async {
+    public var sessionName: String { Self.session }
+
+    public func logIn(_ coordinator: RefreshCoordinator<ContinuousClock>) async {
         _ = try? await coordinator.login(refreshToken: Secret(issuer.issueRefreshToken(clientID: Self.clientID)))
     }
 
     /// What to try next, printed at start.
-    func guide(socket: String) -> String {
+    public func guide(socket: String) -> String {
         let binary = CommandLine.arguments.first ?? "tokenbroker"
         let ctl = "\(binary) ctl --socket \(socket)"
         return """
@@ -58,4 +61,6 @@ struct DevelopmentSetup: Sendable {
 
             """
     }
+
+    public func stop() { issuer.stop() }
 }
