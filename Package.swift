@@ -24,7 +24,8 @@ var package = Package(
         .target(name: "TokenBrokerCore"),
         // Linux calls Swift's Glibc module lacks: epoll, eventfd, accept4, SO_PEERCRED/PEERGROUPS, prctl.
         .target(name: "CLinux"),
-        // Small shared pieces: a POSIX thread starter, a wait for SIGTERM/SIGINT, form encoding, Base64.
+        // Small shared pieces, one file each: threads, SerialThread, AsyncSerializer, Latch, SynchronizedBox,
+        // TerminationSignal, form encoding, Base64, UTCTime.
         .target(name: "Basics"),
         // A strict JSON value type with its parser and compact encoder (standard library only).
         .target(name: "WireJSON"),
@@ -48,7 +49,7 @@ var package = Package(
         .target(name: "SQLiteStore", dependencies: ["Basics", "CCrypto", "CSQLite", "TokenBrokerCore"]),
         // The wire contract of io.tokenbroker.Broker — its text, methods, typed requests and replies,
         // and its errors with their names — shared by the daemon's service, ctl and the client library.
-        .target(name: "BrokerContract", dependencies: ["Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
+        .target(name: "BrokerContract", dependencies: ["TokenBrokerCore", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
         .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "BrokerContract", "CLinux", "TokenBrokerCore", "Varlink", "Upstream",
                                                          "SQLiteStore", "CSystemd"]),
@@ -76,7 +77,7 @@ var package = Package(
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
-        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCore", "Varlink", "TestSupport"]),
+        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
         // Spawns the real binary; depends on it so `swift test` builds it first.
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "example-worker",
                                                             "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore",

@@ -1,3 +1,4 @@
+import TokenBrokerCore
 import Varlink
 
 /// The `io.tokenbroker.Broker` interface as both sides speak it: the daemon's service, `ctl`
@@ -164,6 +165,80 @@ public enum WatchEvent: Sendable, Equatable {
         case let .signedOut(generation):
             return ["event": "signedOut", "generation": .int(Int64(generation))]
         }
+    }
+}
+
+/// One session as `Status` reports it (the interface's `SessionStatus`). Holds no token.
+public struct StatusEntry: Sendable, Equatable {
+    public var name: String
+    /// `active`, `signedOut` or `ended` (kept as sent: a newer daemon may add states).
+    public var state: String
+    public var generation: Int
+    public var tokenSerial: UInt64?
+    /// Expiry of the current access token, Unix seconds.
+    public var expiresAt: Int64?
+    /// Last successful refresh, Unix seconds.
+    public var lastRefresh: Int64?
+    public var refreshing = false
+    /// Seconds left in the backoff after a transient failure.
+    public var backoffRemaining: Double?
+    /// Why the last refresh or store write failed (never a secret).
+    public var lastError: String?
+    public var degraded = false
+    public var counters = SessionCounters()
+    /// A stored session the configuration no longer names.
+    public var inert = false
+
+    public init(name: String, state: String, generation: Int) {
+        self.name = name
+        self.state = state
+        self.generation = generation
+    }
+
+    /// A session as its coordinator reports it.
+    public init(_ status: SessionStatus) {
+        self.init(name: status.name, state: status.state.rawValue, generation: status.generation)
+        (tokenSerial, expiresAt, lastRefresh) = (status.tokenSerial, status.expiresAt, status.lastRefresh)
+        (refreshing, backoffRemaining) = (status.refreshing, status.backoffRemaining?.seconds)
+        (lastError, degraded, counters) = (status.lastError, status.degraded, status.counters)
+    }
+
+    public init(_ object: JSONObject) {
+        func int(_ key: String) -> Int { Int(clamping: object[key]?.intValue ?? 0) }
+        self.init(name: object["name"]?.stringValue ?? "?", state: object["state"]?.stringValue ?? "?", generation: int("generation"))
+        tokenSerial = object["tokenSerial"]?.intValue.flatMap { UInt64(exactly: $0) }
+        expiresAt = object["expiresAt"]?.intValue
+        lastRefresh = object["lastRefresh"]?.intValue
+        refreshing = object["refreshing"]?.boolValue ?? false
+        backoffRemaining = object["backoffRemaining"]?.doubleValue
+        lastError = object["lastError"]?.stringValue
+        degraded = object["degraded"]?.boolValue ?? false
+        (counters.fetches, counters.joinedWaiters, counters.failures) = (int("fetches"), int("joinedWaiters"), int("failures"))
+        (counters.staleRejections, counters.throttled, counters.droppedResults) = (int("staleRejections"), int("throttled"), int("droppedResults"))
+        inert = object["inert"]?.boolValue ?? false
+    }
+
+    public var parameters: JSONObject {
+        var entry: JSONObject = ["name": .string(name), "state": .string(state), "generation": .int(Int64(generation))]
+        if let tokenSerial { entry["tokenSerial"] = .int(Int64(clamping: tokenSerial)) }
+        if let expiresAt { entry["expiresAt"] = .int(expiresAt) }
+        if let lastRefresh { entry["lastRefresh"] = .int(lastRefresh) }
+        entry["refreshing"] = .bool(refreshing)
+        if let backoffRemaining { entry["backoffRemaining"] = .double(backoffRemaining) }
+        if let lastError { entry["lastError"] = .string(lastError) }
+        entry["degraded"] = .bool(degraded)
+        for (key, count) in [("fetches", counters.fetches), ("joinedWaiters", counters.joinedWaiters), ("failures", counters.failures),
+                             ("staleRejections", counters.staleRejections), ("throttled", counters.throttled),
+                             ("droppedResults", counters.droppedResults)] {
+            entry[key] = .int(Int64(count))
+        }
+        if inert { entry["inert"] = true }
+        return entry
+    }
+
+    /// The entries of a `Status` reply.
+    public static func entries(of reply: VarlinkReply) -> [StatusEntry] {
+        (reply.parameters["sessions"]?.arrayValue ?? []).compactMap { $0.objectValue.map(StatusEntry.init) }
     }
 }
 

@@ -5,77 +5,6 @@ import TokenBrokerCore
 import Upstream
 import Varlink
 
-typealias Coordinator = RefreshCoordinator<ContinuousClock>
-
-/// The sessions the daemon serves, swapped as a whole on reload.
-final class SessionTable: Sendable {
-    struct Session: Sendable {
-        let configuration: SessionConfiguration
-        let coordinator: Coordinator
-        /// The OAuth source of an `oauth` session (for revocation, device logins, discovery).
-        var upstream: HTTPTokenSource?
-    }
-
-    struct Snapshot: Sendable {
-        var sessions: [String: Session] = [:]
-        /// Configuration order, for Status.
-        var order: [String] = []
-        var access: Access
-        /// Stored sessions no longer configured.
-        var inert: [InertSession] = []
-    }
-
-    private let state: Mutex<Snapshot>
-    /// Logouts, logins and forgets pass it shared; a reload's hand-over holds it alone.
-    let gate = BoundaryGate()
-
-    init(access: Access) {
-        state = Mutex(Snapshot(access: access))
-    }
-
-    var snapshot: Snapshot { state.withLock { $0 } }
-
-    func replace(_ snapshot: Snapshot) {
-        state.withLock { $0 = snapshot }
-        announceChange()
-    }
-
-    /// Changes the snapshot in place (no lost update between concurrent changes).
-    func modify(_ change: (inout Snapshot) -> Void) {
-        state.withLock { change(&$0) }
-        announceChange()
-    }
-
-    /// One element after each change of the table (for streams that must re-check access).
-    func changes() -> AsyncStream<Void> {
-        let (stream, continuation) = AsyncStream.makeStream(of: Void.self, bufferingPolicy: .bufferingNewest(1))
-        let id = listeners.withLock { listeners in
-            listeners.next += 1
-            listeners.all[listeners.next] = continuation
-            return listeners.next
-        }
-        continuation.onTermination = { [weak self] _ in _ = self?.listeners.withLock { $0.all.removeValue(forKey: id) } }
-        return stream
-    }
-
-    private let listeners = Mutex<(next: UInt64, all: [UInt64: AsyncStream<Void>.Continuation])>((0, [:]))
-
-    private func announceChange() {
-        for continuation in listeners.withLock({ Array($0.all.values) }) { continuation.yield() }
-    }
-
-    /// The session and whether `peer` may use it.
-    func lookup(_ name: String, for peer: PeerCredentials) -> (Session, allowed: Bool)? {
-        state.withLock { state in
-            state.sessions[name].map { ($0, state.access.mayUse($0.configuration, peer)) }
-        }
-    }
-
-    func isAdmin(_ peer: PeerCredentials) -> Bool {
-        state.withLock { $0.access.isAdmin(peer) }
-    }
-}
-
 /// Serves `io.tokenbroker.Broker` on top of the session coordinators.
 ///
 /// A `GetToken` for a token that is fresh is answered inline on the server's I/O thread from
@@ -443,32 +372,14 @@ final class BrokerService: VarlinkHandler {
 
     /// A stored, unconfigured session: its stored state, no activity, marked inert.
     static func statusEntry(_ inert: InertSession) -> JSON {
-        let status = SessionStatus(name: inert.name, state: inert.state, generation: inert.generation, tokenSerial: inert.tokenSerial,
-                                   expiresAt: inert.expiresAt, lastRefresh: inert.lastRefresh, refreshing: false, backoffRemaining: nil,
-                                   lastError: nil, degraded: false, counters: SessionCounters())
-        guard case var .object(entry) = statusEntry(status) else { return statusEntry(status) }
-        entry["inert"] = true
-        return .object(entry)
+        var entry = StatusEntry(name: inert.name, state: inert.state.rawValue, generation: inert.generation)
+        (entry.tokenSerial, entry.expiresAt, entry.lastRefresh) = (inert.tokenSerial, inert.expiresAt, inert.lastRefresh)
+        entry.inert = true
+        return .object(entry.parameters)
     }
 
     static func statusEntry(_ status: SessionStatus) -> JSON {
-        var entry: JSONObject = ["name": .string(status.name), "state": .string(status.state.rawValue),
-                                 "generation": .int(Int64(status.generation))]
-        if let serial = status.tokenSerial { entry["tokenSerial"] = .int(Int64(serial)) }
-        if let expiresAt = status.expiresAt { entry["expiresAt"] = .int(expiresAt) }
-        if let lastRefresh = status.lastRefresh { entry["lastRefresh"] = .int(lastRefresh) }
-        entry["refreshing"] = .bool(status.refreshing)
-        if let remaining = status.backoffRemaining { entry["backoffRemaining"] = .double(remaining.seconds) }
-        if let lastError = status.lastError { entry["lastError"] = .string(lastError) }
-        entry["degraded"] = .bool(status.degraded)
-        let counters = status.counters
-        entry["fetches"] = .int(Int64(counters.fetches))
-        entry["joinedWaiters"] = .int(Int64(counters.joinedWaiters))
-        entry["failures"] = .int(Int64(counters.failures))
-        entry["staleRejections"] = .int(Int64(counters.staleRejections))
-        entry["throttled"] = .int(Int64(counters.throttled))
-        entry["droppedResults"] = .int(Int64(counters.droppedResults))
-        return .object(entry)
+        .object(StatusEntry(status).parameters)
     }
 }
 

@@ -59,7 +59,7 @@ enum Ctl {
             case "status":
                 guard operands.isEmpty else { return usage("status takes no operand", &errors) }
                 let reply = try call(address, .status)
-                output.write(json ? JSON.object(reply.parameters).text + "\n" : statusTable(reply.parameters["sessions"]?.arrayValue ?? []))
+                output.write(json ? JSON.object(reply.parameters).text + "\n" : statusTable(StatusEntry.entries(of: reply)))
             case "token":
                 guard operands.count == 1 else { return usage("token needs exactly one SESSION", &errors) }
                 let reply = try call(address, .getToken(session: operands[0]))
@@ -269,29 +269,28 @@ enum Ctl {
     }
 
 
-    static func statusTable(_ sessions: [JSON]) -> String {
+    static func statusTable(_ sessions: [StatusEntry]) -> String {
         guard !sessions.isEmpty else { return "no sessions\n" }
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
         let header = ["SESSION", "STATE", "GEN", "EXPIRES", "REFRESHED", "REFRESHES", "JOINED", "FAILURES", "STALE", "FLAGS"]
         var rows = [header]
-        for case let .object(entry) in sessions {
-            func int(_ key: String) -> Int64? { entry[key]?.intValue }
+        for entry in sessions {
             var flags: [String] = []
-            if entry["refreshing"]?.boolValue == true { flags.append("refreshing") }
-            if entry["degraded"]?.boolValue == true { flags.append("degraded") }
-            if entry["inert"]?.boolValue == true { flags.append("inert (not configured; ctl forget)") }
-            if let backoff = entry["backoffRemaining"]?.doubleValue { flags.append("backoff \(seconds(backoff))") }
+            if entry.refreshing { flags.append("refreshing") }
+            if entry.degraded { flags.append("degraded") }
+            if entry.inert { flags.append("inert (not configured; ctl forget)") }
+            if let backoff = entry.backoffRemaining { flags.append("backoff \(seconds(backoff))") }
             rows.append([
-                entry["name"]?.stringValue ?? "?",
-                entry["state"]?.stringValue ?? "?",
-                int("generation").map(String.init) ?? "-",
-                int("expiresAt").map { span($0 - Int64(now.tv_sec)) } ?? "-",
-                int("lastRefresh").map { span(Int64(now.tv_sec) - $0) + " ago" } ?? "-",
-                int("fetches").map(String.init) ?? "0",
-                int("joinedWaiters").map(String.init) ?? "0",
-                int("failures").map(String.init) ?? "0",
-                int("staleRejections").map(String.init) ?? "0",
+                entry.name,
+                entry.state,
+                String(entry.generation),
+                entry.expiresAt.map { span($0 - Int64(now.tv_sec)) } ?? "-",
+                entry.lastRefresh.map { span(Int64(now.tv_sec) - $0) + " ago" } ?? "-",
+                String(entry.counters.fetches),
+                String(entry.counters.joinedWaiters),
+                String(entry.counters.failures),
+                String(entry.counters.staleRejections),
                 flags.isEmpty ? "-" : flags.joined(separator: ","),
             ])
         }

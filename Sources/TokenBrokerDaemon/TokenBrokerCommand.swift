@@ -94,6 +94,10 @@ public enum TokenBrokerCommand {
                 inline = String(argument[argument.index(after: equals)...])
                 argument = String(argument[..<equals])
             }
+            func absolutePath(_ name: String) -> String? {
+                guard let path = inline ?? value(name), path.hasPrefix("/") else { return nil }
+                return path
+            }
             switch argument {
             case "-h", "--help":
                 output.write(Help.serve)
@@ -103,16 +107,12 @@ public enum TokenBrokerCommand {
                 options.configPath = path
                 options.configPathGiven = true
             case "--socket":
-                guard let path = inline ?? value(argument), path.hasPrefix("/") else {
-                    return usageError("--socket needs an absolute path", Help.serve, &errors)
-                }
+                guard let path = absolutePath(argument) else { return usageError("--socket needs an absolute path", Help.serve, &errors) }
                 options.socketPath = path
             case "--dev":
                 options.dev = true
             case "--state-dir":
-                guard let path = inline ?? value(argument), path.hasPrefix("/") else {
-                    return usageError("--state-dir needs an absolute path", Help.serve, &errors)
-                }
+                guard let path = absolutePath(argument) else { return usageError("--state-dir needs an absolute path", Help.serve, &errors) }
                 options.stateDirectory = path
             case "--log-level":
                 guard let name = inline ?? value(argument), let level = LogLevel(name: name) else {

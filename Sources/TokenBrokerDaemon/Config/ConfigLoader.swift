@@ -157,6 +157,15 @@ public enum ConfigLoader {
                 if let problem = EndpointPolicy.problem(with: entry.value) { throw fail("\(entry.key)=: \(problem)") }
                 return entry.value
             }
+            /// An allow list: an empty value clears it, each word adds a name or a number.
+            func allow(_ ids: inout [UInt32], _ lookup: (String) -> UInt32?, overflow: UInt32) throws(ConfigError) {
+                if entry.value.isEmpty { ids = [] }
+                for word in ConfigValue.list(entry.value) {
+                    let id = try resolve(word, entry, lookup)
+                    if id == overflow { warnings.append(fail(overflowWarning(entry.key, word))) }
+                    ids.append(id)
+                }
+            }
             func file() throws(ConfigError) -> String? {
                 guard !entry.value.isEmpty else { return nil }
                 guard entry.value.hasPrefix("/") else { throw fail("\(entry.key)= needs an absolute path") }
@@ -207,19 +216,9 @@ public enum ConfigLoader {
                 guard let value = ConfigValue.bool(entry.value) else { throw fail("RevokeOnLogout= must be yes or no") }
                 oauth.revokeOnLogout = value
             case "AllowUsers":
-                if entry.value.isEmpty { users = [] }
-                for word in ConfigValue.list(entry.value) {
-                    let uid = try resolve(word, entry, Identity.userID)
-                    if uid == ProcessDefences.overflowUID { warnings.append(fail(overflowWarning(entry.key, word))) }
-                    users.append(uid)
-                }
+                try allow(&users, Identity.userID, overflow: ProcessDefences.overflowUID)
             case "AllowGroups":
-                if entry.value.isEmpty { groups = [] }
-                for word in ConfigValue.list(entry.value) {
-                    let gid = try resolve(word, entry, Identity.groupID)
-                    if gid == ProcessDefences.overflowGID { warnings.append(fail(overflowWarning(entry.key, word))) }
-                    groups.append(gid)
-                }
+                try allow(&groups, Identity.groupID, overflow: ProcessDefences.overflowGID)
             case "RefreshAhead":
                 policy.refreshAhead = try duration(.zero...Duration.seconds(86400))
             case "RefreshLimitBurst":

@@ -1,0 +1,75 @@
+import Synchronization
+import TokenBrokerCore
+import Upstream
+import Varlink
+
+typealias Coordinator = RefreshCoordinator<ContinuousClock>
+
+/// The sessions the daemon serves, swapped as a whole on reload.
+final class SessionTable: Sendable {
+    struct Session: Sendable {
+        let configuration: SessionConfiguration
+        let coordinator: Coordinator
+        /// The OAuth source of an `oauth` session (for revocation, device logins, discovery).
+        var upstream: HTTPTokenSource?
+    }
+
+    struct Snapshot: Sendable {
+        var sessions: [String: Session] = [:]
+        /// Configuration order, for Status.
+        var order: [String] = []
+        var access: Access
+        /// Stored sessions no longer configured.
+        var inert: [InertSession] = []
+    }
+
+    private let state: Mutex<Snapshot>
+    /// Logouts, logins and forgets pass it shared; a reload's hand-over holds it alone.
+    let gate = BoundaryGate()
+
+    init(access: Access) {
+        state = Mutex(Snapshot(access: access))
+    }
+
+    var snapshot: Snapshot { state.withLock { $0 } }
+
+    func replace(_ snapshot: Snapshot) {
+        state.withLock { $0 = snapshot }
+        announceChange()
+    }
+
+    /// Changes the snapshot in place (no lost update between concurrent changes).
+    func modify(_ change: (inout Snapshot) -> Void) {
+        state.withLock { change(&$0) }
+        announceChange()
+    }
+
+    /// One element after each change of the table (for streams that must re-check access).
+    func changes() -> AsyncStream<Void> {
+        let (stream, continuation) = AsyncStream.makeStream(of: Void.self, bufferingPolicy: .bufferingNewest(1))
+        let id = listeners.withLock { listeners in
+            listeners.next += 1
+            listeners.all[listeners.next] = continuation
+            return listeners.next
+        }
+        continuation.onTermination = { [weak self] _ in _ = self?.listeners.withLock { $0.all.removeValue(forKey: id) } }
+        return stream
+    }
+
+    private let listeners = Mutex<(next: UInt64, all: [UInt64: AsyncStream<Void>.Continuation])>((0, [:]))
+
+    private func announceChange() {
+        for continuation in listeners.withLock({ Array($0.all.values) }) { continuation.yield() }
+    }
+
+    /// The session and whether `peer` may use it.
+    func lookup(_ name: String, for peer: PeerCredentials) -> (Session, allowed: Bool)? {
+        state.withLock { state in
+            state.sessions[name].map { ($0, state.access.mayUse($0.configuration, peer)) }
+        }
+    }
+
+    func isAdmin(_ peer: PeerCredentials) -> Bool {
+        state.withLock { $0.access.isAdmin(peer) }
+    }
+}

@@ -1,0 +1,88 @@
+import BrokerContract
+import Testing
+import Varlink
+import WireJSON
+
+/// The one contract module against the interface text it ships: every method, error and
+/// status field it encodes is declared there, and what one side encodes the other decodes.
+@Suite struct ContractTests {
+    let text = BrokerContract.text
+
+    @Test func everyMethodIsDeclared() {
+        #expect(Set(BrokerMethod.allCases.map(\.rawValue)) == BrokerContract.interface.methods)
+    }
+
+    static let errors: [BrokerError] = [
+        .noSuchSession(session: "a"), .signedOut(session: "a"), .permissionDenied,
+        .refreshFailed(session: "a", reason: "upstream said 503", retryable: true, retryAfter: 2.5),
+        .refreshFailed(session: "a", reason: "invalid_grant", retryable: false, retryAfter: nil),
+        .throttled(session: "a", retryAfter: 1), .storeFailed(session: "a", reason: "disk full"),
+        .configurationError(reason: "line 3"), .loginFailed(session: "a", reason: "denied"),
+        .sessionConfigured(session: "a"), .shuttingDown, .internalError, .protocolError(reason: "not JSON"),
+    ]
+
+    @Test(arguments: errors)
+    func errorsRoundTripAndAreDeclared(_ error: BrokerError) throws {
+        let reply = error.reply
+        let name = try #require(reply.error)
+        #expect(name.hasPrefix(BrokerContract.name + "."))
+        #expect(text.contains("\nerror \(name.dropFirst(BrokerContract.name.count + 1)) ("))
+        #expect(BrokerError(reply) == error)
+    }
+
+    @Test func foreignErrorsAreNotContractErrors() {
+        #expect(BrokerError(VarlinkReply.error("org.example.Other", [:])) == nil)
+        #expect(BrokerError(VarlinkReply(parameters: [:])) == nil)
+        #expect(BrokerError(VarlinkReply.error(VarlinkServiceError.permissionDenied, [:])) == .permissionDenied)
+    }
+
+    static let requests: [BrokerRequest] = [
+        .getToken(session: "a"), .recover(session: "a", rejected: "t"), .watch(session: "a"), .logout(session: "a"),
+        .login(session: "a", refreshToken: "r"), .status, .reload, .refresh(session: "a"), .deviceLogin(session: "a"),
+        .forget(session: "a"),
+    ]
+
+    @Test(arguments: requests)
+    func requestsRoundTrip(_ request: BrokerRequest) throws {
+        #expect(try BrokerRequest(request.method, request.parameters) == request)
+        var extra = request.parameters
+        extra["unexpected"] = 1
+        #expect(throws: ParameterError.self) { try BrokerRequest(request.method, extra) }
+    }
+
+    @Test func missingOrEmptyParametersAreRefused() {
+        #expect(throws: ParameterError.self) { try BrokerRequest(.getToken, [:]) }
+        #expect(throws: ParameterError.self) { try BrokerRequest(.recover, ["session": "a"]) }
+        #expect(throws: ParameterError.self) { try BrokerRequest(.login, ["session": "a", "refreshToken": ""]) }
+        #expect(throws: ParameterError.self) { try BrokerRequest(.getToken, ["session": 1]) }
+    }
+
+    @Test func statusEntryRoundTripsAndMatchesTheDeclaredType() throws {
+        var entry = StatusEntry(name: "api", state: "active", generation: 3)
+        (entry.tokenSerial, entry.expiresAt, entry.lastRefresh) = (7, 1_800_000_000, 1_799_999_000)
+        (entry.refreshing, entry.backoffRemaining, entry.lastError, entry.degraded) = (true, 1.5, "timeout", true)
+        (entry.counters.fetches, entry.counters.joinedWaiters, entry.counters.failures) = (1, 2, 3)
+        (entry.counters.staleRejections, entry.counters.throttled, entry.counters.droppedResults, entry.inert) = (4, 5, 6, true)
+        let parameters = entry.parameters
+        #expect(StatusEntry(parameters) == entry)
+        let declared = try #require(text.range(of: "type SessionStatus (").flatMap { start in
+            text[start.upperBound...].range(of: "\n)").map { text[start.upperBound..<$0.lowerBound] }
+        })
+        let fields = Set(declared.split(separator: "\n").compactMap { line -> String? in
+            let line = line.drop { $0 == " " }
+            guard !line.hasPrefix("#"), let colon = line.firstIndex(of: ":") else { return nil }
+            return String(line[..<colon])
+        })
+        #expect(Set(parameters.keys) == fields)
+        let reply = VarlinkReply(parameters: ["sessions": .array([.object(parameters), .object(StatusEntry(name: "b", state: "signedOut", generation: 0).parameters)])])
+        #expect(StatusEntry.entries(of: reply).map(\.name) == ["api", "b"])
+    }
+
+    @Test func tokenAndWatchRepliesRoundTrip() {
+        let token = TokenReply(token: "t", tokenType: "Bearer", expiresAt: 10, generation: 2)
+        #expect(TokenReply(token.parameters) == token)
+        for event in [WatchEvent.token(token, serial: 4), .signedOut(generation: 3)] {
+            #expect(WatchEvent(event.parameters) == event)
+        }
+    }
+}
