@@ -40,32 +40,40 @@ final class BrokerService: VarlinkHandler {
 
     /// One method: who may call it, whether it streams (needs `more`), and its handler.
     struct Method: Sendable {
+        typealias Session = SessionTable.Session
+        /// A handler of a method on one configured session (resolved and checked by the
+        /// dispatcher), or of one that names none (or, Forget, an unconfigured one).
+        enum Handler: Sendable {
+            case session(@Sendable (BrokerService, BrokerRequest, PeerCredentials, Session) throws -> VarlinkHandling)
+            case other(@Sendable (BrokerService, BrokerRequest, PeerCredentials) throws -> VarlinkHandling)
+        }
+
         var access: Access
         var streams = false
-        /// The request, the caller, and the configured session it names (resolved and checked
-        /// by the dispatcher; `nil` for methods that name none, or an unconfigured one).
-        var handler: @Sendable (BrokerService, BrokerRequest, PeerCredentials, SessionTable.Session?) throws -> VarlinkHandling
+        var handler: Handler
     }
 
     static let methods: [BrokerMethod: Method] = [
-        .getToken: Method(access: .sessionUser, handler: { $0.getToken($3!) }),
-        .recover: Method(access: .sessionUser, handler: { service, request, _, session in
+        .getToken: Method(access: .sessionUser, handler: .session { service, _, _, session in service.getToken(session) }),
+        .recover: Method(access: .sessionUser, handler: .session { service, request, _, session in
             guard case let .recover(_, rejected) = request else { throw BrokerError.internalError }
-            return service.recover(session!, rejected: Secret(rejected))
+            return service.recover(session, rejected: Secret(rejected))
         }),
-        .watch: Method(access: .sessionUser, streams: true, handler: { service, _, peer, session in
-            .async { sink in await service.watch(session!, peer, sink) }
+        .watch: Method(access: .sessionUser, streams: true, handler: .session { service, _, peer, session in
+            .async { sink in await service.watch(session, peer, sink) }
         }),
-        .logout: Method(access: .admin, handler: { $0.logout($3!.configuration.name, by: $2) }),
-        .login: Method(access: .admin, handler: { service, request, peer, session in
+        .logout: Method(access: .admin, handler: .session { service, _, peer, session in service.logout(session.configuration.name, by: peer) }),
+        .login: Method(access: .admin, handler: .session { service, request, peer, session in
             guard case let .login(_, refreshToken) = request else { throw BrokerError.internalError }
-            return service.login(session!.configuration.name, Secret(refreshToken), by: peer)
+            return service.login(session.configuration.name, Secret(refreshToken), by: peer)
         }),
-        .refresh: Method(access: .admin, handler: { $0.refresh($3!, by: $2) }),
-        .deviceLogin: Method(access: .admin, streams: true, handler: { try $0.deviceLogin($3!, by: $2) }),
-        .status: Method(access: .anyone, handler: { service, _, peer, _ in service.status(for: peer) }),
-        .forget: Method(access: .admin, handler: { service, request, peer, _ in try service.forget(request.session ?? "", by: peer) }),
-        .reload: Method(access: .admin, handler: { service, _, peer, _ in service.reload(by: peer) }),
+        .refresh: Method(access: .admin, handler: .session { service, _, peer, session in service.refresh(session, by: peer) }),
+        .deviceLogin: Method(access: .admin, streams: true, handler: .session { service, _, peer, session in
+            try service.deviceLogin(session, by: peer)
+        }),
+        .status: Method(access: .anyone, handler: .other { service, _, peer in service.status(for: peer) }),
+        .forget: Method(access: .admin, handler: .other { service, request, peer in try service.forget(request.session ?? "", by: peer) }),
+        .reload: Method(access: .admin, handler: .other { service, _, peer in service.reload(by: peer) }),
     ]
 
     /// Decodes the call once, checks who may make it, resolves the session it names, and hands
@@ -75,23 +83,33 @@ final class BrokerService: VarlinkHandler {
             return .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
         }
         do {
-            let request = try BrokerRequest(name, call.parameters)
+            // Who may call comes first, from the session's name alone: a caller who may not
+            // use the session learns nothing from the rest of its parameters.
+            let named = call.parameters["session"]?.stringValue
             var session: SessionTable.Session?
             switch method.access {
             case .sessionUser:
-                session = try use(request.session ?? "", peer)
+                if let named { session = try use(named, peer) }
             case .admin:
                 guard sessions.isAdmin(peer) else { throw BrokerError.permissionDenied }
                 // Forget names a session that is not configured (any more).
-                if let named = request.session, name != .forget {
+                if let named, name != .forget {
                     guard let found = sessions.snapshot.sessions[named] else { throw BrokerError.noSuchSession(session: named) }
                     session = found
                 }
             case .anyone:
                 break
             }
+            let request = try BrokerRequest(name, call.parameters)
             if method.streams && !call.more { return .reply(.error(VarlinkServiceError.expectedMore)) }
-            return try method.handler(self, request, peer, session)
+            switch method.handler {
+            case let .session(handler):
+                // Decoding required the name the session was resolved from.
+                guard let session else { throw BrokerError.internalError }
+                return try handler(self, request, peer, session)
+            case let .other(handler):
+                return try handler(self, request, peer)
+            }
         } catch let error as ParameterError {
             return .reply(error.reply)
         } catch {

@@ -234,6 +234,9 @@ public final class Daemon: Sendable {
                     Systemd.stopping()
                     logger.info("stopping (signal \(signal))")
                     shutdown.fire()
+                    // Nothing after the stop: a SIGHUP queued behind it must not start a reload
+                    // while the daemon retires.
+                    return
                 }
             }
             group.addTask { await stop.wait() }

@@ -20,7 +20,7 @@ enum Help {
           check-config            Validate the configuration and exit.
           help [<subcommand>]     Show help for a subcommand, e.g. `tokenbroker help ctl token`.
 
-        Exit codes: 0 ok, 1 failure, 64 usage, 69 broker unreachable, 77 permission denied,
+        Exit codes: 0 ok, 1 failure, 64 usage, 69 broker unreachable or stopping, 77 permission denied,
         78 configuration error.
 
         """

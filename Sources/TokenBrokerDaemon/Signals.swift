@@ -24,8 +24,11 @@ enum Signals {
 
     static func stream() -> AsyncStream<Int32> {
         AsyncStream { continuation in
+            // One serial queue: signals come out in the order they were read (a SIGTERM sent
+            // before a SIGHUP is seen first).
+            let queue = DispatchQueue(label: "tokenbroker.signals")
             let sources = handled.map { number -> any DispatchSourceSignal in
-                let source = DispatchSource.makeSignalSource(signal: number, queue: .global())
+                let source = DispatchSource.makeSignalSource(signal: number, queue: queue)
                 source.setEventHandler { continuation.yield(number) }
                 source.resume()
                 return source

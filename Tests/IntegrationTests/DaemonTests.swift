@@ -147,7 +147,7 @@ struct DaemonTests {
                                                     "--config", directory + "/tokenbroker.conf", "--socket", directory + "/tb.sock",
                                                     "--state-dir", directory + "/state"], directory: directory)
         defer { daemon.kill() }
-        try await waitForSocket(directory + "/tb.sock")
+        try await waitForSocket(directory + "/tb.sock", server: daemon)
         var info = stat()
         #expect(stat("/proc/\(daemon.process.processIdentifier)/environ", &info) == 0)
         #expect(info.st_uid == 0, "/proc/PID/environ belongs to uid \(info.st_uid): the daemon is dumpable")
@@ -167,7 +167,7 @@ struct DaemonTests {
                                                     "--config", directory + "/tokenbroker.conf", "--socket", directory + "/tb.sock",
                                                     "--state-dir", directory + "/state"], directory: directory)
         defer { daemon.kill() }
-        try await waitForSocket(directory + "/tb.sock")
+        try await waitForSocket(directory + "/tb.sock", server: daemon)
         #expect(daemon.stderr.contains("<4>uid \(Broker.workerUID) has no mapping in this process's user namespace"))
         daemon.terminate()
         #expect(await daemon.wait() == 0)

@@ -123,7 +123,7 @@ struct SystemdTests {
             // The daemon is blocked reading its configuration: a `systemctl reload` now.
             kill(daemon.process.processIdentifier, SIGHUP)
         }
-        try await waitForSocket(socket)
+        try await waitForSocket(socket, server: daemon)
         // The reload it was asked for reads the configuration again.
         try await writeFIFO(dropIn, Self.config + "[Session]\nName=extra\nUpstream=test\n")
         try await eventually("the early SIGHUP handled as a reload") { daemon.stderr.contains("configuration reloaded: 2 session(s)") }
@@ -149,20 +149,60 @@ struct SystemdTests {
             """, Paths.tokenbroker, "serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"],
                                directory: directory)
         defer { daemon.kill() }
-        try await waitForSocket(socket)
+        try await waitForSocket(socket, server: daemon)
         try await eventually("the pending SIGHUP handled as a reload") { daemon.stderr.contains("configuration reloaded") }
         kill(daemon.process.processIdentifier, SIGTERM)
         #expect(await daemon.wait() == 0)
     }
 
+    @Test("a SIGHUP queued behind SIGTERM does not reload while the daemon stops")
+    func reloadAfterStopIgnored() async throws {
+        let directory = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        let configPath = directory + "/tokenbroker.conf"
+        try Self.config.write(toFile: configPath, atomically: true, encoding: .utf8)
+        try FileManager.default.createDirectory(atPath: configPath + ".d", withIntermediateDirectories: true)
+        let socket = directory + "/tb.sock"
+        let daemon = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"],
+                               directory: directory)
+        defer { daemon.kill() }
+        try await waitForSocket(socket, server: daemon)
+        // A drop-in that is a FIFO holds the next reload in reading the configuration: every
+        // reload after the first one would block there for good.
+        let dropIn = configPath + ".d/extra.conf"
+        #expect(mkfifo(dropIn, 0o600) == 0)
+        let pid = daemon.process.processIdentifier
+        kill(pid, SIGHUP)
+        try await writeFIFO(dropIn, "[Session]\nName=extra\nUpstream=test\n") {
+            // While that reload reads: a stop, then another reload, each read by the daemon
+            // (no longer pending) before the next is sent.
+            for number in [SIGTERM, SIGHUP] {
+                kill(pid, number)
+                try? await eventually("signal \(number) read") { !Self.pending(pid).contains(number) }
+            }
+        }
+        #expect(await daemon.wait(timeout: 20) == 0)
+        let log = daemon.stderr
+        #expect(log.components(separatedBy: "configuration reloaded").count - 1 == 1)
+        #expect(log.contains("stopping (signal 15)"))
+    }
+
+    /// The signals pending for the process `pid` (its shared pending set).
+    static func pending(_ pid: pid_t) -> Set<Int32> {
+        guard let status = try? String(contentsOfFile: "/proc/\(pid)/status", encoding: .utf8),
+              let line = status.split(separator: "\n").first(where: { $0.hasPrefix("ShdPnd:") }),
+              let mask = UInt64(line.dropFirst("ShdPnd:".count).trimmingCharacters(in: .whitespaces), radix: 16) else { return [] }
+        return Set((1...64).filter { mask & (1 << UInt64($0 - 1)) != 0 }.map(Int32.init))
+    }
+
     /// Writes `text` into the FIFO at `path` once its reader has opened it; `opened` runs between.
-    private func writeFIFO(_ path: String, _ text: String, opened: () -> Void = {}) async throws {
+    private func writeFIFO(_ path: String, _ text: String, opened: () async -> Void = {}) async throws {
         var fd: Int32 = -1
         try await eventually("the daemon opens \(path)") {
             fd = open(path, O_WRONLY | O_NONBLOCK)   // fails with ENXIO until a reader has it open
             return fd >= 0
         }
-        opened()
+        await opened()
         let bytes = Array(text.utf8)
         #expect(write(fd, bytes, bytes.count) == bytes.count)
         close(fd)

@@ -76,6 +76,13 @@ struct BrokerServiceTests {
                 #expect(answers[0] == answers[1] && answers[0] == [.error("io.tokenbroker.Broker.PermissionDenied")], "\(method): \(answers)")
             }
         }
+        // Who may call is checked before the rest of the parameters: a caller who may not use
+        // the session learns nothing from them, and an admin naming no session hears that first.
+        #expect(await Self.call(service, "Recover", ["session": "private"], from: Self.worker) == [.error("io.tokenbroker.Broker.PermissionDenied")])
+        #expect(await Self.call(service, "Recover", ["session": "nope", "extra": 1], from: Self.stranger) == [.error("io.tokenbroker.Broker.PermissionDenied")])
+        #expect(await Self.call(service, "Login", ["session": "api", "refreshToken": ""], from: Self.worker) == [.error("io.tokenbroker.Broker.PermissionDenied")])
+        #expect(await Self.call(service, "Recover", ["session": "nope"]) == [.error("io.tokenbroker.Broker.NoSuchSession", ["session": "nope"])])
+        #expect(await Self.call(service, "Login", ["session": "nope", "refreshToken": ""]) == [.error("io.tokenbroker.Broker.NoSuchSession", ["session": "nope"])])
         #expect(await Self.call(service, "GetToken", [:]) == [.invalidParameter("session")])
         #expect(await Self.call(service, "GetToken", ["session": 3]) == [.invalidParameter("session")])
         #expect(await Self.call(service, "Recover", ["session": "api"]) == [.invalidParameter("rejected")])

@@ -1,5 +1,6 @@
 import BrokerContract
 import Testing
+@testable import TokenBrokerDaemon
 import Varlink
 import WireJSON
 
@@ -28,6 +29,22 @@ import WireJSON
         #expect(name.hasPrefix(BrokerContract.name + "."))
         #expect(text.contains("\nerror \(name.dropFirst(BrokerContract.name.count + 1)) ("))
         #expect(BrokerError(reply) == error)
+    }
+
+    @Test("ctl exits as its help says: 69 stopping, 77 permission denied, 78 configuration error, else 1; no message quotes a token")
+    func ctlExitCodes() {
+        for error in Self.errors {
+            let failure = Ctl.failure(error, .login(session: "a", refreshToken: "r-secret"))
+            let expected: Int32
+            switch error {
+            case .shuttingDown: expected = ExitCode.unavailable
+            case .permissionDenied: expected = ExitCode.permission
+            case .configurationError: expected = ExitCode.config
+            default: expected = ExitCode.failure
+            }
+            #expect(failure.code == expected, "\(error)")
+            #expect(!failure.message.isEmpty && !failure.message.contains("r-secret"))
+        }
     }
 
     @Test func foreignErrorsAreNotContractErrors() {

@@ -41,7 +41,7 @@ final class Broker: @unchecked Sendable {
         try config.replacingOccurrences(of: "@DIR@", with: directory).write(toFile: configPath, atomically: true, encoding: .utf8)
         child = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"]
                           + extraArguments, environment: environment, directory: directory)
-        if wait { try await waitForSocket(socket) }
+        if wait { try await waitForSocket(socket, server: child) }
     }
 
     /// A `[Session]` using the development issuer's token endpoint, with the client secret in

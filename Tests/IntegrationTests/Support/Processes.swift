@@ -30,10 +30,16 @@ enum Paths {
     }
 }
 
-/// Waits until something accepts connections on `path`.
-func waitForSocket(_ path: String, timeout: Double = 20, sourceLocation: SourceLocation = #_sourceLocation) async throws {
+/// Waits until something accepts connections on `path`. With the `server` that should
+/// listen there, a server that exits first fails the wait at once, and a failure quotes its log.
+func waitForSocket(_ path: String, server: Child? = nil, timeout: Double = 20, sourceLocation: SourceLocation = #_sourceLocation) async throws {
     let deadline = ContinuousClock.now + .seconds(timeout)
+    func log() -> String { server.map { ": server log:\n\($0.stderr)" } ?? "" }
     while true {
+        if let server, !server.process.isRunning {
+            Issue.record("the server exited (\(server.process.terminationStatus)) before listening on \(path)\(log())", sourceLocation: sourceLocation)
+            throw POSIXError(.ECHILD)
+        }
         let fd = socket(AF_UNIX, Int32(SOCK_STREAM.rawValue), 0)
         var address = sockaddr_un()
         address.sun_family = sa_family_t(AF_UNIX)
@@ -44,7 +50,7 @@ func waitForSocket(_ path: String, timeout: Double = 20, sourceLocation: SourceL
         close(fd)
         if rc == 0 { return }
         if ContinuousClock.now >= deadline {
-            Issue.record("nothing listens on \(path)", sourceLocation: sourceLocation)
+            Issue.record("nothing listens on \(path) after \(timeout) s\(log())", sourceLocation: sourceLocation)
             throw POSIXError(.ETIMEDOUT)
         }
         try await Task.sleep(for: .milliseconds(5))
