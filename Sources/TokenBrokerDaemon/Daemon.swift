@@ -284,7 +284,8 @@ public final class Daemon: Sendable {
     private func extendStopTimeout(for budget: Duration, until stop: Latch) async {
         let interval = Duration.seconds(5)
         let end = ContinuousClock.now + budget + interval
-        while ContinuousClock.now < end {
+        // (A cancelled wait returns at once: the loop ends on cancellation rather than spin.)
+        while !Task.isCancelled && ContinuousClock.now < end {
             Systemd.extendTimeout(by: interval * 2)
             if await stop.wait(upTo: interval) { return }
         }
@@ -479,7 +480,7 @@ public final class Daemon: Sendable {
         var delay = Duration.seconds(1)
         var nextFlush = ContinuousClock.now + delay
         var lastStatus = ""
-        while !(await stop.wait(upTo: .seconds(1))) {
+        while !Task.isCancelled, !(await stop.wait(upTo: .seconds(1))) {
             if ContinuousClock.now >= nextFlush {
                 var allFlushed = true
                 for session in table.snapshot.sessions.values where await session.coordinator.status().degraded {
