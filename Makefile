@@ -69,20 +69,12 @@ system-test: deps deb
 clean:
 	rm -rf .build
 
-# Round-trip benchmark: the release daemon and the C echo floor, measured by the same load
-# generator in the same run (`../shared/bench`). Not part of `make test`.
+# The benchmark (`Tests/Bench/bench.py`): GetToken against the C echo floor of `../shared/bench`
+# at 1/16/64/256 connections, `ctl token` against /bin/true, exec -> READY=1 and memory, all
+# in one run, as ratios. Not part of `make test`; knobs in the script's header.
 BENCH_DIR ?= $(CURDIR)/../shared/bench
-BENCH_SOCKET ?= $(CURDIR)/.build/bench/tokenbroker.sock
-BENCH_CONNS ?= 1 16 64 256
 bench: release
-	@$$($(SWIFT) build -c release --show-bin-path)/tokenbroker serve --config $(CURDIR)/config/dev.conf \
-	  --socket $(BENCH_SOCKET) --state-dir $$(mktemp -d) --log-level warning & pid=$$!; \
-	trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
-	for i in $$(seq 100); do [ -S $(BENCH_SOCKET) ] && break; sleep 0.05; done; \
-	$$($(SWIFT) build -c release --show-bin-path)/tokenbroker ctl --socket $(BENCH_SOCKET) token demo >/dev/null; \
-	echo "== tokenbroker (GetToken, fresh token)"; $(BENCH_DIR)/run_baseline.sh --socket $(BENCH_SOCKET) --conns "$(BENCH_CONNS)"; \
-	echo "== C echo floor"; $(BENCH_DIR)/run_baseline.sh --modes epoll --conns "$(BENCH_CONNS)"; \
-	echo "== tokenbroker RSS (KiB): $$(ps -o rss= -p $$pid)"
+	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/bench.py "$$($(SWIFT) build -c release --show-bin-path)"
 
 # Installation: the binary (Swift standard library linked in), units, sysusers/tmpfiles
 # snippets, the configuration (never over an existing one), the example drop-in and the man page.
