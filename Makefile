@@ -76,13 +76,15 @@ BENCH_DIR ?= $(CURDIR)/../shared/bench
 bench: release
 	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/bench.py "$$($(SWIFT) build -c release --show-bin-path)"
 
-# Installation: the binary (Swift standard library linked in), units, sysusers/tmpfiles
+# Installation: `tokenbroker` (the command, one static executable) in BINDIR, the daemon
+# `tokenbroker-daemon` (Swift standard library linked in) in LIBEXECDIR/tokenbroker, units, sysusers/tmpfiles
 # snippets, the configuration (never over an existing one), the example drop-in and the man page.
-# `make static` builds that binary (in its own build directory, so that it does not take turns
+# `make static` builds both (in their own build directory, so that it does not take turns
 # with `make release`); `make install-files` only copies (debian/rules uses both).
 PREFIX      ?= /usr/local
 DESTDIR     ?=
 BINDIR      ?= $(PREFIX)/bin
+LIBEXECDIR  ?= $(PREFIX)/libexec
 UNITDIR     ?= $(PREFIX)/lib/systemd/system
 SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
 TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
@@ -92,14 +94,16 @@ SYSCONFDIR  ?= /etc
 STATIC_BUILD = -c release --static-swift-stdlib --scratch-path $(CURDIR)/.build/static
 
 static:
+	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product tokenbroker-daemon
 	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product tokenbroker
 
 install: deps static install-files
 
 install-files:
 	install -Dm755 "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)/tokenbroker" "$(DESTDIR)$(BINDIR)/tokenbroker"
+	install -Dm755 "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)/tokenbroker-daemon" "$(DESTDIR)$(LIBEXECDIR)/tokenbroker/tokenbroker-daemon"
 	install -d "$(DESTDIR)$(UNITDIR)"
-	sed 's|/usr/local/bin/tokenbroker|$(BINDIR)/tokenbroker|' systemd/tokenbroker.service > "$(DESTDIR)$(UNITDIR)/tokenbroker.service"
+	sed 's|/usr/local/libexec/tokenbroker/|$(LIBEXECDIR)/tokenbroker/|' systemd/tokenbroker.service > "$(DESTDIR)$(UNITDIR)/tokenbroker.service"
 	chmod 644 "$(DESTDIR)$(UNITDIR)/tokenbroker.service"
 	install -Dm644 systemd/tokenbroker.socket "$(DESTDIR)$(UNITDIR)/tokenbroker.socket"
 	install -Dm644 systemd/sysusers.d/tokenbroker.conf "$(DESTDIR)$(SYSUSERSDIR)/tokenbroker.conf"

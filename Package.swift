@@ -13,6 +13,7 @@ var package = Package(
     platforms: [.macOS(.v15)],
     products: [
         .executable(name: "tokenbroker", targets: ["tokenbroker"]),
+        .executable(name: "tokenbroker-daemon", targets: ["tokenbroker-daemon"]),
         .library(name: "TokenBrokerCore", targets: ["TokenBrokerCore"]),
         .library(name: "Varlink", targets: ["Varlink"]),
         .library(name: "TokenBrokerClient", targets: ["TokenBrokerClient"]),
@@ -50,9 +51,13 @@ var package = Package(
         // The wire contract of io.tokenbroker.Broker — its text, methods, typed requests and replies,
         // and its errors with their names — shared by the daemon's service, ctl and the client library.
         .target(name: "BrokerContract", dependencies: ["TokenBrokerCore", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
-        // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve, ctl.
-        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "BrokerContract", "CLinux", "TokenBrokerCore", "Varlink", "Upstream",
-                                                         "SQLiteStore", "CSystemd"]),
+        // The command line without the daemon: help, --version, every ctl verb (no libcurl, SQLite,
+        // libcrypto or libsystemd: see `Command`).
+        .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "Varlink"]),
+        // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve,
+        // check-config.
+        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "BrokerContract", "CLinux", "TokenBrokerCLI", "TokenBrokerCore",
+                                                         "Varlink", "Upstream", "SQLiteStore", "CSystemd"]),
         // `serve --dev`: the development issuer beside the daemon. Only the executable links it.
         .target(name: "TokenBrokerDevelopment", dependencies: ["DevIssuer", "TokenBrokerCore", "TokenBrokerDaemon", "Upstream"]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the
@@ -62,8 +67,15 @@ var package = Package(
         .target(name: "TokenBrokerURLSession", dependencies: ["TokenBrokerClient", "TokenBrokerCore"]),
         // An example worker: a protected resource called through the broker.
         .executableTarget(name: "example-worker", dependencies: ["TokenBrokerClient", "TokenBrokerURLSession"]),
-        // The command line: argv in, exit code out.
-        .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerDaemon", "TokenBrokerDevelopment"]),
+        // `tokenbroker`: the command line users and scripts run, fully static (no dynamic loader, no
+        // shared library), so that `ctl token` starts about as fast as /bin/true. `serve` and
+        // `check-config` exec `tokenbroker-daemon`. Linked by lld with warnings off: the one warning
+        // is glibc's on any static link that contains dlopen (libswiftCore.a's optional lookup of
+        // a prespecialization library, which finds none), and `make test` shows no warnings.
+        .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerCLI"],
+                          linkerSettings: [.unsafeFlags(["-static-executable", "-use-ld=lld", "-Xlinker", "--no-warnings"])]),
+        // `tokenbroker-daemon`: serve and check-config (and the rest of the command line too).
+        .executableTarget(name: "tokenbroker-daemon", dependencies: ["TokenBrokerDaemon", "TokenBrokerDevelopment"]),
         // The development issuer as a process of its own, for the real-systemd test (not installed).
         .executableTarget(name: "dev-issuer", dependencies: ["Basics", "DevIssuer"]),
         // org.varlink.certification served and called on our varlink layer, for conformance tests
@@ -77,9 +89,11 @@ var package = Package(
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
-        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
-        // Spawns the real binary; depends on it so `swift test` builds it first.
-        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker", "varlink-certification", "example-worker",
+        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCLI", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
+        // Spawns the real binaries; depends on the daemon's so `swift test` builds it first (not on the
+        // static `tokenbroker`, whose link flags would apply to the test bundle: `swift test` builds
+        // every product anyway).
+        .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker-daemon", "varlink-certification", "example-worker",
                                                             "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore",
                                                             "TestSupport"]),
     ],

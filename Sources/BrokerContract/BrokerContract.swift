@@ -10,6 +10,8 @@ public enum BrokerContract {
     /// The text of `io.tokenbroker.Broker.varlink`, embedded at build time.
     public static let text = String(decoding: PackageResources.io_tokenbroker_Broker_varlink, as: UTF8.self)
     public static let interface = VarlinkInterface(description: text)
+    /// Where the broker listens unless configured otherwise (`Socket=`, `$TOKENBROKER_SOCKET`).
+    public static let defaultSocket = "/run/tokenbroker/io.tokenbroker.Broker"
 }
 
 /// The interface's methods.

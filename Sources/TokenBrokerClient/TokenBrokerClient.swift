@@ -58,7 +58,7 @@ public enum TokenBrokerError: Error, Sendable, Equatable, CustomStringConvertibl
 /// on that connection (varlink answers in order); use several clients for parallel requests.
 /// The blocking socket work runs on the client's own thread, never in the cooperative pool.
 public final class TokenBrokerClient: Sendable {
-    public static let defaultSocket = "/run/tokenbroker/io.tokenbroker.Broker"
+    public static let defaultSocket = BrokerContract.defaultSocket
 
     public let address: VarlinkAddress
     private let timeout: Double

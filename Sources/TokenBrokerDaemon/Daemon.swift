@@ -5,6 +5,7 @@ import Basics
 import BrokerContract
 import Dispatch
 import Synchronization
+import TokenBrokerCLI
 import TokenBrokerCore
 import Upstream
 import Varlink
@@ -33,7 +34,7 @@ public final class Daemon: Sendable {
         public init() {}
     }
 
-    static let version = "0.1.0"
+    static let version = Command.version
 
     private let options: Options
     private let logger: Logger
@@ -236,8 +237,10 @@ public final class Daemon: Sendable {
                     shutdown.fire()
                     // Nothing after the stop: a SIGHUP queued behind it must not start a reload
                     // while the daemon retires.
-                    return
+                    break
                 }
+                // This part ends with the others (its end would otherwise read as a failure).
+                await stop.wait()
             }
             group.addTask { await stop.wait() }
             await group.next()

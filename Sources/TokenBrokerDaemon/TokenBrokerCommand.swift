@@ -1,5 +1,6 @@
 import Dispatch
 import Synchronization
+import TokenBrokerCLI
 
 /// The `tokenbroker` command line: parses argv, runs a subcommand, returns the exit code.
 public enum TokenBrokerCommand {
@@ -34,42 +35,16 @@ public enum TokenBrokerCommand {
         }
     }
 
-    /// Everything but `serve` (which runs the daemon); testable with string outputs.
+    /// Everything but running the daemon; testable with string outputs.
     public static func run(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
-        guard let first = arguments.first else {
-            errors.write("Error: missing subcommand\n\n" + Help.main)
-            return ExitCode.usage
-        }
-        let rest = Array(arguments.dropFirst())
-        switch first {
-        case "-h", "--help":
-            output.write(Help.main)
-            return ExitCode.ok
-        case "help":
-            guard let topic = rest.first else {
-                output.write(Help.main)
-                return ExitCode.ok
-            }
-            guard let text = Help.topic(rest) else {
-                errors.write("Error: no help for '\(rest.joined(separator: " "))'\n\n" + Help.main)
-                return ExitCode.usage
-            }
-            _ = topic
-            output.write(text)
-            return ExitCode.ok
-        case "--version":
-            output.write("tokenbroker \(Daemon.version)\n")
-            return ExitCode.ok
-        case "ctl":
-            return Ctl.run(rest, output: &output, errors: &errors)
-        case "check-config":
+        switch Command.run(arguments, output: &output, errors: &errors) {
+        case let .exit(code):
+            return code
+        case let .daemon("check-config", rest):
             return checkConfig(rest, output: &output, errors: &errors)
-        case "serve":
+        case let .daemon(_, rest):
             if case let .exit(code) = parseServe(rest, output: &output, errors: &errors) { return code }
             errors.write("Error: serve runs only from the binary\n")
-            return ExitCode.usage
-        default:
-            errors.write("Error: unknown subcommand or option '\(first)'\n\n" + Help.main)
             return ExitCode.usage
         }
     }

@@ -1,8 +1,15 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import TokenBrokerDaemon
-import TokenBrokerDevelopment
+import TokenBrokerCLI
 
-// Synchronous on purpose: see TokenBrokerCommand.main.
-exit(TokenBrokerCommand.main(Array(CommandLine.arguments.dropFirst()), development: { try DevelopmentSetup() }))
+// The small, static `tokenbroker`: help, --version and ctl here; serve and check-config in
+// tokenbroker-daemon, which this process becomes (see Command).
+var output = FileOutput.standardOutput
+var errors = FileOutput.standardError
+switch Command.run(Array(CommandLine.arguments.dropFirst()), output: &output, errors: &errors) {
+case let .exit(code):
+    exit(code)
+case let .daemon(subcommand, arguments):
+    exit(DaemonExecutable.exec(subcommand, arguments, errors: &errors))
+}

@@ -137,8 +137,8 @@ struct DaemonTests {
     func undumpable() async throws {
         let directory = try Paths.temporaryDirectory()
         defer { try? FileManager.default.removeItem(atPath: directory) }
-        let binary = directory + "/tokenbroker"
-        try FileManager.default.copyItem(atPath: Paths.tokenbroker, toPath: binary)   // the build tree may be closed to others
+        let binary = directory + "/tokenbroker-daemon"
+        try FileManager.default.copyItem(atPath: Paths.daemon, toPath: binary)   // the build tree may be closed to others
         try "[Session]\nName=api\nUpstream=test\n".write(toFile: directory + "/tokenbroker.conf", atomically: true, encoding: .utf8)
         let uid = Broker.workerUID
         chown(directory, uid, uid)
@@ -279,6 +279,9 @@ struct DaemonTests {
         _ = await watcher.wait()
         #expect(!FileManager.default.fileExists(atPath: broker.socket))
         #expect(broker.child.stderr.contains("<6>stopped"))
+        // A clean stop logs nothing at warning level or above (no part "failed").
+        let loud = broker.child.stderr.split(separator: "\n").filter { $0.hasPrefix("<0>") || $0.hasPrefix("<1>") || $0.hasPrefix("<2>") || $0.hasPrefix("<3>") || $0.hasPrefix("<4>") }
+        #expect(loud.isEmpty, "\(loud)")
     }
 
     @Test("a bad configuration exits 78 with file:line")

@@ -185,6 +185,7 @@ struct SystemdTests {
         let log = daemon.stderr
         #expect(log.components(separatedBy: "configuration reloaded").count - 1 == 1)
         #expect(log.contains("stopping (signal 15)"))
+        #expect(!log.contains("<3>"), "an error logged by a clean stop")
     }
 
     /// The signals pending for the process `pid` (its shared pending set).
@@ -299,7 +300,7 @@ struct SystemdTests {
         let units = Paths.packageRoot.appendingPathComponent("systemd")
         // verify needs ExecStart to name an executable: the one just built.
         let service = try String(contentsOf: units.appendingPathComponent("tokenbroker.service"), encoding: .utf8)
-            .replacingOccurrences(of: "/usr/local/bin/tokenbroker", with: Paths.tokenbroker)
+            .replacingOccurrences(of: "/usr/local/libexec/tokenbroker/tokenbroker-daemon", with: Paths.daemon)
         try service.write(toFile: directory + "/tokenbroker.service", atomically: true, encoding: .utf8)
         try FileManager.default.copyItem(atPath: units.appendingPathComponent("tokenbroker.socket").path, toPath: directory + "/tokenbroker.socket")
 

@@ -144,7 +144,7 @@ class Container:
         # A fresh machine: the host may come from a Docker image whose policy-rc.d forbids starting
         # services from maintainer scripts, and may hold a `make install` under /usr/local that
         # would shadow the package's units. (Removed in the overlay only.)
-        self.run(["sh", "-c", "rm -rf /usr/sbin/policy-rc.d /usr/local/bin/tokenbroker /usr/local/lib/systemd/system/tokenbroker.* "
+        self.run(["sh", "-c", "rm -rf /usr/sbin/policy-rc.d /usr/local/bin/tokenbroker /usr/local/libexec/tokenbroker /usr/local/lib/systemd/system/tokenbroker.* "
                   "/usr/local/lib/sysusers.d/tokenbroker.conf /usr/local/lib/tmpfiles.d/tokenbroker.conf "
                   "/usr/local/share/man/man8/tokenbroker.8"])
         failed = self.run(["systemctl", "--failed", "--plain", "--no-legend"], check=False).stdout.strip()

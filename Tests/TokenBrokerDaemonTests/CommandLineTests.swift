@@ -1,4 +1,5 @@
 import Testing
+import TokenBrokerCLI
 @testable import TokenBrokerDaemon
 
 /// The command line in memory: help texts, usage errors and exit codes.
@@ -47,7 +48,7 @@ struct CommandLineTests {
 
     @Test("--version")
     func version() {
-        #expect(Self.run("--version") == (0, "tokenbroker \(Daemon.version)\n", ""))
+        #expect(Self.run("--version") == (0, "tokenbroker \(Command.version)\n", ""))
     }
 
     @Test("ctl against no broker: exit 69 and a hint")

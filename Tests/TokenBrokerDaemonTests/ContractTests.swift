@@ -1,6 +1,6 @@
 import BrokerContract
 import Testing
-@testable import TokenBrokerDaemon
+@testable import TokenBrokerCLI
 import Varlink
 import WireJSON
 

@@ -1,10 +1,11 @@
+import BrokerContract
 import TokenBrokerCore
 import Upstream
 
 /// The daemon's configuration: the `[Broker]` section and every `[Session]`.
 public struct BrokerConfiguration: Sendable, Equatable {
     public static let defaultPath = "/etc/tokenbroker/tokenbroker.conf"
-    public static let defaultSocket = "/run/tokenbroker/io.tokenbroker.Broker"
+    public static let defaultSocket = BrokerContract.defaultSocket
 
     /// Where the varlink socket is bound (`Socket=`; `--socket` overrides).
     public var socketPath = defaultSocket

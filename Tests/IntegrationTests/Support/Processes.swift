@@ -10,6 +10,8 @@ enum Paths {
     /// The directory holding the built executables (next to the test bundle).
     static let binaries = Bundle.main.bundleURL
     static let tokenbroker = binaries.appendingPathComponent("tokenbroker").path
+    /// What `tokenbroker serve` and `check-config` become (exec).
+    static let daemon = binaries.appendingPathComponent("tokenbroker-daemon").path
     static let certification = binaries.appendingPathComponent("varlink-certification").path
 
     /// The package root (this file is Tests/IntegrationTests/Support/Processes.swift).

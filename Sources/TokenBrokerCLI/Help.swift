@@ -1,6 +1,6 @@
 /// Help texts. `-h`, `--help` and `help <subcommand>` print the same text.
-enum Help {
-    static let main = """
+public enum Help {
+    public static let main = """
         OVERVIEW: tokenbroker — one OAuth 2.0 refresh flight per session, shared by every local worker
 
         A long-running daemon owns the OAuth sessions of this machine and hands out current
@@ -25,7 +25,7 @@ enum Help {
 
         """
 
-    static let serve = """
+    public static let serve = """
         OVERVIEW: Run the tokenbroker daemon.
 
         Reads the configuration, listens on the varlink socket and serves io.tokenbroker.Broker
@@ -54,7 +54,7 @@ enum Help {
 
         """
 
-    static let checkConfig = """
+    public static let checkConfig = """
         OVERVIEW: Validate the configuration.
 
         Prints the sessions it defines and any warnings; an error reads `file:line: message`
@@ -71,7 +71,7 @@ enum Help {
 
         """
 
-    static let ctl = """
+    public static let ctl = """
         OVERVIEW: Talk to the running tokenbroker daemon.
 
         USAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>] [<verb options>]
@@ -99,7 +99,7 @@ enum Help {
 
         """
 
-    static let ctlStatus = """
+    public static let ctlStatus = """
         OVERVIEW: Show the sessions this user may use.
 
         One row per session: state, generation, when the token expires, the last refresh, and
@@ -116,7 +116,7 @@ enum Help {
 
         """
 
-    static let ctlToken = """
+    public static let ctlToken = """
         OVERVIEW: Print the session's current access token.
 
         Prints the token alone on stdout (refreshed first if it has expired), for use in $(…).
@@ -132,7 +132,7 @@ enum Help {
 
         """
 
-    static let ctlLogout = """
+    public static let ctlLogout = """
         OVERVIEW: Log a session out (admin).
 
         Bumps the session's generation, clears its tokens, cancels any refresh in flight and
@@ -148,7 +148,7 @@ enum Help {
 
         """
 
-    static let ctlLogin = """
+    public static let ctlLogin = """
         OVERVIEW: Log a session in (admin).
 
         By default runs the OAuth device flow (RFC 8628): prints where to approve the login and
@@ -169,7 +169,7 @@ enum Help {
 
         """
 
-    static let ctlRecover = """
+    public static let ctlRecover = """
         OVERVIEW: Get the token to retry with after a request was rejected.
 
         Reads the access token the rejected request carried from standard input. If it is no
@@ -187,7 +187,7 @@ enum Help {
 
         """
 
-    static let ctlForget = """
+    public static let ctlForget = """
         OVERVIEW: Remove a stored session the configuration no longer names (admin).
 
         A session removed from the configuration keeps its stored state (ctl status shows it
@@ -205,7 +205,7 @@ enum Help {
 
         """
 
-    static let ctlWatch = """
+    public static let ctlWatch = """
         OVERVIEW: Follow a session's events.
 
         Prints one line per event: the current token at once, every new token, and the logout,
@@ -224,7 +224,7 @@ enum Help {
 
         """
 
-    static let ctlRefresh = """
+    public static let ctlRefresh = """
         OVERVIEW: Refresh a session's token now (admin).
 
         Starts a refresh whatever the token's expiry, or joins the one under way. Backoff and
@@ -241,7 +241,7 @@ enum Help {
 
         """
 
-    static let ctlReload = """
+    public static let ctlReload = """
         OVERVIEW: Make the daemon re-read its configuration (admin).
 
         The same as SIGHUP: a bad configuration is reported (file:line, exit 78) and the old one
@@ -257,7 +257,7 @@ enum Help {
 
         """
 
-    static func ctlVerb(_ verb: String) -> String? {
+    public static func ctlVerb(_ verb: String) -> String? {
         switch verb {
         case "watch": return ctlWatch
         case "refresh": return ctlRefresh
@@ -274,7 +274,7 @@ enum Help {
     }
 
     /// `help <words>`: the text for a subcommand or ctl verb.
-    static func topic(_ words: [String]) -> String? {
+    public static func topic(_ words: [String]) -> String? {
         switch words.first {
         case "serve": return words.count == 1 ? serve : nil
         case "check-config": return words.count == 1 ? checkConfig : nil

@@ -6,14 +6,16 @@ import BrokerContract
 import Varlink
 
 /// `tokenbroker ctl …`: talks to the running broker over its socket.
-enum Ctl {
-    struct Failure: Error {
-        var code: Int32
-        var message: String
+public enum Ctl {
+    public struct Failure: Error {
+        public var code: Int32
+        public var message: String
     }
 
-    static func run(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
-        var socket = getenv("TOKENBROKER_SOCKET").map { String(cString: $0) } ?? BrokerConfiguration.defaultSocket
+    /// Parses `ctl`'s options and runs its verb; `ctl check-config` is handed back (the daemon's
+    /// executable runs it).
+    public static func run(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Command.Outcome {
+        var socket = getenv("TOKENBROKER_SOCKET").map { String(cString: $0) } ?? BrokerContract.defaultSocket
         var words: [String] = []
         var json = false
         var refreshTokenFromStdin = false
@@ -24,9 +26,9 @@ enum Ctl {
             switch argument {
             case "-h", "--help":
                 output.write(words.first.flatMap(Help.ctlVerb) ?? Help.ctl)
-                return ExitCode.ok
+                return .exit(ExitCode.ok)
             case "--socket":
-                guard index + 1 < arguments.count else { return usage("--socket needs a path", &errors) }
+                guard index + 1 < arguments.count else { return .exit(usage("--socket needs a path", &errors)) }
                 socket = arguments[index + 1]
                 index += 1
             case "--json":
@@ -39,16 +41,22 @@ enum Ctl {
                 if argument.hasPrefix("--socket=") {
                     socket = String(argument.dropFirst("--socket=".count))
                 } else if argument.hasPrefix("-") {
-                    return usage("unknown option '\(argument)'", &errors)
+                    return .exit(usage("unknown option '\(argument)'", &errors))
                 } else if argument == "check-config" && words.isEmpty {
                     // The same as `tokenbroker check-config`: it reads files, not the socket.
-                    return TokenBrokerCommand.checkConfig(Array(arguments[(index + 1)...]), output: &output, errors: &errors)
+                    return .daemon("check-config", Array(arguments[(index + 1)...]))
                 } else {
                     words.append(argument)
                 }
             }
             index += 1
         }
+        return .exit(perform(words, socket: socket, json: json, refreshTokenFromStdin: refreshTokenFromStdin, showToken: showToken,
+                             output: &output, errors: &errors))
+    }
+
+    private static func perform(_ words: [String], socket: String, json: Bool, refreshTokenFromStdin: Bool, showToken: Bool,
+                                output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
         guard let verb = words.first else { return usage("missing verb", &errors) }
         if refreshTokenFromStdin && verb != "login" { return usage("--refresh-token-stdin belongs to login", &errors) }
         if showToken && verb != "watch" { return usage("--show-token belongs to watch", &errors) }
@@ -302,26 +310,3 @@ enum Ctl {
         }.joined(separator: "\n") + "\n"
     }
 }
-
-/// Where command output goes: standard output or error in the binary, a string in tests.
-public protocol TextOutput {
-    mutating func write(_ text: String)
-}
-
-/// A file descriptor as a `TextOutput`.
-public struct FileOutput: TextOutput, Sendable {
-    public let fd: Int32
-    public static let standardOutput = FileOutput(fd: 1)
-    public static let standardError = FileOutput(fd: 2)
-
-    public mutating func write(_ text: String) {
-        var bytes = Array(text.utf8)
-        var offset = 0
-        while offset < bytes.count {
-            let n = bytes.withUnsafeMutableBytes { Glibc.write(fd, $0.baseAddress! + offset, $0.count - offset) }
-            if n > 0 { offset += n } else if n < 0 && errno == EINTR { continue } else { return }
-        }
-    }
-}
-
-extension String: TextOutput {}
