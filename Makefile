@@ -72,9 +72,10 @@ clean:
 # The benchmark (`Tests/Bench/bench.py`): GetToken against the C echo floor of `../shared/bench`
 # at 1/16/64/256 connections, `ctl token` against /bin/true, exec -> READY=1 and memory, all
 # in one run, as ratios. Not part of `make test`; knobs in the script's header.
+# It measures the executables `make install` and the package install (`make static`).
 BENCH_DIR ?= $(CURDIR)/../shared/bench
-bench: release
-	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/bench.py "$$($(SWIFT) build -c release --show-bin-path)"
+bench: deps static
+	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/bench.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
 
 # Installation: `tokenbroker` (the command, one static executable) in BINDIR, the daemon
 # `tokenbroker-daemon` (Swift standard library linked in) in LIBEXECDIR/tokenbroker, units, sysusers/tmpfiles

@@ -180,9 +180,14 @@ public final class Daemon: Sendable {
                 await shutdown.wait()
                 await extendStopTimeout(for: options.drainTimeout + longestFlight(), until: stop)
             },
-            DaemonPart("HTTP loop") { stop in
+            DaemonPart("HTTP loop") { [logger] stop in
+                // libcurl is loaded here, once the daemon is ready (it was most of the start-up
+                // when linked): the first refresh finds it loaded, and a missing one is said now.
+                if let problem = CurlLoop.shared.problem {
+                    logger.error("upstream requests will fail: \(problem)")
+                }
                 await stop.wait()
-                CurlLoop.shared.stop()
+                CurlLoop.stopShared()
             },
             DaemonPart("connections") { stop in
                 await stop.wait()

@@ -108,24 +108,45 @@ public final class CurlLoop: Sendable {
         let stopped = Atomic<Bool>(false)
     }
 
-    private let multi: Multi
+    /// The multi handle, or why there is none (libcurl could not be loaded).
+    private let engine: Result<Multi, HTTPError>
     private let inbox = Inbox()
 
-    /// The process's loop. `curl_global_init` runs once, before the loop thread starts.
+    /// The process's loop, made on first use: libcurl is loaded (and `curl_global_init` runs)
+    /// before the loop thread starts.
     public static let shared = CurlLoop()
 
+    /// Whether `shared` was made: stopping a loop nobody used must not load libcurl.
+    private static let made = Atomic<Bool>(false)
+
     private init() {
-        curl_global_init(Int(CURL_GLOBAL_DEFAULT))
-        multi = Multi(raw: curl_multi_init())
-        tb_multi_setopt_long(multi.raw, CURLMOPT_MAX_HOST_CONNECTIONS, 8)
-        let multi = self.multi
+        CurlLoop.made.store(true, ordering: .releasing)
+        guard Libcurl.loadProblem == nil, let raw = tb_curl_multi_init() else {
+            engine = .failure(HTTPError(kind: .other, message: "libcurl cannot be used: \(Libcurl.loadProblem ?? "curl_multi_init failed")", code: -1))
+            return
+        }
+        let multi = Multi(raw: raw)
+        engine = .success(multi)
+        tb_multi_setopt_long(raw, CURLMOPT_MAX_HOST_CONNECTIONS, 8)
         let inbox = self.inbox
         spawnThread { CurlLoop.run(multi, inbox) }
+    }
+
+    /// Why no request can be made (libcurl could not be loaded), or nil.
+    public var problem: String? {
+        if case let .failure(error) = engine { return error.message }
+        return nil
+    }
+
+    /// Ends the process's loop if it was ever made (see `stop`).
+    public static func stopShared() {
+        if made.load(ordering: .acquiring) { shared.stop() }
     }
 
     /// Performs the request. Throws `HTTPError` when no response came, `CancellationError`
     /// when the calling task was cancelled.
     public func perform(_ request: HTTPRequest) async throws -> HTTPResponse {
+        let multi = try engine.get()
         let flag = CancelFlag()
         return try await withTaskCancellationHandler {
             try await withCheckedThrowingContinuation { continuation in
@@ -137,11 +158,11 @@ public final class CurlLoop: Sendable {
                 guard accepted else {
                     return continuation.resume(throwing: HTTPError(kind: .other, message: "the HTTP loop has stopped", code: -1))
                 }
-                curl_multi_wakeup(multi.raw)
+                tb_curl_multi_wakeup(multi.raw)
             }
         } onCancel: {
             flag.cancel()
-            curl_multi_wakeup(multi.raw)
+            tb_curl_multi_wakeup(multi.raw)
         }
     }
 
@@ -149,7 +170,7 @@ public final class CurlLoop: Sendable {
     /// it last, once nothing needs it any more.
     public func stop() {
         inbox.stopped.store(true, ordering: .releasing)
-        curl_multi_wakeup(multi.raw)
+        if case let .success(multi) = engine { tb_curl_multi_wakeup(multi.raw) }
     }
 
     private static func run(_ multi: Multi, _ inbox: Inbox) {
@@ -159,8 +180,8 @@ public final class CurlLoop: Sendable {
             if inbox.stopped.load(ordering: .acquiring) {
                 let stopped = HTTPError(kind: .other, message: "the HTTP loop has stopped", code: -1)
                 for (easy, transfer) in active {
-                    curl_multi_remove_handle(multi.raw, easy)
-                    curl_easy_cleanup(easy)
+                    tb_curl_multi_remove_handle(multi.raw, easy)
+                    tb_curl_easy_cleanup(easy)
                     transfer.submission.continuation.resume(throwing: stopped)
                 }
                 let left = inbox.queue.withLock { queue in
@@ -177,42 +198,42 @@ public final class CurlLoop: Sendable {
                     continue
                 }
                 let transfer = CurlTransfer(submission)
-                guard let easy = curl_easy_init() else {
+                guard let easy = tb_curl_easy_init() else {
                     submission.continuation.resume(throwing: HTTPError(kind: .other, message: "curl_easy_init failed", code: -1))
                     continue
                 }
                 if let problem = configure(easy, transfer) {
-                    curl_easy_cleanup(easy)
+                    tb_curl_easy_cleanup(easy)
                     submission.continuation.resume(throwing: problem)
                     continue
                 }
                 active[easy] = transfer
-                curl_multi_add_handle(multi.raw, easy)
+                tb_curl_multi_add_handle(multi.raw, easy)
             }
             for (easy, transfer) in active where transfer.submission.flag.isCancelled {
-                curl_multi_remove_handle(multi.raw, easy)
-                curl_easy_cleanup(easy)
+                tb_curl_multi_remove_handle(multi.raw, easy)
+                tb_curl_easy_cleanup(easy)
                 active[easy] = nil
                 transfer.submission.continuation.resume(throwing: CancellationError())
             }
-            curl_multi_perform(multi.raw, &running)
+            tb_curl_multi_perform(multi.raw, &running)
             var left: Int32 = 0
-            while let message = curl_multi_info_read(multi.raw, &left) {
+            while let message = tb_curl_multi_info_read(multi.raw, &left) {
                 guard message.pointee.msg == CURLMSG_DONE, let easy = message.pointee.easy_handle,
                       let transfer = active.removeValue(forKey: easy) else { continue }
                 let result = finish(easy, message.pointee.data.result, transfer)
-                curl_multi_remove_handle(multi.raw, easy)
-                curl_easy_cleanup(easy)
+                tb_curl_multi_remove_handle(multi.raw, easy)
+                tb_curl_easy_cleanup(easy)
                 transfer.submission.continuation.resume(with: result)
             }
-            curl_multi_poll(multi.raw, nil, 0, 1000, nil)
+            tb_curl_multi_poll(multi.raw, nil, 0, 1000, nil)
         }
     }
 
     private static func configure(_ easy: UnsafeMutableRawPointer, _ transfer: CurlTransfer) -> HTTPError? {
         let request = transfer.submission.request
         func check(_ code: CURLcode, _ what: String) -> HTTPError? {
-            code == CURLE_OK ? nil : HTTPError(kind: .invalidRequest, message: "\(what): \(String(cString: curl_easy_strerror(code)))",
+            code == CURLE_OK ? nil : HTTPError(kind: .invalidRequest, message: "\(what): \(String(cString: tb_curl_easy_strerror(code)))",
                                                code: Int32(code.rawValue))
         }
         let context = Unmanaged.passUnretained(transfer).toOpaque()
@@ -247,9 +268,9 @@ public final class CurlLoop: Sendable {
             problems.append(check(tb_easy_setopt_string(easy, CURLOPT_SSLKEY, key), "client key"))
         }
         var list: UnsafeMutablePointer<curl_slist>?
-        for header in request.headers { list = curl_slist_append(list, "\(header.name): \(header.value)") }
+        for header in request.headers { list = tb_curl_slist_append(list, "\(header.name): \(header.value)") }
         // No `Expect: 100-continue` pause, whatever the body size.
-        list = curl_slist_append(list, "Expect:")
+        list = tb_curl_slist_append(list, "Expect:")
         transfer.headerList = list
         problems.append(check(tb_easy_setopt_slist(easy, CURLOPT_HTTPHEADER, list), "headers"))
         if let body = request.body {
@@ -271,7 +292,7 @@ public final class CurlLoop: Sendable {
     private static func finish(_ easy: UnsafeMutableRawPointer, _ code: CURLcode, _ transfer: CurlTransfer) -> Result<HTTPResponse, any Error> {
         guard code == CURLE_OK else {
             let detail = String(cString: transfer.errorBuffer)
-            let message = detail.isEmpty ? String(cString: curl_easy_strerror(code)) : detail
+            let message = detail.isEmpty ? String(cString: tb_curl_easy_strerror(code)) : detail
             let kind: HTTPError.Kind
             switch code {
             case CURLE_OPERATION_TIMEDOUT: kind = .timeout
@@ -311,7 +332,7 @@ fileprivate final class CurlTransfer {
 
     deinit {
         errorBuffer.deallocate()
-        curl_slist_free_all(headerList)
+        tb_curl_slist_free_all(headerList)
     }
 
     /// Returns false (which aborts the transfer) past the body limit.

@@ -39,17 +39,17 @@ struct CommandLineTests {
 
     @Test("tokenbroker is one static executable: no program interpreter, so no dynamic loader and no shared library to map")
     func staticExecutable() throws {
-        let image = try Data(contentsOf: URL(fileURLWithPath: Paths.tokenbroker))
-        #expect(image.count > 64 && image.prefix(4) == Data([0x7f, 0x45, 0x4c, 0x46]) && image[4] == 2, "not a 64-bit ELF file")
-        func integer(_ offset: Int, _ size: Int) -> Int {
-            (0..<size).reduce(0) { $0 | Int(image[offset + $1]) << (8 * $1) }
-        }
-        let (table, entrySize, count) = (integer(0x20, 8), integer(0x36, 2), integer(0x38, 2))
-        #expect(table > 0 && entrySize >= 56 && table + entrySize * count <= image.count)
-        let types = (0..<count).map { integer(table + $0 * entrySize, 4) }
-        #expect(!types.isEmpty)
-        #expect(!types.contains(3), "PT_INTERP: the executable asks for a dynamic loader")
-        #expect(!types.contains(2), "PT_DYNAMIC: the executable has dynamic linking information")
+        let image = try ELFImage(path: Paths.tokenbroker)
+        #expect(!image.segmentTypes.isEmpty)
+        #expect(!image.segmentTypes.contains(ELFImage.interpreter), "PT_INTERP: the executable asks for a dynamic loader")
+        #expect(!image.segmentTypes.contains(ELFImage.dynamic), "PT_DYNAMIC: the executable has dynamic linking information")
+    }
+
+    @Test("tokenbroker-daemon does not link libcurl (loaded after READY=1), and links what it needs at start")
+    func daemonLibraries() throws {
+        let needed = try ELFImage(path: Paths.daemon).neededLibraries()
+        #expect(needed.contains("libsqlite3.so.0") && needed.contains("libsystemd.so.0") && needed.contains("libcrypto.so.3"), "\(needed)")
+        #expect(!needed.contains(where: { $0.hasPrefix("libcurl") }), "\(needed)")
     }
 
     @Test("installed layout: bin/tokenbroker runs ../libexec/tokenbroker/tokenbroker-daemon for check-config and serve; without it, says so and exits 1; ctl needs no daemon executable")
@@ -75,5 +75,53 @@ struct CommandLineTests {
         let check = try await Child.run(root + "/bin/tokenbroker", ["check-config", "--config", config])
         #expect(check.code == 0, "\(check.stderr)")
         #expect(check.stdout.hasPrefix(config + ": OK, "), "\(check.stdout)")
+    }
+}
+
+/// Just enough of an ELF64 little-endian file to see how it is linked.
+struct ELFImage {
+    static let dynamic = 2, interpreter = 3, load = 1
+    let bytes: [UInt8]
+    /// (type, file offset, virtual address, file size) of each program header.
+    let segments: [(type: Int, offset: Int, address: Int, size: Int)]
+    var segmentTypes: [Int] { segments.map(\.type) }
+
+    init(path: String) throws {
+        let bytes = Array(try Data(contentsOf: URL(fileURLWithPath: path)))
+        self.bytes = bytes
+        guard bytes.count > 64, bytes.prefix(4).elementsEqual([0x7f, 0x45, 0x4c, 0x46]), bytes[4] == 2, bytes[5] == 1 else {
+            throw POSIXError(.ENOEXEC)
+        }
+        let (table, entrySize, count) = (Self.integer(bytes, 0x20, 8), Self.integer(bytes, 0x36, 2), Self.integer(bytes, 0x38, 2))
+        guard entrySize >= 56, table + entrySize * count <= bytes.count else { throw POSIXError(.ENOEXEC) }
+        segments = (0..<count).map { index in
+            let base = table + index * entrySize
+            return (Self.integer(bytes, base, 4), Self.integer(bytes, base + 8, 8), Self.integer(bytes, base + 16, 8), Self.integer(bytes, base + 32, 8))
+        }
+    }
+
+    static func integer(_ bytes: [UInt8], _ offset: Int, _ size: Int) -> Int {
+        (0..<size).reduce(0) { $0 | Int(bytes[offset + $1]) << (8 * $1) }
+    }
+
+    /// The DT_NEEDED entries: the shared libraries the loader maps before main.
+    func neededLibraries() throws -> [String] {
+        guard let dynamic = segments.first(where: { $0.type == Self.dynamic }) else { return [] }
+        var entries: [(tag: Int, value: Int)] = []
+        for offset in stride(from: dynamic.offset, to: dynamic.offset + dynamic.size, by: 16) {
+            let tag = Self.integer(bytes, offset, 8)
+            if tag == 0 { break }
+            entries.append((tag, Self.integer(bytes, offset + 8, 8)))
+        }
+        // DT_STRTAB (5) is an address: find the loaded segment that holds it.
+        guard let table = entries.first(where: { $0.tag == 5 })?.value,
+              let segment = segments.first(where: { $0.type == Self.load && (($0.address)..<($0.address + $0.size)).contains(table) })
+        else { throw POSIXError(.ENOEXEC) }
+        let strings = table - segment.address + segment.offset
+        return entries.filter { $0.tag == 1 }.map { entry in
+            let start = strings + entry.value
+            let end = bytes[start...].firstIndex(of: 0) ?? bytes.endIndex
+            return String(decoding: bytes[start..<end], as: UTF8.self)
+        }
     }
 }

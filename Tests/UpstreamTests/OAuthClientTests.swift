@@ -1,6 +1,8 @@
 import DevIssuer
+import Foundation
 import Synchronization
 import Testing
+import TestSupport
 import TokenBrokerCore
 @testable import Upstream
 
@@ -175,10 +177,38 @@ struct OAuthClientTests {
               ("http://0.0.0.0/", false), ("http://10.0.0.1/token", false),
               ("https://user:pw@as.example/token", false), ("ftp://127.0.0.1/", false), ("as.example/token", false), ("", false),
               ("https://as.example/to ken", false), ("https://as.example/\u{7}", false), ("https://bücher.example/", false),
+              // The strict reading (configuration): no forms libcurl might read another way.
+              ("http://127.1/", false), ("http://0x7f.0.0.1/", false), ("http://2130706433/", false),
+              ("http://127.0.0.1:/", false), ("http://127.0.0.1:0/", false), ("http://127.0.0.1:65536/", false),
+              ("https://as.example:65535/", true), ("https://as.example:8443x/", false), ("http://[::1%25lo]/", false),
+              ("https://as%2eexample/", false), ("http:/127.0.0.1/", false), ("https://[::1/", false), ("https:///token", false),
+              ("https://as.example\\token", false), ("https://AS.Example/token#frag", true),
           ])
     func endpointPolicy(url: String, allowed: Bool) {
         let problem = EndpointPolicy.problem(with: url)
         #expect((problem == nil) == allowed, "\(url): \(problem ?? "allowed")")
+        // Configuration is checked before libcurl is loaded, on the strict reading alone: it
+        // decides the same on every case here.
+        let strict = EndpointPolicy.problemBeforeLibcurl(with: url)
+        #expect((strict == nil) == allowed, "\(url) (strict reading): \(strict ?? "allowed")")
+    }
+
+    @Test("endpoint policy: whatever the strict reading (configuration) allows, libcurl's reading allows too (seeded random URLs)")
+    func strictReadingIsNarrower() {
+        let pieces = ["http", "https", "HTTP", "://", ":", "/", "//", "@", "[", "]", "::1", ".", "127", "0", "1", "8080", "65536",
+                      "#", "?", "a", "example", "%2e", "\\", "-", "_", "~", "x", "0x7f", "[::1]", "127.0.0.1", "user:pw@"]
+        var random = SeededRandom(seed: UInt64(ProcessInfo.processInfo.environment["TB_FUZZ_SEED"] ?? "") ?? 13)
+        let iterations = Int(ProcessInfo.processInfo.environment["TB_FUZZ_ITERATIONS"] ?? "") ?? 20_000
+        var allowed = 0
+        for _ in 0..<iterations {
+            var url = ["http://", "https://", "HTTP://", "http:/", ""].randomElement(using: &random)!
+            for _ in 0..<Int.random(in: 1...7, using: &random) { url += pieces.randomElement(using: &random)! }
+            guard EndpointPolicy.problemBeforeLibcurl(with: url) == nil else { continue }
+            allowed += 1
+            let problem = EndpointPolicy.problem(with: url)
+            #expect(problem == nil, "the strict reading allows \(url), libcurl's does not: \(problem ?? "")")
+        }
+        #expect(allowed > iterations / 50, "too few allowed URLs (\(allowed)) for the comparison to mean anything")
     }
 
     @Test("form encoding keeps + / = & % intact")

@@ -154,7 +154,7 @@ public enum ConfigLoader {
             }
             func url() throws(ConfigError) -> String? {
                 guard !entry.value.isEmpty else { return nil }
-                if let problem = EndpointPolicy.problem(with: entry.value) { throw fail("\(entry.key)=: \(problem)") }
+                if let problem = EndpointPolicy.problemBeforeLibcurl(with: entry.value) { throw fail("\(entry.key)=: \(problem)") }
                 return entry.value
             }
             /// An allow list: an empty value clears it, each word adds a name or a number.
