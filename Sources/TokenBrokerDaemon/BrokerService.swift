@@ -135,7 +135,8 @@ final class BrokerService: VarlinkHandler {
 
     /// GetToken: a fresh token inline, from the coordinator's snapshot; otherwise wait for it.
     private func getToken(_ session: SessionTable.Session) -> VarlinkHandling {
-        if let token = session.coordinator.freshToken() { return .reply(Self.tokenReply(token)) }
+        if let token = session.coordinator.freshToken() { return .reply(session.replies.reply(for: token, Self.tokenReply)) }
+        session.replies.clear()
         return asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.token()) }
     }
 

@@ -7,11 +7,21 @@ typealias Coordinator = RefreshCoordinator<ContinuousClock>
 
 /// The sessions the daemon serves, swapped as a whole on reload.
 final class SessionTable: Sendable {
-    struct Session: Sendable {
+    /// One served session. A class: the hot path looks one up per call, and copies a reference
+    /// rather than the whole configuration.
+    final class Session: Sendable {
         let configuration: SessionConfiguration
         let coordinator: Coordinator
         /// The OAuth source of an `oauth` session (for revocation, device logins, discovery).
-        var upstream: HTTPTokenSource?
+        let upstream: HTTPTokenSource?
+        /// The GetToken reply for the current token, encoded once.
+        let replies = TokenReplyCache()
+
+        init(configuration: SessionConfiguration, coordinator: Coordinator, upstream: HTTPTokenSource? = nil) {
+            self.configuration = configuration
+            self.coordinator = coordinator
+            self.upstream = upstream
+        }
     }
 
     struct Snapshot: Sendable {
@@ -71,5 +81,24 @@ final class SessionTable: Sendable {
 
     func isAdmin(_ peer: PeerCredentials) -> Bool {
         state.withLock { $0.access.isAdmin(peer) }
+    }
+}
+
+/// The GetToken reply for a session's current token, built and encoded once: every caller gets
+/// the same bytes until the token changes. Holds nothing the coordinator does not already hold,
+/// and lets go of it at the first call that finds no fresh token (after a logout, say).
+final class TokenReplyCache: Sendable {
+    private let cached = Mutex<(token: IssuedToken, reply: VarlinkReply)?>(nil)
+
+    /// The reply for `token` (any field different, the token's value included, is a new reply).
+    func reply(for token: IssuedToken, _ make: (IssuedToken) -> VarlinkReply) -> VarlinkReply {
+        if let hit = cached.withLock({ $0.flatMap { $0.token == token ? $0.reply : nil } }) { return hit }
+        let reply = make(token).preencoded()
+        cached.withLock { $0 = (token, reply) }
+        return reply
+    }
+
+    func clear() {
+        cached.withLock { $0 = nil }
     }
 }

@@ -29,7 +29,13 @@ public struct VarlinkProtocolError: Error, Sendable, Equatable, CustomStringConv
 /// A method call (client → service).
 public struct VarlinkCall: Sendable, Equatable {
     /// Fully qualified: `interface.Method`.
-    public var method: String
+    public var method: String {
+        didSet { (interface, member) = Self.split(method) }
+    }
+    /// The interface part of `method` (everything before the last dot).
+    public private(set) var interface: String
+    /// The member part of `method` (after the last dot).
+    public private(set) var member: String
     public var parameters: JSONObject
     /// No reply is wanted.
     public var oneway: Bool
@@ -40,22 +46,18 @@ public struct VarlinkCall: Sendable, Equatable {
 
     public init(method: String, parameters: JSONObject = [:], oneway: Bool = false, more: Bool = false, upgrade: Bool = false) {
         self.method = method
+        (interface, member) = Self.split(method)
         self.parameters = parameters
         self.oneway = oneway
         self.more = more
         self.upgrade = upgrade
     }
 
-    /// The interface part of `method` (everything before the last dot).
-    public var interface: String {
-        guard let dot = method.lastIndex(of: ".") else { return "" }
-        return String(method[..<dot])
-    }
-
-    /// The member part of `method` (after the last dot).
-    public var member: String {
-        guard let dot = method.lastIndex(of: ".") else { return method }
-        return String(method[method.index(after: dot)...])
+    /// Split once, on the UTF-8 bytes (a dot is one byte): the hot path asks for both parts.
+    private static func split(_ method: String) -> (interface: String, member: String) {
+        let utf8 = method.utf8
+        guard let dot = utf8.lastIndex(of: UInt8(ascii: ".")) else { return ("", method) }
+        return (String(Substring(utf8[..<dot])), String(Substring(utf8[utf8.index(after: dot)...])))
     }
 
     /// Reads a call from one message. Unknown keys are refused unless they are vendor
@@ -111,7 +113,11 @@ public struct VarlinkCall: Sendable, Equatable {
 
 /// A reply (service → client): parameters, or an error with its parameters.
 public struct VarlinkReply: Sendable, Equatable {
-    public var parameters: JSONObject
+    public var parameters: JSONObject {
+        didSet { encodedParameters = nil }
+    }
+    /// `parameters` as JSON, when the same reply goes out many times (`preencoded()`).
+    private var encodedParameters: [UInt8]?
     /// More replies follow (only for calls with `more`).
     public var continues: Bool
     /// A fully qualified error name.
@@ -127,6 +133,20 @@ public struct VarlinkReply: Sendable, Equatable {
         VarlinkReply(parameters: parameters, error: name)
     }
 
+    /// The same reply with its parameters encoded once, for a reply that is sent again and again
+    /// (a GetToken answer until the token changes): encoding it is then a copy.
+    public func preencoded() -> VarlinkReply {
+        var copy = self
+        var bytes: [UInt8] = []
+        parameters.encode(into: &bytes)
+        copy.encodedParameters = bytes
+        return copy
+    }
+
+    public static func == (lhs: VarlinkReply, rhs: VarlinkReply) -> Bool {
+        lhs.parameters == rhs.parameters && lhs.continues == rhs.continues && lhs.error == rhs.error
+    }
+
     /// Appends the reply as one message, NUL included.
     public func encode(into output: inout [UInt8]) {
         output.append(UInt8(ascii: "{"))
@@ -138,7 +158,7 @@ public struct VarlinkReply: Sendable, Equatable {
         }
         if !first { output.append(UInt8(ascii: ",")) }
         output.append(contentsOf: #""parameters":"#.utf8)
-        parameters.encode(into: &output)
+        if let encodedParameters { output.append(contentsOf: encodedParameters) } else { parameters.encode(into: &output) }
         if continues { output.append(contentsOf: #","continues":true"#.utf8) }
         output.append(UInt8(ascii: "}"))
         output.append(0)

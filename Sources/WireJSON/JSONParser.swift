@@ -39,6 +39,11 @@ public struct JSONParser {
         return value
     }
 
+    /// A message as the varlink layer holds it (not generic: no metadata to look up per call).
+    public static func parse(_ bytes: ArraySlice<UInt8>, limits: JSONLimits = .standard) throws(JSONParseError) -> JSON {
+        try bytes.withUnsafeBytes { buffer in Result { () throws(JSONParseError) -> JSON in try parse(buffer, limits: limits) } }.get()
+    }
+
     public static func parse<Bytes: Collection<UInt8>>(_ bytes: Bytes, limits: JSONLimits = .standard) throws(JSONParseError) -> JSON {
         let parseBuffer = { (buffer: UnsafeRawBufferPointer) in
             Result { () throws(JSONParseError) -> JSON in try parse(buffer, limits: limits) }
@@ -163,6 +168,16 @@ public struct JSONParser {
         }
     }
 
+    /// The text of `bytes` if they are valid UTF-8, else nil. Decoding repairs what is invalid
+    /// (with U+FFFD), so the bytes come back unchanged exactly when they were valid; this is the
+    /// standard library's fast, non-generic path (`String(validating:as:)` is generic and looks
+    /// up type metadata on every call).
+    private static func validUTF8(_ bytes: UnsafeRawBufferPointer) -> String? {
+        let text = String(decoding: bytes, as: UTF8.self)
+        if bytes.allSatisfy({ $0 < 0x80 }) { return text }
+        return text.utf8.elementsEqual(bytes) ? text : nil
+    }
+
     private mutating func string() throws(JSONParseError) -> String {
         position += 1
         let start = position
@@ -170,7 +185,7 @@ public struct JSONParser {
         while position < bytes.count {
             let byte = bytes[position]
             if byte == UInt8(ascii: "\"") {
-                guard let text = String(validating: UnsafeRawBufferPointer(rebasing: bytes[start..<position]), as: UTF8.self) else {
+                guard let text = Self.validUTF8(UnsafeRawBufferPointer(rebasing: bytes[start..<position])) else {
                     throw JSONParseError(offset: start, reason: "invalid UTF-8")
                 }
                 position += 1
@@ -186,7 +201,7 @@ public struct JSONParser {
             position += 1
             switch byte {
             case UInt8(ascii: "\""):
-                guard let text = String(validating: scalars, as: UTF8.self) else {
+                guard let text = scalars.withUnsafeBytes(Self.validUTF8) else {
                     throw JSONParseError(offset: start, reason: "invalid UTF-8")
                 }
                 return text

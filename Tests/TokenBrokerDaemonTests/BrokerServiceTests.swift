@@ -59,6 +59,34 @@ struct BrokerServiceTests {
         #expect(inline.parameters["token"] != nil && inline.parameters["expiresAt"]?.intValue != nil)
     }
 
+    @Test("GetToken inline: the reply encoded once per token is byte for byte the plain encoding; after a refresh or a logout no caller gets the old one")
+    func cachedReply() async throws {
+        // Expectations on Bools only: a failure must not print a token.
+        let service = await Self.service()
+        _ = await Self.call(service, "GetToken", ["session": "api"], from: Self.worker)
+        func inline() -> VarlinkReply? {
+            guard case let .reply(reply) = service.handle(VarlinkCall(method: "io.tokenbroker.Broker.GetToken", parameters: ["session": "api"]),
+                                                          from: Self.worker) else { return nil }
+            return reply
+        }
+        let first = try #require(inline())
+        let firstEncodedAsPlain = first.encoded() == VarlinkReply(parameters: first.parameters).encoded()
+        #expect(firstEncodedAsPlain)
+        let sameAgain = try #require(inline()).encoded() == first.encoded()
+        #expect(sameAgain)
+
+        #expect(await Self.call(service, "Refresh", ["session": "api"]).first?.error == nil)
+        let second = try #require(inline())
+        let changed = second.parameters["token"] != first.parameters["token"] && second.encoded() != first.encoded()
+        #expect(changed, "a refresh must change the inline answer")
+        let secondEncodedAsPlain = second.encoded() == VarlinkReply(parameters: second.parameters).encoded()
+        #expect(secondEncodedAsPlain)
+
+        #expect(await Self.call(service, "Logout", ["session": "api"]).first?.error == nil)
+        let after = await Self.call(service, "GetToken", ["session": "api"], from: Self.worker)
+        #expect(after.map(\.error) == ["io.tokenbroker.Broker.SignedOut"], "\(after.map(\.error))")
+    }
+
     @Test("contract errors: NoSuchSession, PermissionDenied, InvalidParameter, SignedOut")
     func errors() async {
         let service = await Self.service()

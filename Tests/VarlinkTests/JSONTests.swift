@@ -1,4 +1,5 @@
 import Testing
+import TestSupport
 import Varlink
 
 @Suite("JSON")
@@ -51,10 +52,30 @@ struct JSONTests {
         #expect(throws: JSONParseError.self) { try JSONParser.parse("[[[[1]]]]", limits: JSONLimits(maximumDepth: 3)) }
     }
 
-    @Test("invalid UTF-8 is rejected")
-    func invalidUTF8() {
-        #expect(throws: JSONParseError.self) { try JSONParser.parse([0x22, 0xC3, 0x28, 0x22]) }
-        #expect(throws: JSONParseError.self) { try JSONParser.parse([0x22, 0x5C, 0x6E, 0xFF, 0x22]) }
+    @Test("invalid UTF-8 is rejected: bad continuations, overlong forms, surrogates, beyond U+10FFFF, truncated; valid UTF-8 (U+FFFD too) comes through unchanged")
+    func invalidUTF8() throws {
+        let invalid: [[UInt8]] = [[0xC3, 0x28], [0xFF], [0x80], [0xC0, 0x80], [0xE0, 0x80, 0xAF], [0xED, 0xA0, 0x80],
+                                  [0xF4, 0x90, 0x80, 0x80], [0xF5, 0x80, 0x80, 0x80], [0xE2, 0x82], [0xF0, 0x9F, 0x98]]
+        for bytes in invalid {
+            #expect(throws: JSONParseError.self, "\(bytes)") { try JSONParser.parse([0x22] + bytes + [0x22]) }
+            #expect(throws: JSONParseError.self, "\(bytes) after an escape") { try JSONParser.parse([0x22, 0x5C, 0x6E] + bytes + [0x22]) }
+        }
+        for text in ["é", "€", "𝄞", "\u{FFFD}", "\u{10FFFF}", "a\u{7F}b"] {
+            #expect(try JSONParser.parse([0x22] + Array(text.utf8) + [0x22]) == .string(text))
+            #expect(try JSONParser.parse([0x22, 0x5C, 0x6E] + Array(text.utf8) + [0x22]) == .string("\n" + text))
+        }
+    }
+
+    @Test("strings: the parser accepts exactly the byte sequences the standard library's validation accepts (seeded random bytes)")
+    func utf8Differential() {
+        var random = SeededRandom(seed: 29)
+        let alphabet: [UInt8] = [0x41, 0x7F, 0x80, 0xBF, 0xC0, 0xC2, 0xDF, 0xE0, 0xE2, 0xED, 0xEF, 0xF0, 0xF4, 0xF5, 0xFF, 0x9F, 0xA0, 0x90, 0x8F, 0xBD]
+        for _ in 0..<20_000 {
+            let bytes = (0..<Int.random(in: 1...6, using: &random)).map { _ in alphabet.randomElement(using: &random)! }
+            let expected = String(validating: bytes, as: UTF8.self)
+            let parsed = try? JSONParser.parse([0x22] + bytes + [0x22])
+            #expect(parsed == expected.map(JSON.string), "\(bytes)")
+        }
     }
 }
 
