@@ -180,12 +180,8 @@ public final class Daemon: Sendable {
                 await shutdown.wait()
                 await extendStopTimeout(for: options.drainTimeout + longestFlight(), until: stop)
             },
-            DaemonPart("HTTP loop") { [logger] stop in
-                // libcurl is loaded here, once the daemon is ready (it was most of the start-up
-                // when linked): the first refresh finds it loaded, and a missing one is said now.
-                if let problem = CurlLoop.shared.problem {
-                    logger.error("upstream requests will fail: \(problem)")
-                }
+            DaemonPart("HTTP loop") { [self] stop in
+                prepareHTTP(for: configuration)
                 await stop.wait()
                 CurlLoop.stopShared()
             },
@@ -219,6 +215,18 @@ public final class Daemon: Sendable {
         development?.stop()
         logger.info("stopped")
         return failed.isEmpty ? ExitCode.ok : ExitCode.failure
+    }
+
+    /// Loads libcurl (once the daemon is ready: linked, it was most of the start-up) if a
+    /// session needs HTTP, so that the first refresh finds it loaded and a missing library is
+    /// said at once. A configuration with no `oauth` session never maps it.
+    private func prepareHTTP(for configuration: BrokerConfiguration) {
+        let needsHTTP = configuration.sessions.contains { session in
+            if case .oauth = session.upstream { return true }
+            return false
+        }
+        guard needsHTTP, let problem = CurlLoop.shared.problem else { return }
+        logger.error("upstream requests will fail: \(problem)")
     }
 
     /// SIGHUP reloads; SIGTERM and SIGINT start the graceful stop.
@@ -321,6 +329,7 @@ public final class Daemon: Sendable {
         // The socket is bound once; its settings take effect at the next start.
         configuration.socketPath = old.socketPath
         await apply(configuration)
+        prepareHTTP(for: configuration)
         logger.info("configuration reloaded: \(configuration.sessions.count) session(s)")
         return nil
     }

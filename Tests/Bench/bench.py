@@ -7,7 +7,8 @@ Prints, as ratios to references measured in the same run:
     run by run, medians;
   - `tokenbroker ctl token` spawned once per call, against /bin/true spawned the same way;
   - exec -> READY=1 of `serve` (a real notify socket);
-  - the daemon's memory (RSS, PSS, anonymous) idle and after a million requests.
+  - the daemon's memory (RSS, PSS, anonymous) idle, after a million requests, and idle with an oauth
+    session (libcurl and its TLS stack mapped).
 
 Knobs (environment): BENCH_RUNS (runs per point, 5), BENCH_SECONDS (per run, 2),
 BENCH_CONNS ("1 16 64 256"), BENCH_SPAWNS (ctl calls, 200), BENCH_STARTS (daemon starts, 20),
@@ -15,6 +16,7 @@ BENCH_MILLION (requests before the second memory reading, 1000000).
 The daemon and the load generator are pinned to different CPUs when there are two or more.
 """
 
+import atexit
 import json
 import os
 import signal
@@ -80,10 +82,23 @@ def memory(pid):
     return {"rss": values.get("Rss", 0), "pss": values.get("Pss", 0), "anon": values.get("Anonymous", 0)}
 
 
+RUNNING = []
+
+
+@atexit.register
+def stop_leftovers():
+    """No server outlives the bench, however it ends (a closed pipe, ^C, an error)."""
+    for process in RUNNING:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 class Server:
     def __init__(self, argv, socket_path):
         self.socket = socket_path
         self.process = subprocess.Popen(pin(0) + argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        RUNNING.append(self.process)
         wait_for_socket(socket_path, self.process)
 
     def stop(self):
@@ -174,10 +189,29 @@ def main():
     print(f"\n## exec -> READY=1 ({os.path.basename(daemon)} serve, {STARTS} starts)")
     print(f"p50 {start['p50_ms']:.2f} ms, p90 {start['p90_ms']:.2f} ms, min {start['min_ms']:.2f} ms")
 
+    # 5. Idle with an OAuth session too: libcurl (loaded once a session needs HTTP) and its TLS
+    # stack mapped. The endpoint is never called; only the libraries count here.
+    oauth_config = os.path.join(scratch, "oauth.conf")
+    with open(os.path.join(scratch, "secret"), "w") as f:
+        f.write("bench\n")
+    with open(config) as f, open(oauth_config, "w") as out:
+        out.write(f.read() + f"\n[Session]\nName=remote\nTokenEndpoint=http://127.0.0.1:9/token\nClientID=bench\n"
+                                f"ClientSecretFile={os.path.join(scratch, 'secret')}\n")
+    oauth_socket = os.path.join(scratch, "oauth.sock")
+    tb = Server([daemon, "serve", "--config", oauth_config, "--socket", oauth_socket, "--state-dir", os.path.join(scratch, "state-oauth"),
+                 "--log-level", "warning"], oauth_socket)
+    subprocess.run([tokenbroker, "ctl", "--socket", oauth_socket, "token", "demo"], stdout=subprocess.DEVNULL, check=True)
+    deadline = time.monotonic() + 10
+    while "/libcurl.so" not in open(f"/proc/{tb.process.pid}/maps").read() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with_curl = memory(tb.process.pid)
+    tb.stop()
+
     print("\n## daemon memory (KiB)")
-    print(f"{'':>28} {'RSS':>7} {'PSS':>7} {'anon':>7}")
-    print(f"{'idle (after one GetToken)':>28} {idle['rss']:>7} {idle['pss']:>7} {idle['anon']:>7}")
-    print(f"{f'after {16 * per_conn:,} requests':>28} {busy['rss']:>7} {busy['pss']:>7} {busy['anon']:>7}")
+    print(f"{'':>40} {'RSS':>7} {'PSS':>7} {'anon':>7}")
+    print(f"{'idle (after one GetToken)':>40} {idle['rss']:>7} {idle['pss']:>7} {idle['anon']:>7}")
+    print(f"{f'after {16 * per_conn:,} requests':>40} {busy['rss']:>7} {busy['pss']:>7} {busy['anon']:>7}")
+    print(f"{'idle with an oauth session (libcurl)':>40} {with_curl['rss']:>7} {with_curl['pss']:>7} {with_curl['anon']:>7}")
     subprocess.run(["rm", "-rf", scratch])
 
 

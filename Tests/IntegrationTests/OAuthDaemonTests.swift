@@ -55,6 +55,33 @@ struct OAuthDaemonTests {
         #expect(login.code == 0 && login.out == "logged in api (generation 1)\n", "\(login.err)")
     }
 
+    @Test("libcurl is mapped only once a session needs HTTP: not by a daemon with test sessions alone, then at the reload that adds an oauth session")
+    func libcurlOnlyWhenNeeded() async throws {
+        try await withBroker { broker in
+            let pid = broker.child.process.processIdentifier
+            func mapsLibcurl() -> Bool {
+                // Read to the end by hand: /proc files report no size.
+                let fd = open("/proc/\(pid)/maps", O_RDONLY | O_CLOEXEC)
+                guard fd >= 0 else { return false }
+                defer { close(fd) }
+                var bytes: [UInt8] = [], chunk = [UInt8](repeating: 0, count: 65_536)
+                while case let n = read(fd, &chunk, chunk.count), n > 0 { bytes += chunk[..<n] }
+                return String(decoding: bytes, as: UTF8.self).contains("/libcurl.so")
+            }
+            #expect(try broker.call("GetToken", ["session": "api"]).error == nil)
+            // A reload decides too, before it says it is done: after one, the answer is settled.
+            kill(pid, SIGHUP)
+            try await eventually("the first reload is done") { broker.child.stderr.contains("configuration reloaded") }
+            #expect(!mapsLibcurl(), "a daemon with test sessions only mapped libcurl")
+            try (Broker.defaultConfig + Broker.oauthSession("http://127.0.0.1:9/token", name: "remote"))
+                .replacingOccurrences(of: "@DIR@", with: broker.directory)
+                .write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+            kill(pid, SIGHUP)
+            try await eventually("libcurl is mapped after the reload that adds an oauth session") { mapsLibcurl() }
+            #expect(!broker.child.stderr.contains("upstream requests will fail"))
+        }
+    }
+
     @Test("1,000 Recover calls from 50 worker processes (Python varlink) with the same old token: 1 token request")
     func thousandRecoversFromFiftyProcesses() async throws {
         try await Self.withIssuerAndBroker { issuer, broker in
