@@ -59,7 +59,7 @@ struct OAuthDaemonTests {
     func libcurlOnlyWhenNeeded() async throws {
         try await withBroker { broker in
             let pid = broker.child.process.processIdentifier
-            func mapsLibcurl() -> Bool {
+            @Sendable func mapsLibcurl() -> Bool {
                 // Read to the end by hand: /proc files report no size.
                 let fd = open("/proc/\(pid)/maps", O_RDONLY | O_CLOEXEC)
                 guard fd >= 0 else { return false }

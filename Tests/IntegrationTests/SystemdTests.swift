@@ -198,11 +198,13 @@ struct SystemdTests {
 
     /// Writes `text` into the FIFO at `path` once its reader has opened it; `opened` runs between.
     private func writeFIFO(_ path: String, _ text: String, opened: () async -> Void = {}) async throws {
-        var fd: Int32 = -1
+        let writer = Mutex<Int32>(-1)
         try await eventually("the daemon opens \(path)") {
-            fd = open(path, O_WRONLY | O_NONBLOCK)   // fails with ENXIO until a reader has it open
+            let fd = open(path, O_WRONLY | O_NONBLOCK)   // fails with ENXIO until a reader has it open
+            writer.withLock { $0 = fd }
             return fd >= 0
         }
+        let fd = writer.withLock { $0 }
         await opened()
         let bytes = Array(text.utf8)
         #expect(write(fd, bytes, bytes.count) == bytes.count)

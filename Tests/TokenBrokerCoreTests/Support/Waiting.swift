@@ -35,7 +35,7 @@ final class Racers<T: Sendable>: Sendable {
 
     /// Every caller's result, in index order, once all have finished.
     func all(sourceLocation: SourceLocation = #_sourceLocation) async throws -> [Result<T, any Error>] {
-        try await eventually("\(tasks.count) callers to finish", sourceLocation: sourceLocation) { finished == tasks.count }
+        try await eventually("\(tasks.count) callers to finish", sourceLocation: sourceLocation) { [self] in finished == tasks.count }
         return results.map.withLock { results in (0..<tasks.count).map { results[$0]! } }
     }
 }
