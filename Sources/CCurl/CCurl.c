@@ -10,6 +10,7 @@
 // Every function used, once: X(name, return type, parameter list). The variadic ones are
 // declared with their fixed parameters and `...`.
 #define TB_CURL_FUNCTIONS(X) \
+    X(curl_version_info, curl_version_info_data *, (CURLversion)) \
     X(curl_global_init, CURLcode, (long)) \
     X(curl_easy_strerror, const char *, (CURLcode)) \
     X(curl_free, void, (void *)) \
@@ -48,8 +49,14 @@ static void load(void) {
     }
 #define TB_RESOLVE(name, result, parameters) \
     *(void **)&p_##name = dlsym(library, #name); \
-    if (p_##name == NULL) { snprintf(failure, sizeof failure, "libcurl.so.4 has no %s (libcurl 7.68 or later is needed)", #name); return; }
+    if (p_##name == NULL) { snprintf(failure, sizeof failure, "libcurl.so.4 has no %s (libcurl 7.85 or later is needed)", #name); return; }
     TB_CURL_FUNCTIONS(TB_RESOLVE)
+    // CURLOPT_PROTOCOLS_STR, which every request sets, came in 7.85.0.
+    const curl_version_info_data *version = p_curl_version_info(CURLVERSION_NOW);
+    if (version == NULL || version->version_num < 0x075500) {
+        snprintf(failure, sizeof failure, "libcurl %s is too old (7.85 or later is needed)", version && version->version ? version->version : "?");
+        return;
+    }
     loaded = 0;
 }
 

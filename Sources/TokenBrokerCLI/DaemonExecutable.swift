@@ -7,16 +7,21 @@ import Glibc
 public enum DaemonExecutable {
     public static let name = "tokenbroker-daemon"
 
+    /// The package's and `make install`'s places, when the running executable's directory
+    /// cannot be read (no /proc) or holds no daemon (a LIBEXECDIR elsewhere).
+    static let installed = ["/usr/libexec/tokenbroker/", "/usr/local/libexec/tokenbroker/"]
+
     /// Where the daemon executable is, or nil.
     public static func path() -> String? {
-        guard let executable = realpath("/proc/self/exe", nil) else { return nil }
-        defer { free(executable) }
-        var directory = String(cString: executable)
-        if let slash = directory.lastIndex(of: "/") { directory = String(directory[..<slash]) }
-        for candidate in [directory + "/" + name, directory + "/../libexec/tokenbroker/" + name] where access(candidate, X_OK) == 0 {
-            return candidate
+        var candidates: [String] = []
+        if let executable = realpath("/proc/self/exe", nil) {
+            var directory = String(cString: executable)
+            free(executable)
+            if let slash = directory.lastIndex(of: "/") { directory = String(directory[..<slash]) }
+            candidates += [directory + "/" + name, directory + "/../libexec/tokenbroker/" + name]
         }
-        return nil
+        candidates += installed.map { $0 + name }
+        return candidates.first { access($0, X_OK) == 0 }
     }
 
     /// Replaces this process with the daemon executable running `subcommand`; returns (an exit
@@ -33,7 +38,7 @@ public enum DaemonExecutable {
             pthread_sigmask(SIG_BLOCK, &set, nil)
         }
         guard let path = path() else {
-            errors.write("Error: cannot find \(name) beside this executable or in ../libexec/tokenbroker/\n")
+            errors.write("Error: cannot find \(name) beside this executable, in ../libexec/tokenbroker/ or in \(installed.joined(separator: " or "))\n")
             return ExitCode.failure
         }
         let argv = [path, subcommand] + arguments

@@ -149,6 +149,8 @@ final class BrokerService: VarlinkHandler {
         return asyncReply(name) { [self] in
             try await boundary(name) { session in
                 try await session.coordinator.logout(handingOver: revocation(for: session))
+                // The encoded answer of the last token goes with it (it was served no more anyway).
+                session.replies.clear()
                 logger.log(.notice, "logout of session \(name) by \(peer)", session: name, generation: await session.coordinator.status().generation)
                 return VarlinkReply()
             }

@@ -249,11 +249,11 @@ public final class Daemon: Sendable {
                     logger.info("stopping (signal \(signal))")
                     shutdown.fire()
                     // Nothing after the stop: a SIGHUP queued behind it must not start a reload
-                    // while the daemon retires.
-                    break
+                    // while the daemon retires. This part ends with the others (its end alone
+                    // would read as a failure).
+                    await stop.wait()
+                    return
                 }
-                // This part ends with the others (its end would otherwise read as a failure).
-                await stop.wait()
             }
             group.addTask { await stop.wait() }
             await group.next()

@@ -39,6 +39,11 @@ public enum Discovery {
                              loop: CurlLoop = .shared) async throws(FetchFailure) -> AuthorizationServerMetadata {
         var lastProblem = "no metadata URL for issuer"
         for url in candidateURLs(for: issuer) {
+            // Every request checks its URL on both readings (configuration checked the strict one).
+            if let problem = EndpointPolicy.problem(with: url) {
+                lastProblem = "discovery: refused \(url): \(problem)"
+                continue
+            }
             let response: HTTPResponse
             do {
                 response = try await loop.perform(HTTPRequest(url: url, headers: [("Accept", "application/json")], timeout: timeout, tls: tls))
