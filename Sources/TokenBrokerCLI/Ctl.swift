@@ -61,7 +61,11 @@ public enum Ctl {
         if refreshTokenFromStdin && verb != "login" { return usage("--refresh-token-stdin belongs to login", &errors) }
         if showToken && verb != "watch" { return usage("--show-token belongs to watch", &errors) }
         let operands = Array(words.dropFirst())
-        guard let address = VarlinkAddress(socket) else { return usage("invalid socket address '\(socket)'", &errors) }
+        // A plain relative path is relative to the working directory, as for `serve --socket`.
+        let plainRelative = !socket.hasPrefix("/") && !socket.hasPrefix("@") && !socket.hasPrefix("unix:")
+        guard let address = VarlinkAddress(plainRelative ? CommandLinePath.absolute(socket) ?? "" : socket) else {
+            return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", &errors)
+        }
         do {
             switch verb {
             case "status":

@@ -70,8 +70,8 @@ public enum TokenBrokerCommand {
                 argument = String(argument[..<equals])
             }
             func absolutePath(_ name: String) -> String? {
-                guard let path = inline ?? value(name), path.hasPrefix("/") else { return nil }
-                return path
+                guard let path = inline ?? value(name) else { return nil }
+                return CommandLinePath.absolute(path)
             }
             switch argument {
             case "-h", "--help":
@@ -82,12 +82,12 @@ public enum TokenBrokerCommand {
                 options.configPath = path
                 options.configPathGiven = true
             case "--socket":
-                guard let path = absolutePath(argument) else { return usageError("--socket needs an absolute path", Help.serve, &errors) }
+                guard let path = absolutePath(argument) else { return usageError("--socket needs a path", Help.serve, &errors) }
                 options.socketPath = path
             case "--dev":
                 options.dev = true
             case "--state-dir":
-                guard let path = absolutePath(argument) else { return usageError("--state-dir needs an absolute path", Help.serve, &errors) }
+                guard let path = absolutePath(argument) else { return usageError("--state-dir needs a path", Help.serve, &errors) }
                 options.stateDirectory = path
             case "--log-level":
                 guard let name = inline ?? value(argument), let level = LogLevel(name: name) else {

@@ -52,6 +52,22 @@ struct CommandLineTests {
         #expect(!needed.contains(where: { $0.hasPrefix("libcurl") }), "\(needed)")
     }
 
+    @Test("relative --config, --socket and --state-dir mean relative to the working directory, for serve and ctl alike")
+    func relativePaths() async throws {
+        let root = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: root) }
+        try Broker.defaultConfig.write(toFile: root + "/tb.conf", atomically: true, encoding: .utf8)
+        let server = try Child(Paths.tokenbroker, ["serve", "--config", "tb.conf", "--socket", "tb.sock", "--state-dir", "state"],
+                               directory: root, workingDirectory: root)
+        try await waitForSocket(root + "/tb.sock", server: server)
+        #expect(FileManager.default.fileExists(atPath: root + "/state/state.db"))
+        let status = try await Child.run(Paths.tokenbroker, ["ctl", "--socket", "tb.sock", "status"], workingDirectory: root)
+        #expect(status.code == 0, "\(status.stderr)")
+        #expect(server.stderr.contains("listening on \(root)/tb.sock"), "the daemon names the absolute path: \(server.stderr)")
+        kill(server.process.processIdentifier, SIGTERM)
+        #expect(await server.wait() == 0)
+    }
+
     @Test("installed layout: bin/tokenbroker runs ../libexec/tokenbroker/tokenbroker-daemon for check-config and serve; without it, says so and exits 1; ctl needs no daemon executable")
     func daemonExecutable() async throws {
         let root = try Paths.temporaryDirectory()

@@ -12,9 +12,13 @@ public final class Child: @unchecked Sendable {
     public let stdoutPath: String
     public let stderrPath: String
 
-    public init(_ executable: String, _ arguments: [String], environment: [String: String]? = nil, directory: String, stdin: String? = nil) throws {
+    /// Runs `executable`; its output files go to `directory`, and it runs in
+    /// `workingDirectory` (the test's own when nil).
+    public init(_ executable: String, _ arguments: [String], environment: [String: String]? = nil, directory: String, stdin: String? = nil,
+                workingDirectory: String? = nil) throws {
         process.executableURL = URL(fileURLWithPath: executable)
         process.arguments = arguments
+        if let workingDirectory { process.currentDirectoryURL = URL(fileURLWithPath: workingDirectory) }
         if let environment {
             process.environment = ProcessInfo.processInfo.environment.merging(environment) { _, new in new }
         }
@@ -74,12 +78,13 @@ extension Child {
     /// Runs `executable` to its end (under the deadline of `wait`) in a scratch directory of
     /// its own, and returns its exit status and output.
     public static func run(_ executable: String, _ arguments: [String], environment: [String: String]? = nil,
-                           stdin: String? = nil, timeout: Double = 60,
+                           stdin: String? = nil, timeout: Double = 60, workingDirectory: String? = nil,
                            sourceLocation: SourceLocation = #_sourceLocation) async throws -> (code: Int32, stdout: String, stderr: String) {
         let directory = FileManager.default.temporaryDirectory.appendingPathComponent("tb-child-\(UUID().uuidString.prefix(8))").path
         try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(atPath: directory) }
-        let child = try Child(executable, arguments, environment: environment, directory: directory, stdin: stdin)
+        let child = try Child(executable, arguments, environment: environment, directory: directory, stdin: stdin,
+                              workingDirectory: workingDirectory)
         let code = await child.wait(timeout: timeout, sourceLocation: sourceLocation)
         return (code, child.stdout, child.stderr)
     }
