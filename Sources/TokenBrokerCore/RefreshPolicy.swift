@@ -8,17 +8,21 @@ public struct RefreshPolicy: Sendable, Equatable {
     public var guardWindow: Duration
     /// Backoff after transient failures.
     public var backoff: Backoff
+    /// Refusals without a reason (`FetchFailure.Kind.refused`) in a row, since the last
+    /// success, after which the session ends.
+    public var refusalLimit: Int
 
     /// Sixty seconds of refresh-ahead covers a token handed out just before it expires plus
     /// the round trip of the request it is used for; ten refreshes a minute is far more than a
     /// healthy session needs (one per token lifetime) and far less than a worker stuck in a
     /// refresh loop would cause.
     public init(refreshAhead: Duration = .seconds(60), guardLimit: Int = 10, guardWindow: Duration = .seconds(60),
-                backoff: Backoff = Backoff()) {
+                backoff: Backoff = Backoff(), refusalLimit: Int = 3) {
         self.refreshAhead = refreshAhead
         self.guardLimit = guardLimit
         self.guardWindow = guardWindow
         self.backoff = backoff
+        self.refusalLimit = refusalLimit
     }
 }
 

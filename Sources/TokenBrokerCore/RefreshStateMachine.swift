@@ -112,6 +112,8 @@ public struct RefreshStateMachine: Sendable {
         var until: Duration
         var failures: Int
         var reason: String
+        /// Of `failures`, the refusals without a reason (see `RefreshPolicy.refusalLimit`).
+        var refusals: Int = 0
     }
 
     public let session: String
@@ -330,11 +332,21 @@ public struct RefreshStateMachine: Sendable {
         self.flight = nil
         counters.failures += 1
         lastError = failure.reason
+        var failure = failure
+        if case .refused = failure.kind, (backoff?.refusals ?? 0) + 1 >= policy.refusalLimit {
+            // The server keeps refusing this session: it ends, and stops sending a dead token.
+            failure = .terminal("\(failure.reason), \(policy.refusalLimit) times in a row: the server refuses this session's refresh "
+                                + "(a revoked, replayed or unknown refresh token, or wrong client credentials); log in again "
+                                + "(tokenbroker ctl login) or check the client configuration")
+            lastError = failure.reason
+        }
         switch failure.kind {
-        case let .transient(retryAfter):
+        case let .transient(retryAfter), let .refused(retryAfter):
             let failures = (backoff?.failures ?? 0) + 1
+            var refusals = backoff?.refusals ?? 0
+            if case .refused = failure.kind { refusals += 1 }
             let delay = policy.backoff.delay(failures: failures, unit: unit, retryAfter: retryAfter)
-            backoff = BackoffState(until: now + delay, failures: failures, reason: failure.reason)
+            backoff = BackoffState(until: now + delay, failures: failures, reason: failure.reason, refusals: refusals)
             return Resolution(flight: id, result: .failure(.refreshFailed(reason: failure.reason, retryable: true, retryAfter: delay)),
                               event: nil, write: nil)
         case .terminal:

@@ -156,6 +156,12 @@ public struct OAuthClient: Sendable {
             return .transient(code.map { "HTTP \(status) \($0)" } ?? "HTTP \(status)", retryAfter: retryAfter)
         }
         guard let code else {
+            // RFC 6749 §5.2: a token endpoint answers a refused grant with 400 and a refused
+            // client with 401; some servers leave out the body. The same request will be refused
+            // again: bounded (RefreshPolicy.refusalLimit), not retried for ever. 408 is a timeout.
+            if (400..<500).contains(status) && status != 408 {
+                return .refused("HTTP \(status) without an OAuth error", retryAfter: retryAfter)
+            }
             return .transient("HTTP \(status) without an OAuth error", retryAfter: retryAfter)
         }
         switch code {

@@ -82,6 +82,26 @@ struct OAuthDaemonTests {
         }
     }
 
+    @Test("a server that keeps answering a bare 400 ends the session after 3 token requests, with a reason that says to log in again")
+    func deadSessionEnds() async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            issuer.inject(Array(repeating: .status(400, error: nil, retryAfter: nil), count: 10))
+            let before = issuer.counters.tokenRequests
+            // Workers keep asking; between backoffs each demand after the wait sends one request.
+            try await eventually("the session ends", timeout: .seconds(30)) {
+                _ = try? broker.call("GetToken", ["session": "api"])
+                return (try? broker.status("api"))??["state"] == "ended"
+            }
+            #expect(issuer.counters.tokenRequests - before == 3, "the dead refresh token went out \(issuer.counters.tokenRequests - before) times")
+            let status = try #require(try broker.status("api"))
+            let error = status["lastError"]?.stringValue ?? ""
+            #expect(error.hasPrefix("HTTP 400 without an OAuth error, 3 times in a row") && error.contains("ctl login"), "\(error)")
+            let token = try broker.call("GetToken", ["session": "api"])
+            #expect(token.error == "io.tokenbroker.Broker.RefreshFailed" && token.parameters["retryable"] == false, "\(token.error ?? "")")
+            #expect(issuer.counters.tokenRequests - before == 3)
+        }
+    }
+
     @Test("1,000 Recover calls from 50 worker processes (Python varlink) with the same old token: 1 token request")
     func thousandRecoversFromFiftyProcesses() async throws {
         try await Self.withIssuerAndBroker { issuer, broker in

@@ -167,6 +167,42 @@ struct RefreshStateMachineTests {
         #expect(resolution.result.error == .refreshFailed(reason: "HTTP 500", retryable: true, retryAfter: .seconds(1)))
     }
 
+    @Test("refusals without a reason end the session after refusalLimit in a row (transient failures between do not reset the count; a success does)")
+    func refusalsEndTheSession() throws {
+        let policy = RefreshPolicy(guardLimit: 100, backoff: Backoff(initial: .seconds(1), maximum: .seconds(1), jitter: 0), refusalLimit: 3)
+        var machine = Self.active(policy: policy)
+        var now = Duration.seconds(3600)
+        func fail(_ failure: FetchFailure) throws -> RefreshStateMachine.Resolution {
+            let id = try #require(machine.demand(.get, now: now).startedFlight).id
+            let step = machine.fetchFailed(id, failure, now: now, unit: 0)
+            now += .seconds(1)
+            return try #require(step)
+        }
+        func retryable(_ resolution: RefreshStateMachine.Resolution) -> Bool {
+            if case let .refreshFailed(_, retryable, _)? = resolution.result.error { return retryable }
+            return false
+        }
+        // Refused, refused, then a success: the count starts again.
+        for _ in 0..<2 { #expect(retryable(try fail(.refused("HTTP 400 without an OAuth error")))) }
+        let id = try #require(machine.demand(.get, now: now).startedFlight).id
+        _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("a"), expiresIn: .seconds(1)), now: now, unixNow: Self.unix)
+        _ = machine.commitFinished(id, .applied)
+        now += .seconds(2)
+        // Refused, a network failure, refused: still active; the third refusal ends it.
+        #expect(retryable(try fail(.refused("HTTP 400 without an OAuth error"))))
+        #expect(retryable(try fail(.transient("transport: connection refused"))))
+        #expect(retryable(try fail(.refused("HTTP 400 without an OAuth error"))))
+        #expect(machine.phase == .active)
+        let last = try fail(.refused("HTTP 400 without an OAuth error"))
+        guard case let .refreshFailed(reason, retryable, _)? = last.result.error, case let .ended(ended) = machine.phase else {
+            Issue.record("the session should have ended: \(machine.phase)")
+            return
+        }
+        #expect(!retryable && reason == ended && reason.hasPrefix("HTTP 400 without an OAuth error, 3 times in a row") && reason.contains("ctl login"))
+        #expect(last.write != nil, "the end is stored")
+        #expect(machine.demand(.get, now: now) == .fail(.refreshFailed(reason: reason, retryable: false, retryAfter: nil)))
+    }
+
     @Test("shutdown fails the flight's waiters and later demands")
     func shutdown() throws {
         var machine = Self.active()
