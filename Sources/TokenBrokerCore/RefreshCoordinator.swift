@@ -25,6 +25,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     private let wall: any WallClock
     private let randomUnit: @Sendable () -> Double
     private let discarded: @Sendable (FetchedToken) -> Void
+    private let outcomes: @Sendable (RefreshOutcome) -> Void
     private nonisolated let epoch: C.Instant
 
     private var machine: RefreshStateMachine
@@ -48,10 +49,13 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     ///   - discarded: receives a successful answer that arrived after its generation had ended
     ///     (a logout or login overtook the flight); the daemon revokes what it carries, since
     ///     nobody will ever use it.
+    ///   - outcomes: told what became of each refresh (for the log); called on the actor, so it
+    ///     must not block.
     public init(session: String, policy: RefreshPolicy = RefreshPolicy(), source: any TokenSource,
                 store: any SessionStore, restored: SessionRecord? = nil, pendingWrite: StoreWrite? = nil, clock: C, wall: any WallClock,
                 randomUnit: @escaping @Sendable () -> Double = { Double.random(in: 0..<1) },
-                discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in }) {
+                discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in },
+                outcomes: @escaping @Sendable (RefreshOutcome) -> Void = { _ in }) {
         self.session = session
         self.source = source
         self.store = store
@@ -59,6 +63,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         self.wall = wall
         self.randomUnit = randomUnit
         self.discarded = discarded
+        self.outcomes = outcomes
         let epoch = clock.now
         self.epoch = epoch
         let machine = RefreshStateMachine(session: session, policy: policy, restored: restored, pendingWrite: pendingWrite,
@@ -130,6 +135,9 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         case let .wait(id):
             return try await wait(on: id)
         case let .fail(error):
+            if case let .throttled(retryAfter) = error {
+                outcomes(RefreshOutcome(session: session, generation: machine.generation, duration: .zero, result: .throttled(retryAfter: retryAfter)))
+            }
             throw error
         }
     }
@@ -151,6 +159,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
 
     private func launch(_ request: FetchRequest, _ id: FlightID) {
         let source = self.source
+        let started = now()
         let task = Task {
             let outcome: Result<FetchedToken, any Error>
             do {
@@ -158,30 +167,53 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
             } catch {
                 outcome = .failure(error)
             }
-            await self.landed(id, outcome)
+            await self.landed(id, outcome, started: started, generation: request.generation)
         }
         flightTask = (id, task)
     }
 
-    private func landed(_ id: FlightID, _ outcome: Result<FetchedToken, any Error>) async {
+    private func landed(_ id: FlightID, _ outcome: Result<FetchedToken, any Error>, started: Duration, generation: Int) async {
         // The task stays recorded until its answer is committed, so `retire()` waits for both.
         defer { if flightTask?.id == id { flightTask = nil } }
+        let duration = now() - started
+        func report(_ result: RefreshOutcome.Result) {
+            outcomes(RefreshOutcome(session: session, generation: generation, duration: duration, result: result))
+        }
         switch outcome {
         case let .success(fetched):
             guard let write = machine.fetchSucceeded(id, fetched, now: now(), unixNow: wall.unixTime()) else {
+                report(.dropped)
                 discarded(fetched)
                 return
             }
             let committed = await commit(write)
             // Re-check after the await: a logout may have ended this flight meanwhile.
             guard let resolution = machine.commitFinished(id, committed) else {
+                report(.dropped)
                 discarded(fetched)
                 return
             }
             resolve(resolution)
+            switch resolution.result {
+            case let .success(token): report(.refreshed(serial: token.serial, lifetime: fetched.expiresIn))
+            case .failure: report(.dropped)
+            }
         case let .failure(error):
-            guard let resolution = machine.fetchFailed(id, Self.classify(error), now: now(), unit: randomUnit()) else { return }
+            let failure = Self.classify(error)
+            guard let resolution = machine.fetchFailed(id, failure, now: now(), unit: randomUnit()) else {
+                report(.dropped)
+                return
+            }
             resolve(resolution)
+            if case let .ended(reason) = machine.phase {
+                report(.ended(reason: reason))
+            } else {
+                var refused = false
+                if case .refused = failure.kind { refused = true }
+                var retryAfter: Duration?
+                if case let .failure(.refreshFailed(_, _, wait)) = resolution.result { retryAfter = wait }
+                report(.failed(reason: failure.reason, refused: refused, retryAfter: retryAfter))
+            }
             if let write = resolution.write { await persist(write) }
         }
     }

@@ -19,6 +19,11 @@ public struct RefreshGuard: Sendable, Equatable {
         return oldest + window - now
     }
 
+    /// Requests started inside the window ending at `now`.
+    public func count(now: Duration) -> Int {
+        starts.count { $0 + window > now }
+    }
+
     /// Records a request started at `now`.
     public mutating func record(now: Duration) {
         starts.removeAll { $0 + window <= now }

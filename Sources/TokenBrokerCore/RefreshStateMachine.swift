@@ -98,6 +98,17 @@ public struct RefreshStateMachine: Sendable {
         /// Monotonic expiry; `nil` when the server gave no lifetime.
         var deadline: Duration?
         var serial: UInt64
+        /// When it was installed or restored (monotonic): with `deadline`, the lifetime it had.
+        var since: Duration = .zero
+
+        /// When the refresh-ahead window opens: `ahead` before expiry, but never earlier than
+        /// half-way through the lifetime the token had here. A server whose tokens live less
+        /// than twice `RefreshAhead=` would otherwise have every demand start a refresh.
+        func windowOpens(ahead: Duration) -> Duration? {
+            guard let deadline else { return nil }
+            guard ahead > .zero else { return deadline }
+            return max(deadline - ahead, since + (deadline - since) / 2)
+        }
     }
 
     private struct Flight: Sendable {
@@ -171,7 +182,7 @@ public struct RefreshStateMachine: Sendable {
                 // (A stored expiry is ours, but a damaged database must not trap: clamp to ±10 years.)
                 let deadline = record.expiresAt.map { now + .milliseconds(Int64(min(max(Double($0) - unixNow, -3e8), 3e8) * 1000)) }
                 current = Current(token: token, tokenType: record.tokenType, expiresAt: record.expiresAt,
-                                  deadline: deadline, serial: record.tokenSerial)
+                                  deadline: deadline, serial: record.tokenSerial, since: now)
             }
         }
     }
@@ -185,8 +196,7 @@ public struct RefreshStateMachine: Sendable {
     /// machine: until the refresh-ahead window opens (or expiry). `nil` outside `active`.
     public var publishable: (token: IssuedToken, freshUntil: Duration?)? {
         guard phase == .active, !isShutDown, let current else { return nil }
-        let freshUntil = current.deadline.map { policy.refreshAhead > .zero ? $0 - policy.refreshAhead : $0 }
-        return (issued(current), freshUntil)
+        return (issued(current), current.windowOpens(ahead: policy.refreshAhead))
     }
 
     /// What the store should hold now (secrets included; never printed).
@@ -226,8 +236,11 @@ public struct RefreshStateMachine: Sendable {
         }
         guard let current, !isExpired(current, now: now) else { return refresh(now: now) }
         let token = issued(current)
-        guard let deadline = current.deadline, policy.refreshAhead > .zero, now >= deadline - policy.refreshAhead,
-              flight == nil, !isRetiring, !inBackoff(now: now), refreshGuard.retryAfter(now: now) == nil
+        // A refresh ahead of expiry is advisory: it never spends the last half of the guard's
+        // budget, which stays for refreshes the session cannot do without.
+        guard policy.refreshAhead > .zero, let opens = current.windowOpens(ahead: policy.refreshAhead), now >= opens,
+              flight == nil, !isRetiring, !inBackoff(now: now), refreshGuard.retryAfter(now: now) == nil,
+              refreshGuard.count(now: now) < max(policy.guardLimit / 2, 1)
         else { return .deliver(token) }
         let (request, id) = startFlight(now: now, refreshAhead: true)
         return .deliverAndStart(token, request, id)
@@ -271,7 +284,7 @@ public struct RefreshStateMachine: Sendable {
         }
         let expiresAt = fetched.expiresIn.map { Int64((unixNow + $0.seconds).rounded(.down)) }
         let next = Current(token: fetched.accessToken, tokenType: fetched.tokenType, expiresAt: expiresAt,
-                           deadline: fetched.expiresIn.map { now + $0 }, serial: lastSerial + 1)
+                           deadline: fetched.expiresIn.map { now + $0 }, serial: lastSerial + 1, since: now)
         // Rotation: keep the refresh token that was sent when the answer carries none.
         let nextRefreshToken = fetched.refreshToken ?? refreshToken
         let stamp = Int64(unixNow.rounded(.down))
@@ -383,7 +396,7 @@ public struct RefreshStateMachine: Sendable {
             let serial = lastSerial + 1
             pendingLogin = Current(token: initial.accessToken, tokenType: initial.tokenType,
                                    expiresAt: initial.expiresIn.map { Int64((unixNow + $0.seconds).rounded(.down)) },
-                                   deadline: initial.expiresIn.map { now + $0 }, serial: serial)
+                                   deadline: initial.expiresIn.map { now + $0 }, serial: serial, since: now)
             record.accessToken = initial.accessToken
             record.tokenType = initial.tokenType
             record.expiresAt = pendingLogin?.expiresAt

@@ -432,7 +432,8 @@ public final class Daemon: Sendable {
         let coordinator = Coordinator(session: session.name, policy: session.policy, source: source,
                                       store: state.sessions, restored: restored, pendingWrite: handedOver?.pending,
                                       clock: ContinuousClock(), wall: SystemWallClock(),
-                                      discarded: discardedTokenRevocation(session, upstream))
+                                      discarded: discardedTokenRevocation(session, upstream),
+                                      outcomes: RefreshLog(logger: logger, policy: session.policy).record)
         if let restored {
             logger.log(.info, "session \(session.name): restored \(restored.state.rawValue) at generation \(restored.generation)"
                        + (restored.accessToken == nil ? "" : ", token #\(restored.tokenSerial)"),

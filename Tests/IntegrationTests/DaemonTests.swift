@@ -267,6 +267,36 @@ struct DaemonTests {
         }
     }
 
+    @Test("tokens that live 2 s under the default RefreshAhead=60s: callers every 50 ms for 3 s are never throttled, refreshes come at most once per half lifetime, each logged")
+    func shortLivedTokens() async throws {
+        let config = """
+            [Session]
+            Name=short
+            Upstream=test
+            TestTokenLifetime=2s
+
+            """
+        try await withBroker(config: config) { broker in
+            let clock = ContinuousClock()
+            let end = clock.now + .seconds(3)
+            var calls = 0, failures: [String] = []
+            while clock.now < end {
+                let reply = try broker.call("GetToken", ["session": "short"])
+                calls += 1
+                if let error = reply.error { failures.append(error) }
+                try await Task.sleep(for: .milliseconds(50))
+            }
+            #expect(failures.isEmpty, "\(failures.count) of \(calls) calls failed: \(Set(failures))")
+            let refreshed = broker.child.stderr.components(separatedBy: "\n").filter { $0.contains("session short: refreshed, token #") }
+            #expect(refreshed.count >= 1 && refreshed.count <= 4, "\(refreshed.count) refreshes in 3 s of 2 s tokens")
+            #expect(refreshed.allSatisfy { $0.contains("lifetime 2s, in ") }, "\(refreshed.first ?? "")")
+            #expect(!broker.child.stderr.contains("refresh limit reached"))
+            // Said once: 2 s tokens need more refreshes than the guard allows over a minute.
+            let said = broker.child.stderr.components(separatedBy: "\n").filter { $0.contains("session short: tokens live 2s, shorter than the refresh guard allows") }
+            #expect(said.count == 1, "the unreasonable lifetime is said once: \(said.count)")
+        }
+    }
+
     @Test("SIGTERM: exit 0 at once (an open watch stream is not waited for) and the socket file is gone")
     func sigterm() async throws {
         let broker = try await Broker()

@@ -99,6 +99,11 @@ struct OAuthDaemonTests {
             let token = try broker.call("GetToken", ["session": "api"])
             #expect(token.error == "io.tokenbroker.Broker.RefreshFailed" && token.parameters["retryable"] == false, "\(token.error ?? "")")
             #expect(issuer.counters.tokenRequests - before == 3)
+            // One journal line per outcome: two refusals at warning, the end at error.
+            let lines = broker.child.stderr.components(separatedBy: "\n")
+            let refused = lines.filter { $0.hasPrefix("<4>session api: refresh failed (refused): HTTP 400 without an OAuth error; retry in ") }
+            #expect(refused.count == 2, "\(refused)")
+            #expect(lines.filter { $0.hasPrefix("<3>session api: ended: HTTP 400 without an OAuth error, 3 times in a row") }.count == 1)
         }
     }
 

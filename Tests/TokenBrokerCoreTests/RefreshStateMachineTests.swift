@@ -203,6 +203,31 @@ struct RefreshStateMachineTests {
         #expect(machine.demand(.get, now: now) == .fail(.refreshFailed(reason: reason, retryable: false, retryAfter: nil)))
     }
 
+    @Test("refresh-ahead opens no earlier than half-way through a token's life, and never spends the last half of the guard's budget")
+    func refreshAheadBounded() throws {
+        // Tokens that live 20 s against RefreshAhead=60s: without the bound, every demand would
+        // start a refresh.
+        var machine = Self.active(expiresIn: 20, policy: RefreshPolicy(refreshAhead: .seconds(60), guardLimit: 4, guardWindow: .seconds(600)))
+        #expect(machine.publishable?.freshUntil == .seconds(10))
+        #expect(machine.demand(.get, now: .seconds(9)) == .deliver(try #require(machine.publishable).token))
+        var now = Duration.seconds(10)
+        var advisory = 0
+        while true {
+            guard case let .deliverAndStart(_, _, id) = machine.demand(.get, now: now) else { break }
+            advisory += 1
+            _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("a\(advisory)"), expiresIn: .seconds(20)), now: now, unixNow: Self.unix)
+            _ = machine.commitFinished(id, .applied)
+            #expect(machine.publishable?.freshUntil == now + .seconds(10), "the window of a new 20 s token opens 10 s after it came")
+            now += .seconds(10)
+        }
+        // Half of the guard's 4 went to refreshes ahead of expiry; the rest is for the refresh
+        // the session cannot do without, once the token has expired.
+        #expect(advisory == 2)
+        #expect(machine.demand(.get, now: now).isDelivery, "inside the window, with half the budget spent: served, no refresh")
+        now += .seconds(10)
+        #expect(machine.demand(.get, now: now).startedFlight != nil, "expired: the mandatory refresh still has budget")
+    }
+
     @Test("shutdown fails the flight's waiters and later demands")
     func shutdown() throws {
         var machine = Self.active()
