@@ -258,7 +258,12 @@ final class BrokerService: VarlinkHandler {
         let name = session.configuration.name
         return { refreshToken in
             Task {
-                if let problem = await upstream.revoke(refreshToken) {
+                switch await upstream.revoke(refreshToken) {
+                case .revoked:
+                    logger.info("session \(name): the refresh token retired by the logout is revoked upstream", session: name)
+                case .noEndpoint:
+                    logger.notice("session \(name): no revocation endpoint; the retired refresh token stays valid upstream", session: name)
+                case let .failed(problem):
                     logger.warning("revocation at logout of session \(name) failed: \(problem)", session: name)
                 }
             }

@@ -463,7 +463,7 @@ public final class Daemon: Sendable {
         return { fetched in
             guard let refreshToken = fetched.refreshToken else { return }
             Task {
-                if let problem = await upstream.revoke(refreshToken) {
+                if case let .failed(problem) = await upstream.revoke(refreshToken) {
                     logger.warning("revoking the refresh token of a discarded answer of session \(name) failed: \(problem)", session: name)
                 }
             }

@@ -77,13 +77,20 @@ public final class HTTPTokenSource: TokenSource {
         }
     }
 
-    /// Best-effort RFC 7009 revocation of a refresh token; returns the problem, if any.
-    public func revoke(_ refreshToken: Secret) async -> String? {
+    /// Best-effort RFC 7009 revocation of a refresh token.
+    public func revoke(_ refreshToken: Secret) async -> Revocation {
         do {
-            try await client().revoke(refreshToken)
-            return nil
+            return try await client().revoke(refreshToken) ? .revoked : .noEndpoint
         } catch {
-            return error.reason
+            return .failed(error.reason)
         }
+    }
+
+    /// What became of a revocation.
+    public enum Revocation: Sendable, Equatable {
+        case revoked
+        /// No revocation endpoint is configured or discovered: nothing was sent.
+        case noEndpoint
+        case failed(String)
     }
 }

@@ -186,11 +186,14 @@ public struct OAuthClient: Sendable {
 
     // MARK: - Revocation (RFC 7009)
 
-    /// Revokes `token`. 200 means done (also for an unknown token); anything else is reported.
-    public func revoke(_ token: Secret, hint: String = "refresh_token") async throws(FetchFailure) {
-        guard let url = endpoints.revocation else { return }
+    /// Revokes `token`; false when there is no revocation endpoint to ask. 200 means done (also
+    /// for an unknown token); anything else is reported.
+    @discardableResult
+    public func revoke(_ token: Secret, hint: String = "refresh_token") async throws(FetchFailure) -> Bool {
+        guard let url = endpoints.revocation else { return false }
         let response = try await post(url, [("token", token.reveal), ("token_type_hint", hint)])
         guard response.status == 200 else { throw Self.classify(response) }
+        return true
     }
 }
 

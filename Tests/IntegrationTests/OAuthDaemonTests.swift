@@ -188,6 +188,9 @@ struct OAuthDaemonTests {
             #expect(try await broker.ctl(["logout", "api"]).code == 0)
             try await eventually("the revocation") { issuer.counters.revocations == 1 }
             #expect(!issuer.isValidAccessToken(token))
+            try await eventually("the revocation's journal line") {
+                broker.child.stderr.contains("<6>session api: the refresh token retired by the logout is revoked upstream")
+            }
         }
     }
 
