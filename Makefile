@@ -13,7 +13,7 @@ APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev lib
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
 
-.PHONY: all apt-install deps build release run test system-test bench static install install-files deb clean
+.PHONY: all apt-install deps build release run test system-test interop-test bench static install install-files deb clean
 
 all: build
 
@@ -55,6 +55,7 @@ run: build
 # thread pool has only two threads to share between them.
 test: deps
 	$(SWIFT) test --no-parallel $(SWIFT_FLAGS)
+	@$(MAKE) --no-print-directory interop-test
 	@$(MAKE) --no-print-directory system-test
 
 # The package under a real systemd: boots systemd as PID 1 in a container (systemd-nspawn),
@@ -65,6 +66,13 @@ system-test: deps deb
 	$(SWIFT) build $(SWIFT_FLAGS) --product dev-issuer
 	python3 Tests/RealSystemd/run.py $(DEB_DIR)/tokenbroker_$$(dpkg-parsechangelog -S Version)_$$(dpkg --print-architecture).deb \
 	  $$($(SWIFT) build --show-bin-path)/dev-issuer
+
+# tokenbroker against Glewlwyd, a real authorization server from Debian (Tests/Interop/glewlwyd.py):
+# on loopback, provisioned through its admin API, with a SQLite database in a temporary directory.
+# The fixture installs the package when it is missing (answering its debconf question "no
+# configuration"); the suite is skipped, saying so, only when it cannot be installed.
+interop-test: build
+	python3 Tests/Interop/glewlwyd.py "$$($(SWIFT) build --show-bin-path)"
 
 clean:
 	rm -rf .build

@@ -19,12 +19,14 @@ The daemon and the load generator are pinned to different CPUs when there are tw
 import atexit
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "PyCommon"))
+from checks import stop  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -102,12 +104,7 @@ class Server:
         wait_for_socket(socket_path, self.process)
 
     def stop(self):
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop(self.process)
 
 
 def load(tools, server, conns, seconds=None, per_conn=None):

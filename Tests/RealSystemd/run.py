@@ -16,7 +16,6 @@ tokens are named by a short fingerprint.
 """
 
 import ctypes
-import hashlib
 import json
 import os
 import re
@@ -31,31 +30,8 @@ import time
 import urllib.request
 
 BOOT_TIMEOUT = 60
-STEP_TIMEOUT = 30
-FAILURES = []
-
-
-def fingerprint(token):
-    return hashlib.sha256(token.encode()).hexdigest()[:8]
-
-
-def check(condition, what, detail=""):
-    print(("ok   " if condition else "FAIL ") + what + ("" if condition or not detail else f"  [{detail}]"), flush=True)
-    if not condition:
-        FAILURES.append(what)
-    return condition
-
-
-def eventually(condition, timeout=STEP_TIMEOUT, interval=0.1):
-    """condition() until it returns something true, or None at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(interval)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "PyCommon"))
+from checks import FAILURES, STEP_TIMEOUT, check, eventually, fingerprint  # noqa: E402
 
 
 class Skip(Exception):
