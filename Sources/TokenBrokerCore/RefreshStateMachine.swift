@@ -240,7 +240,7 @@ public struct RefreshStateMachine: Sendable {
         // budget, which stays for refreshes the session cannot do without.
         guard policy.refreshAhead > .zero, let opens = current.windowOpens(ahead: policy.refreshAhead), now >= opens,
               flight == nil, !isRetiring, !inBackoff(now: now), refreshGuard.retryAfter(now: now) == nil,
-              refreshGuard.count(now: now) < max(policy.guardLimit / 2, 1)
+              refreshGuard.count(now: now) < policy.guardLimit / 2
         else { return .deliver(token) }
         let (request, id) = startFlight(now: now, refreshAhead: true)
         return .deliverAndStart(token, request, id)
@@ -346,7 +346,8 @@ public struct RefreshStateMachine: Sendable {
         counters.failures += 1
         lastError = failure.reason
         var failure = failure
-        if case .refused = failure.kind, (backoff?.refusals ?? 0) + 1 >= policy.refusalLimit {
+        // Only a refresh token can be dead: a client_credentials session keeps retrying.
+        if case .refused = failure.kind, refreshToken != nil, (backoff?.refusals ?? 0) + 1 >= policy.refusalLimit {
             // The server keeps refusing this session: it ends, and stops sending a dead token.
             failure = .terminal("\(failure.reason), \(policy.refusalLimit) times in a row: the server refuses this session's refresh "
                                 + "(a revoked, replayed or unknown refresh token, or wrong client credentials); log in again "

@@ -35,7 +35,8 @@ struct RefreshLog: Sendable {
         case let .ended(reason):
             logger.log(.error, "session \(name): ended: \(reason)", session: name, generation: outcome.generation)
         case .dropped:
-            logger.log(.notice, "session \(name): a refresh answer came after a logout or login and was discarded, after \(took)",
+            logger.log(.notice, "session \(name): a refresh answer was discarded (a logout, login or stop overtook it, "
+                       + "or a newer generation was stored), after \(took)",
                        session: name, generation: outcome.generation)
         case let .throttled(retryAfter):
             logger.limited(.warning, key: "throttled:\(name)",

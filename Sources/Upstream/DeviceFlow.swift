@@ -121,7 +121,11 @@ extension OAuthClient {
                 throw .expired
             default:
                 let failure = Self.classify(response)
-                guard case .transient = failure.kind else { throw .failed(failure) }
+                // A bare 4xx while polling: keep polling until the code expires, as before.
+                switch failure.kind {
+                case .transient, .refused: break
+                case .terminal: throw .failed(failure)
+                }
                 wait = min(max(wait * 2, interval), .seconds(60))
             }
         }

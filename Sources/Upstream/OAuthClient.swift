@@ -157,9 +157,11 @@ public struct OAuthClient: Sendable {
         }
         guard let code else {
             // RFC 6749 §5.2: a token endpoint answers a refused grant with 400 and a refused
-            // client with 401; some servers leave out the body. The same request will be refused
-            // again: bounded (RefreshPolicy.refusalLimit), not retried for ever. 408 is a timeout.
-            if (400..<500).contains(status) && status != 408 {
+            // client with 401 (Glewlwyd: 403 for undecodable client credentials); some servers
+            // leave out the body. The same request will be refused again: bounded
+            // (RefreshPolicy.refusalLimit), not retried for ever. Other 4xx (404 during a
+            // deploy, a proxy's 407, a load balancer's 413) say nothing about the grant.
+            if [400, 401, 403].contains(status) {
                 return .refused("HTTP \(status) without an OAuth error", retryAfter: retryAfter)
             }
             return .transient("HTTP \(status) without an OAuth error", retryAfter: retryAfter)

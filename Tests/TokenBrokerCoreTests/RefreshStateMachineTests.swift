@@ -203,6 +203,21 @@ struct RefreshStateMachineTests {
         #expect(machine.demand(.get, now: now) == .fail(.refreshFailed(reason: reason, retryable: false, retryAfter: nil)))
     }
 
+    @Test("a session without a refresh token (client_credentials) is never ended by refusals: nothing of it can be dead")
+    func refusalsWithoutRefreshToken() throws {
+        let record = SessionRecord(name: "cc", generation: 1, state: .active, refreshToken: nil,
+                                   accessToken: Secret("access-1"), expiresAt: Int64(Self.unix) + 10, tokenSerial: 1)
+        let policy = RefreshPolicy(guardLimit: 100, backoff: Backoff(initial: .seconds(1), maximum: .seconds(1), jitter: 0), refusalLimit: 3)
+        var machine = Machine(session: "cc", policy: policy, restored: record, now: .zero, unixNow: Self.unix)
+        var now = Duration.seconds(20)
+        for _ in 0..<5 {
+            let id = try #require(machine.demand(.get, now: now).startedFlight).id
+            _ = machine.fetchFailed(id, .refused("HTTP 401 without an OAuth error"), now: now, unit: 0)
+            now += .seconds(2)
+        }
+        #expect(machine.phase == .active)
+    }
+
     @Test("refresh-ahead opens no earlier than half-way through a token's life, and never spends the last half of the guard's budget")
     func refreshAheadBounded() throws {
         // Tokens that live 20 s against RefreshAhead=60s: without the bound, every demand would

@@ -67,6 +67,7 @@ struct OAuthClientTests {
         (.status(401, error: nil, retryAfter: nil), .refused("HTTP 401 without an OAuth error")),
         (.status(403, error: nil, retryAfter: nil), .refused("HTTP 403 without an OAuth error")),
         (.status(408, error: nil, retryAfter: nil), .transient("HTTP 408 without an OAuth error")),
+        (.status(404, error: nil, retryAfter: nil), .transient("HTTP 404 without an OAuth error")),
         (.status(400, error: "invalid_grant", retryAfter: nil), .terminal("invalid_grant")),
         (.status(401, error: "invalid_client", retryAfter: nil), .terminal("client configuration: invalid_client")),
         (.status(400, error: "unauthorized_client", retryAfter: nil), .terminal("client configuration: unauthorized_client")),
