@@ -53,11 +53,11 @@ public struct FetchFailure: Error, Sendable, Equatable {
         /// Worth retrying later: network, timeout, 5xx, 429. `retryAfter` is the server's own
         /// `Retry-After`, which the backoff honours as a lower bound.
         case transient(retryAfter: Duration?)
-        /// The server refused the request without saying why (a 4xx with no OAuth error code:
-        /// some servers answer a revoked, replayed or unknown refresh token, or a wrong client
-        /// secret, with a bare `400`). Retried with backoff like a transient failure, but only
-        /// `RefreshPolicy.refusalLimit` times in a row: then the session ends, and the server
-        /// sees the dead token no more.
+        /// The server refused the request without saying why (a 400, 401 or 403 with no OAuth
+        /// error code: some servers answer a revoked, replayed or unknown refresh token, or a
+        /// wrong client secret, with a bare `400`). Retried with backoff like a transient
+        /// failure, but the `RefreshPolicy.refusalLimit`-th since the last success ends a
+        /// session that holds a refresh token, and the server sees the dead token no more.
         case refused(retryAfter: Duration?)
         /// Retrying cannot help (`invalid_grant`, a revoked or unknown client): the session ends
         /// until the next login.
