@@ -7,8 +7,10 @@ SWIFT       ?= swift
 SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
 # C libraries the package links through system-library targets, systemd's tools (systemd-analyze,
 # systemd-socket-activate), setpriv, kill (procps) and openssl for the tests, and the
-# independent varlink implementation the conformance tests run against (Go).
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl
+# independent varlink implementation the conformance tests run against (Go), and etcd (the fleet
+# tests start their own etcd clusters on loopback ports; where systemd runs, the package also
+# starts its own etcd service on localhost:2379, which the tests do not use).
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl etcd-server
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0

@@ -40,6 +40,8 @@ var package = Package(
         // The OAuth 2.0 client: one libcurl loop thread, token requests and their classification,
         // discovery, revocation, the device flow.
         .target(name: "Upstream", dependencies: ["Basics", "CCurl", "TokenBrokerCore", "WireJSON"]),
+        // Fleet mode (in progress): etcd v3 through its JSON gateway, over the libcurl loop.
+        .target(name: "Fleet", dependencies: ["Basics", "Upstream", "WireJSON"]),
         // A development OAuth 2.0 authorization server on loopback HTTP (`tokenbroker serve --dev`, tests).
         .target(name: "DevIssuer", dependencies: ["Basics", "WireJSON"]),
         // libsystemd: sd_notify, socket activation, the watchdog, the journal.
@@ -93,6 +95,7 @@ var package = Package(
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "TokenBrokerCore", "TestSupport"]),
+        .testTarget(name: "FleetTests", dependencies: ["Fleet", "TestSupport"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCLI", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
         // Spawns the real binaries; depends on the daemon's so `swift test` builds it first (not on the

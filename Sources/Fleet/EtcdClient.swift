@@ -1,0 +1,233 @@
+import Basics
+import Upstream
+import WireJSON
+
+/// A key's record as etcd holds it.
+public struct EtcdKeyValue: Sendable, Equatable {
+    public var key: [UInt8]
+    public var value: [UInt8]
+    public var createRevision: Int64
+    public var modRevision: Int64
+    public var version: Int64
+    /// The lease the key is attached to (0: none).
+    public var lease: Int64
+}
+
+/// What went wrong talking to etcd.
+public struct EtcdError: Error, Sendable, Equatable, CustomStringConvertible {
+    public enum Kind: Sendable, Equatable {
+        /// No member answered (network, timeout, no quorum behind the gateway): try again later.
+        case unavailable
+        /// etcd refused the request (its gRPC code): retrying the same request will not help.
+        case refused(code: Int)
+        /// The answer was not what etcd's JSON gateway sends.
+        case malformed
+    }
+
+    public var kind: Kind
+    public var message: String
+    public var description: String { "etcd: \(message)" }
+}
+
+/// One comparison of a transaction (all must hold for `success` to run).
+public enum EtcdCompare: Sendable, Equatable {
+    /// The key's create revision (0: the key does not exist).
+    case createRevision(key: [UInt8], equals: Int64)
+    /// The key's last modification revision.
+    case modRevision(key: [UInt8], equals: Int64)
+    case value(key: [UInt8], equals: [UInt8])
+}
+
+/// One operation of a transaction.
+public enum EtcdOperation: Sendable, Equatable {
+    case put(key: [UInt8], value: [UInt8], lease: Int64)
+    case delete(key: [UInt8])
+    case get(key: [UInt8])
+}
+
+/// The outcome of a transaction: which branch ran, at which revision, and the records that
+/// its `get` operations read (in order).
+public struct EtcdTransaction: Sendable, Equatable {
+    public var succeeded: Bool
+    public var revision: Int64
+    public var reads: [EtcdKeyValue?]
+}
+
+/// etcd v3 through its JSON gateway (`/v3/kv/…`, `/v3/lease/…`), over the daemon's libcurl loop.
+/// Keys and values are bytes (base64 on the wire); 64-bit numbers travel as JSON strings.
+/// Endpoints are tried in order: a member that does not answer is skipped for the next one.
+public struct EtcdClient: Sendable {
+    public var endpoints: [String]
+    public var tls: TLSOptions
+    /// The deadline of one request to one member.
+    public var timeout: Duration
+    /// Largest answer accepted.
+    public var maximumAnswer: Int
+
+    public init(endpoints: [String], tls: TLSOptions = TLSOptions(), timeout: Duration = .seconds(2), maximumAnswer: Int = 1 << 20) {
+        self.endpoints = endpoints
+        self.tls = tls
+        self.timeout = timeout
+        self.maximumAnswer = maximumAnswer
+    }
+
+    // MARK: - Keys
+
+    /// The record of `key`, or nil when there is none; with the store's revision.
+    public func get(_ key: [UInt8]) async throws(EtcdError) -> (record: EtcdKeyValue?, revision: Int64) {
+        let answer = try await call("/v3/kv/range", ["key": .string(Base64.encode(key))])
+        let records = try Self.records(answer["kvs"])
+        return (records.first, try Self.revision(answer))
+    }
+
+    /// Sets `key`; returns the revision of the change.
+    @discardableResult
+    public func put(_ key: [UInt8], _ value: [UInt8], lease: Int64 = 0) async throws(EtcdError) -> Int64 {
+        var body: JSONObject = ["key": .string(Base64.encode(key)), "value": .string(Base64.encode(value))]
+        if lease != 0 { body["lease"] = .string(String(lease)) }
+        return try Self.revision(try await call("/v3/kv/put", body))
+    }
+
+    /// Runs `success` if every comparison holds, else `failure`, atomically.
+    public func transaction(_ compare: [EtcdCompare], success: [EtcdOperation], failure: [EtcdOperation] = []) async throws(EtcdError)
+        -> EtcdTransaction {
+        let body: JSONObject = ["compare": .array(compare.map(Self.encode)), "success": .array(success.map(Self.encode)),
+                                "failure": .array(failure.map(Self.encode))]
+        let answer = try await call("/v3/kv/txn", body)
+        let ran = answer["succeeded"]?.boolValue ?? false
+        var reads: [EtcdKeyValue?] = []
+        for (operation, response) in zip(ran ? success : failure, answer["responses"]?.arrayValue ?? []) {
+            guard case .get = operation else { continue }
+            reads.append(try Self.records(response.objectValue?["response_range"]?.objectValue?["kvs"]).first)
+        }
+        return EtcdTransaction(succeeded: ran, revision: try Self.revision(answer), reads: reads)
+    }
+
+    // MARK: - Leases
+
+    /// A new lease of `ttl`; returns its id and the TTL etcd granted.
+    public func grantLease(ttl: Duration) async throws(EtcdError) -> (id: Int64, ttl: Duration) {
+        let answer = try await call("/v3/lease/grant", ["TTL": .string(String(ttl.components.seconds))])
+        guard let id = Self.int(answer["ID"]), id != 0, let granted = Self.int(answer["TTL"]) else {
+            throw EtcdError(kind: .malformed, message: "lease grant without an ID and a TTL")
+        }
+        return (id, .seconds(granted))
+    }
+
+    /// Renews the lease; returns its TTL, or nil when it has expired (or never existed).
+    public func keepAlive(lease: Int64) async throws(EtcdError) -> Duration? {
+        let answer = try await call("/v3/lease/keepalive", ["ID": .string(String(lease))])
+        guard let result = answer["result"]?.objectValue else { throw EtcdError(kind: .malformed, message: "keepalive without a result") }
+        let ttl = Self.int(result["TTL"]) ?? 0
+        return ttl > 0 ? .seconds(ttl) : nil
+    }
+
+    /// Ends the lease at once, deleting the keys attached to it. An unknown lease is no error.
+    public func revoke(lease: Int64) async throws(EtcdError) {
+        do {
+            _ = try await call("/v3/lease/revoke", ["ID": .string(String(lease))])
+        } catch let error where error.kind == .refused(code: 5) {
+            return   // NotFound: expired already
+        }
+    }
+
+    // MARK: - The wire
+
+    private func call(_ path: String, _ body: JSONObject) async throws(EtcdError) -> JSONObject {
+        var bytes: [UInt8] = []
+        body.encode(into: &bytes)
+        var problem = EtcdError(kind: .unavailable, message: "no endpoint")
+        for endpoint in endpoints {
+            let request = HTTPRequest(method: "POST", url: endpoint + path, headers: [("Content-Type", "application/json")], body: bytes,
+                                      connectTimeout: timeout, timeout: timeout, tls: tls, maximumBodySize: maximumAnswer)
+            let response: HTTPResponse
+            do {
+                response = try await CurlLoop.shared.perform(request)
+            } catch {
+                problem = EtcdError(kind: .unavailable, message: "\(endpoint): \(error)")
+                continue
+            }
+            guard let answer = (try? JSONParser.parse(response.body))?.objectValue else {
+                problem = EtcdError(kind: response.status >= 500 ? .unavailable : .malformed,
+                                    message: "\(endpoint)\(path): HTTP \(response.status), not a JSON object")
+                if response.status >= 500 { continue }
+                throw problem
+            }
+            if let code = Self.int(answer["code"]), code != 0 {
+                let message = String((answer["message"]?.stringValue ?? "error \(code)").prefix(200))
+                // Unavailable (14) and deadline exceeded (4): another member may do better.
+                if code == 14 || code == 4 {
+                    problem = EtcdError(kind: .unavailable, message: "\(endpoint): \(message)")
+                    continue
+                }
+                throw EtcdError(kind: .refused(code: Int(code)), message: message)
+            }
+            guard response.status == 200 else {
+                throw EtcdError(kind: .malformed, message: "\(endpoint)\(path): HTTP \(response.status)")
+            }
+            return answer
+        }
+        throw problem
+    }
+
+    private static func encode(_ compare: EtcdCompare) -> JSON {
+        switch compare {
+        case let .createRevision(key, value):
+            return ["key": .string(Base64.encode(key)), "target": "CREATE", "result": "EQUAL", "create_revision": .string(String(value))]
+        case let .modRevision(key, value):
+            return ["key": .string(Base64.encode(key)), "target": "MOD", "result": "EQUAL", "mod_revision": .string(String(value))]
+        case let .value(key, value):
+            return ["key": .string(Base64.encode(key)), "target": "VALUE", "result": "EQUAL", "value": .string(Base64.encode(value))]
+        }
+    }
+
+    private static func encode(_ operation: EtcdOperation) -> JSON {
+        switch operation {
+        case let .put(key, value, lease):
+            var put: JSONObject = ["key": .string(Base64.encode(key)), "value": .string(Base64.encode(value))]
+            if lease != 0 { put["lease"] = .string(String(lease)) }
+            return ["request_put": .object(put)]
+        case let .delete(key):
+            return ["request_delete_range": ["key": .string(Base64.encode(key))]]
+        case let .get(key):
+            return ["request_range": ["key": .string(Base64.encode(key))]]
+        }
+    }
+
+    /// A 64-bit number as the gateway writes it (a string; a plain number is accepted too).
+    static func int(_ value: JSON?) -> Int64? {
+        switch value {
+        case let .string(text)?: return Int64(text)
+        case let .int(number)?: return number
+        default: return nil
+        }
+    }
+
+    private static func revision(_ answer: JSONObject) throws(EtcdError) -> Int64 {
+        guard let revision = int(answer["header"]?.objectValue?["revision"]) else {
+            throw EtcdError(kind: .malformed, message: "an answer without a header revision")
+        }
+        return revision
+    }
+
+    private static func records(_ value: JSON?) throws(EtcdError) -> [EtcdKeyValue] {
+        guard let value else { return [] }
+        guard let array = value.arrayValue else { throw EtcdError(kind: .malformed, message: "kvs is not an array") }
+        return try array.map { (item) throws(EtcdError) -> EtcdKeyValue in
+            guard let object = item.objectValue, let key = object["key"]?.stringValue.flatMap(Base64.decode) else {
+                throw EtcdError(kind: .malformed, message: "a record without a key")
+            }
+            // An empty value is left out of the JSON.
+            var value: [UInt8] = []
+            if let encoded = object["value"] {
+                guard let decoded = encoded.stringValue.flatMap(Base64.decode) else {
+                    throw EtcdError(kind: .malformed, message: "a value that is not base64")
+                }
+                value = decoded
+            }
+            return EtcdKeyValue(key: key, value: value, createRevision: int(object["create_revision"]) ?? 0,
+                                modRevision: int(object["mod_revision"]) ?? 0, version: int(object["version"]) ?? 0,
+                                lease: int(object["lease"]) ?? 0)
+        }
+    }
+}

@@ -1,0 +1,100 @@
+import Fleet
+import Synchronization
+import Testing
+import TestSupport
+
+/// The etcd client against a real 3-member etcd cluster on loopback.
+@Suite("etcd client", .serialized)
+struct EtcdClientTests {
+    static func bytes(_ text: String) -> [UInt8] { Array(text.utf8) }
+
+    @Test("put, get (missing, empty and binary values), and revisions that grow")
+    func putAndGet() async throws {
+        let cluster = try await EtcdCluster(members: 3)
+        let client = EtcdClient(endpoints: cluster.clientURLs)
+        let missing = try await client.get(Self.bytes("/tb/none"))
+        #expect(missing.record == nil && missing.revision >= 1)
+        let first = try await client.put(Self.bytes("/tb/a"), [0, 1, 2, 255])
+        let record = try #require(try await client.get(Self.bytes("/tb/a")).record)
+        #expect(record.value == [0, 1, 2, 255] && record.createRevision == first && record.modRevision == first && record.version == 1)
+        let second = try await client.put(Self.bytes("/tb/a"), [])
+        #expect(second > first)
+        let empty = try #require(try await client.get(Self.bytes("/tb/a")).record)
+        #expect(empty.value == [] && empty.createRevision == first && empty.modRevision == second && empty.version == 2)
+        await cluster.stop()
+    }
+
+    @Test("create-if-absent transactions: of 20 contenders at once exactly one wins; the losers read the winner's record")
+    func oneWinner() async throws {
+        let cluster = try await EtcdCluster(members: 3)
+        let key = Self.bytes("/tb/flight")
+        final class Tally: Sendable {
+            let winners = Mutex<[Int]>([])
+            let readers = Mutex<[Int]>([])
+        }
+        let tally = Tally()
+        await withTaskGroup(of: Void.self) { group in
+            for contender in 0..<20 {
+                group.addTask {
+                    // Each through a different first member: the cluster, not one member, decides.
+                    let endpoints = Array(cluster.clientURLs[(contender % 3)...] + cluster.clientURLs[..<(contender % 3)])
+                    let client = EtcdClient(endpoints: endpoints)
+                    guard let outcome = try? await client.transaction([.createRevision(key: key, equals: 0)],
+                                                                      success: [.put(key: key, value: Self.bytes("\(contender)"), lease: 0)],
+                                                                      failure: [.get(key: key)]) else { return }
+                    if outcome.succeeded {
+                        tally.winners.withLock { $0.append(contender) }
+                    } else if let read = outcome.reads.first, let record = read, let holder = Int(String(decoding: record.value, as: UTF8.self)) {
+                        tally.readers.withLock { $0.append(holder) }
+                    }
+                }
+            }
+        }
+        let won = tally.winners.withLock { $0 }
+        let read = tally.readers.withLock { $0 }
+        #expect(won.count == 1, "\(won)")
+        #expect(read.count == 19 && Set(read) == Set(won), "\(read)")
+        await cluster.stop()
+    }
+
+    @Test("a key on a lease: kept alive it stays; revoked, it goes at once; left alone, it expires")
+    func leases() async throws {
+        let cluster = try await EtcdCluster(members: 3)
+        let client = EtcdClient(endpoints: cluster.clientURLs)
+        let lease = try await client.grantLease(ttl: .seconds(2))
+        #expect(lease.id != 0 && lease.ttl == .seconds(2))
+        try await client.put(Self.bytes("/tb/held"), Self.bytes("x"), lease: lease.id)
+        #expect(try await client.get(Self.bytes("/tb/held")).record?.lease == lease.id)
+        #expect(try await client.keepAlive(lease: lease.id) == .seconds(2))
+        try await client.revoke(lease: lease.id)
+        #expect(try await client.get(Self.bytes("/tb/held")).record == nil, "revoking the lease deletes its keys")
+        #expect(try await client.keepAlive(lease: lease.id) == nil, "a revoked lease cannot be renewed")
+        try await client.revoke(lease: lease.id)   // twice: no error
+
+        let short = try await client.grantLease(ttl: .seconds(1))
+        try await client.put(Self.bytes("/tb/lapsing"), Self.bytes("y"), lease: short.id)
+        try await eventually("the lease lapses and takes its key", timeout: .seconds(10)) {
+            (try? await client.get(Self.bytes("/tb/lapsing")).record) == .some(nil)
+        }
+        await cluster.stop()
+    }
+
+    @Test("one member lost: still served through the others; quorum lost: unavailable, not a wrong answer")
+    func memberLoss() async throws {
+        let cluster = try await EtcdCluster(members: 3)
+        // The lost member first in the list: the client must go on to the next.
+        let client = EtcdClient(endpoints: cluster.clientURLs, timeout: .milliseconds(700))
+        try await client.put(Self.bytes("/tb/k"), Self.bytes("1"))
+        cluster.kill(0)
+        #expect(try await client.put(Self.bytes("/tb/k"), Self.bytes("2")) > 0)
+        #expect(try await client.get(Self.bytes("/tb/k")).record?.value == Self.bytes("2"))
+        cluster.kill(1)
+        do {
+            _ = try await client.put(Self.bytes("/tb/k"), Self.bytes("3"))
+            Issue.record("a write without quorum succeeded")
+        } catch {
+            #expect(error.kind == .unavailable, "\(error)")
+        }
+        await cluster.stop()
+    }
+}

@@ -1,0 +1,71 @@
+import Foundation
+#if canImport(Glibc)
+import Glibc
+#endif
+import Fleet
+import Testing
+import TestSupport
+
+/// A real etcd cluster (Debian's etcd-server) on loopback ports, in a temporary directory:
+/// `members` processes, each with its own data directory. Stopped and removed by `stop()`.
+final class EtcdCluster: @unchecked Sendable {
+    // @unchecked: set up in init, then only read; `children` are only signalled and awaited.
+    let directory: String
+    let clientURLs: [String]
+    private let children: [Child]
+
+    init(members: Int) async throws {
+        var template = Array("/tmp/tb-etcd-XXXXXX".utf8CString)
+        guard let path = mkdtemp(&template) else { throw POSIXError(.EIO) }
+        directory = String(cString: path)
+        let ports = try (0..<(2 * members)).map { _ in try Self.freePort() }
+        let names = (0..<members).map { "m\($0)" }
+        let peers = (0..<members).map { "http://127.0.0.1:\(ports[2 * $0 + 1])" }
+        clientURLs = (0..<members).map { "http://127.0.0.1:\(ports[2 * $0])" }
+        let initial = zip(names, peers).map { "\($0)=\($1)" }.joined(separator: ",")
+        var started: [Child] = []
+        for index in 0..<members {
+            started.append(try Child("/usr/bin/etcd", [
+                "--name", names[index], "--data-dir", directory + "/" + names[index],
+                "--listen-client-urls", clientURLs[index], "--advertise-client-urls", clientURLs[index],
+                "--listen-peer-urls", peers[index], "--initial-advertise-peer-urls", peers[index],
+                "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", "tb-\(getpid())",
+                "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "warn",
+            ], directory: directory))
+        }
+        children = started
+        // Ready when each member answers a read (which needs the cluster's quorum).
+        for url in clientURLs {
+            try await eventually("etcd at \(url) answers", timeout: .seconds(20)) {
+                (try? await EtcdClient(endpoints: [url], timeout: .milliseconds(500)).get(Array("ready".utf8))) != nil
+            }
+        }
+    }
+
+    /// A port nothing listens on now (the kernel's pick for port 0).
+    static func freePort() throws -> Int {
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        guard fd >= 0 else { throw POSIXError(.EIO) }
+        defer { close(fd) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        let bound = withUnsafeMutablePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) == 0 && getsockname(fd, $0, &length) == 0 }
+        }
+        guard bound else { throw POSIXError(.EADDRINUSE) }
+        return Int(UInt16(bigEndian: address.sin_port))
+    }
+
+    /// Stops member `index` (SIGKILL: a lost host).
+    func kill(_ index: Int) {
+        Glibc.kill(children[index].process.processIdentifier, SIGKILL)
+    }
+
+    func stop() async {
+        for child in children where child.process.isRunning { Glibc.kill(child.process.processIdentifier, SIGTERM) }
+        for child in children { _ = await child.wait(timeout: 20) }
+        try? FileManager.default.removeItem(atPath: directory)
+    }
+}
