@@ -38,7 +38,8 @@ struct EtcdClientTests {
                 group.addTask {
                     // Each through a different first member: the cluster, not one member, decides.
                     let endpoints = Array(cluster.clientURLs[(contender % 3)...] + cluster.clientURLs[..<(contender % 3)])
-                    let client = EtcdClient(endpoints: endpoints)
+                    // A generous deadline: 20 transactions at once on a loaded 2-core machine.
+                    let client = EtcdClient(endpoints: endpoints, timeout: .seconds(10))
                     guard let outcome = try? await client.transaction([.createRevision(key: key, equals: 0)],
                                                                       success: [.put(key: key, value: Self.bytes("\(contender)"), lease: 0)],
                                                                       failure: [.get(key: key)]) else { return }
