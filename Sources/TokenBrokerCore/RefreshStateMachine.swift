@@ -344,7 +344,6 @@ public struct RefreshStateMachine: Sendable {
         }
         self.flight = nil
         counters.failures += 1
-        lastError = failure.reason
         var failure = failure
         // Only a refresh token can be dead: a client_credentials session keeps retrying.
         if case .refused = failure.kind, refreshToken != nil, (backoff?.refusals ?? 0) + 1 >= policy.refusalLimit {
@@ -352,8 +351,8 @@ public struct RefreshStateMachine: Sendable {
             failure = .terminal("\(failure.reason), \(policy.refusalLimit) times in a row: the server refuses this session's refresh "
                                 + "(a revoked, replayed or unknown refresh token, or wrong client credentials); log in again "
                                 + "(tokenbroker ctl login) or check the client configuration")
-            lastError = failure.reason
         }
+        lastError = failure.reason
         switch failure.kind {
         case let .transient(retryAfter), let .refused(retryAfter):
             let failures = (backoff?.failures ?? 0) + 1
