@@ -40,8 +40,9 @@ var package = Package(
         // The OAuth 2.0 client: one libcurl loop thread, token requests and their classification,
         // discovery, revocation, the device flow.
         .target(name: "Upstream", dependencies: ["Basics", "CCurl", "TokenBrokerCore", "WireJSON"]),
-        // Fleet mode (in progress): etcd v3 through its JSON gateway, over the libcurl loop.
-        .target(name: "Fleet", dependencies: ["Basics", "Upstream", "WireJSON"]),
+        // Fleet mode: sessions shared by brokers on many hosts through etcd v3 (its JSON
+        // gateway, over the libcurl loop).
+        .target(name: "Fleet", dependencies: ["Basics", "SQLiteStore", "TokenBrokerCore", "Upstream", "WireJSON"]),
         // A development OAuth 2.0 authorization server on loopback HTTP (`tokenbroker serve --dev`, tests).
         .target(name: "DevIssuer", dependencies: ["Basics", "WireJSON"]),
         // libsystemd: sd_notify, socket activation, the watchdog, the journal.
@@ -60,7 +61,7 @@ var package = Package(
         .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "Varlink"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve,
         // check-config.
-        .target(name: "TokenBrokerDaemon", dependencies: ["Basics", "BrokerContract", "CLinux", "TokenBrokerCLI", "TokenBrokerCore",
+        .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "TokenBrokerCLI", "TokenBrokerCore",
                                                          "Varlink", "Upstream", "SQLiteStore", "CSystemd"]),
         // `serve --dev`: the development issuer beside the daemon. Only the executable links it.
         .target(name: "TokenBrokerDevelopment", dependencies: ["DevIssuer", "TokenBrokerCore", "TokenBrokerDaemon", "Upstream"]),
@@ -102,7 +103,7 @@ var package = Package(
         // static `tokenbroker`, whose link flags would apply to the test bundle: `swift test` builds
         // every product anyway).
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker-daemon", "varlink-certification", "example-worker",
-                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore",
+                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "Upstream", "SQLiteStore", "TokenBrokerCore", "Fleet",
                                                             "TestSupport"]),
     ],
     swiftLanguageModes: [.v6]

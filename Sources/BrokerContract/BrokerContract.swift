@@ -190,6 +190,12 @@ public struct StatusEntry: Sendable, Equatable {
     public var counters = SessionCounters()
     /// A stored session the configuration no longer names.
     public var inert = false
+    /// Fleet sessions only: `healthy`, `starting` or `unavailable: <why>`.
+    public var fleetHealth: String?
+    public var fleetGeneration: Int64?
+    public var fleetRevision: Int64?
+    /// The broker refreshing the session for the fleet now.
+    public var flightHolder: String?
 
     public init(name: String, state: String, generation: Int) {
         self.name = name
@@ -218,6 +224,10 @@ public struct StatusEntry: Sendable, Equatable {
         (counters.fetches, counters.joinedWaiters, counters.failures) = (int("fetches"), int("joinedWaiters"), int("failures"))
         (counters.staleRejections, counters.throttled, counters.droppedResults) = (int("staleRejections"), int("throttled"), int("droppedResults"))
         inert = object["inert"]?.boolValue ?? false
+        fleetHealth = object["fleetHealth"]?.stringValue
+        fleetGeneration = object["fleetGeneration"]?.intValue
+        fleetRevision = object["fleetRevision"]?.intValue
+        flightHolder = object["flightHolder"]?.stringValue
     }
 
     public var parameters: JSONObject {
@@ -235,6 +245,10 @@ public struct StatusEntry: Sendable, Equatable {
             entry[key] = .int(Int64(count))
         }
         if inert { entry["inert"] = true }
+        if let fleetHealth { entry["fleetHealth"] = .string(fleetHealth) }
+        if let fleetGeneration { entry["fleetGeneration"] = .int(fleetGeneration) }
+        if let fleetRevision { entry["fleetRevision"] = .int(fleetRevision) }
+        if let flightHolder { entry["flightHolder"] = .string(flightHolder) }
         return entry
     }
 

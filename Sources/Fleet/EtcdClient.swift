@@ -1,4 +1,5 @@
 import Basics
+import Synchronization
 import Upstream
 import WireJSON
 
@@ -78,6 +79,62 @@ public struct EtcdClient: Sendable {
         let answer = try await call("/v3/kv/range", ["key": .string(Base64.encode(key))])
         let records = try Self.records(answer["kvs"])
         return (records.first, try Self.revision(answer))
+    }
+
+    /// Every record whose key starts with `prefix` (in key order), with the store's revision.
+    public func range(prefix: [UInt8]) async throws(EtcdError) -> (records: [EtcdKeyValue], revision: Int64) {
+        let answer = try await call("/v3/kv/range", ["key": .string(Base64.encode(prefix)),
+                                                     "range_end": .string(Base64.encode(Self.rangeEnd(prefix)))])
+        return (try Self.records(answer["kvs"]), try Self.revision(answer))
+    }
+
+    /// The first key after every key that starts with `prefix`.
+    static func rangeEnd(_ prefix: [UInt8]) -> [UInt8] {
+        var end = prefix
+        while let last = end.last {
+            if last < 0xFF {
+                end[end.count - 1] = last + 1
+                return end
+            }
+            end.removeLast()
+        }
+        return [0]   // every key
+    }
+
+    /// Watches the keys under `prefix` from `revision` on, on the first member that takes the
+    /// watch, for at most `duration`: `changed` is called with the revision of every batch of
+    /// changes (on the HTTP loop's thread; it must not block). Returns when the duration is
+    /// over or the member ends the stream; throws when no member would watch, or when etcd
+    /// cancelled the watch (its history before `revision` was compacted, say): the caller
+    /// reads the keys again and watches from there.
+    public func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
+                      changed: @escaping @Sendable (Int64) -> Void) async throws(EtcdError) {
+        let create: JSONObject = ["create_request": ["key": .string(Base64.encode(prefix)),
+                                                     "range_end": .string(Base64.encode(Self.rangeEnd(prefix))),
+                                                     "start_revision": .string(String(revision))]]
+        var body: [UInt8] = []
+        create.encode(into: &body)
+        var problem = EtcdError(kind: .unavailable, message: "no endpoint")
+        for endpoint in endpoints {
+            let stream = WatchStream(limit: maximumAnswer, changed: changed)
+            var request = HTTPRequest(method: "POST", url: endpoint + "/v3/watch", headers: [("Content-Type", "application/json")],
+                                      body: body, connectTimeout: timeout, timeout: duration, tls: tls)
+            request.onBody = { stream.take($0) }
+            do {
+                _ = try await CurlLoop.shared.perform(request)
+            } catch let error as HTTPError where error.kind == .timeout && stream.started {
+                return   // the duration is over
+            } catch {
+                if let ended = stream.problem { throw ended }
+                problem = EtcdError(kind: .unavailable, message: "\(endpoint): \(error)")
+                if stream.started { throw problem }
+                continue
+            }
+            if let ended = stream.problem { throw ended }
+            if stream.started { return }
+            problem = EtcdError(kind: .unavailable, message: "\(endpoint): the watch ended before it started")
+        }
+        throw problem
     }
 
     /// Sets `key`; returns the revision of the change.
@@ -229,5 +286,66 @@ public struct EtcdClient: Sendable {
                                 modRevision: int(object["mod_revision"]) ?? 0, version: int(object["version"]) ?? 0,
                                 lease: int(object["lease"]) ?? 0)
         }
+    }
+}
+
+/// The lines of one watch answer (one JSON object per line), cut and read on the HTTP loop's
+/// thread as they arrive.
+private final class WatchStream: Sendable {
+    private struct State {
+        var line: [UInt8] = []
+        var started = false
+        var problem: EtcdError?
+    }
+
+    private let state = Mutex(State())
+    private let limit: Int
+    private let changed: @Sendable (Int64) -> Void
+
+    init(limit: Int, changed: @escaping @Sendable (Int64) -> Void) {
+        self.limit = limit
+        self.changed = changed
+    }
+
+    var started: Bool { state.withLock { $0.started } }
+    var problem: EtcdError? { state.withLock { $0.problem } }
+
+    /// Returns false to end the transfer (a line too long, an error, a cancelled watch).
+    func take(_ bytes: UnsafeRawBufferPointer) -> Bool {
+        var revisions: [Int64] = []
+        let going = state.withLock { state -> Bool in
+            for byte in bytes {
+                guard byte == 0x0A else {
+                    state.line.append(byte)
+                    if state.line.count > limit {
+                        state.problem = EtcdError(kind: .malformed, message: "a watch message larger than \(limit) bytes")
+                        return false
+                    }
+                    continue
+                }
+                defer { state.line.removeAll(keepingCapacity: true) }
+                guard let message = (try? JSONParser.parse(state.line))?.objectValue else {
+                    state.problem = EtcdError(kind: .malformed, message: "a watch message that is not a JSON object")
+                    return false
+                }
+                guard let result = message["result"]?.objectValue else {
+                    let text = message["error"]?.objectValue?["message"]?.stringValue ?? "an error"
+                    state.problem = EtcdError(kind: .unavailable, message: "watch: \(text.prefix(200))")
+                    return false
+                }
+                if result["canceled"]?.boolValue == true || EtcdClient.int(result["compact_revision"]).map({ $0 > 0 }) == true {
+                    state.problem = EtcdError(kind: .refused(code: 11), message: "the watch was cancelled (history compacted)")
+                    return false
+                }
+                if result["created"]?.boolValue == true { state.started = true }
+                if result["events"] != nil, let revision = EtcdClient.int(result["header"]?.objectValue?["revision"]) {
+                    state.started = true
+                    revisions.append(revision)
+                }
+            }
+            return true
+        }
+        for revision in revisions { changed(revision) }
+        return going
     }
 }

@@ -10,7 +10,7 @@ import CCrypto
 public struct TokenCipher: Sendable {
     public struct Failure: Error, Sendable, Equatable, CustomStringConvertible {
         public var description: String
-        init(_ description: String) { self.description = description }
+        public init(_ description: String) { self.description = description }
     }
 
     static let prefix = "tbenc1:"

@@ -307,10 +307,19 @@ public enum Ctl {
             ])
         }
         let widths = header.indices.map { column in rows.map { $0[column].count }.max() ?? 0 }
+        var fleet = ""
+        for entry in sessions {
+            guard let health = entry.fleetHealth else { continue }
+            fleet += "fleet \(entry.name): \(health)"
+            if let generation = entry.fleetGeneration { fleet += ", fleet generation \(generation)" }
+            if let revision = entry.fleetRevision { fleet += ", etcd revision \(revision)" }
+            fleet += entry.flightHolder.map { ", refreshing on \($0)" } ?? ", no flight"
+            fleet += "\n"
+        }
         return rows.map { row in
             row.indices.map { column in
                 column == row.count - 1 ? row[column] : row[column] + String(repeating: " ", count: widths[column] - row[column].count)
             }.joined(separator: "  ")
-        }.joined(separator: "\n") + "\n"
+        }.joined(separator: "\n") + "\n" + fleet
     }
 }

@@ -234,6 +234,22 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         }
     }
 
+    /// Installs a token another broker of the fleet fetched and committed, as if this
+    /// coordinator had refreshed: written to the store (this host's copy) first, then handed
+    /// out and told to watchers. Returns false when the session is no longer active in
+    /// `generation`, or a flight is under way (it brings the token itself).
+    @discardableResult
+    public func adopt(_ fetched: FetchedToken, generation: Int) async -> Bool {
+        guard let id = machine.beginAdoption(generation: generation),
+              var write = machine.fetchSucceeded(id, fetched, now: now(), unixNow: wall.unixTime()) else { return false }
+        write.replicated = true
+        let committed = await commit(write)
+        guard let resolution = machine.commitFinished(id, committed) else { return false }
+        resolve(resolution)
+        if case .success = resolution.result { return true }
+        return false
+    }
+
     // MARK: - Boundaries
 
     /// Logs the session out: a new generation, no tokens, the flight cancelled and its waiters
@@ -242,9 +258,12 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     ///
     /// - Parameter handingOver: receives the refresh token that was in force, right after the
     ///   boundary (the daemon revokes it upstream, best effort, without delaying the logout).
-    public func logout(handingOver: @Sendable (Secret) -> Void = { _ in }) async throws {
+    /// - Parameter replicated: the logout happened elsewhere (another broker of a fleet) and is
+    ///   only applied here: the store writes it to this host's copy alone.
+    public func logout(replicated: Bool = false, handingOver: @Sendable (Secret) -> Void = { _ in }) async throws {
         let retired = machine.currentRefreshToken
-        let boundary = machine.logout()
+        var boundary = machine.logout()
+        boundary.write?.replicated = replicated
         cross(boundary)
         if let retired { handingOver(retired) }
         if let write = boundary.write, let reason = await persist(write) {
@@ -257,8 +276,9 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// the login produced (the device grant answers one), installed with it. Any flight of an
     /// earlier generation is cancelled and can never install its token in the new one.
     @discardableResult
-    public func login(refreshToken: Secret?, initial: FetchedToken? = nil) async throws -> Int {
-        let boundary = machine.beginLogin(refreshToken: refreshToken, initial: initial, now: now(), unixNow: wall.unixTime())
+    public func login(refreshToken: Secret?, initial: FetchedToken? = nil, replicated: Bool = false) async throws -> Int {
+        var boundary = machine.beginLogin(refreshToken: refreshToken, initial: initial, now: now(), unixNow: wall.unixTime())
+        boundary.write?.replicated = replicated
         cross(boundary)
         guard let write = boundary.write else { throw SessionError.signedOut }
         let outcome = await commit(write)

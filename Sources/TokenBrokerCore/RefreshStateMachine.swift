@@ -273,6 +273,18 @@ public struct RefreshStateMachine: Sendable {
         return (FetchRequest(session: session, generation: generation, refreshToken: refreshToken), id)
     }
 
+    /// A token that arrives from elsewhere (another broker of a fleet refreshed the session):
+    /// opens a flight for it, with no upstream request, so that it takes the same path as a
+    /// fetched token (`fetchSucceeded`, the store, `commitFinished`). `nil` when the session is
+    /// not active in `generation`, or a flight is under way (which will bring the token itself).
+    public mutating func beginAdoption(generation: Int) -> FlightID? {
+        guard phase == .active, !isShutDown, !isRetiring, self.generation == generation, flight == nil else { return nil }
+        nextFlight += 1
+        let id = FlightID(nextFlight)
+        flight = Flight(id: id, generation: generation, refreshAhead: false)
+        return id
+    }
+
     // MARK: - Flight outcomes
 
     /// The fetch returned a token: returns the write that must be durable before anyone sees it,
@@ -459,7 +471,7 @@ public struct RefreshStateMachine: Sendable {
     public mutating func writeFailed(_ write: StoreWrite, reason: String) {
         lastError = "store: \(reason)"
         guard write.record.generation >= (pendingWrite?.record.generation ?? Int.min) else { return }
-        pendingWrite = StoreWrite(write.record, guardedBy: writeGuard(write.guardedBy))
+        pendingWrite = StoreWrite(write.record, guardedBy: writeGuard(write.guardedBy), replicated: write.replicated)
     }
 
     /// A retried pending write has reached the store (applied, or superseded there).

@@ -61,10 +61,14 @@ public struct StoreWrite: Sendable, Equatable {
 
     public var record: SessionRecord
     public var guardedBy: Guard
+    /// The change came from elsewhere (another broker of a fleet), which already holds it: a
+    /// store shared with others writes it only to this host's copy.
+    public var replicated: Bool
 
-    public init(_ record: SessionRecord, guardedBy: Guard) {
+    public init(_ record: SessionRecord, guardedBy: Guard, replicated: Bool = false) {
         self.record = record
         self.guardedBy = guardedBy
+        self.replicated = replicated
     }
 
     /// Whether this write applies on top of `stored` (`nil`: no row).

@@ -1,4 +1,5 @@
 import BrokerContract
+import Fleet
 import Synchronization
 import SQLiteStore
 import TokenBrokerCore
@@ -192,7 +193,7 @@ final class BrokerService: VarlinkHandler {
         let inert = snapshot.access.isAdmin(peer) ? snapshot.inert : []
         return .async { sink in
             var entries: [JSON] = []
-            for session in visible { entries.append(Self.statusEntry(await session.coordinator.status())) }
+            for session in visible { entries.append(Self.statusEntry(await session.coordinator.status(), fleet: session.fleet?.status)) }
             entries += inert.map(Self.statusEntry)
             sink.send(VarlinkReply(parameters: ["sessions": .array(entries)]))
         }
@@ -404,8 +405,19 @@ final class BrokerService: VarlinkHandler {
         return .object(entry.parameters)
     }
 
-    static func statusEntry(_ status: SessionStatus) -> JSON {
-        .object(StatusEntry(status).parameters)
+    static func statusEntry(_ status: SessionStatus, fleet: FleetSession.Status? = nil) -> JSON {
+        var entry = StatusEntry(status)
+        if let fleet {
+            switch fleet.health {
+            case .healthy: entry.fleetHealth = "healthy"
+            case .starting: entry.fleetHealth = "starting"
+            case let .unavailable(why):
+                entry.fleetHealth = "unavailable: \(why)"
+                entry.degraded = true
+            }
+            (entry.fleetGeneration, entry.fleetRevision, entry.flightHolder) = (fleet.generation, fleet.revision, fleet.flightHolder)
+        }
+        return .object(entry.parameters)
     }
 }
 

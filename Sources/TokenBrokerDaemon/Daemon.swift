@@ -4,6 +4,7 @@ import Glibc
 import Basics
 import BrokerContract
 import Dispatch
+import Fleet
 import Synchronization
 import TokenBrokerCLI
 import TokenBrokerCore
@@ -269,6 +270,7 @@ public final class Daemon: Sendable {
             for session in table.snapshot.sessions.values {
                 group.addTask { [logger] in
                     await session.coordinator.retire()
+                    session.stopFollowing()
                     if await !session.coordinator.flushPendingWrite() {
                         logger.error("session \(session.configuration.name): state could not be written before exit",
                                      session: session.configuration.name)
@@ -364,9 +366,10 @@ public final class Daemon: Sendable {
                     // Same upstream and policy: keep tokens and flights; re-read discovery metadata.
                     existing.upstream?.resetDiscovery()
                     snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: existing.coordinator,
-                                                                           upstream: existing.upstream)
+                                                                           upstream: existing.upstream, fleet: existing.fleetPart)
                 } else if let existing = leaving[session.name] {
                     let (record, pending) = await existing.coordinator.handOver()
+                    existing.stopFollowing()
                     snapshot.sessions[session.name] = await makeSession(session, handedOver: (record, pending))
                 } else if let earlier = takeUnflushed(session.name) {
                     // Configured again while its last write from before is still pending: the
@@ -380,6 +383,7 @@ public final class Daemon: Sendable {
             }
             for (name, removed) in leaving where configuration.session(named: name) == nil {
                 await removed.coordinator.shutdown()
+                removed.stopFollowing()
                 if await !removed.coordinator.flushPendingWrite() {
                     logger.error("session \(name): removed from the configuration with a write still pending; retrying it", session: name)
                     unflushed.withLock { $0.append(removed.coordinator) }
@@ -429,11 +433,42 @@ public final class Daemon: Sendable {
             source = http
             upstream = http
         }
-        let coordinator = Coordinator(session: session.name, policy: session.policy, source: source,
-                                      store: state.sessions, restored: restored, pendingWrite: handedOver?.pending,
+        var fleet: FleetSession?
+        if let settings = session.fleet {
+            let logger = self.logger
+            let name = session.name
+            do {
+                fleet = try FleetSession(name: session.name, settings: settings, upstream: source, local: state.sessions, wall: SystemWallClock(),
+                                         discarded: discardedTokenRevocation(session, upstream),
+                                         log: { level, message in
+                                             switch level {
+                                             case .error: logger.log(.error, message, session: name)
+                                             case .warning: logger.log(.warning, message, session: name)
+                                             case .notice: logger.log(.notice, message, session: name)
+                                             case .info: logger.log(.info, message, session: name)
+                                             }
+                                         })
+            } catch {
+                // The key was checked when the configuration was read.
+                logger.error("session \(session.name): the fleet key cannot be used: \(error)", session: session.name)
+            }
+        }
+        let coordinator = Coordinator(session: session.name, policy: session.policy, source: fleet ?? source,
+                                      store: fleet ?? state.sessions, restored: restored, pendingWrite: handedOver?.pending,
                                       clock: ContinuousClock(), wall: SystemWallClock(),
                                       discarded: discardedTokenRevocation(session, upstream),
                                       outcomes: RefreshLog(logger: logger, policy: session.policy).record)
+        if let fleet {
+            // The fleet decides: this host's copy is served until the first read of etcd, which
+            // logs the session in or out here as the fleet has it.
+            fleet.attach(coordinator)
+            let following = Task { await fleet.run() }
+            if let restored {
+                logger.log(.info, "session \(session.name): restored \(restored.state.rawValue) from this host's copy; following the fleet",
+                           session: session.name, generation: restored.generation)
+            }
+            return SessionTable.Session(configuration: session, coordinator: coordinator, upstream: upstream, fleet: (fleet, following))
+        }
         if let restored {
             logger.log(.info, "session \(session.name): restored \(restored.state.rawValue) at generation \(restored.generation)"
                        + (restored.accessToken == nil ? "" : ", token #\(restored.tokenSerial)"),

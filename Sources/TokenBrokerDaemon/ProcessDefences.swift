@@ -9,6 +9,14 @@ enum ProcessDefences {
     /// Makes the process undumpable (`PR_SET_DUMPABLE` 0): a crash writes no core file (tokens,
     /// client secrets and the state key live in its memory), and processes of the same uid can
     /// neither ptrace it nor read its `/proc/PID/mem` or `environ`. Returns whether it took.
+    /// This host's name (`gethostname`), or "localhost".
+    static func hostName() -> String {
+        var buffer = [CChar](repeating: 0, count: 256)
+        guard gethostname(&buffer, buffer.count - 1) == 0 else { return "localhost" }
+        let name = String(decoding: buffer.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self)
+        return name.isEmpty || name.utf8.count > 64 ? "localhost" : name
+    }
+
     static func makeUndumpable() -> Bool {
         tb_set_undumpable() == 0 && tb_is_dumpable() == 0
     }

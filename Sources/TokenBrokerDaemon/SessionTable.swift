@@ -1,3 +1,4 @@
+import Fleet
 import Synchronization
 import TokenBrokerCore
 import Upstream
@@ -16,11 +17,27 @@ final class SessionTable: Sendable {
         let upstream: HTTPTokenSource?
         /// The GetToken reply for the current token, encoded once.
         let replies = TokenReplyCache()
+        /// A session shared with a fleet (`Fleet=yes`): its etcd side, and the task following it.
+        let fleet: FleetSession?
+        private let following: Task<Void, Never>?
 
-        init(configuration: SessionConfiguration, coordinator: Coordinator, upstream: HTTPTokenSource? = nil) {
+        init(configuration: SessionConfiguration, coordinator: Coordinator, upstream: HTTPTokenSource? = nil,
+             fleet: (session: FleetSession, following: Task<Void, Never>)? = nil) {
             self.configuration = configuration
             self.coordinator = coordinator
             self.upstream = upstream
+            self.fleet = fleet?.session
+            self.following = fleet?.following
+        }
+
+        var fleetPart: (session: FleetSession, following: Task<Void, Never>)? {
+            guard let fleet, let following else { return nil }
+            return (fleet, following)
+        }
+
+        /// Stops following the fleet (the coordinator is retired or handed over).
+        func stopFollowing() {
+            following?.cancel()
         }
     }
 

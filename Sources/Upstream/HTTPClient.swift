@@ -18,6 +18,10 @@ public struct HTTPRequest: Sendable {
     public var tls: TLSOptions
     /// Largest response body accepted.
     public var maximumBodySize: Int
+    /// A streaming answer (etcd's watch): each piece of the body is handed here, on the loop
+    /// thread, instead of being collected (so `maximumBodySize` does not apply); it must not
+    /// block. Returning false ends the transfer.
+    public var onBody: (@Sendable (UnsafeRawBufferPointer) -> Bool)?
 
     public init(method: String = "GET", url: String, headers: [(name: String, value: String)] = [], body: [UInt8]? = nil,
                 connectTimeout: Duration = .seconds(5), timeout: Duration = .seconds(30), tls: TLSOptions = TLSOptions(),
@@ -337,6 +341,7 @@ fileprivate final class CurlTransfer {
 
     /// Returns false (which aborts the transfer) past the body limit.
     func appendBody(_ bytes: UnsafeRawBufferPointer) -> Bool {
+        if let onBody = submission.request.onBody { return onBody(bytes) }
         guard body.count + bytes.count <= submission.request.maximumBodySize else {
             tooLarge = true
             return false

@@ -1,4 +1,5 @@
 import BrokerContract
+import Fleet
 import TokenBrokerCore
 import Upstream
 
@@ -32,6 +33,8 @@ public struct BrokerConfiguration: Sendable, Equatable {
     /// `StateKeyFile=`); read at start only.
     public var stateKey: Secret?
     public var sessions: [SessionConfiguration] = []
+    /// The `[Fleet]` section: how this broker reaches etcd, for sessions with `Fleet=yes`.
+    public var fleet: FleetSettings?
     /// Unknown keys and other non-fatal findings, each at `file:line`.
     public var warnings: [ConfigError] = []
 
@@ -46,7 +49,7 @@ public struct BrokerConfiguration: Sendable, Equatable {
             && lhs.adminGroup == rhs.adminGroup && lhs.maxConnections == rhs.maxConnections
             && lhs.maxConnectionsPerUser == rhs.maxConnectionsPerUser && lhs.maxMessageSize == rhs.maxMessageSize
             && lhs.maxObjectMembers == rhs.maxObjectMembers && lhs.messageTimeout == rhs.messageTimeout
-            && lhs.maxQueuedOutput == rhs.maxQueuedOutput && lhs.sessions == rhs.sessions
+            && lhs.maxQueuedOutput == rhs.maxQueuedOutput && lhs.sessions == rhs.sessions && lhs.fleet == rhs.fleet
     }
 }
 
@@ -104,6 +107,9 @@ public struct SessionConfiguration: Sendable, Equatable {
     /// Groups whose members may use it (`AllowGroups=`; supplementary groups count).
     public var allowGroups: [UInt32]
     public var policy: RefreshPolicy
+    /// Shared with the other brokers of a fleet through etcd (`Fleet=yes`): the `[Fleet]`
+    /// settings; `nil` for a session of this host alone.
+    public var fleet: FleetSettings?
     /// Where the section was first written, for messages.
     public var origin: String
 
@@ -118,12 +124,12 @@ public struct SessionConfiguration: Sendable, Equatable {
 
     public static func == (lhs: SessionConfiguration, rhs: SessionConfiguration) -> Bool {
         lhs.name == rhs.name && lhs.upstream == rhs.upstream && lhs.allowUsers == rhs.allowUsers
-            && lhs.allowGroups == rhs.allowGroups && lhs.policy == rhs.policy
+            && lhs.allowGroups == rhs.allowGroups && lhs.policy == rhs.policy && lhs.fleet == rhs.fleet
     }
 
     /// Whether the settings that shape the coordinator differ (a reload then rebuilds it);
     /// access lists can change without touching tokens.
     public func needsNewCoordinator(comparedTo other: SessionConfiguration) -> Bool {
-        upstream != other.upstream || policy != other.policy
+        upstream != other.upstream || policy != other.policy || fleet != other.fleet
     }
 }

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Fleet
 import SQLiteStore
 import TokenBrokerCore
 import Upstream
@@ -39,6 +40,8 @@ public enum ConfigLoader {
             switch section.name {
             case "Broker":
                 for entry in section.entries { try apply(entry, to: &configuration) }
+            case "Fleet":
+                try fleetSection(section, into: &configuration)
             case "Session":
                 guard let nameEntry = section.entries.last(where: { $0.key == "Name" }) else {
                     throw ConfigError(file: section.file, line: section.line, "[Session] needs Name=")
@@ -57,9 +60,132 @@ public enum ConfigLoader {
             }
         }
         for (name, origin, entries) in sessionEntries {
-            configuration.sessions.append(try session(name, origin: origin, entries: entries, warnings: &configuration.warnings))
+            var session = try session(name, origin: origin, entries: entries, warnings: &configuration.warnings)
+            if let entry = entries.last(where: { $0.key == "Fleet" }), ConfigValue.bool(entry.value) == true {
+                func fail(_ message: String) -> ConfigError { ConfigError(file: entry.file, line: entry.line, message) }
+                guard let fleet = configuration.fleet else { throw fail("Fleet=yes needs a [Fleet] section with Endpoints= and KeyFile= or KeyCredential=") }
+                guard case let .oauth(settings) = session.upstream, settings.grant == .refreshToken else {
+                    throw fail("Fleet=yes needs an OAuth session with Grant=refresh_token (a refresh token family is what the fleet shares)")
+                }
+                // The flight's holder gives up its upstream request before the lease can lapse:
+                // a request that may take longer would be cut short every time.
+                guard fleet.flightLease >= settings.client.timeout + .seconds(5) else {
+                    throw fail("[Fleet] FlightLease= (\(fleet.flightLease.seconds)s) must be at least the session's RequestTimeout= "
+                               + "(\(settings.client.timeout.seconds)s) plus 5s")
+                }
+                session.fleet = fleet
+            }
+            configuration.sessions.append(session)
         }
         return configuration
+    }
+
+    /// `[Fleet]`: the etcd cluster shared by the brokers of a fleet, and the key that seals what
+    /// they put there.
+    private static func fleetSection(_ section: INISection, into configuration: inout BrokerConfiguration) throws(ConfigError) {
+        var endpoints: [String] = []
+        var prefix = "/tokenbroker"
+        var tls = TLSOptions()
+        var key: Secret?
+        var lease = Duration.seconds(60)
+        var timeout = Duration.seconds(2)
+        var member = ProcessDefences.hostName()
+        for entry in section.entries {
+            func fail(_ message: String) -> ConfigError { ConfigError(file: entry.file, line: entry.line, message) }
+            func duration(_ range: ClosedRange<Duration>) throws(ConfigError) -> Duration { try durationValue(entry, range) }
+            func file() throws(ConfigError) -> String? { try readableFile(entry) }
+            switch entry.key {
+            case "Endpoints":
+                if entry.value.isEmpty { endpoints = [] }
+                for word in ConfigValue.list(entry.value) {
+                    var url = word
+                    while url.hasSuffix("/") { url.removeLast() }
+                    if let problem = EndpointPolicy.problemBeforeLibcurl(with: url) { throw fail("Endpoints=: \(problem)") }
+                    endpoints.append(url)
+                }
+            case "Prefix":
+                let bytes = Array(entry.value.utf8)
+                guard entry.value.hasPrefix("/"), !entry.value.hasSuffix("/"), (2...128).contains(bytes.count),
+                      bytes.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
+                    throw fail("Prefix= needs a key prefix such as /tokenbroker (2-128 printable characters, starting with / and not ending with one)")
+                }
+                prefix = entry.value
+            case "CAFile":
+                tls.caFile = try file()
+            case "ClientCertificate":
+                tls.clientCertificate = try file()
+            case "ClientKey":
+                tls.clientKey = try file()
+            case "KeyFile", "KeyCredential":
+                guard !entry.value.isEmpty else {
+                    key = nil
+                    continue
+                }
+                key = try readKey(entry)
+            case "FlightLease":
+                lease = try duration(.seconds(5)...Duration.seconds(3600))
+            case "RequestTimeout":
+                timeout = try duration(.milliseconds(100)...Duration.seconds(60))
+            case "Name":
+                guard !entry.value.isEmpty, entry.value.utf8.count <= 64, entry.value.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
+                    throw fail("Name= needs 1-64 printable characters without spaces")
+                }
+                member = entry.value
+            default:
+                configuration.warnings.append(fail("unknown key \(entry.key)= in [Fleet], ignored"))
+            }
+        }
+        func fail(_ message: String) -> ConfigError { ConfigError(file: section.file, line: section.line, message) }
+        guard !endpoints.isEmpty else { throw fail("[Fleet] needs Endpoints= (etcd client URLs)") }
+        guard let key else { throw fail("[Fleet] needs KeyFile= or KeyCredential= (the fleet key, 32 bytes or 64 hex digits)") }
+        if (tls.clientCertificate == nil) != (tls.clientKey == nil) { throw fail("[Fleet] ClientCertificate= and ClientKey= go together") }
+        configuration.fleet = FleetSettings(endpoints: endpoints, prefix: prefix, tls: tls, key: key, flightLease: lease,
+                                            requestTimeout: timeout, member: member)
+    }
+
+    /// A time span within `range`.
+    private static func durationValue(_ entry: INIEntry, _ range: ClosedRange<Duration>) throws(ConfigError) -> Duration {
+        guard let value = ConfigValue.duration(entry.value), range.contains(value) else {
+            throw ConfigError(file: entry.file, line: entry.line,
+                              "\(entry.key)= needs a time span between \(range.lowerBound.seconds)s and \(range.upperBound.seconds)s, e.g. 60s or 5min")
+        }
+        return value
+    }
+
+    /// A readable file by absolute path (`nil`: an empty value clears the setting).
+    private static func readableFile(_ entry: INIEntry) throws(ConfigError) -> String? {
+        guard !entry.value.isEmpty else { return nil }
+        guard entry.value.hasPrefix("/") else { throw ConfigError(file: entry.file, line: entry.line, "\(entry.key)= needs an absolute path") }
+        guard access(entry.value, R_OK) == 0 else { throw ConfigError(file: entry.file, line: entry.line, "\(entry.key)=: cannot read \(entry.value)") }
+        return entry.value
+    }
+
+    /// A 32-byte key (`StateKey…=`, `[Fleet] Key…=`) from a file or a systemd credential,
+    /// checked, kept as Latin-1 text so that any 32 raw bytes round-trip.
+    private static func readKey(_ entry: INIEntry) throws(ConfigError) -> Secret {
+        func fail(_ message: String) -> ConfigError { ConfigError(file: entry.file, line: entry.line, message) }
+        let path: String
+        if entry.key.hasSuffix("Credential") {
+            guard let directory = getenv("CREDENTIALS_DIRECTORY").map({ String(cString: $0) }) else {
+                throw fail("\(entry.key)=: $CREDENTIALS_DIRECTORY is not set (use LoadCredential= in the unit)")
+            }
+            guard !entry.value.contains("/") else { throw fail("\(entry.key)= needs a credential name") }
+            path = directory + "/" + entry.value
+        } else {
+            guard entry.value.hasPrefix("/") else { throw fail("\(entry.key)= needs an absolute path") }
+            path = entry.value
+        }
+        switch FileSystem.readBytes(path) {
+        case let .success(bytes):
+            do {
+                _ = try TokenCipher(keyMaterial: bytes)
+            } catch {
+                throw fail("\(entry.key)=: \(error.description)")
+            }
+            return Secret(String(bytes.map { Character(Unicode.Scalar($0)) }))
+        case let .failure(error):
+            throw fail("\(entry.key)=: cannot read \(path): \(error)")
+        }
     }
 
     private static func apply(_ entry: INIEntry, to configuration: inout BrokerConfiguration) throws(ConfigError) {
@@ -107,29 +233,7 @@ public enum ConfigLoader {
                 configuration.stateKey = nil
                 return
             }
-            let path: String
-            if entry.key == "StateKeyCredential" {
-                guard let directory = getenv("CREDENTIALS_DIRECTORY").map({ String(cString: $0) }) else {
-                    throw fail("StateKeyCredential=: $CREDENTIALS_DIRECTORY is not set (use LoadCredential= in the unit)")
-                }
-                guard !entry.value.contains("/") else { throw fail("StateKeyCredential= needs a credential name") }
-                path = directory + "/" + entry.value
-            } else {
-                guard entry.value.hasPrefix("/") else { throw fail("StateKeyFile= needs an absolute path") }
-                path = entry.value
-            }
-            switch FileSystem.readBytes(path) {
-            case let .success(bytes):
-                do {
-                    _ = try TokenCipher(keyMaterial: bytes)
-                } catch {
-                    throw fail("\(entry.key)=: \(error.description)")
-                }
-                // Kept as Latin-1 text so that any 32 raw bytes round-trip.
-                configuration.stateKey = Secret(String(bytes.map { Character(Unicode.Scalar($0)) }))
-            case let .failure(error):
-                throw fail("\(entry.key)=: cannot read \(path): \(error)")
-            }
+            configuration.stateKey = try readKey(entry)
         default:
             configuration.warnings.append(fail("unknown key \(entry.key)= in [Broker], ignored"))
         }
@@ -146,12 +250,7 @@ public enum ConfigLoader {
         var secretSources: [INIEntry] = []
         for entry in entries {
             func fail(_ message: String) -> ConfigError { ConfigError(file: entry.file, line: entry.line, message) }
-            func duration(_ range: ClosedRange<Duration>) throws(ConfigError) -> Duration {
-                guard let value = ConfigValue.duration(entry.value), range.contains(value) else {
-                    throw fail("\(entry.key)= needs a time span between \(range.lowerBound.seconds)s and \(range.upperBound.seconds)s, e.g. 60s or 5min")
-                }
-                return value
-            }
+            func duration(_ range: ClosedRange<Duration>) throws(ConfigError) -> Duration { try durationValue(entry, range) }
             func url() throws(ConfigError) -> String? {
                 guard !entry.value.isEmpty else { return nil }
                 if let problem = EndpointPolicy.problemBeforeLibcurl(with: entry.value) { throw fail("\(entry.key)=: \(problem)") }
@@ -166,15 +265,12 @@ public enum ConfigLoader {
                     ids.append(id)
                 }
             }
-            func file() throws(ConfigError) -> String? {
-                guard !entry.value.isEmpty else { return nil }
-                guard entry.value.hasPrefix("/") else { throw fail("\(entry.key)= needs an absolute path") }
-                guard access(entry.value, R_OK) == 0 else { throw fail("\(entry.key)=: cannot read \(entry.value)") }
-                return entry.value
-            }
+            func file() throws(ConfigError) -> String? { try readableFile(entry) }
             switch entry.key {
             case "Name":
                 break
+            case "Fleet":
+                guard ConfigValue.bool(entry.value) != nil else { throw fail("Fleet= must be yes or no") }
             case "Upstream":
                 guard entry.value == "oauth" || entry.value == "test" else { throw fail("Upstream= must be 'oauth' or 'test'") }
                 kind = entry.value

@@ -30,9 +30,11 @@ final class Broker: @unchecked Sendable {
 
         """
 
+    /// - Parameter reusing: the directory of an earlier broker (stopped or killed), whose state
+    ///   this one takes over; by default a new one.
     init(config: String = Broker.defaultConfig, extraArguments: [String] = [], environment: [String: String]? = nil,
-         waitForSocket wait: Bool = true) async throws {
-        directory = try Paths.temporaryDirectory()
+         waitForSocket wait: Bool = true, reusing: String? = nil) async throws {
+        directory = try reusing ?? Paths.temporaryDirectory()
         chmod(directory, 0o755)   // other users (the permission tests) must reach the socket
         socket = directory + "/broker.sock"
         configPath = directory + "/tokenbroker.conf"

@@ -1,20 +1,20 @@
 import Foundation
+import Testing
 #if canImport(Glibc)
 import Glibc
 #endif
-import Fleet
-import Testing
-import TestSupport
 
 /// A real etcd cluster (Debian's etcd-server) on loopback ports, in a temporary directory:
 /// `members` processes, each with its own data directory. Stopped and removed by `stop()`.
-final class EtcdCluster: @unchecked Sendable {
+public final class EtcdCluster: @unchecked Sendable {
     // @unchecked: set up in init, then only read; `children` are only signalled and awaited.
-    let directory: String
-    let clientURLs: [String]
+    public let directory: String
+    public let clientURLs: [String]
     private let children: [Child]
 
-    init(members: Int) async throws {
+    /// - Parameter answers: whether the member at a client URL answers a read (which needs the
+    ///   cluster's quorum); the cluster is ready when every member does.
+    public init(members: Int, answers: @escaping @Sendable (String) async -> Bool) async throws {
         var template = Array("/tmp/tb-etcd-XXXXXX".utf8CString)
         guard let path = mkdtemp(&template) else { throw POSIXError(.EIO) }
         directory = String(cString: path)
@@ -37,13 +37,13 @@ final class EtcdCluster: @unchecked Sendable {
         // Ready when each member answers a read (which needs the cluster's quorum).
         for url in clientURLs {
             try await eventually("etcd at \(url) answers", timeout: .seconds(20)) {
-                (try? await EtcdClient(endpoints: [url], timeout: .milliseconds(500)).get(Array("ready".utf8))) != nil
+                await answers(url)
             }
         }
     }
 
     /// A port nothing listens on now (the kernel's pick for port 0).
-    static func freePort() throws -> Int {
+    public static func freePort() throws -> Int {
         let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
         guard fd >= 0 else { throw POSIXError(.EIO) }
         defer { close(fd) }
@@ -59,11 +59,21 @@ final class EtcdCluster: @unchecked Sendable {
     }
 
     /// Stops member `index` (SIGKILL: a lost host).
-    func kill(_ index: Int) {
+    public func kill(_ index: Int) {
         Glibc.kill(children[index].process.processIdentifier, SIGKILL)
     }
 
-    func stop() async {
+    /// Stops member `index` (SIGSTOP: a member that hangs, or is cut off).
+    public func pause(_ index: Int) {
+        Glibc.kill(children[index].process.processIdentifier, SIGSTOP)
+    }
+
+    public func resume(_ index: Int) {
+        Glibc.kill(children[index].process.processIdentifier, SIGCONT)
+    }
+
+    public func stop() async {
+        for child in children where child.process.isRunning { Glibc.kill(child.process.processIdentifier, SIGCONT) }
         for child in children where child.process.isRunning { Glibc.kill(child.process.processIdentifier, SIGTERM) }
         for child in children { _ = await child.wait(timeout: 20) }
         try? FileManager.default.removeItem(atPath: directory)

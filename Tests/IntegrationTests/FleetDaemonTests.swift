@@ -1,0 +1,308 @@
+import DevIssuer
+import Fleet
+import Foundation
+import Synchronization
+import Testing
+import TestSupport
+import Varlink
+
+/// Fleet mode end to end: a real 3-member etcd cluster on loopback, the development issuer, and
+/// three real brokers (one per simulated host, each with its own directory, socket and state)
+/// sharing session `api` with `Fleet=yes`.
+@Suite("Fleet mode: brokers sharing a session through etcd", .serialized)
+struct FleetDaemonTests {
+    /// The flight lease of the tests (the shortest allowed): the takeover waits for it.
+    static let lease = 6
+
+    final class Fleet: @unchecked Sendable {
+        // @unchecked: set up once; `brokers` changes only on the test's own task (restarts).
+        let cluster: EtcdCluster
+        let issuer: DevIssuer
+        let keyPath: String
+        var brokers: [Broker] = []
+
+        init(cluster: EtcdCluster, issuer: DevIssuer, keyPath: String) {
+            self.cluster = cluster
+            self.issuer = issuer
+            self.keyPath = keyPath
+        }
+
+        func config(member: Int) -> String {
+            """
+            [Broker]
+            SocketMode=0666
+
+            [Fleet]
+            Endpoints=\(cluster.clientURLs.joined(separator: " "))
+            Prefix=/tokenbroker-test
+            KeyFile=\(keyPath)
+            FlightLease=\(FleetDaemonTests.lease)s
+            RequestTimeout=500ms
+            Name=host-\(member)
+
+            [Session]
+            Name=api
+            Fleet=yes
+            TokenEndpoint=\(issuer.tokenEndpoint)
+            RevocationEndpoint=\(issuer.revocationEndpoint)
+            ClientID=tokenbroker
+            ClientSecretFile=@DIR@/client-secret
+            RequestTimeout=1s
+            BackoffInitial=100ms
+            BackoffMax=500ms
+
+            """
+        }
+
+        func start(_ member: Int, reusing directory: String? = nil) async throws -> Broker {
+            try await Broker(config: config(member: member), reusing: directory)
+        }
+
+        /// Status of session `api` on broker `member`.
+        func status(_ member: Int) -> JSONObject? { try? brokers[member].status("api") }
+
+        /// A refresh through broker `member` (its worker rejected `token`), retried until it works.
+        func refresh(on member: Int, rejecting token: String, _ what: String) async throws -> String {
+            let box = Mutex<String?>(nil)
+            try await eventually(what) {
+                let next = (try? self.brokers[member].call("Recover", ["session": "api", "rejected": .string(token)]))?.parameters["token"]?.stringValue
+                box.withLock { $0 = next }
+                return next != nil && next != token
+            }
+            return try #require(box.withLock { $0 })
+        }
+
+        /// Makes broker `member` refresh (its worker rejected `token`) and the issuer hold that
+        /// request; returns once it is held, with the box that receives the worker's reply.
+        func holdRefresh(on member: Int, rejecting token: String) async throws -> ReplyBox {
+            issuer.inject([.hold])
+            let broker = brokers[member]
+            let reply = ReplyBox()
+            Thread {
+                let answer = (try? broker.call("Recover", ["session": "api", "rejected": .string(token)])) ?? VarlinkReply(error: "no reply")
+                reply.value.withLock { $0 = answer }
+            }.start()
+            try await eventually("the refresh of host \(member) is held at the issuer") { self.issuer.heldCount == 1 }
+            return reply
+        }
+
+        func token(_ member: Int) -> String? {
+            (try? brokers[member].call("GetToken", ["session": "api"]))?.parameters["token"]?.stringValue
+        }
+
+        /// Logs session `api` in on broker `member` with a new refresh token family, and waits
+        /// until every broker has followed the login and holds the same first access token.
+        @discardableResult
+        func logIn(on member: Int = 0) async throws -> String {
+            let reply = try brokers[member].call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())])
+            #expect(reply.error == nil, "login: \(reply)")
+            let first = try #require(token(member), "no token after the login")
+            try await eventually("every broker holds the fleet's first token") {
+                (0..<self.brokers.count).allSatisfy { self.token($0) == first }
+            }
+            return first
+        }
+    }
+
+    /// A reply that a worker thread will deliver.
+    final class ReplyBox: Sendable {
+        let value = Mutex<VarlinkReply?>(nil)
+        var reply: VarlinkReply? { value.withLock { $0 } }
+    }
+
+    static func withFleet(brokers count: Int = 3, _ body: (Fleet) async throws -> Void) async throws {
+        let cluster = try await EtcdCluster(members: 3) { url in
+            (try? await EtcdClient(endpoints: [url], timeout: .milliseconds(500)).get(Array("ready".utf8))) != nil
+        }
+        let issuer = try DevIssuer()
+        let keyDirectory = try Paths.temporaryDirectory()
+        let keyPath = keyDirectory + "/fleet.key"
+        try (0..<32).map { _ in String(format: "%02x", UInt8.random(in: 0...255)) }.joined().write(toFile: keyPath, atomically: true, encoding: .utf8)
+        let fleet = Fleet(cluster: cluster, issuer: issuer, keyPath: keyPath)
+        func tearDown() async {
+            for broker in fleet.brokers {
+                if broker.child.process.isRunning { kill(broker.child.process.processIdentifier, SIGCONT) }
+                _ = await broker.stop()
+                try? FileManager.default.removeItem(atPath: broker.directory)
+            }
+            issuer.stop()
+            await cluster.stop()
+            try? FileManager.default.removeItem(atPath: keyDirectory)
+        }
+        do {
+            for member in 0..<count { fleet.brokers.append(try await fleet.start(member)) }
+            try await body(fleet)
+        } catch {
+            await tearDown()
+            throw error
+        }
+        await tearDown()
+    }
+
+    /// Runs `work` on `count` threads of their own at once (varlink calls block), and returns
+    /// the results once all are done.
+    static func concurrently<T: Sendable>(_ count: Int, _ work: @escaping @Sendable (Int) -> T) async throws -> [T] {
+        let results = Mutex<[Int: T]>([:])
+        let gate = Atomic<Int>(0)
+        for index in 0..<count {
+            Thread {
+                // Every thread is up before any calls: the calls arrive together.
+                gate.add(1, ordering: .acquiringAndReleasing)
+                while gate.load(ordering: .acquiring) < count {}
+                let result = work(index)
+                results.withLock { $0[index] = result }
+            }.start()
+        }
+        try await eventually("\(count) concurrent calls finish", timeout: .seconds(60)) { results.withLock { $0.count } == count }
+        return results.withLock { all in (0..<count).map { all[$0]! } }
+    }
+
+    @Test("storm: 20 workers on each of 3 brokers present the same expired token at once → exactly 1 token request at the issuer, one new token for all 60, no replay")
+    func storm() async throws {
+        try await Self.withFleet { fleet in
+            let first = try await fleet.logIn()
+            let before = fleet.issuer.counters
+            #expect(before.refreshGrants == 1, "the first token took \(before.refreshGrants) refreshes fleet-wide")
+            let brokers = fleet.brokers
+            let replies = try await Self.concurrently(60) { index in
+                (try? brokers[index % 3].call("Recover", ["session": "api", "rejected": .string(first)]))?.parameters["token"]?.stringValue
+            }
+            let after = fleet.issuer.counters
+            #expect(after.refreshGrants - before.refreshGrants == 1, "\(after.refreshGrants - before.refreshGrants) refreshes for one storm")
+            #expect(after.replays == 0)
+            let tokens = Set(replies.compactMap { $0 })
+            #expect(replies.allSatisfy { $0 != nil }, "\(replies.filter { $0 == nil }.count) of 60 workers got no token")
+            #expect(tokens.count == 1 && !tokens.contains(first), "the workers got \(tokens.count) different tokens")
+            // A stale rejection on any broker is answered with the fleet's current token.
+            for member in 0..<3 {
+                let stale = try fleet.brokers[member].call("Recover", ["session": "api", "rejected": .string(first)])
+                #expect(stale.parameters["token"]?.stringValue == tokens.first)
+            }
+            #expect(fleet.issuer.counters.refreshGrants == after.refreshGrants, "a stale rejection refreshed")
+        }
+    }
+
+    @Test("logout race: Logout on host A while host B's refresh is held at the issuer → every host SignedOut, B's waiter too; nothing comes back, on any host, in etcd, or after a restart")
+    func logoutRace() async throws {
+        try await Self.withFleet { fleet in
+            let first = try await fleet.logIn()
+            let brokerB = fleet.brokers[1]
+            let waiter = try await fleet.holdRefresh(on: 1, rejecting: first)
+            try await eventually("host A's status names B as the flight holder") {
+                fleet.status(0)?["flightHolder"]?.stringValue?.hasPrefix("host-1 ") == true
+            }
+
+            #expect(try fleet.brokers[0].call("Logout", ["session": "api"]).error == nil)
+            try await eventually("B's waiter is told SignedOut") { waiter.reply != nil }
+            #expect(waiter.reply?.error == "io.tokenbroker.Broker.SignedOut", "\(String(describing: waiter.reply))")
+            try await eventually("every host is signed out") {
+                (0..<3).allSatisfy { (try? fleet.brokers[$0].call("GetToken", ["session": "api"]))?.error == "io.tokenbroker.Broker.SignedOut" }
+            }
+
+            // The held request now reaches the issuer, which rotates: that answer must land nowhere.
+            let grants = fleet.issuer.counters.refreshGrants
+            fleet.issuer.releaseHeld()
+            try await eventually("the held request was answered") { fleet.issuer.counters.refreshGrants == grants + 1 }
+            // B hears of its abandoned transfer within its request deadline; until then, and
+            // after, nothing may change.
+            for member in 0..<3 {
+                let status = try #require(fleet.status(member))
+                #expect(status["state"]?.stringValue == "signedOut" && status["fleetGeneration"]?.intValue == 2, "host \(member): \(status)")
+            }
+            // Restart B on its state: it comes back signed out, as the fleet is.
+            _ = await fleet.brokers[1].stop()
+            fleet.brokers[1] = try await fleet.start(1, reusing: brokerB.directory)
+            try await eventually("the restarted broker has read the fleet") { fleet.status(1)?["fleetHealth"]?.stringValue == "healthy" }
+            #expect(try fleet.brokers[1].call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut")
+            #expect(fleet.status(1)?["fleetGeneration"]?.intValue == 2)
+            #expect(fleet.issuer.counters.replays == 0)
+        }
+    }
+
+    @Test("kill -9 the flight holder mid-refresh → the others wait until its lease has expired, then one takes over; no replay when the holder's request never reached the issuer")
+    func holderKilled() async throws {
+        try await Self.withFleet { fleet in
+            let first = try await fleet.logIn()
+            let brokerB = fleet.brokers[1]
+            _ = try await fleet.holdRefresh(on: 1, rejecting: first)
+            let held = ContinuousClock.now
+            kill(brokerB.child.process.processIdentifier, SIGKILL)
+            _ = await brokerB.child.wait()
+            let requests = fleet.issuer.counters.tokenRequests
+            let brokerC = fleet.brokers[2]
+            let taken = Mutex<String?>(nil)
+            Thread {
+                let token = (try? brokerC.call("Recover", ["session": "api", "rejected": .string(first)]))?.parameters["token"]?.stringValue
+                taken.withLock { $0 = token ?? "none" }
+            }.start()
+            try await eventually("C takes over", timeout: .seconds(30)) { fleet.issuer.counters.tokenRequests > requests }
+            let waited = held.duration(to: .now)
+            // B took the flight before its request was held: C's request came a lease later.
+            #expect(waited >= .seconds(Self.lease) - .seconds(1), "C refreshed \(waited) after B's flight began; the lease is \(Self.lease)s")
+            try await eventually("C's workers get the new token") { taken.withLock { $0 } != nil }
+            let next = try #require(taken.withLock { $0 })
+            #expect(next != first && next != "none")
+            try await eventually("host A follows") { fleet.token(0) == next }
+            #expect(fleet.issuer.counters.replays == 0)
+            #expect(fleet.issuer.counters.refreshGrants == 2)
+        }
+    }
+
+    @Test("a holder partitioned from everything (SIGSTOP) mid-flight → no second refresh before its lease lapsed; once back, it follows the fleet and its own late flight installs nothing")
+    func holderStopped() async throws {
+        try await Self.withFleet { fleet in
+            let first = try await fleet.logIn()
+            let brokerB = fleet.brokers[1]
+            let bReply = try await fleet.holdRefresh(on: 1, rejecting: first)
+            let held = ContinuousClock.now
+            kill(brokerB.child.process.processIdentifier, SIGSTOP)
+            let requests = fleet.issuer.counters.tokenRequests
+            let next = try #require(try fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(first)]).parameters["token"]?.stringValue)
+            let waited = held.duration(to: .now)
+            #expect(fleet.issuer.counters.tokenRequests == requests + 1)
+            #expect(waited >= .seconds(Self.lease) - .seconds(1), "A refreshed \(waited) after B's flight began; the lease is \(Self.lease)s")
+            kill(brokerB.child.process.processIdentifier, SIGCONT)
+            // B's own flight never got an answer: its worker is told so, and B serves A's token.
+            try await eventually("B's worker gets an answer") { bReply.reply != nil }
+            let answer = try #require(bReply.reply)
+            #expect(answer.error != nil || answer.parameters["token"]?.stringValue == next, "B installed a token of its own: \(answer)")
+            try await eventually("B follows the fleet") { fleet.token(1) == next }
+            #expect(fleet.token(2) == next)
+            #expect(fleet.issuer.counters.replays == 0)
+        }
+    }
+
+    @Test("lose one etcd member → still serving and refreshing; lose quorum → cached tokens served, no refresh, degraded; quorum back → recovers with no operator action")
+    func quorum() async throws {
+        try await Self.withFleet { fleet in
+            let first = try await fleet.logIn()
+            // One member lost (SIGKILL): the others keep quorum.
+            fleet.cluster.kill(2)
+            let grants = fleet.issuer.counters.refreshGrants
+            let current = try await fleet.refresh(on: 0, rejecting: first, "a refresh goes through with one member lost")
+            #expect(fleet.issuer.counters.refreshGrants == grants + 1)
+            try await eventually("every broker follows") { (0..<3).allSatisfy { fleet.token($0) == current } }
+
+            // A second member stopped: no quorum.
+            fleet.cluster.pause(1)
+            let before = fleet.issuer.counters.refreshGrants
+            try await eventually("every broker reports the fleet unavailable") {
+                (0..<3).allSatisfy {
+                    fleet.status($0)?["fleetHealth"]?.stringValue?.hasPrefix("unavailable") == true && fleet.status($0)?["degraded"] == true
+                }
+            }
+            for member in 0..<3 { #expect(fleet.token(member) == current, "host \(member) stopped serving its cached token") }
+            let refused = try fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(current)])
+            #expect(refused.error == "io.tokenbroker.Broker.RefreshFailed", "\(refused)")
+            #expect(fleet.issuer.counters.refreshGrants == before, "a broker refreshed without the fleet lock")
+
+            fleet.cluster.resume(1)
+            try await eventually("every broker recovers", timeout: .seconds(30)) {
+                (0..<3).allSatisfy { fleet.status($0)?["fleetHealth"]?.stringValue == "healthy" }
+            }
+            let recovered = try await fleet.refresh(on: 2, rejecting: current, "refreshes work again")
+            try await eventually("every broker follows") { (0..<3).allSatisfy { fleet.token($0) == recovered } }
+            #expect(fleet.issuer.counters.replays == 0)
+        }
+    }
+}
