@@ -280,6 +280,7 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
     public func fetch(_ request: FetchRequest) async throws -> FetchedToken {
         let clock = ContinuousClock()
         let deadline = clock.now + settings.flightLease + .seconds(5)
+        var waited = false
         while true {
             try Task.checkCancellation()
             guard let bound = state.withLock({ $0.bound }), bound.local == request.generation else {
@@ -307,7 +308,11 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
             if let backoff = snapshot.backoff, backoff.untilMilliseconds > nowMilliseconds {
                 throw FetchFailure.transient("fleet: \(backoff.reason)", retryAfter: .milliseconds(backoff.untilMilliseconds - nowMilliseconds))
             }
-            if snapshot.flight != nil {
+            if let flight = snapshot.flight {
+                if !waited {
+                    waited = true
+                    log(.info, "session \(name): \(String(decoding: flight.value.prefix(200), as: UTF8.self)) refreshes for the fleet; waiting for its result")
+                }
                 guard clock.now < deadline else { throw FetchFailure.transient("fleet: another broker's refresh has not finished") }
                 await waitForChange(after: version, upTo: min(.seconds(1), clock.now.duration(to: deadline)))
                 continue

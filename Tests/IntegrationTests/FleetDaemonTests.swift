@@ -139,22 +139,32 @@ struct FleetDaemonTests {
         await tearDown()
     }
 
-    /// Runs `work` on `count` threads of their own at once (varlink calls block), and returns
-    /// the results once all are done.
-    static func concurrently<T: Sendable>(_ count: Int, _ work: @escaping @Sendable (Int) -> T) async throws -> [T] {
-        let results = Mutex<[Int: T]>([:])
-        let gate = Atomic<Int>(0)
-        for index in 0..<count {
-            Thread {
-                // Every thread is up before any calls: the calls arrive together.
-                gate.add(1, ordering: .acquiringAndReleasing)
-                while gate.load(ordering: .acquiring) < count {}
-                let result = work(index)
-                results.withLock { $0[index] = result }
-            }.start()
+    /// `count` calls made at once, each on a thread of its own (varlink calls block).
+    final class Calls<T: Sendable>: Sendable {
+        private let results = Mutex<[Int: T]>([:])
+        let count: Int
+
+        init(_ count: Int, _ work: @escaping @Sendable (Int) -> T) {
+            self.count = count
+            let gate = Atomic<Int>(0)
+            for index in 0..<count {
+                Thread { [self] in
+                    // Every thread is up before any calls: the calls arrive together.
+                    gate.add(1, ordering: .acquiringAndReleasing)
+                    while gate.load(ordering: .acquiring) < count {}
+                    let result = work(index)
+                    results.withLock { $0[index] = result }
+                }.start()
+            }
         }
-        try await eventually("\(count) concurrent calls finish", timeout: .seconds(60)) { results.withLock { $0.count } == count }
-        return results.withLock { all in (0..<count).map { all[$0]! } }
+
+        var finished: Int { results.withLock { $0.count } }
+
+        /// Every result, once all calls are done.
+        func all() async throws -> [T] {
+            try await eventually("\(count) concurrent calls finish", timeout: .seconds(60)) { self.finished == self.count }
+            return results.withLock { all in (0..<count).map { all[$0]! } }
+        }
     }
 
     @Test("storm: 20 workers on each of 3 brokers present the same expired token at once → exactly 1 token request at the issuer, one new token for all 60, no replay")
@@ -163,10 +173,25 @@ struct FleetDaemonTests {
             let first = try await fleet.logIn()
             let before = fleet.issuer.counters
             #expect(before.refreshGrants == 1, "the first token took \(before.refreshGrants) refreshes fleet-wide")
+            // The one request that reaches the issuer is held there: every broker's demands
+            // arrive while the fleet's flight is open.
+            fleet.issuer.inject([.hold])
             let brokers = fleet.brokers
-            let replies = try await Self.concurrently(60) { index in
+            let calls = Calls(60) { index in
                 (try? brokers[index % 3].call("Recover", ["session": "api", "rejected": .string(first)]))?.parameters["token"]?.stringValue
             }
+            try await eventually("one refresh is held at the issuer") { fleet.issuer.heldCount == 1 }
+            try await eventually("host 0's status names the holder") { fleet.status(0)?["flightHolder"] != nil }
+            let holder = try #require(fleet.status(0)?["flightHolder"]?.stringValue.flatMap { $0.split(separator: " ").first })
+            try await eventually("the other brokers wait for the holder's flight") {
+                (0..<3).filter { "host-\($0)" != holder }.allSatisfy { member in
+                    fleet.brokers[member].child.stderr.contains("refreshes for the fleet; waiting for its result")
+                }
+            }
+            #expect(fleet.issuer.counters.tokenRequests == before.tokenRequests + 1, "a second request reached the issuer during the flight")
+            #expect(calls.finished == 0, "a worker was answered before the fleet's refresh was done")
+            fleet.issuer.releaseHeld()
+            let replies = try await calls.all()
             let after = fleet.issuer.counters
             #expect(after.refreshGrants - before.refreshGrants == 1, "\(after.refreshGrants - before.refreshGrants) refreshes for one storm")
             #expect(after.replays == 0)
