@@ -15,7 +15,7 @@ APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev lib
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
 
-.PHONY: all apt-install deps build release run test system-test interop-test bench static install install-files deb clean
+.PHONY: all apt-install deps build release run test system-test interop-test bench bench-fleet static install install-files deb clean
 
 all: build
 
@@ -86,6 +86,12 @@ clean:
 BENCH_DIR ?= $(CURDIR)/../shared/bench
 bench: deps static
 	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/bench.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
+
+# Fleet mode's figures (`Tests/Bench/fleet.py`): propagation between brokers, etcd requests per
+# refresh, GetToken on a fleet session vs a local one; a real 3-member etcd on loopback.
+bench-fleet: deps static
+	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product dev-issuer
+	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/fleet.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
 
 # Installation: `tokenbroker` (the command, one static executable) in BINDIR, the daemon
 # `tokenbroker-daemon` (Swift standard library linked in) in LIBEXECDIR/tokenbroker, units, sysusers/tmpfiles

@@ -200,6 +200,8 @@ public struct EtcdClient: Sendable {
             let response: HTTPResponse
             do {
                 response = try await CurlLoop.shared.perform(request)
+            } catch is CancellationError {
+                throw EtcdError(kind: .unavailable, message: "cancelled")
             } catch {
                 problem = EtcdError(kind: .unavailable, message: "\(endpoint): \(error)")
                 continue
@@ -261,7 +263,8 @@ public struct EtcdClient: Sendable {
     }
 
     private static func revision(_ answer: JSONObject) throws(EtcdError) -> Int64 {
-        guard let revision = int(answer["header"]?.objectValue?["revision"]) else {
+        // (A revision near Int64.max would make `revision + 1` trap: no real cluster gets there.)
+        guard let revision = int(answer["header"]?.objectValue?["revision"]), (0..<(Int64.max / 2)).contains(revision) else {
             throw EtcdError(kind: .malformed, message: "an answer without a header revision")
         }
         return revision

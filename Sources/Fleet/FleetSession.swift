@@ -84,6 +84,13 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
         var nextWaiter: UInt64 = 0
         /// A local login that could not reach the fleet: its generation's logout is local only.
         var failedLogin: Int?
+        /// The coordinator is being retired: a flight that waits for another broker's gives up.
+        var stopping = false
+        /// A logout of this host that etcd has not taken yet (also across a restart, from the
+        /// marker file): the fleet generation it ends (nil: unknown, the newest).
+        var pendingLogout: Int64??
+        /// The first read of the fleet has been applied (or has failed).
+        var synced = false
     }
 
     public let name: String
@@ -101,6 +108,7 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
     /// Orders this host's boundaries against the application of the fleet's.
     private let serializer = AsyncSerializer()
     private let base: String
+    private let pendingLogoutFile: String?
 
     private var generationKey: [UInt8] { Array((base + "generation").utf8) }
     private var recordKey: [UInt8] { Array((base + "record").utf8) }
@@ -108,9 +116,16 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
     private var backoffKey: [UInt8] { Array((base + "backoff").utf8) }
     private var recordData: String { base + "record" }
 
+    /// - Parameter pendingLogoutFile: where a logout that could not reach etcd is remembered
+    ///   until it does, across restarts (`nil`: in memory only).
     public init(name: String, settings: FleetSettings, upstream: any TokenSource, local: any SessionStore,
-                wall: any WallClock, discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in },
+                wall: any WallClock, pendingLogoutFile: String? = nil, discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in },
                 log: @escaping @Sendable (FleetLogLevel, String) -> Void = { _, _ in }) throws(TokenCipher.Failure) {
+        self.pendingLogoutFile = pendingLogoutFile
+        if let pendingLogoutFile, let text = PendingLogoutFile.read(pendingLogoutFile) {
+            let generation = Int64(text)
+            state.withLock { $0.pendingLogout = .some(generation) }
+        }
         self.name = name
         self.settings = settings
         self.etcd = EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout)
@@ -129,6 +144,25 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
     /// Binds the coordinator this session feeds (once, right after both are made).
     public func attach(_ coordinator: FleetCoordinator) {
         state.withLock { $0.coordinator = coordinator }
+    }
+
+    /// Makes a refresh that waits for another broker's flight give up at once (the coordinator
+    /// is retiring: its flight must land soon, and has nothing of its own to commit). A flight
+    /// this broker holds goes on to its commit.
+    public func stopWaiting() {
+        state.withLock { $0.stopping = true }
+        signal()
+    }
+
+    /// Waits until the first read of the fleet has been applied, or has failed, or `limit`.
+    public func firstSync(within limit: Duration) async {
+        let clock = ContinuousClock()
+        let deadline = clock.now + limit
+        while clock.now < deadline {
+            let (synced, version) = state.withLock { ($0.synced, $0.changes) }
+            if synced { return }
+            await waitForChange(after: version, upTo: clock.now.duration(to: deadline))
+        }
     }
 
     public var status: Status {
@@ -152,15 +186,37 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
         while !Task.isCancelled {
             let version = state.withLock { $0.changes }
             do {
+                if state.withLock({ $0.pendingLogout }) != nil {
+                    // A logout of this host (before a restart, maybe) goes to the fleet first.
+                    let published: Result<Void, EtcdError> = await Task {
+                        do throws(EtcdError) {
+                            try await self.publishPendingLogout()
+                            return .success(())
+                        } catch {
+                            return .failure(error)
+                        }
+                    }.value
+                    try published.get()
+                }
                 let snapshot = try await read()
                 await serializer.run { await self.apply(snapshot) }
                 failures = 0
+                markSynced()
                 await waitForChange(after: version, upTo: resync)
             } catch {
                 failures += 1
+                markSynced()
                 await waitForChange(after: version, upTo: min(.milliseconds(100) * (1 << min(failures, 6)), .seconds(5)))
             }
         }
+    }
+
+    private func markSynced() {
+        let first = state.withLock { state -> Bool in
+            defer { state.synced = true }
+            return !state.synced
+        }
+        if first { signal() }
     }
 
     private func watchLoop() async {
@@ -246,7 +302,9 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
                 case "backoff":
                     if let object = (try? JSONParser.parse(entry.value))?.objectValue,
                        let until = object["until"]?.stringValue.flatMap({ Int64($0) }) {
-                        snapshot.backoff = (until, String((object["reason"]?.stringValue ?? "refresh failed").prefix(300)))
+                        // At most an hour from now, whatever the key says.
+                        let latest = Int64(wall.unixTime() * 1000) + 3_600_000
+                        snapshot.backoff = (min(until, latest), String((object["reason"]?.stringValue ?? "refresh failed").prefix(300)))
                     }
                 default:
                     break
@@ -299,10 +357,12 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
                 await serializer.run { await self.apply(snapshot) }
                 throw FetchFailure.transient("fleet: the session was logged out or in on another broker")
             }
-            if snapshot.recordRevision > state.withLock({ $0.known }), let token = usable(record) {
-                // Another broker refreshed: its token, with no upstream request.
+            if snapshot.recordRevision > state.withLock({ $0.known }) {
+                let held = state.withLock { $0.coordinator }?.currentToken()?.token
                 state.withLock { $0.known = max($0.known, snapshot.recordRevision) }
-                return token
+                // Another broker refreshed: its token, with no upstream request — unless this
+                // host already has it (adopted), and it is the one this demand must replace.
+                if let token = usable(record), token.accessToken != held { return token }
             }
             let nowMilliseconds = Int64(wall.unixTime() * 1000)
             if let backoff = snapshot.backoff, backoff.untilMilliseconds > nowMilliseconds {
@@ -314,6 +374,7 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
                     log(.info, "session \(name): \(String(decoding: flight.value.prefix(200), as: UTF8.self)) refreshes for the fleet; waiting for its result")
                 }
                 guard clock.now < deadline else { throw FetchFailure.transient("fleet: another broker's refresh has not finished") }
+                guard !state.withLock({ $0.stopping }) else { throw FetchFailure.transient("fleet: shutting down") }
                 await waitForChange(after: version, upTo: min(.seconds(1), clock.now.duration(to: deadline)))
                 continue
             }
@@ -324,15 +385,19 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
                 lease = try await etcd.grantLease(ttl: settings.flightLease).id
                 took = try await etcd.transaction(
                     [generationHolds(snapshot), .createRevision(key: flightKey, equals: 0), .modRevision(key: recordKey, equals: snapshot.recordRevision)],
-                    success: [.put(key: flightKey, value: Array(holder.utf8), lease: lease)])
+                    success: [.put(key: flightKey, value: Array(holder.utf8), lease: lease)],
+                    failure: [.get(key: flightKey)])
             } catch {
                 throw FetchFailure.transient("fleet: \(error.message)")
             }
-            guard took.succeeded else {
+            // Ours also when etcd applied the transaction but its answer was lost, and the request
+            // was sent again (the flight key then carries our lease).
+            let flight = took.succeeded ? took.revision : (took.reads.first ?? nil).flatMap { $0.lease == lease ? $0.createRevision : nil }
+            guard let flight else {
                 revokeLater(lease)
                 continue
             }
-            return try await refreshAsHolder(request, snapshot, record, lease: lease, flight: took.revision, taken: taken)
+            return try await refreshAsHolder(request, snapshot, record, lease: lease, flight: flight, taken: taken)
         }
     }
 
@@ -360,42 +425,64 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
             next.refreshToken = fetched.refreshToken ?? record.refreshToken
             next.serial += 1
             next.lastRefresh = Int64(unixNow)
-            var committed: EtcdTransaction?
-            var problem = "the session changed meanwhile (a logout or login) or the flight lease lapsed"
-            do {
-                let sealed = try next.sealed(with: cipher, associatedData: recordData)
-                // Not this task's cancellation: a commit under way finishes, or the fleet keeps
-                // an answer nobody holds.
-                let (etcd, recordKey, flightKey, backoffKey) = (etcd, recordKey, flightKey, backoffKey)
-                let commitBy = taken + settings.flightLease - margin / 2
-                committed = await Task { () -> EtcdTransaction? in
-                    while clock.now < commitBy {
-                        do throws(EtcdError) {
-                            return try await etcd.transaction(compares, success: [.put(key: recordKey, value: sealed, lease: 0),
-                                                                                   .delete(key: flightKey), .delete(key: backoffKey)])
-                        } catch where error.kind == .unavailable {
-                            try? await Task.sleep(for: .milliseconds(200))
-                        } catch {
-                            return nil
-                        }
-                    }
-                    return nil
-                }.value
-                if committed == nil { problem = "etcd did not take the new record before the flight lease ran out" }
+            // The issuer has rotated: the record's refresh token is spent, so the new record is
+            // committed whoever holds the flight now (comparing the generation and the record,
+            // not the flight), retried while etcd is unreachable, and not this task's
+            // cancellation to stop. Only a logout or login elsewhere makes it worthless.
+            let sealed: [UInt8]
+            do throws(EtcdError) {
+                sealed = try seal(next)
             } catch {
-                problem = error.description
+                revokeLater(lease)
+                throw FetchFailure.transient("fleet: \(error.message)")
             }
-            revokeLater(lease)
-            guard let committed, committed.succeeded else {
-                // Never installed anywhere; its refresh token is revoked upstream.
+            let commitBy = taken + settings.flightLease * 2
+            let outcome = await Task { () -> CommitOutcome in
+                var problem = "etcd did not answer"
+                while clock.now < commitBy {
+                    do throws(EtcdError) {
+                        let done = try await self.etcd.transaction(
+                            [self.generationHolds(snapshot), .modRevision(key: self.recordKey, equals: snapshot.recordRevision)],
+                            success: [.put(key: self.recordKey, value: sealed, lease: 0), .delete(key: self.backoffKey)],
+                            failure: [.get(key: self.generationKey), .get(key: self.recordKey)])
+                        if done.succeeded { return .committed(done.revision) }
+                        // Our own commit, applied before its answer was lost and sent again.
+                        if let stored = done.reads.last ?? nil, stored.value == sealed { return .committed(stored.modRevision) }
+                        let generation = done.reads.first ?? nil
+                        return (generation?.modRevision ?? 0) != snapshot.generationRevision ? .overtakenByBoundary : .overtakenByRecord
+                    } catch where error.kind == .unavailable {
+                        problem = error.message
+                        try? await Task.sleep(for: .milliseconds(200))
+                    } catch {
+                        return .failed(error.message)
+                    }
+                }
+                return .failed(problem)
+            }.value
+            revokeLater(lease)   // (deletes the flight key, if it is still ours)
+            signal()
+            switch outcome {
+            case let .committed(revision):
+                state.withLock { $0.known = max($0.known, revision) }
+                return FetchedToken(accessToken: fetched.accessToken, tokenType: fetched.tokenType, expiresIn: fetched.expiresIn,
+                                    refreshToken: next.refreshToken)
+            case .overtakenByBoundary:
+                // Logged out or in elsewhere meanwhile: never installed anywhere; its refresh
+                // token is revoked upstream (the fleet's session it belonged to is over).
                 discarded(fetched)
-                signal()
-                log(.warning, "session \(name): a refresh result could not be committed to the fleet: \(problem); it is discarded")
+                log(.notice, "session \(name): a refresh answer arrived after a logout or login elsewhere; it is discarded")
+                throw FetchFailure.transient("fleet: the session was logged out or in on another broker meanwhile")
+            case .overtakenByRecord:
+                // Another broker committed a refresh of this generation first (this one's lease
+                // had lapsed). Not revoked: at a server that does not rotate, it is the fleet's
+                // refresh token too.
+                log(.warning, "session \(name): another broker committed a refresh first (this broker's flight lease had lapsed); this answer is dropped")
+                throw FetchFailure.transient("fleet: another broker committed a refresh first")
+            case let .failed(problem):
+                log(.error, "session \(name): the rotated refresh token could not be committed to the fleet (\(problem)); "
+                    + "the next refresh will present the spent one, and the issuer may refuse it as a replay: log in again if so")
                 throw FetchFailure.transient("fleet: the refresh could not be committed: \(problem)")
             }
-            state.withLock { $0.known = max($0.known, committed.revision) }
-            return FetchedToken(accessToken: fetched.accessToken, tokenType: fetched.tokenType, expiresIn: fetched.expiresIn,
-                                refreshToken: next.refreshToken)
         case let .failure(error):
             let failure = (error as? FetchFailure) ?? .transient(error is CancellationError ? "cancelled" : "unexpected error (\(type(of: error)))")
             var operations: [EtcdOperation] = [.delete(key: flightKey)]
@@ -468,64 +555,157 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
     }
 
     public func write(_ write: StoreWrite) async throws -> Bool {
-        guard !write.replicated, write.guardedBy == .newerGeneration else { return try await local.write(write) }
-        let published: Result<Void, EtcdError> = await serializer.run {
-            let skip = self.state.withLock { state -> Bool in
-                // Superseded by a newer boundary here, or the end of a login that never reached
-                // the fleet: this host's copy only.
-                if let bound = state.bound, bound.local > write.record.generation { return true }
-                if state.failedLogin == write.record.generation, write.record.state != .active {
-                    state.failedLogin = nil
-                    state.bound = nil   // resync from the fleet
-                    return true
+        if write.replicated { return try await local.write(write) }
+        // What reaches etcd runs to its end even if the caller goes away (a client that hangs
+        // up must not leave a boundary half-published).
+        let published: Result<Void, EtcdError> = await Task {
+            await self.serializer.run { () -> Result<Void, EtcdError> in
+                do throws(EtcdError) {
+                    if write.guardedBy == .sameGeneration {
+                        if write.record.state == .ended { try await self.publishEnd(write) }
+                    } else {
+                        try await self.publishBoundary(write)
+                    }
+                    return .success(())
+                } catch {
+                    return .failure(error)
                 }
-                return false
             }
-            if skip { return .success(()) }
-            do throws(EtcdError) {
-                try await self.publishBoundary(write)
-                return .success(())
-            } catch {
-                if write.record.state == .active { self.state.withLock { $0.failedLogin = write.record.generation } }
-                return .failure(error)
-            }
+        }.value
+        switch published {
+        case .success:
+            return try await local.write(write)
+        case let .failure(error) where write.guardedBy == .newerGeneration && write.record.state != .active:
+            // A logout: in effect here at once and on disk, and remembered until etcd takes it
+            // (across restarts too); the caller hears that the fleet has not.
+            _ = try await local.write(write)
+            throw error
+        case let .failure(error) where write.guardedBy == .sameGeneration:
+            log(.warning, "session \(name): the end of the session could not be shared with the fleet: \(error.message)")
+            return try await local.write(write)
+        case let .failure(error):
+            throw error
         }
-        if case let .failure(error) = published { throw error }
-        return try await local.write(write)
     }
 
-    /// Moves the fleet generation on with this host's login or logout.
+    /// Moves the fleet generation on with this host's login or logout (under the serializer).
     private func publishBoundary(_ write: StoreWrite) async throws(EtcdError) {
+        enum Decision { case publish(ending: Int64?), localOnly }
+        let decision = state.withLock { state -> Decision in
+            // Published already (a retry after this host's own database failed), or superseded
+            // by a newer boundary here.
+            if let bound = state.bound, bound.local >= write.record.generation { return .localOnly }
+            // The end of a login that never reached the fleet: nothing to tell it.
+            if state.failedLogin == write.record.generation, write.record.state != .active {
+                state.failedLogin = nil
+                state.bound = nil   // follow the fleet afresh
+                return .localOnly
+            }
+            return .publish(ending: state.bound?.fleet)
+        }
+        guard case let .publish(ending) = decision else { return }
+        if write.record.state == .active {
+            do throws(EtcdError) {
+                _ = try await publish(state: .active, of: write.record, ending: nil)
+                state.withLock { $0.bound = (write.record.generation, $0.generation ?? 0) }
+            } catch {
+                state.withLock { $0.failedLogin = write.record.generation }
+                throw error
+            }
+            return
+        }
+        remember(pendingLogout: ending)
+        if try await publish(state: write.record.state, of: write.record, ending: ending) {
+            state.withLock { $0.bound = (write.record.generation, $0.generation ?? 0) }
+        }
+        // (Overtaken: the sync loop applies the newer boundary here too.)
+        forgetPendingLogout()
+    }
+
+    /// A logout remembered from before a restart, or from a call that could not reach etcd.
+    private func publishPendingLogout() async throws(EtcdError) {
+        guard let ending = state.withLock({ $0.pendingLogout }) else { return }
+        try await serializer.run { () -> Result<Void, EtcdError> in
+            do throws(EtcdError) {
+                _ = try await self.publish(state: .signedOut, of: nil, ending: ending)
+                return .success(())
+            } catch {
+                return .failure(error)
+            }
+        }.get()
+        forgetPendingLogout()
+    }
+
+    /// One boundary transaction: a new fleet generation holding `record`'s state (tokens only
+    /// for a login). A logout that ends `ending` is dropped once the fleet has gone past it
+    /// (returns false).
+    private func publish(state newState: SessionState, of record: SessionRecord?, ending: Int64?) async throws(EtcdError) -> Bool {
         for _ in 0..<16 {
             let snapshot = try await read()
-            let next = snapshot.generation + 1
-            var record = FleetRecord(generation: next, state: write.record.state, refreshToken: write.record.refreshToken,
-                                     accessToken: write.record.accessToken, tokenType: write.record.tokenType,
-                                     expiresAt: write.record.expiresAt, lastRefresh: write.record.lastRefresh,
-                                     serial: write.record.accessToken == nil ? 0 : 1, endReason: write.record.endReason)
-            if record.state != .active { record.refreshToken = nil; record.accessToken = nil }
-            let sealed: [UInt8]
-            do {
-                sealed = try record.sealed(with: cipher, associatedData: recordData)
-            } catch {
-                throw EtcdError(kind: .malformed, message: "cannot seal the fleet record: \(error.description)")
+            if newState != .active, let ending, snapshot.generation != ending {
+                log(.notice, "session \(name): the logout was overtaken in the fleet (fleet generation \(snapshot.generation)); not published")
+                signal()
+                return false
             }
+            let next = snapshot.generation + 1
+            var fleetRecord = FleetRecord(generation: next, state: newState)
+            if newState == .active, let record {
+                fleetRecord = FleetRecord(generation: next, state: .active, refreshToken: record.refreshToken, accessToken: record.accessToken,
+                                          tokenType: record.tokenType, expiresAt: record.expiresAt, lastRefresh: record.lastRefresh,
+                                          serial: record.accessToken == nil ? 0 : 1)
+            }
+            let sealed = try seal(fleetRecord)
             let done = try await etcd.transaction(
                 [generationHolds(snapshot)],
                 success: [.put(key: generationKey, value: Array(String(next).utf8), lease: 0), .put(key: recordKey, value: sealed, lease: 0),
-                          .delete(key: flightKey), .delete(key: backoffKey)])
-            if done.succeeded {
+                          .delete(key: flightKey), .delete(key: backoffKey)],
+                failure: [.get(key: recordKey)])
+            // An answer lost after etcd applied it, then sent again: the record is ours.
+            let ours = done.succeeded ? done.revision : (done.reads.first??.value == sealed ? done.reads.first??.modRevision : nil)
+            if let ours {
                 state.withLock { state in
-                    state.bound = (write.record.generation, next)
-                    state.known = done.revision
+                    state.known = ours
                     state.generation = next
                     state.holder = nil
                 }
-                log(.info, "session \(name): \(write.record.state == .active ? "login" : "logout") published to the fleet (fleet generation \(next))")
-                return
+                log(.info, "session \(name): \(newState == .active ? "login" : "logout") published to the fleet (fleet generation \(next))")
+                signal()
+                return true
             }
         }
         throw EtcdError(kind: .unavailable, message: "the fleet generation kept moving; try again")
+    }
+
+    /// Shares this host's end of the session (its refresh was refused once too often) with the
+    /// fleet, unless the fleet has moved on.
+    private func publishEnd(_ write: StoreWrite) async throws(EtcdError) {
+        guard let bound = state.withLock({ $0.bound }), bound.local == write.record.generation else { return }
+        let snapshot = try await read()
+        guard snapshot.generation == bound.fleet, let record = snapshot.record, record.state == .active else { return }
+        let ended = FleetRecord(generation: bound.fleet, state: .ended, serial: record.serial, endReason: write.record.endReason)
+        _ = try await etcd.transaction([generationHolds(snapshot), .modRevision(key: recordKey, equals: snapshot.recordRevision)],
+                                       success: [.put(key: recordKey, value: try seal(ended), lease: 0), .delete(key: backoffKey)])
+    }
+
+    private func seal(_ record: FleetRecord) throws(EtcdError) -> [UInt8] {
+        do {
+            return try record.sealed(with: cipher, associatedData: recordData)
+        } catch {
+            throw EtcdError(kind: .malformed, message: "cannot seal the fleet record: \(error.description)")
+        }
+    }
+
+    private func remember(pendingLogout ending: Int64?) {
+        state.withLock { $0.pendingLogout = .some(ending) }
+        guard let pendingLogoutFile else { return }
+        if !PendingLogoutFile.write(pendingLogoutFile, ending.map { String($0) } ?? "") {
+            log(.error, "session \(name): cannot remember the logout in \(pendingLogoutFile); it is kept in memory only")
+        }
+    }
+
+    private func forgetPendingLogout() {
+        state.withLock { $0.pendingLogout = nil }
+        if let pendingLogoutFile { PendingLogoutFile.remove(pendingLogoutFile) }
     }
 
     // MARK: - Changes
@@ -579,6 +759,14 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
         }
         continuation?.resume()
     }
+}
+
+/// What became of a holder's commit.
+private enum CommitOutcome: Sendable {
+    case committed(Int64)
+    case overtakenByBoundary
+    case overtakenByRecord
+    case failed(String)
 }
 
 public enum FleetLogLevel: Sendable {

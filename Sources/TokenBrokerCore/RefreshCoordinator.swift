@@ -86,6 +86,11 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         }
     }
 
+    /// The token the hot path hands out now, fresh or not (`nil` when there is none).
+    public nonisolated func currentToken() -> IssuedToken? {
+        published.withLock { $0?.token }
+    }
+
     /// The current token; waits for the shared refresh when it has expired or there is none.
     /// Inside the refresh-ahead window it answers at once and starts one background refresh.
     public func token() async throws -> IssuedToken {

@@ -102,6 +102,16 @@ public final class Daemon: Sendable {
         signal(SIGPIPE, SIG_IGN)
         raiseDescriptorLimit(to: configuration.maxConnections + 256)
         await apply(configuration)
+        // Fleet sessions read etcd once before the daemon says it is ready (bounded: an
+        // unreachable etcd delays the start by its deadlines, then the session waits signed out).
+        await withTaskGroup(of: Void.self) { group in
+            for session in table.snapshot.sessions.values {
+                guard let fleet = session.fleet else { continue }
+                group.addTask {
+                    await fleet.firstSync(within: fleet.settings.requestTimeout * fleet.settings.endpoints.count + .seconds(1))
+                }
+            }
+        }
 
         // The socket systemd passed (socket activation), else our own, bound here.
         let socket: (fd: Int32, inode: ino_t?)
@@ -269,6 +279,7 @@ public final class Daemon: Sendable {
         await withTaskGroup(of: Void.self) { group in
             for session in table.snapshot.sessions.values {
                 group.addTask { [logger] in
+                    session.fleet?.stopWaiting()
                     await session.coordinator.retire()
                     session.stopFollowing()
                     if await !session.coordinator.flushPendingWrite() {
@@ -292,7 +303,9 @@ public final class Daemon: Sendable {
     private func longestFlight() -> Duration {
         current.value.sessions.reduce(.zero) { longest, session in
             guard case let .oauth(settings) = session.upstream else { return longest }
-            return max(longest, settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero))
+            // A fleet session's flight may wait for another broker's, up to the lease and more.
+            let fleet = session.fleet.map { $0.flightLease + .seconds(5) + $0.requestTimeout * 4 } ?? .zero
+            return max(longest, fleet, settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero))
         }
     }
 
@@ -357,6 +370,7 @@ public final class Daemon: Sendable {
             if await existing.coordinator.status().refreshing {
                 logger.info("session \(name): settings changed; waiting for its refresh in flight", session: name)
             }
+            existing.fleet?.stopWaiting()
             await existing.coordinator.quiesce()
         }
         await table.gate.exclusive { [self] in
@@ -411,7 +425,7 @@ public final class Daemon: Sendable {
     /// from what the store holds.
     private func makeSession(_ session: SessionConfiguration, handedOver: (record: SessionRecord, pending: StoreWrite?)? = nil) async
         -> SessionTable.Session {
-        let restored: SessionRecord?
+        var restored: SessionRecord?
         if let handedOver {
             restored = handedOver.record
         } else {
@@ -420,6 +434,13 @@ public final class Daemon: Sendable {
             } catch {
                 logger.error("cannot load the state of session \(session.name): \(error); it starts signed out", session: session.name)
                 restored = nil
+            }
+            if session.fleet != nil, restored?.state == .active {
+                // The fleet decides: until its state has been read, this host's copy (from before
+                // a restart, during which the fleet may have logged out) hands out nothing.
+                restored?.state = .signedOut
+                restored?.refreshToken = nil
+                restored?.accessToken = nil
             }
         }
         let source: any TokenSource
@@ -439,6 +460,7 @@ public final class Daemon: Sendable {
             let name = session.name
             do {
                 fleet = try FleetSession(name: session.name, settings: settings, upstream: source, local: state.sessions, wall: SystemWallClock(),
+                                         pendingLogoutFile: state.directory.map { "\($0)/fleet-logout-\(session.name)" },
                                          discarded: discardedTokenRevocation(session, upstream),
                                          log: { level, message in
                                              switch level {
@@ -459,14 +481,11 @@ public final class Daemon: Sendable {
                                       discarded: discardedTokenRevocation(session, upstream),
                                       outcomes: RefreshLog(logger: logger, policy: session.policy).record)
         if let fleet {
-            // The fleet decides: this host's copy is served until the first read of etcd, which
-            // logs the session in or out here as the fleet has it.
+            // The sync loop's first read of etcd logs the session in or out here as the fleet has it.
             fleet.attach(coordinator)
             let following = Task { await fleet.run() }
-            if let restored {
-                logger.log(.info, "session \(session.name): restored \(restored.state.rawValue) from this host's copy; following the fleet",
-                           session: session.name, generation: restored.generation)
-            }
+            logger.log(.info, "session \(session.name): shared with the fleet (\(fleet.settings.prefix) on \(fleet.settings.endpoints.count) "
+                       + "etcd endpoint(s)); it follows the fleet's state", session: session.name)
             return SessionTable.Session(configuration: session, coordinator: coordinator, upstream: upstream, fleet: (fleet, following))
         }
         if let restored {

@@ -13,6 +13,8 @@ struct StateStore: Sendable {
     /// Held for the daemon's lifetime: one daemon per state directory (two would each run
     /// their own refresh flight for the same sessions).
     let lock: Int32?
+    /// The state directory (`nil`: state in memory).
+    var directory: String? = nil
 
     struct AlreadyInUse: Error, CustomStringConvertible {
         let directory: String
@@ -50,7 +52,7 @@ struct StateStore: Sendable {
             logger.error("the state database \(database.path) was unreadable and has been moved aside to \(moved); starting with an empty one")
         }
         logger.info("state database: \(database.path)\(cipher == nil ? "" : " (tokens encrypted)")")
-        return StateStore(sessions: database, database: database, lock: lock)
+        return StateStore(sessions: database, database: database, lock: lock, directory: directory)
     }
 }
 

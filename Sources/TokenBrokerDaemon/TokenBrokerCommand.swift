@@ -136,6 +136,11 @@ public enum TokenBrokerCommand {
             let configuration = try ConfigLoader.load(path: path)
             for warning in configuration.warnings { errors.write("warning: \(warning)\n") }
             output.write("\(path): OK, \(configuration.sessions.count) session(s): \(configuration.sessions.map(\.name).joined(separator: ", "))\n")
+            if let fleet = configuration.fleet {
+                let shared = configuration.sessions.filter { $0.fleet != nil }.map(\.name)
+                output.write("fleet: member \(fleet.member), prefix \(fleet.prefix), \(fleet.endpoints.count) etcd endpoint(s), flight lease "
+                             + "\(fleet.flightLease.components.seconds)s; shared session(s): \(shared.isEmpty ? "none" : shared.joined(separator: ", "))\n")
+            }
             return ExitCode.ok
         } catch {
             errors.write("Error: \(error)\n")

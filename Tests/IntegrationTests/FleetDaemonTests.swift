@@ -291,8 +291,7 @@ struct FleetDaemonTests {
             try await eventually("B's worker gets an answer") { bReply.reply != nil }
             let answer = try #require(bReply.reply)
             #expect(answer.error != nil || answer.parameters["token"]?.stringValue == next, "B installed a token of its own: \(answer)")
-            try await eventually("B follows the fleet") { fleet.token(1) == next }
-            #expect(fleet.token(2) == next)
+            try await eventually("B and C follow the fleet") { fleet.token(1) == next && fleet.token(2) == next }
             #expect(fleet.issuer.counters.replays == 0)
         }
     }
@@ -328,6 +327,60 @@ struct FleetDaemonTests {
             let recovered = try await fleet.refresh(on: 2, rejecting: current, "refreshes work again")
             try await eventually("every broker follows") { (0..<3).allSatisfy { fleet.token($0) == recovered } }
             #expect(fleet.issuer.counters.replays == 0)
+        }
+    }
+
+    @Test("a logout while etcd has no quorum: in effect on that host at once, kept across a restart, published to the whole fleet once etcd is back")
+    func logoutWhileUnavailable() async throws {
+        try await Self.withFleet { fleet in
+            _ = try await fleet.logIn()
+            fleet.cluster.pause(1)
+            fleet.cluster.pause(2)
+            try await eventually("host A sees the fleet unavailable") {
+                fleet.status(0)?["fleetHealth"]?.stringValue?.hasPrefix("unavailable") == true
+            }
+            let logout = try fleet.brokers[0].call("Logout", ["session": "api"])
+            #expect(logout.error == "io.tokenbroker.Broker.StoreFailed", "\(logout)")
+            #expect(try fleet.brokers[0].call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut")
+            #expect(fleet.token(1) != nil, "host B stopped serving its cached token")
+
+            // Host A dies and comes back while etcd is still out: still logged out.
+            let brokerA = fleet.brokers[0]
+            kill(brokerA.child.process.processIdentifier, SIGKILL)
+            _ = await brokerA.child.wait()
+            fleet.brokers[0] = try await fleet.start(0, reusing: brokerA.directory)
+            #expect(try fleet.brokers[0].call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut")
+
+            fleet.cluster.resume(1)
+            fleet.cluster.resume(2)
+            try await eventually("every host is logged out", timeout: .seconds(30)) {
+                (0..<3).allSatisfy {
+                    (try? fleet.brokers[$0].call("GetToken", ["session": "api"]))?.error == "io.tokenbroker.Broker.SignedOut"
+                        && fleet.status($0)?["fleetGeneration"]?.intValue == 2
+                }
+            }
+            #expect(!FileManager.default.fileExists(atPath: brokerA.directory + "/state/fleet-logout-api"), "the pending logout was not forgotten")
+        }
+    }
+
+    @Test("a session that one broker ends (the issuer refused its refresh three times) ends on every broker, and no broker sends the dead token again")
+    func endedEverywhere() async throws {
+        try await Self.withFleet { fleet in
+            let first = try await fleet.logIn()
+            fleet.issuer.inject([.status(400, error: nil, retryAfter: nil), .status(400, error: nil, retryAfter: nil),
+                                 .status(400, error: nil, retryAfter: nil)])
+            try await eventually("host A ends the session after three refusals") {
+                let reply = try? fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(first)])
+                return reply?.error == "io.tokenbroker.Broker.RefreshFailed" && reply?.parameters["retryable"] == false
+            }
+            let requests = fleet.issuer.counters.tokenRequests
+            try await eventually("every other host has ended it too") {
+                (1..<3).allSatisfy { (try? fleet.brokers[$0].call("GetToken", ["session": "api"]))?.error == "io.tokenbroker.Broker.SignedOut" }
+            }
+            for member in 1..<3 {
+                _ = try fleet.brokers[member].call("Recover", ["session": "api", "rejected": .string(first)])
+            }
+            #expect(fleet.issuer.counters.tokenRequests == requests, "a broker sent the dead refresh token again")
         }
     }
 }

@@ -69,9 +69,10 @@ public enum ConfigLoader {
                 }
                 // The flight's holder gives up its upstream request before the lease can lapse:
                 // a request that may take longer would be cut short every time.
-                guard fleet.flightLease >= settings.client.timeout + .seconds(5) else {
+                let upstream = settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero)
+                guard fleet.flightLease >= upstream + .seconds(5) else {
                     throw fail("[Fleet] FlightLease= (\(fleet.flightLease.seconds)s) must be at least the session's RequestTimeout= "
-                               + "(\(settings.client.timeout.seconds)s) plus 5s")
+                               + "(\(settings.client.timeout.seconds)s)\(settings.issuer == nil ? "" : ", plus its discovery deadline,") plus 5s")
                 }
                 session.fleet = fleet
             }

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""make bench-fleet: the figures of fleet mode, on real processes.
+
+Starts a 3-member etcd cluster on loopback, the development issuer (`dev-issuer`) and two
+brokers, A and B, sharing session `api` (Fleet=yes); A also serves `local`, a session of its
+own (Upstream=test). Prints:
+  - token propagation: A's refresh committed (its Recover answered) -> B's GetToken returns the
+    new token, p50/p99 over FLEET_ROUNDS refreshes (B polls its socket);
+  - etcd requests per refresh, fleet-wide, by gRPC method (summed over the members'
+    grpc_server_handled_total, before and after the rounds) and the issuer's token requests;
+  - GetToken throughput on A, fleet session vs local session, 16 connections, alternated, medians.
+
+Knobs (environment): FLEET_ROUNDS (50), BENCH_RUNS (3), BENCH_SECONDS (2).
+"""
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "PyCommon"))
+from bench import RUNNING, Server, build_tools, load, pin  # noqa: E402
+from checks import stop  # noqa: E402
+
+ROUNDS = int(os.environ.get("FLEET_ROUNDS", "50"))
+RUNS = int(os.environ.get("BENCH_RUNS", "3"))
+SECONDS = float(os.environ.get("BENCH_SECONDS", "2"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv, **kwargs):
+    process = subprocess.Popen(argv, **kwargs)
+    RUNNING.append(process)
+    return process
+
+
+def call(path, method, parameters):
+    """One varlink call on a new connection; returns (parameters, error)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(json.dumps({"method": "io.tokenbroker.Broker." + method, "parameters": parameters}).encode() + b"\0")
+        data = b""
+        while not data.endswith(b"\0"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    reply = json.loads(data.rstrip(b"\0"))
+    return reply.get("parameters", {}), reply.get("error")
+
+
+def eventually(what, check, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            sys.exit(f"bench-fleet: timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def etcd_requests(urls):
+    """grpc_server_handled_total by method, summed over the members."""
+    totals = {}
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as answer:
+            for line in answer.read().decode().splitlines():
+                if line.startswith("grpc_server_handled_total{"):
+                    labels, value = line.rsplit(" ", 1)
+                    method = labels.split('grpc_method="', 1)[1].split('"', 1)[0]
+                    totals[method] = totals.get(method, 0) + float(value)
+    return totals
+
+
+def main():
+    bin_dir = sys.argv[1]
+    tools = build_tools(os.path.join(tempfile.gettempdir(), "tb-bench-tools"))
+    work = tempfile.mkdtemp(prefix="tb-fleet-")
+    ports = [free_port() for _ in range(6)]
+    clients = [f"http://127.0.0.1:{ports[2 * i]}" for i in range(3)]
+    peers = [f"http://127.0.0.1:{ports[2 * i + 1]}" for i in range(3)]
+    initial = ",".join(f"m{i}={peers[i]}" for i in range(3))
+    for i in range(3):
+        spawn(["etcd", "--name", f"m{i}", "--data-dir", f"{work}/m{i}", "--listen-client-urls", clients[i],
+               "--advertise-client-urls", clients[i], "--listen-peer-urls", peers[i], "--initial-advertise-peer-urls", peers[i],
+               "--initial-cluster", initial, "--initial-cluster-state", "new", "--log-level", "warn"],
+              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(f"{work}/client-secret", "w") as f:
+        f.write("dev-secret\n")
+    with open(f"{work}/fleet.key", "w") as f:
+        f.write(os.urandom(32).hex())
+    issuer = spawn([os.path.join(bin_dir, "dev-issuer"), "--client-secret-file", f"{work}/client-secret",
+                    "--refresh-token-file", f"{work}/refresh-token"], stdout=subprocess.PIPE, text=True)
+    base = issuer.stdout.readline().split()[1]
+    eventually("etcd", lambda: all(_answers(url) for url in clients))
+
+    brokers = {}
+    for name in ("a", "b"):
+        with open(f"{work}/{name}.conf", "w") as f:
+            f.write(f"""[Broker]
+SocketMode=0600
+
+[Fleet]
+Endpoints={' '.join(clients)}
+KeyFile={work}/fleet.key
+Name=host-{name}
+
+[Session]
+Name=api
+Fleet=yes
+TokenEndpoint={base}/token
+ClientID=tokenbroker
+ClientSecretFile={work}/client-secret
+
+[Session]
+Name=local
+Upstream=test
+""")
+        path = f"{work}/{name}.sock"
+        brokers[name] = Server([os.path.join(bin_dir, "tokenbroker"), "serve", "--config", f"{work}/{name}.conf",
+                                "--socket", path, "--state-dir", f"{work}/{name}-state"], path)
+    a, b = brokers["a"].socket, brokers["b"].socket
+    eventually("the refresh token file", lambda: os.path.exists(f"{work}/refresh-token"))
+    with open(f"{work}/refresh-token") as f:
+        _, error = call(a, "Login", {"session": "api", "refreshToken": f.read().strip()})
+    assert error is None, error
+    current = call(a, "GetToken", {"session": "api"})[0]["token"]
+    eventually("B follows the login", lambda: call(b, "GetToken", {"session": "api"})[0].get("token") == current)
+
+    # Propagation: A refreshes; how long until B hands out the new token?
+    before_etcd = etcd_requests(clients)
+    before_issuer = json.load(urllib.request.urlopen(base + "/_dev/counters"))["token_requests"]
+    delays = []
+    for _ in range(ROUNDS):
+        parameters, error = call(a, "Recover", {"session": "api", "rejected": current})
+        assert error is None, error
+        committed = time.monotonic()
+        current = parameters["token"]
+        while call(b, "GetToken", {"session": "api"})[0].get("token") != current:
+            pass
+        delays.append((time.monotonic() - committed) * 1000)
+    time.sleep(0.5)  # let the last watch events and lease revocations land before counting
+    after_etcd = etcd_requests(clients)
+    after_issuer = json.load(urllib.request.urlopen(base + "/_dev/counters"))["token_requests"]
+    delays.sort()
+    print(f"propagation A committed -> B serves it, {ROUNDS} refreshes: p50 {statistics.median(delays):.2f} ms, "
+          f"p99 {delays[min(len(delays) - 1, int(len(delays) * 0.99))]:.2f} ms, max {delays[-1]:.2f} ms")
+    print(f"issuer token requests per refresh: {(after_issuer - before_issuer) / ROUNDS:.2f}")
+    per = {m: (after_etcd.get(m, 0) - before_etcd.get(m, 0)) / ROUNDS for m in after_etcd}
+    shown = {m: v for m, v in per.items() if v > 0}
+    print("etcd requests per refresh, fleet-wide (2 brokers): " + ", ".join(f"{m} {v:.1f}" for m, v in sorted(shown.items()))
+          + f"; total {sum(shown.values()):.1f}")
+
+    # The hot path stays local: GetToken on the fleet session vs a local one.
+    import bench
+    results = {"api": [], "local": []}
+    for _ in range(RUNS):
+        for session in ("local", "api"):
+            bench.GET_TOKEN = json.dumps({"method": "io.tokenbroker.Broker.GetToken", "parameters": {"session": session}})
+            results[session].append(load(tools, brokers["a"], 16, seconds=SECONDS))
+    for session in ("local", "api"):
+        rps = statistics.median(r["req_per_s"] for r in results[session])
+        cpu = statistics.median(r["cpu_us"] for r in results[session])
+        print(f"GetToken 16 conns, {session:5} session: {rps:,.0f} req/s, {cpu:.2f} CPU µs/req")
+    ratio = statistics.median(r["req_per_s"] for r in results["api"]) / statistics.median(r["req_per_s"] for r in results["local"])
+    print(f"fleet / local throughput: {ratio:.2f}")
+    for server in brokers.values():
+        server.stop()
+    for process in RUNNING:
+        if process.poll() is None:
+            stop(process)
+
+
+def _answers(url):
+    try:
+        request = urllib.request.Request(url + "/v3/kv/range", data=b'{"key":"cmVhZHk="}', method="POST")
+        urllib.request.urlopen(request, timeout=1).read()
+        return True
+    except Exception:
+        return False
+
+
+if __name__ == "__main__":
+    main()
