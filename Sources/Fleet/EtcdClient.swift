@@ -23,6 +23,8 @@ public struct EtcdError: Error, Sendable, Equatable, CustomStringConvertible {
         case refused(code: Int)
         /// The answer was not what etcd's JSON gateway sends.
         case malformed
+        /// The calling task was cancelled (nothing is known of etcd).
+        case cancelled
     }
 
     public var kind: Kind
@@ -201,7 +203,7 @@ public struct EtcdClient: Sendable {
             do {
                 response = try await CurlLoop.shared.perform(request)
             } catch is CancellationError {
-                throw EtcdError(kind: .unavailable, message: "cancelled")
+                throw EtcdError(kind: .cancelled, message: "cancelled")
             } catch {
                 problem = EtcdError(kind: .unavailable, message: "\(endpoint): \(error)")
                 continue

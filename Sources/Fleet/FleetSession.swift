@@ -122,10 +122,6 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
                 wall: any WallClock, pendingLogoutFile: String? = nil, discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in },
                 log: @escaping @Sendable (FleetLogLevel, String) -> Void = { _, _ in }) throws(TokenCipher.Failure) {
         self.pendingLogoutFile = pendingLogoutFile
-        if let pendingLogoutFile, let text = PendingLogoutFile.read(pendingLogoutFile) {
-            let generation = Int64(text)
-            state.withLock { $0.pendingLogout = .some(generation) }
-        }
         self.name = name
         self.settings = settings
         self.etcd = EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout)
@@ -139,6 +135,16 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
         for index in random.indices { random[index] = UInt8.random(in: 0...255) }
         self.holder = "\(settings.member) pid \(getpid()) \(random.map { String($0, radix: 16) }.joined())"
         self.base = settings.prefix + "/sessions/" + name + "/"
+        if let pendingLogoutFile, let text = PendingLogoutFile.read(pendingLogoutFile) {
+            // "<prefix> <generation or ->": a logout of this session under that prefix.
+            let words = text.split(separator: " ")
+            if words.count == 2, words[0] == settings.prefix {
+                let generation = Int64(words[1])
+                state.withLock { $0.pendingLogout = .some(generation) }
+            } else {
+                log(.warning, "session \(name): \(pendingLogoutFile) does not name a logout under \(settings.prefix); ignored")
+            }
+        }
     }
 
     /// Binds the coordinator this session feeds (once, right after both are made).
@@ -285,7 +291,7 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
             for entry in records {
                 switch String(decoding: entry.key, as: UTF8.self).dropFirst(base.utf8.count) {
                 case "generation":
-                    guard let generation = Int64(String(decoding: entry.value, as: UTF8.self)), generation >= 0 else {
+                    guard let generation = Int64(String(decoding: entry.value, as: UTF8.self)), (0..<(Int64.max / 2)).contains(generation) else {
                         throw EtcdError(kind: .malformed, message: "the fleet generation is not a number")
                     }
                     snapshot.generation = generation
@@ -322,6 +328,8 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
                 state.holder = snapshot.flight.map { String(decoding: $0.value.prefix(200), as: UTF8.self) }
             }
             return snapshot
+        } catch where error.kind == .cancelled {
+            throw error   // nothing learnt about etcd
         } catch {
             let becameUnavailable = state.withLock { state -> Bool in
                 defer { state.health = .unavailable(error.message) }
@@ -439,7 +447,12 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
             let commitBy = taken + settings.flightLease * 2
             let outcome = await Task { () -> CommitOutcome in
                 var problem = "etcd did not answer"
+                var attempts = 0
                 while clock.now < commitBy {
+                    attempts += 1
+                    // While the commit is retried, the flight stays this broker's: another one
+                    // would present the spent refresh token.
+                    if attempts > 1 { _ = try? await self.etcd.keepAlive(lease: lease) }
                     do throws(EtcdError) {
                         let done = try await self.etcd.transaction(
                             [self.generationHolds(snapshot), .modRevision(key: self.recordKey, equals: snapshot.recordRevision)],
@@ -486,7 +499,13 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
         case let .failure(error):
             let failure = (error as? FetchFailure) ?? .transient(error is CancellationError ? "cancelled" : "unexpected error (\(type(of: error)))")
             var operations: [EtcdOperation] = [.delete(key: flightKey)]
-            if case .terminal = failure.kind {
+            if error is CancellationError {
+                // Cancelled here (a logout or the stop of this broker): nothing to tell the fleet.
+            } else if case .terminal = failure.kind, failure.reason != "invalid_grant" {
+                // This broker's own configuration (its client credentials, scope, endpoint): it
+                // ends here only, and the others go on.
+            } else if case .terminal = failure.kind {
+                // The refresh token itself is dead, for every broker: the session ends fleet-wide.
                 let ended = FleetRecord(generation: record.generation, state: .ended, serial: record.serial, endReason: failure.reason)
                 if let sealed = try? ended.sealed(with: cipher, associatedData: recordData) {
                     operations.append(.put(key: recordKey, value: sealed, lease: 0))
@@ -555,17 +574,16 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
     }
 
     public func write(_ write: StoreWrite) async throws -> Bool {
-        if write.replicated { return try await local.write(write) }
+        // Changes that came from the fleet, and refresh results (committed to the fleet by
+        // `fetch` already) or a local end: this host's copy only. (A session ends fleet-wide
+        // only when the issuer says its refresh token is dead: `refreshAsHolder`.)
+        if write.replicated || write.guardedBy == .sameGeneration { return try await local.write(write) }
         // What reaches etcd runs to its end even if the caller goes away (a client that hangs
         // up must not leave a boundary half-published).
         let published: Result<Void, EtcdError> = await Task {
             await self.serializer.run { () -> Result<Void, EtcdError> in
                 do throws(EtcdError) {
-                    if write.guardedBy == .sameGeneration {
-                        if write.record.state == .ended { try await self.publishEnd(write) }
-                    } else {
-                        try await self.publishBoundary(write)
-                    }
+                    try await self.publishBoundary(write)
                     return .success(())
                 } catch {
                     return .failure(error)
@@ -575,14 +593,11 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
         switch published {
         case .success:
             return try await local.write(write)
-        case let .failure(error) where write.guardedBy == .newerGeneration && write.record.state != .active:
+        case let .failure(error) where write.record.state != .active:
             // A logout: in effect here at once and on disk, and remembered until etcd takes it
             // (across restarts too); the caller hears that the fleet has not.
             _ = try await local.write(write)
             throw error
-        case let .failure(error) where write.guardedBy == .sameGeneration:
-            log(.warning, "session \(name): the end of the session could not be shared with the fleet: \(error.message)")
-            return try await local.write(write)
         case let .failure(error):
             throw error
         }
@@ -603,20 +618,27 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
             }
             return .publish(ending: state.bound?.fleet)
         }
-        guard case let .publish(ending) = decision else { return }
+        guard case .publish = decision else { return }
         if write.record.state == .active {
             do throws(EtcdError) {
-                _ = try await publish(state: .active, of: write.record, ending: nil)
-                state.withLock { $0.bound = (write.record.generation, $0.generation ?? 0) }
+                if let published = try await publish(state: .active, of: write.record, ending: nil) {
+                    state.withLock { $0.bound = (write.record.generation, published) }
+                }
             } catch {
                 state.withLock { $0.failedLogin = write.record.generation }
                 throw error
             }
+            // A login here supersedes this host's logout still waiting for etcd.
+            forgetPendingLogout()
             return
         }
-        remember(pendingLogout: ending)
-        if try await publish(state: write.record.state, of: write.record, ending: ending) {
-            state.withLock { $0.bound = (write.record.generation, $0.generation ?? 0) }
+        // A logout ends the newest generation this host has read of the fleet: its own read
+        // below is the ordering point. Only a logout that already waited for etcd (a retry, or
+        // one remembered across a restart) gives way to a newer boundary made meanwhile.
+        let waiting = state.withLock { $0.pendingLogout }
+        if waiting == nil { remember(pendingLogout: state.withLock { $0.generation ?? $0.bound?.fleet }) }
+        if let published = try await publish(state: write.record.state, of: write.record, ending: waiting ?? nil) {
+            state.withLock { $0.bound = (write.record.generation, published) }
         }
         // (Overtaken: the sync loop applies the newer boundary here too.)
         forgetPendingLogout()
@@ -624,28 +646,29 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
 
     /// A logout remembered from before a restart, or from a call that could not reach etcd.
     private func publishPendingLogout() async throws(EtcdError) {
-        guard let ending = state.withLock({ $0.pendingLogout }) else { return }
         try await serializer.run { () -> Result<Void, EtcdError> in
+            guard let ending = self.state.withLock({ $0.pendingLogout }) else { return .success(()) }
             do throws(EtcdError) {
                 _ = try await self.publish(state: .signedOut, of: nil, ending: ending)
-                return .success(())
             } catch {
                 return .failure(error)
             }
+            // Published, or overtaken by a newer boundary: either way it is done.
+            self.forgetPendingLogout(ifStill: ending)
+            return .success(())
         }.get()
-        forgetPendingLogout()
     }
 
     /// One boundary transaction: a new fleet generation holding `record`'s state (tokens only
-    /// for a login). A logout that ends `ending` is dropped once the fleet has gone past it
-    /// (returns false).
-    private func publish(state newState: SessionState, of record: SessionRecord?, ending: Int64?) async throws(EtcdError) -> Bool {
+    /// for a login); returns that generation. A logout that ends `ending` is dropped once the
+    /// fleet has gone past it (returns nil).
+    private func publish(state newState: SessionState, of record: SessionRecord?, ending: Int64?) async throws(EtcdError) -> Int64? {
         for _ in 0..<16 {
             let snapshot = try await read()
             if newState != .active, let ending, snapshot.generation != ending {
                 log(.notice, "session \(name): the logout was overtaken in the fleet (fleet generation \(snapshot.generation)); not published")
                 signal()
-                return false
+                return nil
             }
             let next = snapshot.generation + 1
             var fleetRecord = FleetRecord(generation: next, state: newState)
@@ -664,27 +687,15 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
             let ours = done.succeeded ? done.revision : (done.reads.first??.value == sealed ? done.reads.first??.modRevision : nil)
             if let ours {
                 state.withLock { state in
-                    state.known = ours
-                    state.generation = next
-                    state.holder = nil
+                    state.known = max(state.known, ours)
+                    state.generation = max(state.generation ?? 0, next)
                 }
                 log(.info, "session \(name): \(newState == .active ? "login" : "logout") published to the fleet (fleet generation \(next))")
                 signal()
-                return true
+                return next
             }
         }
         throw EtcdError(kind: .unavailable, message: "the fleet generation kept moving; try again")
-    }
-
-    /// Shares this host's end of the session (its refresh was refused once too often) with the
-    /// fleet, unless the fleet has moved on.
-    private func publishEnd(_ write: StoreWrite) async throws(EtcdError) {
-        guard let bound = state.withLock({ $0.bound }), bound.local == write.record.generation else { return }
-        let snapshot = try await read()
-        guard snapshot.generation == bound.fleet, let record = snapshot.record, record.state == .active else { return }
-        let ended = FleetRecord(generation: bound.fleet, state: .ended, serial: record.serial, endReason: write.record.endReason)
-        _ = try await etcd.transaction([generationHolds(snapshot), .modRevision(key: recordKey, equals: snapshot.recordRevision)],
-                                       success: [.put(key: recordKey, value: try seal(ended), lease: 0), .delete(key: backoffKey)])
     }
 
     private func seal(_ record: FleetRecord) throws(EtcdError) -> [UInt8] {
@@ -698,14 +709,19 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
     private func remember(pendingLogout ending: Int64?) {
         state.withLock { $0.pendingLogout = .some(ending) }
         guard let pendingLogoutFile else { return }
-        if !PendingLogoutFile.write(pendingLogoutFile, ending.map { String($0) } ?? "") {
+        if !PendingLogoutFile.write(pendingLogoutFile, settings.prefix + " " + (ending.map { String($0) } ?? "-")) {
             log(.error, "session \(name): cannot remember the logout in \(pendingLogoutFile); it is kept in memory only")
         }
     }
 
-    private func forgetPendingLogout() {
-        state.withLock { $0.pendingLogout = nil }
-        if let pendingLogoutFile { PendingLogoutFile.remove(pendingLogoutFile) }
+    /// Forgets the pending logout (only if it is still the one that ends `ending`, when given).
+    private func forgetPendingLogout(ifStill ending: Int64?? = nil) {
+        let forgotten = state.withLock { state -> Bool in
+            if let ending, state.pendingLogout != ending { return false }
+            state.pendingLogout = nil
+            return true
+        }
+        if forgotten, let pendingLogoutFile { PendingLogoutFile.remove(pendingLogoutFile) }
     }
 
     // MARK: - Changes

@@ -6,7 +6,7 @@ import Glibc
 /// forget it: written durably (temporary file, fsync, rename, fsync of the directory), read
 /// bounded, removed once the fleet has it.
 enum PendingLogoutFile {
-    /// The file's text (at most 64 bytes), or nil when there is none.
+    /// The file's text (at most 64 bytes, trailing whitespace dropped), or nil when there is none.
     static func read(_ path: String) -> String? {
         let fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
         guard fd >= 0 else { return nil }
@@ -14,7 +14,9 @@ enum PendingLogoutFile {
         var buffer = [UInt8](repeating: 0, count: 64)
         let count = Glibc.read(fd, &buffer, buffer.count)
         guard count >= 0 else { return nil }
-        return String(decoding: buffer[..<count], as: UTF8.self).filter { !$0.isWhitespace }
+        var text = Substring(String(decoding: buffer[..<count], as: UTF8.self))
+        while let last = text.last, last.isWhitespace { text = text.dropLast() }
+        return String(text)
     }
 
     /// Returns whether the text is durable.

@@ -329,7 +329,9 @@ public struct RefreshStateMachine: Sendable {
             if case let .failed(reason) = outcome {
                 // Degraded: serve from memory, keep the write to retry (the store decides how).
                 lastError = "store: \(reason)"
-                pendingWrite = StoreWrite(record, guardedBy: writeGuard(.sameGeneration))
+                // `replicated`: a fetched token is the source's to share, and a store shared
+                // with others has it already (a fleet's source commits before it returns).
+                pendingWrite = StoreWrite(record, guardedBy: writeGuard(.sameGeneration), replicated: true)
             } else {
                 pendingWrite = nil
             }
@@ -445,7 +447,7 @@ public struct RefreshStateMachine: Sendable {
             // The boundary itself stands: the store must still learn that the old generation
             // is over, so the signed-out state is kept as a pending write.
             lastError = "store: \(reason)"
-            pendingWrite = StoreWrite(record, guardedBy: .newerGeneration)
+            pendingWrite = StoreWrite(record, guardedBy: .newerGeneration, replicated: write.replicated)
             return .failure(.storeFailed(reason: reason))
         }
     }

@@ -304,7 +304,8 @@ public final class Daemon: Sendable {
         current.value.sessions.reduce(.zero) { longest, session in
             guard case let .oauth(settings) = session.upstream else { return longest }
             // A fleet session's flight may wait for another broker's, up to the lease and more.
-            let fleet = session.fleet.map { $0.flightLease + .seconds(5) + $0.requestTimeout * 4 } ?? .zero
+            // (Its commit is retried for up to twice the lease once the issuer has rotated.)
+            let fleet = session.fleet.map { $0.flightLease * 2 + .seconds(5) + $0.requestTimeout * 4 } ?? .zero
             return max(longest, fleet, settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero))
         }
     }

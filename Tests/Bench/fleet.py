@@ -121,6 +121,7 @@ Fleet=yes
 TokenEndpoint={base}/token
 ClientID=tokenbroker
 ClientSecretFile={work}/client-secret
+RefreshLimitBurst=10000
 
 [Session]
 Name=local

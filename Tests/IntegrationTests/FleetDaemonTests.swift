@@ -363,24 +363,36 @@ struct FleetDaemonTests {
         }
     }
 
-    @Test("a session that one broker ends (the issuer refused its refresh three times) ends on every broker, and no broker sends the dead token again")
+    @Test("the issuer says the refresh token is dead (invalid_grant) → the session ends on every broker, and none sends the dead token again")
     func endedEverywhere() async throws {
         try await Self.withFleet { fleet in
             let first = try await fleet.logIn()
-            fleet.issuer.inject([.status(400, error: nil, retryAfter: nil), .status(400, error: nil, retryAfter: nil),
-                                 .status(400, error: nil, retryAfter: nil)])
-            try await eventually("host A ends the session after three refusals") {
-                let reply = try? fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(first)])
-                return reply?.error == "io.tokenbroker.Broker.RefreshFailed" && reply?.parameters["retryable"] == false
-            }
+            fleet.issuer.inject([.status(400, error: "invalid_grant", retryAfter: nil)])
+            let ended = try fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(first)])
+            #expect(ended.error == "io.tokenbroker.Broker.RefreshFailed" && ended.parameters["retryable"] == false, "\(ended)")
             let requests = fleet.issuer.counters.tokenRequests
-            try await eventually("every other host has ended it too") {
+            try await eventually("every other broker has ended it too") {
                 (1..<3).allSatisfy { (try? fleet.brokers[$0].call("GetToken", ["session": "api"]))?.error == "io.tokenbroker.Broker.SignedOut" }
             }
             for member in 1..<3 {
                 _ = try fleet.brokers[member].call("Recover", ["session": "api", "rejected": .string(first)])
             }
             #expect(fleet.issuer.counters.tokenRequests == requests, "a broker sent the dead refresh token again")
+        }
+    }
+
+    @Test("a broker whose refreshes are refused without a reason (a wrong client secret of its own, say) ends the session on itself only: the others go on refreshing")
+    func refusalsStayLocal() async throws {
+        try await Self.withFleet { fleet in
+            let first = try await fleet.logIn()
+            fleet.issuer.inject(Array(repeating: .status(400, error: nil, retryAfter: nil), count: 3))
+            try await eventually("host A ends the session after three refusals") {
+                let reply = try? fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(first)])
+                return reply?.error == "io.tokenbroker.Broker.RefreshFailed" && reply?.parameters["retryable"] == false
+            }
+            let next = try await fleet.refresh(on: 1, rejecting: first, "host B refreshes")
+            try await eventually("host C follows") { fleet.token(2) == next }
+            #expect(fleet.issuer.counters.replays == 0)
         }
     }
 }
