@@ -26,7 +26,7 @@ public struct TokenCipher: Sendable {
         }
         let text = String(decoding: bytes, as: UTF8.self)
         guard text.count == 64, let decoded = Self.hex(text) else {
-            throw Failure("a state key must be 32 bytes or 64 hexadecimal digits")
+            throw Failure("the key must be 32 bytes or 64 hexadecimal digits")
         }
         key = decoded
     }

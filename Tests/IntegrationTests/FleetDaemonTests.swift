@@ -204,6 +204,10 @@ struct FleetDaemonTests {
                 #expect(stale.parameters["token"]?.stringValue == tokens.first)
             }
             #expect(fleet.issuer.counters.refreshGrants == after.refreshGrants, "a stale rejection refreshed")
+            // `ctl status` says where the fleet stands.
+            let status = try await fleet.brokers[2].ctl(["status"])
+            #expect(status.code == 0 && status.out.contains("fleet api: healthy, fleet generation 1, etcd revision "), "\(status.out)")
+            #expect(!status.out.contains(tokens.first ?? "-"), "ctl status printed a token")
         }
     }
 

@@ -116,7 +116,7 @@ struct PersistenceTests {
         try "too short".write(toFile: directory + "/state.key", atomically: true, encoding: .utf8)
         let check = try Child(Paths.tokenbroker, ["check-config", "--config", directory + "/bad.conf"], directory: directory)
         #expect(await check.wait() == 78)
-        #expect(check.stderr.contains("bad.conf:2: StateKeyFile=: a state key must be 32 bytes or 64 hexadecimal digits"))
+        #expect(check.stderr.contains("bad.conf:2: StateKeyFile=: the key must be 32 bytes or 64 hexadecimal digits"))
     }
 
     @Test("one daemon per state directory: a second one refuses to start before it touches the database (no re-encryption under the first)")

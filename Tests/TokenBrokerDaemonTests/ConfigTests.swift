@@ -129,6 +129,61 @@ struct ConfigTests {
         }
     }
 
+    /// A fleet configuration's fixture: `@KEY@` stands for a valid key file, `@BADKEY@` for one that is not a key.
+    static func fleetFixture(_ text: String) throws -> ConfigFixture {
+        let fixture = try ConfigFixture(main: "")
+        try String(repeating: "ab", count: 32).write(toFile: fixture.directory + "/fleet.key", atomically: true, encoding: .utf8)
+        try "short".write(toFile: fixture.directory + "/bad.key", atomically: true, encoding: .utf8)
+        try "s3cret".write(toFile: fixture.directory + "/secret", atomically: true, encoding: .utf8)
+        try text.replacingOccurrences(of: "@KEY@", with: fixture.directory + "/fleet.key")
+            .replacingOccurrences(of: "@BADKEY@", with: fixture.directory + "/bad.key")
+            .replacingOccurrences(of: "@SECRET@", with: fixture.directory + "/secret")
+            .write(toFile: fixture.main, atomically: true, encoding: .utf8)
+        return fixture
+    }
+
+    static let fleetSession = "[Session]\nName=api\nFleet=yes\nClientID=c\nTokenEndpoint=https://as.example/t\nClientSecretFile=@SECRET@\n"
+
+    @Test("[Fleet] and Fleet=yes: bad values and combinations fail at file:line", arguments: [
+        ("[Fleet]\nPrefix=/x", 1, "[Fleet] needs Endpoints= (etcd client URLs)"),
+        ("[Fleet]\nEndpoints=http://10.0.0.1:2379", 2,
+         "Endpoints=: http:// is allowed only for loopback addresses (127.0.0.0/8, [::1]); use https://"),
+        ("[Fleet]\nEndpoints=https://etcd.internal:2379", 1, "[Fleet] needs KeyFile= or KeyCredential= (the fleet key, 32 bytes or 64 hex digits)"),
+        ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@BADKEY@", 3, "KeyFile=: the key must be 32 bytes or 64 hexadecimal digits"),
+        ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\nFlightLease=1s", 4,
+         "FlightLease= needs a time span between 5.0s and 3600.0s, e.g. 60s or 5min"),
+        ("[Fleet]\nPrefix=tokenbroker", 2,
+         "Prefix= needs a key prefix such as /tokenbroker (2-128 printable characters, starting with / and not ending with one)"),
+        ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\nClientKey=@KEY@", 1, "[Fleet] ClientCertificate= and ClientKey= go together"),
+        (fleetSession, 3, "Fleet=yes needs a [Fleet] section with Endpoints= and KeyFile= or KeyCredential="),
+        ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\n[Session]\nName=api\nUpstream=test\nFleet=yes", 7,
+         "Fleet=yes needs an OAuth session with Grant=refresh_token (a refresh token family is what the fleet shares)"),
+        ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\nFlightLease=20s\n" + fleetSession + "RequestTimeout=30s", 7,
+         "[Fleet] FlightLease= (20.0s) must be at least the session's RequestTimeout= (30.0s) plus 5s"),
+        ("[Session]\nName=api\nUpstream=test\nFleet=maybe", 4, "Fleet= must be yes or no"),
+    ])
+    func fleetErrors(text: String, line: Int, message: String) throws {
+        let fixture = try Self.fleetFixture(text)
+        do {
+            _ = try fixture.load()
+            Issue.record("accepted: \(text)")
+        } catch {
+            #expect(error.description == "\(fixture.main):\(line): \(message)")
+        }
+    }
+
+    @Test("a fleet: endpoints (trailing slash dropped), prefix, key, lease, member name; only Fleet=yes sessions share it")
+    func fleet() throws {
+        let fixture = try Self.fleetFixture("[Fleet]\nEndpoints=https://e1:2379/ https://e2:2379\nPrefix=/tb\nKeyFile=@KEY@\nFlightLease=90s\nName=host-a\n"
+                                            + Self.fleetSession + "[Session]\nName=local\nUpstream=test\n")
+        let configuration = try fixture.load()
+        #expect(configuration.warnings.isEmpty)
+        let fleet = try #require(configuration.session(named: "api")?.fleet)
+        #expect(fleet.endpoints == ["https://e1:2379", "https://e2:2379"] && fleet.prefix == "/tb" && fleet.flightLease == .seconds(90)
+                && fleet.member == "host-a" && fleet.key.reveal == String(repeating: "ab", count: 32))
+        #expect(configuration.session(named: "local")?.fleet == nil)
+    }
+
     @Test("an OAuth session: endpoints, client, secret from a file (trailing newline dropped), TLS files")
     func oauthSession() throws {
         let fixture = try ConfigFixture(main: "")
