@@ -96,7 +96,7 @@ var package = Package(
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "TokenBrokerCore", "TestSupport"]),
-        .testTarget(name: "FleetTests", dependencies: ["Fleet", "SQLiteStore", "TokenBrokerCore", "TestSupport"]),
+        .testTarget(name: "FleetTests", dependencies: ["Fleet", "SQLiteStore", "TokenBrokerCore", "TestSupport", "Upstream"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCLI", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
         // Spawns the real binaries; depends on the daemon's so `swift test` builds it first (not on the

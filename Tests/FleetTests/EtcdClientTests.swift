@@ -1,7 +1,9 @@
 import Fleet
+import Foundation
 import Synchronization
 import Testing
 import TestSupport
+import Upstream
 
 /// The etcd client against a real 3-member etcd cluster on loopback.
 @Suite("etcd client", .serialized)
@@ -106,4 +108,40 @@ struct EtcdClientTests {
 /// Whether the etcd member at `url` answers a read.
 @Sendable func etcdAnswers(_ url: String) async -> Bool {
     (try? await EtcdClient(endpoints: [url], timeout: .milliseconds(500)).get(Array("ready".utf8))) != nil
+}
+
+@Suite("etcd over TLS with client certificates")
+struct EtcdTLSTests {
+    @Test("CAFile= plus a client certificate: the client talks to an etcd that demands one; without the certificate, or trusting another CA, etcd is unavailable, never served in clear")
+    func clientCertificates() async throws {
+        let certificates = try await TestCertificates.make()
+        defer { try? FileManager.default.removeItem(atPath: certificates) }
+        let tls = TLSOptions(caFile: certificates + "/ca.pem", clientCertificate: certificates + "/client.pem",
+                             clientKey: certificates + "/client.key")
+        let cluster = try await EtcdCluster(members: 1, certificates: certificates) { url in
+            (try? await EtcdClient(endpoints: [url], tls: tls, timeout: .seconds(1)).get(Array("ready".utf8))) != nil
+        }
+        do {
+            let url = try #require(cluster.clientURLs.first)
+            #expect(url.hasPrefix("https://"))
+            let client = EtcdClient(endpoints: [url], tls: tls)
+            try await client.put(Array("k".utf8), Array("v".utf8))
+            #expect(try await client.get(Array("k".utf8)).record?.value == Array("v".utf8))
+
+            let noCertificate = EtcdClient(endpoints: [url], tls: TLSOptions(caFile: certificates + "/ca.pem"), timeout: .seconds(2))
+            await #expect(throws: EtcdError.self) { _ = try await noCertificate.get(Array("k".utf8)) }
+            let otherCA = EtcdClient(endpoints: [url], tls: TLSOptions(caFile: certificates + "/other.pem", clientCertificate: certificates + "/client.pem",
+                                                                      clientKey: certificates + "/client.key"), timeout: .seconds(2))
+            do {
+                _ = try await otherCA.get(Array("k".utf8))
+                Issue.record("a server the CA did not sign was trusted")
+            } catch {
+                #expect(error.kind == .unavailable)
+            }
+        } catch {
+            await cluster.stop()
+            throw error
+        }
+        await cluster.stop()
+    }
 }

@@ -14,14 +14,18 @@ public final class EtcdCluster: @unchecked Sendable {
 
     /// - Parameter answers: whether the member at a client URL answers a read (which needs the
     ///   cluster's quorum); the cluster is ready when every member does.
-    public init(members: Int, answers: @escaping @Sendable (String) async -> Bool) async throws {
+    /// - Parameter certificates: a `TestCertificates` directory: clients then speak HTTPS and
+    ///   must present a certificate that CA signed (peers stay on plain loopback HTTP).
+    public init(members: Int, certificates: String? = nil, answers: @escaping @Sendable (String) async -> Bool) async throws {
         var template = Array("/tmp/tb-etcd-XXXXXX".utf8CString)
         guard let path = mkdtemp(&template) else { throw POSIXError(.EIO) }
         directory = String(cString: path)
         let ports = try (0..<(2 * members)).map { _ in try Self.freePort() }
         let names = (0..<members).map { "m\($0)" }
         let peers = (0..<members).map { "http://127.0.0.1:\(ports[2 * $0 + 1])" }
-        clientURLs = (0..<members).map { "http://127.0.0.1:\(ports[2 * $0])" }
+        clientURLs = (0..<members).map { "\(certificates == nil ? "http" : "https")://127.0.0.1:\(ports[2 * $0])" }
+        let tls = certificates.map { ["--cert-file", $0 + "/etcd.pem", "--key-file", $0 + "/etcd.key",
+                                      "--client-cert-auth", "--trusted-ca-file", $0 + "/ca.pem"] } ?? []
         let initial = zip(names, peers).map { "\($0)=\($1)" }.joined(separator: ",")
         var started: [Child] = []
         for index in 0..<members {
@@ -31,7 +35,7 @@ public final class EtcdCluster: @unchecked Sendable {
                 "--listen-peer-urls", peers[index], "--initial-advertise-peer-urls", peers[index],
                 "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", "tb-\(getpid())",
                 "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "warn",
-            ], directory: directory))
+            ] + tls, directory: directory))
         }
         children = started
         // Ready when each member answers a read (which needs the cluster's quorum).
