@@ -10,7 +10,7 @@ SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
 # independent varlink implementation the conformance tests run against (Go), and etcd (the fleet
 # tests start their own etcd clusters on loopback ports; where systemd runs, the package also
 # starts its own etcd service on localhost:2379, which the tests do not use).
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl etcd-server
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
@@ -29,7 +29,12 @@ apt-install:
 	  echo "make: installing$$missing"; \
 	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
 	  $$sudo apt-get update -qq && \
-	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing && \
+	  for service in etcd prometheus; do \
+	    case " $$missing " in *" $$service "*|*" $$service-server "*) \
+	      [ -d /run/systemd/system ] && $$sudo systemctl disable --now $$service >/dev/null 2>&1 || true;; \
+	    esac; \
+	  done; \
 	fi
 
 deps:

@@ -18,6 +18,7 @@ public enum BrokerContract {
 public enum BrokerMethod: String, Sendable, CaseIterable {
     case getToken = "GetToken", recover = "Recover", watch = "Watch", logout = "Logout", login = "Login"
     case status = "Status", reload = "Reload", refresh = "Refresh", deviceLogin = "DeviceLogin", forget = "Forget"
+    case metrics = "Metrics"
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
@@ -35,6 +36,7 @@ public enum BrokerRequest: Sendable, Equatable {
     case refresh(session: String)
     case deviceLogin(session: String)
     case forget(session: String)
+    case metrics
 
     public var method: BrokerMethod {
         switch self {
@@ -48,6 +50,7 @@ public enum BrokerRequest: Sendable, Equatable {
         case .refresh: return .refresh
         case .deviceLogin: return .deviceLogin
         case .forget: return .forget
+        case .metrics: return .metrics
         }
     }
 
@@ -57,7 +60,7 @@ public enum BrokerRequest: Sendable, Equatable {
         case let .getToken(session), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
              let .refresh(session), let .deviceLogin(session), let .forget(session):
             return session
-        case .status, .reload:
+        case .status, .reload, .metrics:
             return nil
         }
     }
@@ -88,6 +91,9 @@ public enum BrokerRequest: Sendable, Equatable {
         case .refresh: self = .refresh(session: try session())
         case .deviceLogin: self = .deviceLogin(session: try session())
         case .forget: self = .forget(session: try session())
+        case .metrics:
+            try parameters.only([])
+            self = .metrics
         }
     }
 
@@ -99,7 +105,7 @@ public enum BrokerRequest: Sendable, Equatable {
             return ["session": .string(session)]
         case let .recover(session, rejected): return ["session": .string(session), "rejected": .string(rejected)]
         case let .login(session, refreshToken): return ["session": .string(session), "refreshToken": .string(refreshToken)]
-        case .status, .reload: return [:]
+        case .status, .reload, .metrics: return [:]
         }
     }
 

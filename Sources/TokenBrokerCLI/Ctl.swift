@@ -107,6 +107,10 @@ public enum Ctl {
             case "watch":
                 guard operands.count == 1 else { return usage("watch needs exactly one SESSION", &errors) }
                 try watch(address, operands[0], json: json, showToken: showToken, output: &output)
+            case "metrics":
+                guard operands.isEmpty else { return usage("metrics takes no operand", &errors) }
+                let reply = try call(address, .metrics)
+                output.write(reply.parameters["text"]?.stringValue ?? "")
             case "reload":
                 guard operands.isEmpty else { return usage("reload takes no operand", &errors) }
                 _ = try call(address, .reload)

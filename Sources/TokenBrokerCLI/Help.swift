@@ -92,6 +92,7 @@ public enum Help {
           forget <session>        Remove a stored session the configuration no longer names (admin).
           refresh <session>       Refresh the session's token now (admin).
           reload                  Make the daemon re-read its configuration (admin).
+          metrics                 Print the daemon's metrics, Prometheus text format (admin).
           check-config            Validate the configuration files (same as `tokenbroker check-config`).
 
         EXAMPLE:
@@ -257,8 +258,26 @@ public enum Help {
 
         """
 
+    public static let ctlMetrics = """
+        OVERVIEW: Print the daemon's metrics (admin).
+
+        The same exposition MetricsListen= serves to Prometheus (text format 0.0.4): calls,
+        refreshes and their durations, waiters, stale rejections, token expiry, session states,
+        connections, state writes, reloads. No token, secret or client id appears in it.
+
+        USAGE: tokenbroker ctl [--socket <path>] metrics
+
+        OPTIONS:
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl metrics | grep tokenbroker_refreshes_total
+
+        """
+
     public static func ctlVerb(_ verb: String) -> String? {
         switch verb {
+        case "metrics": return ctlMetrics
         case "watch": return ctlWatch
         case "refresh": return ctlRefresh
         case "reload": return ctlReload

@@ -19,12 +19,19 @@ final class BrokerService: VarlinkHandler {
     /// Removes a stored, unconfigured session; returns whether there was one.
     let forget: @Sendable (String) async throws -> Bool
 
+    let metrics: Metrics
+    /// The metrics exposition (the Metrics method).
+    let metricsText: @Sendable () async -> String
+
     init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
-         forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }) {
+         forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }, metrics: Metrics = Metrics(version: "test"),
+         metricsText: @escaping @Sendable () async -> String = { "" }) {
         self.sessions = sessions
         self.logger = logger
         self.reload = reload
         self.forget = forget
+        self.metrics = metrics
+        self.metricsText = metricsText
     }
 
     // MARK: - The method table
@@ -75,11 +82,36 @@ final class BrokerService: VarlinkHandler {
         .status: Method(access: .anyone, handler: .other { service, _, peer in service.status(for: peer) }),
         .forget: Method(access: .admin, handler: .other { service, request, peer in try service.forget(request.session ?? "", by: peer) }),
         .reload: Method(access: .admin, handler: .other { service, _, peer in service.reload(by: peer) }),
+        .metrics: Method(access: .admin, handler: .other { service, _, _ in
+            .async { sink in sink.send(VarlinkReply(parameters: ["text": .string(await service.metricsText())])) }
+        }),
     ]
 
     /// Decodes the call once, checks who may make it, resolves the session it names, and hands
     /// it to its method; refusals and bad parameters are answered here.
     func handle(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
+        let handling = dispatch(call, from: peer)
+        // GetToken and Recover are counted by result; the hot path is one relaxed increment.
+        guard call.member == "GetToken" || call.member == "Recover" else { return handling }
+        let method: Metrics.BrokerMethodName = call.member == "GetToken" ? .getToken : .recover
+        switch handling {
+        case let .reply(reply):
+            if reply.error == nil, method == .getToken { metrics.getTokenOK.add() } else { metrics.call(method, error: reply.error) }
+            return handling
+        case let .async(body):
+            let metrics = self.metrics
+            return .async { sink in
+                await body(VarlinkReplySink { reply in
+                    // (The server finishes its own sink when the task returns.)
+                    guard let reply else { return }
+                    if !reply.continues { metrics.call(method, error: reply.error) }
+                    sink.send(reply)
+                })
+            }
+        }
+    }
+
+    private func dispatch(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
         guard let name = BrokerMethod(rawValue: call.member), let method = Self.methods[name] else {
             return .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
         }

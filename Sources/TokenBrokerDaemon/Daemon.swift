@@ -45,6 +45,9 @@ public final class Daemon: Sendable {
 
     private let development: (any DevelopmentEnvironment)?
     private let state: StateStore
+    private let metrics = Metrics(version: Daemon.version)
+    /// The number of open client connections (set once the server exists).
+    private let connectionCount = SynchronizedBox<@Sendable () -> Int>({ 0 })
 
     private init(options: Options, configuration: BrokerConfiguration, logger: Logger, development: (any DevelopmentEnvironment)?, state: StateStore) {
         self.options = options
@@ -128,7 +131,8 @@ public final class Daemon: Sendable {
             return ExitCode.failure
         }
         let service = BrokerService(sessions: table, logger: logger, reload: { [self] in await self.reload() },
-                                    forget: { [self] name in try await self.forget(name) })
+                                    forget: { [self] name in try await self.forget(name) }, metrics: metrics,
+                                    metricsText: { [self] in await self.metricsText() })
         let server: VarlinkServer
         do {
             let logger = self.logger
@@ -148,14 +152,20 @@ public final class Daemon: Sendable {
                     maximumQueuedOutput: configuration.maxQueuedOutput,
                     protocolErrorName: BrokerError.protocolErrorName,
                     heartbeat: Systemd.watchdogInterval().map { ($0, { Systemd.watchdog() }) }),
-                onEvent: { event in
+                onEvent: { [metrics] event in
                     switch event {
                     case let .connectionRefused(peer, refusal):
                         let why: String
                         switch refusal {
-                        case .serverFull: why = "MaxConnections= reached"
-                        case .userLimit: why = "MaxConnectionsPerUser= reached"
-                        case .descriptors: why = "out of file descriptors"
+                        case .serverFull:
+                            why = "MaxConnections= reached"
+                            metrics.refusedConnection("server_full")
+                        case .userLimit:
+                            why = "MaxConnectionsPerUser= reached"
+                            metrics.refusedConnection("user_limit")
+                        case .descriptors:
+                            why = "out of file descriptors"
+                            metrics.refusedConnection("descriptors")
                         }
                         logger.limited(.warning, key: "refused:\(peer.map { "\($0.uid)" } ?? "-")",
                                        "connection refused (\(why)): \(peer.map { "\($0)" } ?? "a client")")
@@ -168,7 +178,20 @@ public final class Daemon: Sendable {
             close(socket.fd)
             return ExitCode.failure
         }
+        connectionCount.value = { [server] in server.connectionCount }
         server.start()
+        var metricsServer: MetricsServer?
+        if let address = configuration.metricsListen {
+            do {
+                let listener = try MetricsServer(address)
+                listener.start { [self] openMetrics in await self.metricsText(openMetrics: openMetrics) }
+                metricsServer = listener
+                logger.info("metrics on \(address)/metrics")
+            } catch {
+                // Tokens come first: the daemon serves them without metrics.
+                logger.error("cannot serve metrics on \(address): \(error)")
+            }
+        }
         logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
         if let development, let demo = table.snapshot.sessions[development.sessionName] {
             await development.logIn(demo.coordinator)
@@ -218,6 +241,10 @@ public final class Daemon: Sendable {
                 if !(await server.callsDrained(within: options.drainTimeout)) {
                     logger.warning("\(server.callsInProgress) call(s) still running at the deadline; cancelling")
                 }
+            },
+            DaemonPart("metrics") { [metricsServer] stop in
+                await stop.wait()
+                metricsServer?.stop()
             },
             DaemonPart("maintenance") { [self] stop in await maintain(until: stop) },
             DaemonPart("signals") { [self] stop in await handle(signals, shutdown: shutdown, until: stop) },
@@ -328,7 +355,21 @@ public final class Daemon: Sendable {
 
     /// Re-reads the configuration and applies it; returns the problem when it cannot.
     private func reload() async -> String? {
-        await reloads.run { await self.reloadNow() }
+        let problem = await reloads.run { await self.reloadNow() }
+        metrics.reload(ok: problem == nil)
+        return problem
+    }
+
+    /// The metrics exposition (`MetricsListen=`, the Metrics method).
+    func metricsText(openMetrics: Bool = false) async -> String {
+        let snapshot = table.snapshot
+        var views: [Metrics.SessionView] = []
+        for name in snapshot.order {
+            guard let session = snapshot.sessions[name] else { continue }
+            views.append(Metrics.SessionView(status: await session.coordinator.status(), fleet: session.fleet?.status))
+        }
+        return metrics.render(sessions: views, connections: connectionCount.value(), unixNow: Int64(SystemWallClock().unixTime()),
+                              openMetrics: openMetrics)
     }
 
     private func reloadNow() async -> String? {
@@ -383,6 +424,7 @@ public final class Daemon: Sendable {
                     snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: existing.coordinator,
                                                                            upstream: existing.upstream, fleet: existing.fleetPart)
                 } else if let existing = leaving[session.name] {
+                    metrics.retire(session.name, await existing.coordinator.status().counters)
                     let (record, pending) = await existing.coordinator.handOver()
                     existing.stopFollowing()
                     snapshot.sessions[session.name] = await makeSession(session, handedOver: (record, pending))
@@ -422,6 +464,9 @@ public final class Daemon: Sendable {
         }
     }
 
+    /// The state store, timed for the metrics.
+    private var measuredStore: any SessionStore { MeasuredStore(inner: state.sessions, metrics: metrics) }
+
     /// A coordinator for `session`, from a predecessor's state when a reload replaces one, else
     /// from what the store holds.
     private func makeSession(_ session: SessionConfiguration, handedOver: (record: SessionRecord, pending: StoreWrite?)? = nil) async
@@ -460,7 +505,7 @@ public final class Daemon: Sendable {
             let logger = self.logger
             let name = session.name
             do {
-                fleet = try FleetSession(name: session.name, settings: settings, upstream: source, local: state.sessions, wall: SystemWallClock(),
+                fleet = try FleetSession(name: session.name, settings: settings, upstream: source, local: measuredStore, wall: SystemWallClock(),
                                          pendingLogoutFile: state.directory.map { "\($0)/fleet-logout-\(session.name)" },
                                          discarded: discardedTokenRevocation(session, upstream),
                                          log: { level, message in
@@ -477,10 +522,13 @@ public final class Daemon: Sendable {
             }
         }
         let coordinator = Coordinator(session: session.name, policy: session.policy, source: fleet ?? source,
-                                      store: fleet ?? state.sessions, restored: restored, pendingWrite: handedOver?.pending,
+                                      store: fleet ?? measuredStore, restored: restored, pendingWrite: handedOver?.pending,
                                       clock: ContinuousClock(), wall: SystemWallClock(),
                                       discarded: discardedTokenRevocation(session, upstream),
-                                      outcomes: RefreshLog(logger: logger, policy: session.policy).record)
+                                      outcomes: { [log = RefreshLog(logger: logger, policy: session.policy), metrics] outcome in
+                                          log.record(outcome)
+                                          metrics.record(outcome)
+                                      })
         if let fleet {
             // The sync loop's first read of etcd logs the session in or out here as the fleet has it.
             fleet.attach(coordinator)
@@ -623,4 +671,26 @@ public final class Daemon: Sendable {
 /// `--dev` in a build without the development environment.
 struct DevelopmentUnavailable: Error, CustomStringConvertible {
     var description: String { "this build has no development environment" }
+}
+
+/// A store whose writes are timed (and failures counted) for the metrics.
+struct MeasuredStore: SessionStore {
+    let inner: any SessionStore
+    let metrics: Metrics
+
+    func load(_ session: String) async throws -> SessionRecord? {
+        try await inner.load(session)
+    }
+
+    func write(_ write: StoreWrite) async throws -> Bool {
+        let started = ContinuousClock.now
+        do {
+            let applied = try await inner.write(write)
+            metrics.storeWrite(seconds: started.duration(to: .now).seconds, failed: false)
+            return applied
+        } catch {
+            metrics.storeWrite(seconds: started.duration(to: .now).seconds, failed: true)
+            throw error
+        }
+    }
 }

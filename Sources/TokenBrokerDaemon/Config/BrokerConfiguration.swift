@@ -33,6 +33,9 @@ public struct BrokerConfiguration: Sendable, Equatable {
     /// `StateKeyFile=`); read at start only.
     public var stateKey: Secret?
     public var sessions: [SessionConfiguration] = []
+    /// Where Prometheus scrapes `GET /metrics` (`MetricsListen=`): a loopback `host:port` or a
+    /// Unix socket path; off when nil. Read at start only.
+    public var metricsListen: MetricsAddress?
     /// The `[Fleet]` section: how this broker reaches etcd, for sessions with `Fleet=yes`.
     public var fleet: FleetSettings?
     /// Unknown keys and other non-fatal findings, each at `file:line`.

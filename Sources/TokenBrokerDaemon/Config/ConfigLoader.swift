@@ -229,6 +229,15 @@ public enum ConfigLoader {
                 throw fail("MaxQueuedOutput= needs a size from 64K to 4G")
             }
             configuration.maxQueuedOutput = size
+        case "MetricsListen":
+            guard !entry.value.isEmpty else {
+                configuration.metricsListen = nil
+                return
+            }
+            guard let address = MetricsAddress(entry.value) else {
+                throw fail("MetricsListen= needs a loopback address and port (127.0.0.1:9464, [::1]:9464) or an absolute socket path")
+            }
+            configuration.metricsListen = address
         case "StateKeyFile", "StateKeyCredential":
             guard !entry.value.isEmpty else {
                 configuration.stateKey = nil

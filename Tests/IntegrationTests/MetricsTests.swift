@@ -1,0 +1,176 @@
+import DevIssuer
+import Foundation
+import Synchronization
+import Testing
+import TestSupport
+import Varlink
+
+/// The real daemon's metrics (`MetricsListen=`, `ctl metrics`), scraped during a storm,
+/// checked with promtool, across a reload, and scraped by a real Prometheus.
+@Suite("Metrics", .serialized)
+struct MetricsTests {
+    static func config(_ issuer: DevIssuer, port: Int, refreshAhead: String = "60s") -> String {
+        """
+        [Broker]
+        SocketMode=0666
+        MetricsListen=127.0.0.1:\(port)
+
+        [Session]
+        Name=api
+        TokenEndpoint=\(issuer.tokenEndpoint)
+        ClientID=tokenbroker
+        ClientSecretFile=@DIR@/client-secret
+        RefreshAhead=\(refreshAhead)
+
+        """
+    }
+
+    /// `GET /metrics` on the listener (nil when nothing answers).
+    static func scrape(_ port: Int, accept: String? = nil) -> (head: String, body: String)? {
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        guard fd >= 0 else { return nil }
+        defer { close(fd) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_port = UInt16(port).bigEndian
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        let connected = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
+        }
+        guard connected else { return nil }
+        let request = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n" + (accept.map { "Accept: \($0)\r\n" } ?? "") + "\r\n"
+        _ = request.withCString { send(fd, $0, strlen($0), 0) }
+        var answer: [UInt8] = []
+        var buffer = [UInt8](repeating: 0, count: 65_536)
+        while case let count = read(fd, &buffer, buffer.count), count > 0 { answer += buffer[..<count] }
+        let text = String(decoding: answer, as: UTF8.self)
+        guard let split = text.range(of: "\r\n\r\n") else { return nil }
+        return (String(text[..<split.lowerBound]), String(text[split.upperBound...]))
+    }
+
+    /// The value of the sample `line` starts with (`name{labels}`), if present.
+    static func value(_ body: String, _ sample: String) -> Double? {
+        body.split(separator: "\n").first { $0.hasPrefix(sample + " ") }.flatMap { Double($0.split(separator: " ").last ?? "") }
+    }
+
+    static func promtool(_ exposition: String) async throws -> (code: Int32, output: String) {
+        let directory = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        try exposition.write(toFile: directory + "/metrics.txt", atomically: true, encoding: .utf8)
+        let run = try await Child.run("/bin/sh", ["-c", "promtool check metrics < '\(directory)/metrics.txt' 2>&1"])
+        return (run.code, run.stdout + run.stderr)
+    }
+
+    /// A daemon with session `api` logged in at a development issuer, its metrics on `port`, and
+    /// its first token.
+    static func withLoggedInBroker(_ body: (DevIssuer, Broker, Int, String) async throws -> Void) async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let port = try EtcdCluster.freePort()
+        try await withBroker(config: Self.config(issuer, port: port)) { broker in
+            #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+            let first = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            try await body(issuer, broker, port, first)
+        }
+    }
+
+    @Test("scraped during a storm of 30 Recover calls: one refresh, 30 calls ok, waiters joined, token expiry, state, store writes; promtool accepts it; ctl metrics prints the same families; no token in it")
+    func storm() async throws {
+        try await Self.withLoggedInBroker { issuer, broker, port, first in
+            let results = Mutex<[String?]>([])
+            let gate = Atomic<Int>(0)
+            for _ in 0..<30 {
+                Thread {
+                    gate.add(1, ordering: .acquiringAndReleasing)
+                    while gate.load(ordering: .acquiring) < 30 {}
+                    let token = (try? broker.call("Recover", ["session": "api", "rejected": .string(first)]))?.parameters["token"]?.stringValue
+                    results.withLock { $0.append(token) }
+                }.start()
+            }
+            try await eventually("30 Recover calls return") { results.withLock { $0.count } == 30 }
+            let tokens = results.withLock { $0 }
+            #expect(Set(tokens.compactMap { $0 }).count == 1 && tokens.allSatisfy { $0 != nil })
+            #expect(issuer.counters.refreshGrants == 2)
+
+            let (head, body) = try #require(Self.scrape(port))
+            #expect(head.hasPrefix("HTTP/1.1 200") && head.contains("Content-Type: text/plain; version=0.0.4"))
+            #expect(Self.value(body, #"tokenbroker_refreshes_total{outcome="ok",session="api"}"#) == 2)
+            #expect(Self.value(body, #"tokenbroker_calls_total{method="Recover",result="ok"}"#) == 30)
+            #expect(Self.value(body, #"tokenbroker_calls_total{method="GetToken",result="ok"}"#) == 1)
+            #expect((Self.value(body, #"tokenbroker_joined_waiters_total{session="api"}"#) ?? 0) >= 1)
+            #expect(Self.value(body, #"tokenbroker_session_state{session="api",state="active"}"#) == 1)
+            #expect((Self.value(body, #"tokenbroker_token_expiry_seconds{session="api"}"#) ?? 0) > 3000)
+            #expect(Self.value(body, #"tokenbroker_upstream_request_duration_seconds_count{session="api"}"#) == 2)
+            #expect((Self.value(body, "tokenbroker_store_write_duration_seconds_count") ?? 0) >= 3)
+            #expect(Self.value(body, "tokenbroker_connections_open") != nil)
+            for token in [first] + tokens.compactMap({ $0 }) { #expect(!body.contains(token), "a token in the metrics") }
+            #expect(!body.contains("tokenbroker\"") && !body.contains("dev-secret"), "the client id or secret in the metrics")
+            let check = try await Self.promtool(body)
+            #expect(check.code == 0 && check.output.isEmpty, "promtool: \(check.output)")
+
+            let open = try #require(Self.scrape(port, accept: "application/openmetrics-text; version=1.0.0"))
+            #expect(open.head.contains("Content-Type: application/openmetrics-text; version=1.0.0") && open.body.hasSuffix("# EOF\n"))
+            #expect(open.body.contains("# TYPE tokenbroker_refreshes counter"))
+
+            let ctl = try await broker.ctl(["metrics"])
+            #expect(ctl.code == 0 && ctl.out.contains("# TYPE tokenbroker_refreshes_total counter")
+                    && Self.value(ctl.out, #"tokenbroker_refreshes_total{outcome="ok",session="api"}"#) == 2, "\(ctl.err)")
+            let denied = try await broker.ctl(["metrics"], asUser: Broker.workerUID)
+            #expect(denied.code != 0 && denied.out.isEmpty, "a non-admin read the metrics over the socket")
+        }
+    }
+
+    @Test("counters survive a reload that replaces the session's coordinator; reloads are counted")
+    func reload() async throws {
+        try await Self.withLoggedInBroker { issuer, broker, port, first in
+            _ = try broker.call("Recover", ["session": "api", "rejected": .string(first)])
+            _ = try broker.call("Recover", ["session": "api", "rejected": .string(first)])   // stale
+            let before = try #require(Self.scrape(port)).body
+            #expect(Self.value(before, #"tokenbroker_stale_rejections_total{session="api"}"#) == 1)
+            // RefreshAhead= changes the policy: a new coordinator takes over.
+            try Self.config(issuer, port: port, refreshAhead: "30s").replacingOccurrences(of: "@DIR@", with: broker.directory)
+                .write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+            #expect(try broker.call("Reload").error == nil)
+            let after = try #require(Self.scrape(port)).body
+            #expect(Self.value(after, #"tokenbroker_stale_rejections_total{session="api"}"#) == 1)
+            #expect(Self.value(after, #"tokenbroker_refreshes_total{outcome="ok",session="api"}"#) == 2)
+            #expect(Self.value(after, #"tokenbroker_reloads_total{result="ok"}"#) == 1)
+        }
+    }
+
+    @Test("a real Prometheus scrapes the daemon and answers a query about it")
+    func prometheus() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let port = try EtcdCluster.freePort()
+        let web = try EtcdCluster.freePort()
+        try await withBroker(config: Self.config(issuer, port: port)) { broker in
+            try """
+                global:
+                  scrape_interval: 1s
+                scrape_configs:
+                  - job_name: tokenbroker
+                    static_configs:
+                      - targets: ['127.0.0.1:\(port)']
+                """.write(toFile: broker.directory + "/prometheus.yml", atomically: true, encoding: .utf8)
+            let server = try Child("/usr/bin/prometheus", ["--config.file=\(broker.directory)/prometheus.yml",
+                                                          "--storage.tsdb.path=\(broker.directory)/prometheus", "--web.listen-address=127.0.0.1:\(web)",
+                                                          "--log.level=warn"], directory: broker.directory)
+            let answer = Mutex("")
+            do {
+                try await eventually("Prometheus has scraped tokenbroker_build_info", timeout: .seconds(30)) {
+                    let run = try? await Child.run("/usr/bin/curl", ["-s", "http://127.0.0.1:\(web)/api/v1/query?query=tokenbroker_build_info"])
+                    answer.withLock { $0 = run?.stdout ?? "" }
+                    return answer.withLock { $0 }.contains(#""job":"tokenbroker""#)
+                }
+            } catch {
+                server.terminate()
+                _ = await server.wait(timeout: 20)
+                throw error
+            }
+            #expect(answer.withLock { $0 }.contains(#""status":"success""#))
+            server.terminate()
+            _ = await server.wait(timeout: 20)
+        }
+    }
+}
