@@ -15,7 +15,7 @@ APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev lib
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
 
-.PHONY: all apt-install deps build release run test system-test interop-test bench bench-fleet static install install-files deb clean
+.PHONY: all apt-install deps build release run test python-test system-test interop-test bench bench-fleet static install install-files deb clean
 
 all: build
 
@@ -62,6 +62,7 @@ run: build
 # thread pool has only two threads to share between them.
 test: deps
 	$(SWIFT) test --no-parallel $(SWIFT_FLAGS)
+	@$(MAKE) --no-print-directory python-test
 	@$(MAKE) --no-print-directory interop-test
 	@$(MAKE) --no-print-directory system-test
 
@@ -78,6 +79,15 @@ system-test: deps deb
 # on loopback, provisioned through its admin API, with a SQLite database in a temporary directory.
 # The fixture installs the package when it is missing (answering its debconf question "no
 # configuration"); the suite is skipped, saying so, only when it cannot be installed.
+# The Python client (clients/python) installed with pip into its own venv, tested with pytest
+# against the real daemon and the development issuer.
+PY_CLIENT_VENV = .build/tools/python-client
+python-test: build
+	@[ -x $(PY_CLIENT_VENV)/bin/pytest ] || { python3 -m venv $(PY_CLIENT_VENV) && \
+	  $(PY_CLIENT_VENV)/bin/pip install -q pytest requests httpx; }
+	$(PY_CLIENT_VENV)/bin/pip install -q --force-reinstall --no-deps ./clients/python
+	cd clients/python && TOKENBROKER_BIN="$$($(SWIFT) build --show-bin-path)" $(CURDIR)/$(PY_CLIENT_VENV)/bin/pytest -q -p no:cacheprovider tests
+
 interop-test: build
 	python3 Tests/Interop/glewlwyd.py "$$($(SWIFT) build --show-bin-path)"
 

@@ -1,0 +1,95 @@
+"""The contract's errors as exceptions. Their messages never hold a token."""
+
+from typing import Any, Dict, Optional
+
+
+class BrokerError(Exception):
+    """An error the broker answered with (its varlink error name in `name`)."""
+
+    name = "io.tokenbroker.Broker.Error"
+
+    def __init__(self, message: str = "", parameters: Optional[Dict[str, Any]] = None):
+        super().__init__(message or self.name)
+        self.parameters = parameters or {}
+        self.session = self.parameters.get("session")
+
+
+class ConnectionLost(BrokerError):
+    """The broker could not be reached, or closed the connection."""
+
+    name = "tokenbroker.ConnectionLost"
+
+
+class NoSuchSession(BrokerError):
+    name = "io.tokenbroker.Broker.NoSuchSession"
+
+
+class SignedOut(BrokerError):
+    name = "io.tokenbroker.Broker.SignedOut"
+
+
+class PermissionDenied(BrokerError):
+    name = "io.tokenbroker.Broker.PermissionDenied"
+
+
+class RefreshFailed(BrokerError):
+    """The shared refresh failed. `retryable` says whether trying later may help; `retry_after`
+    (seconds) when."""
+
+    name = "io.tokenbroker.Broker.RefreshFailed"
+
+    def __init__(self, message: str = "", parameters: Optional[Dict[str, Any]] = None):
+        super().__init__(message, parameters)
+        self.reason = self.parameters.get("reason", "")
+        self.retryable = bool(self.parameters.get("retryable", False))
+        self.retry_after = self.parameters.get("retryAfter")
+
+
+class Throttled(BrokerError):
+    name = "io.tokenbroker.Broker.Throttled"
+
+    def __init__(self, message: str = "", parameters: Optional[Dict[str, Any]] = None):
+        super().__init__(message, parameters)
+        self.retry_after = self.parameters.get("retryAfter")
+
+
+class SessionConfigured(BrokerError):
+    name = "io.tokenbroker.Broker.SessionConfigured"
+
+
+class StoreFailed(BrokerError):
+    name = "io.tokenbroker.Broker.StoreFailed"
+
+
+class ConfigurationError(BrokerError):
+    name = "io.tokenbroker.Broker.ConfigurationError"
+
+
+class LoginFailed(BrokerError):
+    name = "io.tokenbroker.Broker.LoginFailed"
+
+
+class ShuttingDown(BrokerError):
+    name = "io.tokenbroker.Broker.ShuttingDown"
+
+
+class InternalError(BrokerError):
+    name = "io.tokenbroker.Broker.InternalError"
+
+
+class ProtocolError(BrokerError):
+    name = "io.tokenbroker.Broker.ProtocolError"
+
+
+_BY_NAME = {cls.name: cls for cls in (NoSuchSession, SignedOut, PermissionDenied, RefreshFailed, Throttled, SessionConfigured,
+                                      StoreFailed, ConfigurationError, LoginFailed, ShuttingDown, InternalError, ProtocolError)}
+
+
+def error_from_reply(name: str, parameters: Dict[str, Any]) -> BrokerError:
+    cls = _BY_NAME.get(name, BrokerError)
+    detail = parameters.get("reason") or parameters.get("session") or ""
+    message = f"{name.rsplit('.', 1)[-1]}" + (f": {detail}" if detail else "")
+    error = cls(message, parameters)
+    if cls is BrokerError:
+        error.name = name
+    return error

@@ -1,0 +1,283 @@
+"""The Python client against the real daemon and the development issuer (its protected
+resource), both started here from the build directory in $TOKENBROKER_BIN.
+
+No token is printed: failures name tokens by a short fingerprint.
+"""
+
+import base64
+import hashlib
+import http.server
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+
+import httpx
+import pytest
+import requests
+
+import tokenbroker
+from tokenbroker import Broker, BrokerAuth, HTTPXBrokerAuth, should_retry
+
+BIN = os.environ.get("TOKENBROKER_BIN", "")
+
+
+def fingerprint(token):
+    return hashlib.sha256(token.encode()).hexdigest()[:8] if token else "-"
+
+
+def eventually(what, check, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+class Stack:
+    """dev-issuer + tokenbroker serve with session `api`, logged in."""
+
+    def __init__(self):
+        if not BIN or not os.path.exists(os.path.join(BIN, "tokenbroker")):
+            pytest.skip("TOKENBROKER_BIN does not hold a build (run through make python-test)")
+        self.directory = tempfile.mkdtemp(prefix="tb-py-")
+        with open(os.path.join(self.directory, "client-secret"), "w") as f:
+            f.write("dev-secret\n")
+        self.issuer = subprocess.Popen([os.path.join(BIN, "dev-issuer"), "--client-secret-file", self.directory + "/client-secret",
+                                        "--refresh-token-file", self.directory + "/refresh-token"],
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.base = self.issuer.stdout.readline().split()[1]
+        self.config = os.path.join(self.directory, "tokenbroker.conf")
+        with open(self.config, "w") as f:
+            f.write(f"[Broker]\nSocketMode=0600\n\n[Session]\nName=api\nTokenEndpoint={self.base}/token\n"
+                    f"RevocationEndpoint={self.base}/revoke\nClientID=tokenbroker\nClientSecretFile={self.directory}/client-secret\n"
+                    "RefreshLimitBurst=1000\n")
+        self.socket = os.path.join(self.directory, "broker.sock")
+        self.start()
+        eventually("the refresh token file", lambda: os.path.exists(self.directory + "/refresh-token"))
+        with open(self.directory + "/refresh-token") as f:
+            Broker(self.socket).call("Login", {"session": "api", "refreshToken": f.read().strip()})
+        Broker(self.socket).token("api")   # the first token (the login brought a refresh token only)
+
+    def start(self):
+        self.daemon = subprocess.Popen([os.path.join(BIN, "tokenbroker"), "serve", "--config", self.config, "--socket", self.socket,
+                                        "--state-dir", self.directory + "/state"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        eventually("the broker's socket", lambda: os.path.exists(self.socket))
+
+    def restart(self):
+        self.daemon.send_signal(signal.SIGTERM)
+        self.daemon.wait(timeout=30)
+        self.start()
+
+    def counters(self):
+        with urllib.request.urlopen(self.base + "/_dev/counters", timeout=5) as answer:
+            return json.load(answer)
+
+    def revoke(self, token):
+        """Revokes an access token at the issuer: the resource then answers 401 invalid_token."""
+        body = f"token={urllib.parse.quote(token, safe='')}&token_type_hint=access_token".encode()
+        request = urllib.request.Request(self.base + "/revoke", data=body, method="POST",
+                                         headers={"Authorization": "Basic " + base64.b64encode(b"tokenbroker:dev-secret").decode(),
+                                                  "Content-Type": "application/x-www-form-urlencoded"})
+        urllib.request.urlopen(request, timeout=5).read()
+
+    def stop(self):
+        for process in (self.daemon, self.issuer):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture
+def stack():
+    stack = Stack()
+    yield stack
+    stack.stop()
+
+
+class AlwaysUnauthorized:
+    """A resource that refuses every token with 401 invalid_token, counting requests."""
+
+    def __init__(self):
+        self.requests = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.requests += 1
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Bearer realm="x", error="invalid_token"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+
+    def stop(self):
+        self.server.shutdown()
+
+
+def test_token_recover_status_and_errors(stack):
+    broker = Broker(stack.socket)
+    token = broker.token("api")
+    assert token.token_type == "Bearer" and token.expires_at and token.generation == 1
+    assert token.token not in repr(token), "the token in its repr"
+    # A stale rejection: the current token back, no refresh.
+    grants = stack.counters()["refresh_token"]
+    assert broker.recover("api", "an-old-token").token == token.token
+    assert stack.counters()["refresh_token"] == grants
+    assert [s["name"] for s in broker.status()] == ["api"]
+    with pytest.raises(tokenbroker.NoSuchSession):
+        broker.token("nope")
+    broker.call("Logout", {"session": "api"})
+    with pytest.raises(tokenbroker.SignedOut) as raised:
+        broker.token("api")
+    assert raised.value.session == "api"
+
+
+def test_reconnects_after_a_broker_restart(stack):
+    broker = Broker(stack.socket)
+    first = broker.token("api")
+    stack.restart()
+    assert broker.token("api").token == first.token, "the restarted broker serves the stored token"
+
+
+def test_watch_yields_the_current_token_then_new_ones(stack):
+    broker = Broker(stack.socket)
+    current = broker.token("api")
+    events = broker.watch("api")
+    first = next(events)
+    assert first.event == "token" and first.token.token == current.token
+    fresh = broker.call("Refresh", {"session": "api"})
+    second = next(events)
+    assert second.event == "token" and second.token.token != current.token and second.token_serial == fresh["tokenSerial"]
+    broker.call("Logout", {"session": "api"})
+    third = next(events)
+    assert third.event == "signedOut"
+    events.close()
+
+
+@pytest.mark.parametrize("client", ["requests", "httpx"])
+def test_a_401_invalid_token_costs_one_recover_and_one_retry(stack, client):
+    broker = Broker(stack.socket)
+    stale = broker.token("api").token
+    stack.revoke(stale)
+    before = stack.counters()
+    if client == "requests":
+        response = requests.get(stack.base + "/resource", auth=BrokerAuth(broker, "api"), timeout=10)
+    else:
+        response = httpx.get(stack.base + "/resource", auth=HTTPXBrokerAuth(broker, "api"), timeout=10)
+    after = stack.counters()
+    assert response.status_code == 200
+    assert after["refresh_token"] - before["refresh_token"] == 1
+    assert after["resource"] - before["resource"] == 2
+    assert broker.token("api").token != stale, f"still {fingerprint(stale)}"
+
+
+@pytest.mark.parametrize("client", ["requests", "httpx"])
+def test_a_403_is_not_retried(stack, client):
+    broker = Broker(stack.socket)
+    before = stack.counters()
+    url = stack.base + "/resource?scope=admin"
+    if client == "requests":
+        response = requests.get(url, auth=BrokerAuth(broker, "api"), timeout=10)
+    else:
+        response = httpx.get(url, auth=HTTPXBrokerAuth(broker, "api"), timeout=10)
+    after = stack.counters()
+    assert response.status_code == 403
+    assert after["resource"] - before["resource"] == 1 and after["refresh_token"] == before["refresh_token"]
+
+
+@pytest.mark.parametrize("client", ["requests", "httpx"])
+def test_a_second_401_goes_back_to_the_caller(stack, client):
+    broker = Broker(stack.socket)
+    resource = AlwaysUnauthorized()
+    try:
+        before = stack.counters()
+        if client == "requests":
+            response = requests.get(resource.url, auth=BrokerAuth(broker, "api"), timeout=10)
+        else:
+            response = httpx.get(resource.url, auth=HTTPXBrokerAuth(broker, "api"), timeout=10)
+        assert response.status_code == 401
+        assert resource.requests == 2, "not exactly one retry"
+        assert stack.counters()["refresh_token"] - before["refresh_token"] == 1
+    finally:
+        resource.stop()
+
+
+@pytest.mark.parametrize("client", ["requests", "httpx"])
+def test_a_streamed_body_is_not_retried(stack, client):
+    broker = Broker(stack.socket)
+    stack.revoke(broker.token("api").token)
+    before = stack.counters()
+
+    def chunks():
+        yield b"part one, "
+        yield b"part two"
+
+    if client == "requests":
+        response = requests.put(stack.base + "/resource", data=chunks(), auth=BrokerAuth(broker, "api"), timeout=10)
+    else:
+        response = httpx.put(stack.base + "/resource", content=chunks(), auth=HTTPXBrokerAuth(broker, "api"), timeout=10)
+    after = stack.counters()
+    assert response.status_code == 401
+    assert after["resource"] - before["resource"] == 1 and after["refresh_token"] == before["refresh_token"]
+
+
+def test_a_post_is_retried_only_with_an_idempotency_key():
+    assert not should_retry(401, ['Bearer error="invalid_token"'], tokenbroker.auth.replayable("POST", {}, False))
+    assert should_retry(401, ['Bearer error="invalid_token"'], tokenbroker.auth.replayable("POST", {"Idempotency-Key": "k"}, False))
+    assert not should_retry(401, ['Bearer error="insufficient_scope"'], True)
+    assert not should_retry(401, ['Bearer realm="a", error="invalid_request"'], True)
+    assert should_retry(401, ['Basic realm="a"'], True)
+    assert should_retry(401, ['Bearer realm="a"'], True)
+    assert not should_retry(401, ['Bearer error="invalid_token"'], True, attempt=2)
+    assert not should_retry(403, [], True)
+
+
+def _worker(socket_path, url, stale, results):
+    broker = Broker(socket_path)
+    # Every process sends the same revoked token first, as if each had read it before.
+    response = requests.get(url, headers={"Authorization": "Bearer " + stale}, timeout=30)
+    if response.status_code == 401:
+        fresh = broker.recover("api", stale)
+        response = requests.get(url, headers={"Authorization": fresh.authorization}, timeout=30)
+        results.put((response.status_code, fingerprint(fresh.token)))
+    else:
+        results.put((response.status_code, "unexpected"))
+
+
+def test_fifty_processes_share_one_refresh(stack):
+    broker = Broker(stack.socket)
+    stale = broker.token("api").token
+    stack.revoke(stale)
+    before = stack.counters()
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=_worker, args=(stack.socket, stack.base + "/resource", stale, results)) for _ in range(50)]
+    for process in processes:
+        process.start()
+    outcomes = [results.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join(timeout=30)
+    after = stack.counters()
+    assert all(status == 200 for status, _ in outcomes), outcomes
+    assert len({fp for _, fp in outcomes}) == 1, "the processes got different tokens"
+    assert after["refresh_token"] - before["refresh_token"] == 1
+    assert after["replays"] == 0

@@ -1,0 +1,182 @@
+"""The broker's socket API (io.tokenbroker.Broker) over varlink: NUL-terminated JSON messages on
+a Unix stream socket."""
+
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+from .errors import BrokerError, ConnectionLost, error_from_reply
+
+DEFAULT_SOCKET = "/run/tokenbroker/io.tokenbroker.Broker"
+INTERFACE = "io.tokenbroker.Broker"
+#: Largest reply accepted (a token reply is a few kilobytes; Status of many sessions more).
+MAX_REPLY = 16 << 20
+
+
+@dataclass(frozen=True)
+class Token:
+    """A current access token. Its repr never shows the token itself."""
+
+    token: str = field(repr=False)
+    token_type: str = "Bearer"
+    expires_at: Optional[int] = None
+    generation: int = 0
+
+    @property
+    def authorization(self) -> str:
+        """The value of an Authorization header."""
+        return f"{self.token_type} {self.token}"
+
+    @classmethod
+    def from_parameters(cls, parameters: Dict[str, Any]) -> "Token":
+        return cls(token=parameters["token"], token_type=parameters.get("tokenType", "Bearer"),
+                   expires_at=parameters.get("expiresAt"), generation=parameters.get("generation", 0))
+
+
+@dataclass(frozen=True)
+class Event:
+    """One Watch event: a new token, or the session signed out."""
+
+    event: str
+    generation: int
+    token: Optional[Token] = None
+    token_serial: Optional[int] = None
+
+
+class _Connection:
+    """One connection to the broker: send a call, read its replies."""
+
+    def __init__(self, path: str, timeout: float):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError as error:
+            self.sock.close()
+            raise ConnectionLost(f"cannot connect to {path}: {error.strerror or error}") from None
+        self.buffer = b""
+
+    def send(self, message: Dict[str, Any]) -> None:
+        try:
+            self.sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\0")
+        except OSError as error:
+            raise ConnectionLost(f"the broker closed the connection ({error.strerror or error})") from None
+
+    def receive(self) -> Dict[str, Any]:
+        while b"\0" not in self.buffer:
+            try:
+                chunk = self.sock.recv(65536)
+            except socket.timeout:
+                raise ConnectionLost("the broker did not answer in time") from None
+            except OSError as error:
+                raise ConnectionLost(f"the broker closed the connection ({error.strerror or error})") from None
+            if not chunk:
+                raise ConnectionLost("the broker closed the connection")
+            self.buffer += chunk
+            if len(self.buffer) > MAX_REPLY:
+                raise ConnectionLost("a reply larger than the client accepts")
+        message, _, self.buffer = self.buffer.partition(b"\0")
+        reply = json.loads(message)
+        if not isinstance(reply, dict):
+            raise ConnectionLost("a reply that is not a JSON object")
+        return reply
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Broker:
+    """A client of the broker's socket.
+
+    One connection is kept and shared (calls are serialised by a lock); if the broker restarts,
+    the next call reconnects and is sent once more (every call this class makes may be repeated:
+    GetToken and Status read, Recover with the same rejected token is answered with the current
+    token once a refresh has happened).
+    """
+
+    def __init__(self, socket_path: Optional[str] = None, timeout: float = 45.0):
+        self.path = socket_path or os.environ.get("TOKENBROKER_SOCKET") or DEFAULT_SOCKET
+        self.timeout = timeout
+        self._connection: Optional[_Connection] = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Broker({self.path!r})"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._connection:
+                self._connection.close()
+                self._connection = None
+
+    def __enter__(self) -> "Broker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- calls
+
+    def call(self, method: str, parameters: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Calls `io.tokenbroker.Broker.<method>`; returns the reply's parameters or raises the
+        contract's error."""
+        message = {"method": f"{INTERFACE}.{method}", "parameters": parameters or {}}
+        with self._lock:
+            for attempt in (1, 2):
+                try:
+                    if self._connection is None:
+                        self._connection = _Connection(self.path, self.timeout)
+                    self._connection.send(message)
+                    reply = self._connection.receive()
+                    break
+                except ConnectionLost:
+                    if self._connection:
+                        self._connection.close()
+                    self._connection = None
+                    if attempt == 2:
+                        raise
+        if "error" in reply:
+            raise error_from_reply(reply["error"], reply.get("parameters") or {})
+        return reply.get("parameters") or {}
+
+    def token(self, session: str) -> Token:
+        """The session's current access token (refreshed first when it has expired)."""
+        return Token.from_parameters(self.call("GetToken", {"session": session}))
+
+    def recover(self, session: str, rejected: str) -> Token:
+        """A request made with `rejected` was refused as an invalid token: the token to retry
+        with (the current one if `rejected` is stale, else the result of the one shared refresh)."""
+        return Token.from_parameters(self.call("Recover", {"session": session, "rejected": rejected}))
+
+    def status(self) -> List[Dict[str, Any]]:
+        """The sessions this caller may use, as Status reports them (no tokens)."""
+        return list(self.call("Status").get("sessions", []))
+
+    def watch(self, session: str) -> Iterator[Event]:
+        """The session's events, on a connection of its own: first its current state, then every
+        new token and logout. Ends when the broker ends the stream; raises its errors."""
+        connection = _Connection(self.path, self.timeout)
+        connection.sock.settimeout(None)
+        try:
+            connection.send({"method": f"{INTERFACE}.Watch", "parameters": {"session": session}, "more": True})
+            while True:
+                reply = connection.receive()
+                if "error" in reply:
+                    raise error_from_reply(reply["error"], reply.get("parameters") or {})
+                parameters = reply.get("parameters") or {}
+                token = Token.from_parameters(parameters) if parameters.get("token") else None
+                yield Event(event=parameters.get("event", ""), generation=parameters.get("generation", 0), token=token,
+                            token_serial=parameters.get("tokenSerial"))
+                if not reply.get("continues"):
+                    return
+        finally:
+            connection.close()
+
+
+__all__ = ["Broker", "Token", "Event", "BrokerError", "DEFAULT_SOCKET"]
