@@ -52,7 +52,8 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     ///   - outcomes: told what became of each refresh (for the log); called on the actor, so it
     ///     must not block.
     public init(session: String, policy: RefreshPolicy = RefreshPolicy(), source: any TokenSource,
-                store: any SessionStore, restored: SessionRecord? = nil, pendingWrite: StoreWrite? = nil, clock: C, wall: any WallClock,
+                store: any SessionStore, restored: SessionRecord? = nil, pendingWrite: StoreWrite? = nil,
+                counters: SessionCounters = SessionCounters(), clock: C, wall: any WallClock,
                 randomUnit: @escaping @Sendable () -> Double = { Double.random(in: 0..<1) },
                 discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in },
                 outcomes: @escaping @Sendable (RefreshOutcome) -> Void = { _ in }) {
@@ -67,7 +68,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         let epoch = clock.now
         self.epoch = epoch
         let machine = RefreshStateMachine(session: session, policy: policy, restored: restored, pendingWrite: pendingWrite,
-                                          now: .zero, unixNow: wall.unixTime())
+                                          counters: counters, now: .zero, unixNow: wall.unixTime())
         self.machine = machine
         published.withLock { $0 = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil) } }
     }
@@ -314,10 +315,11 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
 
     /// Ends this coordinator and gives its whole state to a successor (a reload that changes the
     /// session's settings): the record as it stands in memory — newer than the store's when a
-    /// write failed — and the write the store still owes, if any. Call after `quiesce()`.
-    public func handOver() -> (record: SessionRecord, pendingWrite: StoreWrite?) {
+    /// write failed — the write the store still owes, if any, and its counters. Call after
+    /// `quiesce()`.
+    public func handOver() -> (record: SessionRecord, pendingWrite: StoreWrite?, counters: SessionCounters) {
         shutdown()
-        return (machine.record, machine.pendingWrite)
+        return (machine.record, machine.pendingWrite, machine.counters)
     }
 
     /// Stops the coordinator: the flight is cancelled, waiters and later demands get

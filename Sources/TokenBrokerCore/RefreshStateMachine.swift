@@ -151,10 +151,12 @@ public struct RefreshStateMachine: Sendable {
     private var pendingLogin: Current?
 
     /// A coordinator's state, from what the store holds (`nil`: nothing stored yet), or from a
-    /// predecessor's state together with the write it still owed the store (`pendingWrite`).
+    /// predecessor's state together with the write it still owed the store (`pendingWrite`)
+    /// and its counters (which go on counting here).
     public init(session: String, policy: RefreshPolicy, restored: SessionRecord?, pendingWrite: StoreWrite? = nil,
-                now: Duration, unixNow: Double) {
+                counters: SessionCounters = SessionCounters(), now: Duration, unixNow: Double) {
         self.session = session
+        self.counters = counters
         self.policy = policy
         self.refreshGuard = RefreshGuard(limit: policy.guardLimit, window: policy.guardWindow)
         if let pendingWrite {

@@ -101,12 +101,15 @@ final class BrokerService: VarlinkHandler {
         case let .async(body):
             let metrics = self.metrics
             return .async { sink in
+                let answered = Atomic<Bool>(false)
                 await body(VarlinkReplySink { reply in
                     // (The server finishes its own sink when the task returns.)
                     guard let reply else { return }
-                    if !reply.continues { metrics.call(method, error: reply.error) }
+                    if !reply.continues, !answered.exchange(true, ordering: .relaxed) { metrics.call(method, error: reply.error) }
                     sink.send(reply)
                 })
+                // The caller went away first: its task was cancelled, and nothing was sent.
+                if !answered.load(ordering: .relaxed) { metrics.call(method, error: "cancelled") }
             }
         }
     }

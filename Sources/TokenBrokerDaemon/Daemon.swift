@@ -424,15 +424,13 @@ public final class Daemon: Sendable {
                     snapshot.sessions[session.name] = SessionTable.Session(configuration: session, coordinator: existing.coordinator,
                                                                            upstream: existing.upstream, fleet: existing.fleetPart)
                 } else if let existing = leaving[session.name] {
-                    metrics.retire(session.name, await existing.coordinator.status().counters)
-                    let (record, pending) = await existing.coordinator.handOver()
+                    let handedOver = await existing.coordinator.handOver()
                     existing.stopFollowing()
-                    snapshot.sessions[session.name] = await makeSession(session, handedOver: (record, pending))
+                    snapshot.sessions[session.name] = await makeSession(session, handedOver: handedOver)
                 } else if let earlier = takeUnflushed(session.name) {
                     // Configured again while its last write from before is still pending: the
                     // memory of that coordinator is newer than the store.
-                    let (record, pending) = await earlier.handOver()
-                    snapshot.sessions[session.name] = await makeSession(session, handedOver: (record, pending))
+                    snapshot.sessions[session.name] = await makeSession(session, handedOver: await earlier.handOver())
                 } else {
                     snapshot.sessions[session.name] = await makeSession(session)
                 }
@@ -469,7 +467,8 @@ public final class Daemon: Sendable {
 
     /// A coordinator for `session`, from a predecessor's state when a reload replaces one, else
     /// from what the store holds.
-    private func makeSession(_ session: SessionConfiguration, handedOver: (record: SessionRecord, pending: StoreWrite?)? = nil) async
+    private func makeSession(_ session: SessionConfiguration,
+                             handedOver: (record: SessionRecord, pendingWrite: StoreWrite?, counters: SessionCounters)? = nil) async
         -> SessionTable.Session {
         var restored: SessionRecord?
         if let handedOver {
@@ -522,7 +521,8 @@ public final class Daemon: Sendable {
             }
         }
         let coordinator = Coordinator(session: session.name, policy: session.policy, source: fleet ?? source,
-                                      store: fleet ?? measuredStore, restored: restored, pendingWrite: handedOver?.pending,
+                                      store: fleet ?? measuredStore, restored: restored, pendingWrite: handedOver?.pendingWrite,
+                                      counters: handedOver?.counters ?? SessionCounters(),
                                       clock: ContinuousClock(), wall: SystemWallClock(),
                                       discarded: discardedTokenRevocation(session, upstream),
                                       outcomes: { [log = RefreshLog(logger: logger, policy: session.policy), metrics] outcome in

@@ -18,8 +18,9 @@ final class Metrics: Sendable {
         var count: Int { value.load(ordering: .relaxed) }
     }
 
-    /// The results a GetToken or Recover call can have: `ok`, or the contract error's name.
-    static let callResults = ["ok", "SignedOut", "RefreshFailed", "Throttled", "PermissionDenied", "NoSuchSession", "StoreFailed",
+    /// The results a GetToken or Recover call can have: `ok`, `cancelled` (the caller went away
+    /// before the answer), or the contract error's name.
+    static let callResults = ["ok", "cancelled", "SignedOut", "RefreshFailed", "Throttled", "PermissionDenied", "NoSuchSession", "StoreFailed",
                               "ShuttingDown", "InvalidParameter", "InternalError", "other"]
 
     /// GetToken and Recover by result; the dictionaries are built once and only read after.
@@ -49,8 +50,6 @@ final class Metrics: Sendable {
     private struct SessionFigures: Sendable {
         var refreshes: [String: Int] = [:]
         var upstream = Histogram(bounds: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60])
-        /// Counters of coordinators a reload replaced.
-        var retired = SessionCounters()
     }
 
     private struct Rare: Sendable {
@@ -121,20 +120,6 @@ final class Metrics: Sendable {
         rare.withLock { $0.refusedConnections[reason, default: 0] += 1 }
     }
 
-    /// A coordinator leaves (a reload replaces it): its counters carry on in the session's.
-    func retire(_ session: String, _ counters: SessionCounters) {
-        rare.withLock { rare in
-            var retired = rare.sessions[session, default: SessionFigures()].retired
-            retired.fetches += counters.fetches
-            retired.joinedWaiters += counters.joinedWaiters
-            retired.failures += counters.failures
-            retired.staleRejections += counters.staleRejections
-            retired.throttled += counters.throttled
-            retired.droppedResults += counters.droppedResults
-            rare.sessions[session, default: SessionFigures()].retired = retired
-        }
-    }
-
     // MARK: - The exposition
 
     /// What a scrape shows of one session, read from its coordinator.
@@ -169,16 +154,13 @@ final class Metrics: Sendable {
         }
 
         out.family("tokenbroker_joined_waiters", "counter", "Demands that joined a refresh another demand had started.")
+        // (A coordinator a reload replaces hands its counters to its successor.)
         for view in sessions {
-            let retired = rare.sessions[view.status.name]?.retired ?? SessionCounters()
-            out.sample("tokenbroker_joined_waiters_total", ["session": view.status.name],
-                       Double(retired.joinedWaiters + view.status.counters.joinedWaiters))
+            out.sample("tokenbroker_joined_waiters_total", ["session": view.status.name], Double(view.status.counters.joinedWaiters))
         }
         out.family("tokenbroker_stale_rejections", "counter", "Recover calls whose rejected token was no longer current.")
         for view in sessions {
-            let retired = rare.sessions[view.status.name]?.retired ?? SessionCounters()
-            out.sample("tokenbroker_stale_rejections_total", ["session": view.status.name],
-                       Double(retired.staleRejections + view.status.counters.staleRejections))
+            out.sample("tokenbroker_stale_rejections_total", ["session": view.status.name], Double(view.status.counters.staleRejections))
         }
         out.family("tokenbroker_session_state", "gauge", "1 for the state each session is in.")
         for view in sessions {
@@ -254,7 +236,9 @@ struct Exposition {
 
     mutating func histogram(_ name: String, _ labels: [String: String], _ histogram: Metrics.Histogram) {
         for (bound, count) in zip(histogram.bounds, histogram.counts) {
-            sample(name + "_bucket", labels.merging(["le": Self.number(bound)]) { $1 }, Double(count))
+            // OpenMetrics wants canonical numbers for `le`: 1.0, not 1.
+            let le = openMetrics && bound == bound.rounded() ? Self.number(bound) + ".0" : Self.number(bound)
+            sample(name + "_bucket", labels.merging(["le": le]) { $1 }, Double(count))
         }
         sample(name + "_bucket", labels.merging(["le": "+Inf"]) { $1 }, Double(histogram.count))
         sample(name + "_sum", labels, histogram.sum)

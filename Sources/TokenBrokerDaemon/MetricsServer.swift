@@ -3,6 +3,7 @@ import Glibc
 #endif
 import Basics
 import Dispatch
+import Synchronization
 import Varlink
 
 /// Where `MetricsListen=` serves: a loopback TCP address or a Unix socket path.
@@ -38,9 +39,10 @@ public enum MetricsAddress: Sendable, Equatable, CustomStringConvertible {
     }
 }
 
-/// A minimal HTTP/1.1 server for `GET /metrics`, on a thread of its own: one connection at a
-/// time, each with a 2 s deadline to send its request (8K at most) and take the answer, so a
-/// slow scraper delays only other scrapes, never a token call.
+/// A minimal HTTP/1.1 server for `GET /metrics`, on threads of its own: up to four scrapes at
+/// once (more are closed at once), each with 2 s to send its whole request (8K at most) and 2 s
+/// per write of the answer, so a slow or hostile client delays nobody's token call and holds a
+/// scrape slot for 2 s at most.
 final class MetricsServer: Sendable {
     private let fd: Int32
     let address: MetricsAddress
@@ -94,7 +96,8 @@ final class MetricsServer: Sendable {
     /// Serves until `stop()`; `render(openMetrics)` builds the exposition.
     func start(render: @escaping @Sendable (Bool) async -> String) {
         let fd = self.fd
-        spawnThread {
+        let address = self.address
+        spawnThread { [self] in
             while true {
                 let client = accept(fd, nil, nil)
                 if client < 0 {
@@ -103,27 +106,52 @@ final class MetricsServer: Sendable {
                         usleep(100_000)   // out of descriptors: the token calls come first
                         continue
                     }
-                    return   // the listener was shut down
+                    break   // shut down by stop()
                 }
                 _ = fcntl(client, F_SETFD, FD_CLOEXEC)
-                MetricsServer.serve(client, render)
-                close(client)
+                // A few scrapes at once, each on a thread of its own; beyond that, closed at once.
+                guard self.busy.add(1, ordering: .relaxed).newValue <= MetricsServer.concurrentScrapes else {
+                    self.busy.subtract(1, ordering: .relaxed)
+                    close(client)
+                    continue
+                }
+                spawnThread { [self] in
+                    MetricsServer.serve(client, render)
+                    close(client)
+                    self.busy.subtract(1, ordering: .relaxed)
+                }
             }
+            // The listener is closed here, by the thread that used it, once accept has returned.
+            close(fd)
+            if case let .unix(path) = address { unlink(path) }
         }
     }
 
+    /// Scrapes served at once.
+    static let concurrentScrapes = 4
+    /// Time for a client to send its request, all of it.
+    static let requestDeadline = Duration.seconds(2)
+
+    private let busy = Atomic<Int>(0)
+
+    /// Ends the accept loop (which then closes the listener).
     func stop() {
         shutdown(fd, Int32(SHUT_RDWR))
-        close(fd)
-        if case let .unix(path) = address { unlink(path) }
     }
 
     private static func serve(_ client: Int32, _ render: @escaping @Sendable (Bool) async -> String) {
-        UnixSocket.setTimeout(client, seconds: 2)
+        UnixSocket.setTimeout(client, seconds: 2)   // for sending the answer
+        let deadline = ContinuousClock.now + requestDeadline
         var request: [UInt8] = []
         var buffer = [UInt8](repeating: 0, count: 4096)
         while !request.contains(subsequence: [13, 10, 13, 10]) {
             guard request.count < 8192 else { return respond(client, 431, "request header fields too large\n") }
+            // One deadline for the whole request, however slowly it trickles in.
+            let left = ContinuousClock.now.duration(to: deadline)
+            guard left > .zero else { return }
+            var poller = pollfd(fd: client, events: Int16(POLLIN), revents: 0)
+            let milliseconds = Int32(max(1, left.components.seconds * 1000 + left.components.attoseconds / 1_000_000_000_000_000))
+            guard poll(&poller, 1, milliseconds) == 1 else { return }
             let count = read(client, &buffer, buffer.count)
             guard count > 0 else { return }
             request += buffer[..<count]

@@ -138,6 +138,46 @@ struct MetricsTests {
         }
     }
 
+    @Test("a client that trickles its request is cut off 2 s after it connected, and scrapes are answered meanwhile")
+    func slowClients() async throws {
+        try await Self.withLoggedInBroker { _, _, port, _ in
+            // A client sending one byte every 300 ms, and one that sends nothing.
+            let connect = { () -> Int32 in
+                let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+                var address = sockaddr_in()
+                address.sin_family = sa_family_t(AF_INET)
+                address.sin_port = UInt16(port).bigEndian
+                address.sin_addr.s_addr = inet_addr("127.0.0.1")
+                _ = withUnsafePointer(to: &address) {
+                    $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
+                }
+                return fd
+            }
+            let trickler = connect()
+            let idle = connect()
+            defer {
+                close(trickler)
+                close(idle)
+            }
+            let started = ContinuousClock.now
+            let cutOff = Atomic<Bool>(false)
+            Thread {
+                for byte in Array("GET /metrics HTTP/1.1\r\nHost: x\r\nX-Padding: aaaaaaaaaaaaaaaa\r\n".utf8) {
+                    var one = byte
+                    guard send(trickler, &one, 1, Int32(MSG_NOSIGNAL)) == 1 else { break }
+                    usleep(300_000)
+                }
+                cutOff.store(true, ordering: .releasing)
+            }.start()
+            let scrape = try #require(Self.scrape(port))
+            #expect(scrape.head.hasPrefix("HTTP/1.1 200"), "a scrape waited for the slow clients")
+            #expect(started.duration(to: .now) < .seconds(1))
+            try await eventually("the trickling client is cut off", timeout: .seconds(10)) { cutOff.load(ordering: .acquiring) }
+            let held = started.duration(to: .now)
+            #expect(held >= .seconds(2) && held < .seconds(4), "the slow client was cut off after \(held)")
+        }
+    }
+
     @Test("a real Prometheus scrapes the daemon and answers a query about it")
     func prometheus() async throws {
         let issuer = try DevIssuer()

@@ -44,7 +44,7 @@ def eventually(what, check, timeout=20.0):
 class Stack:
     """dev-issuer + tokenbroker serve with session `api`, logged in."""
 
-    def __init__(self):
+    def __init__(self, slow=False):
         if not BIN or not os.path.exists(os.path.join(BIN, "tokenbroker")):
             pytest.skip("TOKENBROKER_BIN does not hold a build (run through make python-test)")
         self.directory = tempfile.mkdtemp(prefix="tb-py-")
@@ -59,6 +59,13 @@ class Stack:
             f.write(f"[Broker]\nSocketMode=0600\n\n[Session]\nName=api\nTokenEndpoint={self.base}/token\n"
                     f"RevocationEndpoint={self.base}/revoke\nClientID=tokenbroker\nClientSecretFile={self.directory}/client-secret\n"
                     "RefreshLimitBurst=1000\n")
+            if slow:
+                # A token endpoint that accepts connections and never answers.
+                self.blackhole = socket.socket()
+                self.blackhole.bind(("127.0.0.1", 0))
+                self.blackhole.listen(16)
+                f.write(f"\n[Session]\nName=slow\nTokenEndpoint=http://127.0.0.1:{self.blackhole.getsockname()[1]}/token\n"
+                        f"ClientID=tokenbroker\nClientSecretFile={self.directory}/client-secret\nRequestTimeout=3s\n")
         self.socket = os.path.join(self.directory, "broker.sock")
         self.start()
         eventually("the refresh token file", lambda: os.path.exists(self.directory + "/refresh-token"))
@@ -108,15 +115,25 @@ def stack():
 
 
 class AlwaysUnauthorized:
-    """A resource that refuses every token with 401 invalid_token, counting requests."""
+    """A resource that refuses every token with 401 invalid_token, counting requests (and the
+    ones that carried a token); with `redirect_to`, it answers 302 to there instead."""
 
-    def __init__(self):
+    def __init__(self, redirect_to=None):
         self.requests = 0
+        self.with_token = 0
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 outer.requests += 1
+                if self.headers.get("Authorization"):
+                    outer.with_token += 1
+                if redirect_to:
+                    self.send_response(302)
+                    self.send_header("Location", redirect_to)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 self.send_response(401)
                 self.send_header("WWW-Authenticate", 'Bearer realm="x", error="invalid_token"')
                 self.send_header("Content-Length", "0")
@@ -281,3 +298,83 @@ def test_fifty_processes_share_one_refresh(stack):
     assert len({fp for _, fp in outcomes}) == 1, "the processes got different tokens"
     assert after["refresh_token"] - before["refresh_token"] == 1
     assert after["replays"] == 0
+
+
+@pytest.mark.parametrize("client", ["requests", "httpx"])
+def test_a_401_after_a_redirect_to_another_origin_is_not_retried_and_gets_no_token(stack, client):
+    broker = Broker(stack.socket)
+    foreign = AlwaysUnauthorized()
+    start = AlwaysUnauthorized(redirect_to=foreign.url)
+    try:
+        before = stack.counters()
+        if client == "requests":
+            response = requests.get(start.url, auth=BrokerAuth(broker, "api"), timeout=10)
+        else:
+            response = httpx.get(start.url, auth=HTTPXBrokerAuth(broker, "api"), follow_redirects=True, timeout=10)
+        assert response.status_code == 401
+        assert foreign.requests == 1 and foreign.with_token == 0, "the token went to another origin, or was retried there"
+        assert stack.counters()["refresh_token"] == before["refresh_token"]
+    finally:
+        foreign.stop()
+        start.stop()
+
+
+def test_httpx_async_client(stack):
+    import asyncio
+    broker = Broker(stack.socket)
+    stack.revoke(broker.token("api").token)
+    before = stack.counters()
+
+    async def fetch():
+        async with httpx.AsyncClient(auth=HTTPXBrokerAuth(broker, "api"), timeout=10) as client:
+            return await client.get(stack.base + "/resource")
+
+    assert asyncio.run(fetch()).status_code == 200
+    assert stack.counters()["refresh_token"] - before["refresh_token"] == 1
+
+
+def _child(broker, index, results):
+    try:
+        if index % 2:
+            results.put(("status", [s["name"] for s in broker.status()]))
+        else:
+            results.put(("token", fingerprint(broker.token("api").token)))
+    except Exception as error:  # noqa: BLE001 - reported to the parent
+        results.put(("error", type(error).__name__))
+
+
+def test_children_forked_after_a_call_do_not_share_its_connection(stack):
+    broker = Broker(stack.socket)
+    expected = fingerprint(broker.token("api").token)   # the parent's connection is open now
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    children = [context.Process(target=_child, args=(broker, index, results)) for index in range(20)]
+    for child in children:
+        child.start()
+    outcomes = [results.get(timeout=60) for _ in children]
+    for child in children:
+        child.join(timeout=30)
+    assert sorted(outcomes) == sorted([("status", ["api"])] * 10 + [("token", expected)] * 10), outcomes
+    assert broker.token("api").token, "the parent's own connection still works"
+
+
+def test_a_call_interrupted_while_waiting_leaves_no_reply_behind():
+    stack = Stack(slow=True)
+    try:
+        broker = Broker(stack.socket, timeout=10)
+        broker.call("Login", {"session": "slow", "refreshToken": "not-a-real-one"})
+
+        def interrupt(*_):
+            raise KeyboardInterrupt()
+
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            broker.call("Refresh", {"session": "slow"})   # its upstream never answers (3 s deadline)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        # The Refresh's own answer comes later: the next call must not read it as its own.
+        assert sorted(s["name"] for s in broker.status()) == ["api", "slow"]
+        assert broker.token("api").token
+    finally:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        stack.stop()

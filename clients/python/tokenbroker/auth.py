@@ -12,6 +12,7 @@ worker already refreshed, the current token comes back at once; otherwise the ca
 one shared refresh.
 """
 
+import functools
 import re
 from typing import Dict, Iterable, List, Tuple
 
@@ -117,7 +118,12 @@ except ImportError:  # pragma: no cover - requests is optional
 
 
 class BrokerAuth(_RequestsAuthBase):
-    """`requests` auth: the session's token from the broker, one Recover and one retry."""
+    """`requests` auth: the session's token from the broker, one Recover and one retry.
+
+    Only a 401 for the request that carried this token counts: after a redirect to another
+    origin (requests drops the Authorization header there), nothing is retried and the broker's
+    token goes nowhere new.
+    """
 
     def __init__(self, broker: Broker, session: str):
         if requests is None:
@@ -128,26 +134,24 @@ class BrokerAuth(_RequestsAuthBase):
     def __call__(self, request):
         token = self.broker.token(self.session)
         request.headers["Authorization"] = token.authorization
-        request._tokenbroker_sent = token.token
-        request.register_hook("response", self._on_response)
+        request.register_hook("response", functools.partial(self._on_response, token))
         return request
 
-    def _on_response(self, response, **kwargs):
+    def _on_response(self, sent, response, **kwargs):
         request = response.request
-        if getattr(request, "_tokenbroker_retry", False):
+        # The retry (its header holds the fresh token), or a request that no longer carries ours.
+        if request.headers.get("Authorization") != sent.authorization:
             return response
         body = request.body
         stream = body is not None and not isinstance(body, (bytes, str))
         if not should_retry(response.status_code, _header_values(response.headers, "WWW-Authenticate"),
                             replayable(request.method, request.headers, stream)):
             return response
-        fresh = self.broker.recover(self.session, request._tokenbroker_sent)
+        fresh = self.broker.recover(self.session, sent.token)
         response.content  # read it, so that the connection can be reused
         response.close()
         retry = request.copy()
         retry.headers["Authorization"] = fresh.authorization
-        retry._tokenbroker_retry = True
-        retry._tokenbroker_sent = fresh.token
         second = response.connection.send(retry, **kwargs)
         second.history.append(response)
         second.request = retry
@@ -167,8 +171,9 @@ except ImportError:  # pragma: no cover - httpx is optional
 
 
 class HTTPXBrokerAuth(httpx.Auth if httpx is not None else object):
-    """`httpx` auth (Client and AsyncClient): the session's token from the broker, one Recover
-    and one retry. The broker calls are short local socket calls, made synchronously."""
+    """`httpx` auth, for Client and AsyncClient: the session's token from the broker, one
+    Recover and one retry (only for a 401 to the request that carried this token). With
+    AsyncClient the broker calls run in a worker thread, off the event loop."""
 
     requires_response_body = False
 
@@ -178,14 +183,27 @@ class HTTPXBrokerAuth(httpx.Auth if httpx is not None else object):
         self.broker = broker
         self.session = session
 
-    def auth_flow(self, request):
+    def _retry(self, request, response, sent) -> bool:
+        if response.request.headers.get("Authorization") != sent.authorization:
+            return False   # redirected to another origin: not our token's 401
+        stream = not isinstance(request.stream, httpx.ByteStream)
+        return should_retry(response.status_code, response.headers.get_list("www-authenticate"),
+                            replayable(request.method, request.headers, stream))
+
+    def sync_auth_flow(self, request):
         token = self.broker.token(self.session)
         request.headers["Authorization"] = token.authorization
         response = yield request
-        stream = not isinstance(request.stream, httpx.ByteStream)
-        if not should_retry(response.status_code, response.headers.get_list("www-authenticate"),
-                            replayable(request.method, request.headers, stream)):
-            return
-        fresh = self.broker.recover(self.session, token.token)
-        request.headers["Authorization"] = fresh.authorization
-        yield request
+        if self._retry(request, response, token):
+            request.headers["Authorization"] = self.broker.recover(self.session, token.token).authorization
+            yield request
+
+    async def async_auth_flow(self, request):
+        import anyio.to_thread
+        token = await anyio.to_thread.run_sync(self.broker.token, self.session)
+        request.headers["Authorization"] = token.authorization
+        response = yield request
+        if self._retry(request, response, token):
+            fresh = await anyio.to_thread.run_sync(self.broker.recover, self.session, token.token)
+            request.headers["Authorization"] = fresh.authorization
+            yield request

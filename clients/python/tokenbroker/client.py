@@ -70,7 +70,7 @@ class _Connection:
             try:
                 chunk = self.sock.recv(65536)
             except socket.timeout:
-                raise ConnectionLost("the broker did not answer in time") from None
+                raise ConnectionLost("the broker did not answer in time", timed_out=True) from None
             except OSError as error:
                 raise ConnectionLost(f"the broker closed the connection ({error.strerror or error})") from None
             if not chunk:
@@ -79,7 +79,10 @@ class _Connection:
             if len(self.buffer) > MAX_REPLY:
                 raise ConnectionLost("a reply larger than the client accepts")
         message, _, self.buffer = self.buffer.partition(b"\0")
-        reply = json.loads(message)
+        try:
+            reply = json.loads(message)
+        except ValueError:
+            raise ConnectionLost("a reply that is not JSON") from None
         if not isinstance(reply, dict):
             raise ConnectionLost("a reply that is not a JSON object")
         return reply
@@ -94,26 +97,39 @@ class _Connection:
 class Broker:
     """A client of the broker's socket.
 
-    One connection is kept and shared (calls are serialised by a lock); if the broker restarts,
-    the next call reconnects and is sent once more (every call this class makes may be repeated:
-    GetToken and Status read, Recover with the same rejected token is answered with the current
-    token once a refresh has happened).
+    Each thread gets a connection of its own (a Recover waiting for an upstream refresh never
+    holds up another thread's GetToken), made again in a child after `fork()`. If the broker
+    has restarted, GetToken, Recover and Status are sent once more on a new connection — only
+    when the old one failed before the call was written, or turned out closed when the reply
+    was awaited (a broker restart); never after a timeout. Other calls are never re-sent.
     """
+
+    #: Calls that may be sent twice: reads, and Recover (with the same rejected token, a second
+    #: Recover gets the current token back).
+    RESENDABLE = {"GetToken", "Recover", "Status"}
 
     def __init__(self, socket_path: Optional[str] = None, timeout: float = 45.0):
         self.path = socket_path or os.environ.get("TOKENBROKER_SOCKET") or DEFAULT_SOCKET
         self.timeout = timeout
-        self._connection: Optional[_Connection] = None
-        self._lock = threading.Lock()
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         return f"Broker({self.path!r})"
 
+    def _connection(self) -> Optional[_Connection]:
+        connection = getattr(self._local, "connection", None)
+        # A connection made before a fork() belongs to the parent.
+        if connection is not None and getattr(self._local, "pid", None) != os.getpid():
+            self._local.connection = None
+            return None
+        return connection
+
     def close(self) -> None:
-        with self._lock:
-            if self._connection:
-                self._connection.close()
-                self._connection = None
+        """Closes this thread's connection."""
+        connection = self._connection()
+        if connection:
+            connection.close()
+        self._local.connection = None
 
     def __enter__(self) -> "Broker":
         return self
@@ -127,20 +143,27 @@ class Broker:
         """Calls `io.tokenbroker.Broker.<method>`; returns the reply's parameters or raises the
         contract's error."""
         message = {"method": f"{INTERFACE}.{method}", "parameters": parameters or {}}
-        with self._lock:
-            for attempt in (1, 2):
-                try:
-                    if self._connection is None:
-                        self._connection = _Connection(self.path, self.timeout)
-                    self._connection.send(message)
-                    reply = self._connection.receive()
-                    break
-                except ConnectionLost:
-                    if self._connection:
-                        self._connection.close()
-                    self._connection = None
-                    if attempt == 2:
-                        raise
+        for attempt in (1, 2):
+            connection = self._connection()
+            reused = connection is not None
+            try:
+                if connection is None:
+                    connection = _Connection(self.path, self.timeout)
+                    self._local.connection, self._local.pid = connection, os.getpid()
+                connection.send(message)
+                reply = connection.receive()
+                break
+            except ConnectionLost as error:
+                self.close()
+                # A kept connection the broker closed (it restarted) fails at once: the call
+                # never reached a broker that could act on it. A timeout might have.
+                if attempt == 2 or not reused or method not in self.RESENDABLE or error.timed_out:
+                    raise
+            except BaseException:
+                # Interrupted (a signal, KeyboardInterrupt) with a reply maybe still on its way:
+                # that connection must not serve the next call.
+                self.close()
+                raise
         if "error" in reply:
             raise error_from_reply(reply["error"], reply.get("parameters") or {})
         return reply.get("parameters") or {}
@@ -162,7 +185,7 @@ class Broker:
         """The session's events, on a connection of its own: first its current state, then every
         new token and logout. Ends when the broker ends the stream; raises its errors."""
         connection = _Connection(self.path, self.timeout)
-        connection.sock.settimeout(None)
+        connection.sock.settimeout(None)   # events come when they come; close the iterator to stop
         try:
             connection.send({"method": f"{INTERFACE}.Watch", "parameters": {"session": session}, "more": True})
             while True:

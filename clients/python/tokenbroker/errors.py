@@ -15,9 +15,14 @@ class BrokerError(Exception):
 
 
 class ConnectionLost(BrokerError):
-    """The broker could not be reached, or closed the connection."""
+    """The broker could not be reached, closed the connection, or did not answer in time
+    (`timed_out`)."""
 
     name = "tokenbroker.ConnectionLost"
+
+    def __init__(self, message: str = "", parameters: Optional[Dict[str, Any]] = None, timed_out: bool = False):
+        super().__init__(message, parameters)
+        self.timed_out = timed_out
 
 
 class NoSuchSession(BrokerError):
