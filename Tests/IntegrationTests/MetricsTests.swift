@@ -27,6 +27,11 @@ struct MetricsTests {
 
     /// `GET /metrics` on the listener (nil when nothing answers).
     static func scrape(_ port: Int, accept: String? = nil) -> (head: String, body: String)? {
+        get(port, "/metrics", accept: accept)
+    }
+
+    /// One HTTP/1.1 GET to 127.0.0.1:`port` (the connection closed after it).
+    static func get(_ port: Int, _ target: String, accept: String? = nil) -> (head: String, body: String)? {
         let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
         guard fd >= 0 else { return nil }
         defer { close(fd) }
@@ -38,7 +43,7 @@ struct MetricsTests {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
         }
         guard connected else { return nil }
-        let request = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n" + (accept.map { "Accept: \($0)\r\n" } ?? "") + "\r\n"
+        let request = "GET \(target) HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + (accept.map { "Accept: \($0)\r\n" } ?? "") + "\r\n"
         _ = request.withCString { send(fd, $0, strlen($0), 0) }
         var answer: [UInt8] = []
         var buffer = [UInt8](repeating: 0, count: 65_536)
@@ -199,8 +204,8 @@ struct MetricsTests {
             let answer = Mutex("")
             do {
                 try await eventually("Prometheus has scraped tokenbroker_build_info", timeout: .seconds(30)) {
-                    let run = try? await Child.run("/usr/bin/curl", ["-s", "http://127.0.0.1:\(web)/api/v1/query?query=tokenbroker_build_info"])
-                    answer.withLock { $0 = run?.stdout ?? "" }
+                    let body = Self.get(web, "/api/v1/query?query=tokenbroker_build_info")?.body ?? ""
+                    answer.withLock { $0 = body }
                     return answer.withLock { $0 }.contains(#""job":"tokenbroker""#)
                 }
             } catch {

@@ -27,12 +27,23 @@ public final class Child: @unchecked Sendable {
         stderrPath = "\(directory)/\(name).err"
         _ = FileManager.default.createFile(atPath: stdoutPath, contents: nil)
         _ = FileManager.default.createFile(atPath: stderrPath, contents: nil)
-        process.standardOutput = FileHandle(forWritingAtPath: stdoutPath)
-        process.standardError = FileHandle(forWritingAtPath: stderrPath)
+        // The child gets its own copies of these descriptors: the test process closes its own at
+        // once. (Left open, they piled up by the thousand over the suite; Foundation's Process.run
+        // on Linux over-reads /proc/self/fd when it lists that many, and crashes now and then.)
+        var handles: [FileHandle] = []
+        defer { for handle in handles { try? handle.close() } }
+        if let output = FileHandle(forWritingAtPath: stdoutPath), let errors = FileHandle(forWritingAtPath: stderrPath) {
+            handles += [output, errors]
+            process.standardOutput = output
+            process.standardError = errors
+        }
         if let stdin {
             let inputPath = "\(directory)/\(name).in"
             try stdin.write(toFile: inputPath, atomically: true, encoding: .utf8)
-            process.standardInput = FileHandle(forReadingAtPath: inputPath)
+            if let input = FileHandle(forReadingAtPath: inputPath) {
+                handles.append(input)
+                process.standardInput = input
+            }
         } else {
             process.standardInput = FileHandle.nullDevice
         }
