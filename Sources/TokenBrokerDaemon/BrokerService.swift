@@ -90,10 +90,11 @@ final class BrokerService: VarlinkHandler {
     /// Decodes the call once, checks who may make it, resolves the session it names, and hands
     /// it to its method; refusals and bad parameters are answered here.
     func handle(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
-        let handling = dispatch(call, from: peer)
+        // The method's name is read once, here.
+        let name = BrokerMethod(rawValue: call.member)
+        let handling = dispatch(name, call, from: peer)
         // GetToken and Recover are counted by result; the hot path is one relaxed increment.
-        guard call.member == "GetToken" || call.member == "Recover" else { return handling }
-        let method: Metrics.BrokerMethodName = call.member == "GetToken" ? .getToken : .recover
+        guard let method = name, method == .getToken || method == .recover else { return handling }
         switch handling {
         case let .reply(reply):
             if reply.error == nil, method == .getToken { metrics.getTokenOK.add() } else { metrics.call(method, error: reply.error) }
@@ -114,8 +115,8 @@ final class BrokerService: VarlinkHandler {
         }
     }
 
-    private func dispatch(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
-        guard let name = BrokerMethod(rawValue: call.member), let method = Self.methods[name] else {
+    private func dispatch(_ name: BrokerMethod?, _ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
+        guard let name, let method = Self.methods[name] else {
             return .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
         }
         do {

@@ -1,4 +1,5 @@
 import Basics
+import BrokerContract
 import Fleet
 import Synchronization
 import TokenBrokerCore
@@ -78,13 +79,11 @@ final class Metrics: Sendable {
     // MARK: - Recording
 
     /// A GetToken or Recover call's result: `error` is the reply's error name (nil: a token).
-    func call(_ method: BrokerMethodName, error: String?) {
+    func call(_ method: BrokerMethod, error: String?) {
         let table = method == .getToken ? getToken : recover
         let result = error.map { name in String(name[(name.lastIndex(of: ".").map { name.index(after: $0) } ?? name.startIndex)...]) } ?? "ok"
         (table[result] ?? table["other"])?.add()
     }
-
-    enum BrokerMethodName { case getToken, recover }
 
     func record(_ outcome: RefreshOutcome) {
         let label: String
