@@ -42,7 +42,7 @@ var package = Package(
         .target(name: "Upstream", dependencies: ["Basics", "CCurl", "TokenBrokerCore", "WireJSON"]),
         // Fleet mode: sessions shared by brokers on many hosts through etcd v3 (its JSON
         // gateway, over the libcurl loop).
-        .target(name: "Fleet", dependencies: ["Basics", "SQLiteStore", "TokenBrokerCore", "Upstream", "WireJSON"]),
+        .target(name: "Fleet", dependencies: ["Basics", "Sealing", "TokenBrokerCore", "Upstream", "WireJSON"]),
         // A development OAuth 2.0 authorization server on loopback HTTP (`tokenbroker serve --dev`, tests).
         .target(name: "DevIssuer", dependencies: ["Basics", "WireJSON"]),
         // libsystemd: sd_notify, socket activation, the watchdog, the journal.
@@ -51,8 +51,11 @@ var package = Package(
         .systemLibrary(name: "CCrypto", pkgConfig: "libcrypto", providers: [.apt(["libssl-dev"])]),
         // SQLite, for the durable session state.
         .systemLibrary(name: "CSQLite", pkgConfig: "sqlite3", providers: [.apt(["libsqlite3-dev"])]),
+        // AES-256-GCM sealing under an operator's key (`TokenCipher`): the state database's token
+        // columns and what a fleet shares through etcd.
+        .target(name: "Sealing", dependencies: ["Basics", "CCrypto"]),
         // The SQLite session store: generation-guarded writes, WAL + synchronous=FULL, migrations.
-        .target(name: "SQLiteStore", dependencies: ["Basics", "CCrypto", "CSQLite", "TokenBrokerCore"]),
+        .target(name: "SQLiteStore", dependencies: ["Basics", "CSQLite", "Sealing", "TokenBrokerCore"]),
         // The wire contract of io.tokenbroker.Broker — its text, methods, typed requests and replies,
         // and its errors with their names — shared by the daemon's service, ctl and the client library.
         .target(name: "BrokerContract", dependencies: ["TokenBrokerCore", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
@@ -62,7 +65,7 @@ var package = Package(
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve,
         // check-config.
         .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "TokenBrokerCLI", "TokenBrokerCore",
-                                                         "Varlink", "Upstream", "SQLiteStore", "CSystemd"]),
+                                                         "Varlink", "Upstream", "Sealing", "SQLiteStore", "CSystemd"]),
         // `serve --dev`: the development issuer beside the daemon. Only the executable links it.
         .target(name: "TokenBrokerDevelopment", dependencies: ["DevIssuer", "TokenBrokerCore", "TokenBrokerDaemon", "Upstream"]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the
@@ -95,8 +98,8 @@ var package = Package(
         .target(name: "TestSupport", path: "Tests/TestSupport"),
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
-        .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "TokenBrokerCore", "TestSupport"]),
-        .testTarget(name: "FleetTests", dependencies: ["Fleet", "SQLiteStore", "TokenBrokerCore", "TestSupport", "Upstream"]),
+        .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "Sealing", "TokenBrokerCore", "TestSupport"]),
+        .testTarget(name: "FleetTests", dependencies: ["Fleet", "Sealing", "TokenBrokerCore", "TestSupport", "Upstream"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCLI", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
         // Spawns the real binaries; depends on the daemon's so `swift test` builds it first (not on the

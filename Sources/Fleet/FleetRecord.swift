@@ -1,5 +1,5 @@
 import Basics
-import SQLiteStore
+import Sealing
 import TokenBrokerCore
 import Upstream
 import WireJSON

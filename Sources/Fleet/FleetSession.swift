@@ -2,7 +2,7 @@
 import Glibc
 #endif
 import Basics
-import SQLiteStore
+import Sealing
 import Synchronization
 import TokenBrokerCore
 import Upstream
@@ -125,7 +125,7 @@ public final class FleetSession: TokenSource, SessionStore, Sendable {
         self.name = name
         self.settings = settings
         self.etcd = EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout)
-        self.cipher = try TokenCipher(keyMaterial: Array(settings.key.reveal.unicodeScalars.map { UInt8(truncatingIfNeeded: $0.value) }))
+        self.cipher = try TokenCipher(keyMaterial: Array(settings.key.reveal.unicodeScalars.map { UInt8(truncatingIfNeeded: $0.value) }), name: "fleet key")
         self.upstream = upstream
         self.local = local
         self.wall = wall

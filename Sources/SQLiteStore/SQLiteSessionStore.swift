@@ -3,6 +3,7 @@ import Glibc
 #endif
 import Basics
 import CSQLite
+import Sealing
 import TokenBrokerCore
 
 /// A failure of the state database. Messages name files and SQLite errors, never a value.

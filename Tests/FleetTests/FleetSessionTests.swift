@@ -1,5 +1,5 @@
 import Foundation
-import SQLiteStore
+import Sealing
 import Synchronization
 import Testing
 import TestSupport

@@ -400,3 +400,32 @@ struct FleetDaemonTests {
         }
     }
 }
+
+extension FleetDaemonTests {
+    @Test("a holder stopped mid-flight and resumed after another broker took over follows the fleet within a watch round trip (no lost wake-up), every time")
+    func resumedHolderFollows() async throws {
+        let runs = Int(ProcessInfo.processInfo.environment["TB_FLEET_ITERATIONS"] ?? "") ?? 2
+        for run in 0..<runs {
+            try await Self.withFleet(brokers: 2) { fleet in
+                let first = try await fleet.logIn()
+                let brokerB = fleet.brokers[1]
+                _ = try await fleet.holdRefresh(on: 1, rejecting: first)
+                kill(brokerB.child.process.processIdentifier, SIGSTOP)
+                let next = try #require(try fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(first)]).parameters["token"]?.stringValue)
+                kill(brokerB.child.process.processIdentifier, SIGCONT)
+                let resumed = ContinuousClock.now
+                let stale = Atomic<Int>(0)
+                try await eventually("B serves the fleet's token") {
+                    let token = fleet.token(1)
+                    if token == first { stale.add(1, ordering: .relaxed) }
+                    return token == next
+                }
+                let lag = resumed.duration(to: .now)
+                print("figure: resumed holder, run \(run + 1): followed \(lag) after SIGCONT, \(stale.load(ordering: .relaxed)) call(s) answered with the superseded token")
+                #expect(lag < .seconds(3), "run \(run + 1): B followed only \(lag) after it resumed")
+                fleet.issuer.releaseHeld()
+                #expect(fleet.issuer.counters.replays == 0)
+            }
+        }
+    }
+}

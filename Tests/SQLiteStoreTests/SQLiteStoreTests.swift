@@ -1,4 +1,5 @@
 import Foundation
+import Sealing
 import SQLiteStore
 import Testing
 import TestSupport

@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import Fleet
+import Sealing
 import SQLiteStore
 import TokenBrokerCore
 import Upstream

@@ -1,12 +1,13 @@
 import Basics
 import CCrypto
 
-/// Encrypts token columns at rest with AES-256-GCM under a key the operator provides (a
-/// systemd credential or a file), so that a copy of the state database alone reveals no token.
+/// Seals values with AES-256-GCM under a key the operator provides (a systemd credential or a
+/// file): the token columns of the state database (under the state key), and everything a fleet
+/// shares through etcd (under the fleet key). A copy of either alone reveals no token.
 ///
-/// A value is stored as `tbenc1:` + Base64(nonce ‖ ciphertext ‖ tag), with a fresh 96-bit nonce
-/// per value and the session name and column as associated data: a ciphertext moved to another
-/// row or column fails to decrypt.
+/// A value is `tbenc1:` + Base64(nonce ‖ ciphertext ‖ tag), with a fresh 96-bit nonce per value
+/// and the caller's associated data (where the value belongs: a row and column, an etcd key): a
+/// ciphertext moved elsewhere fails to open.
 public struct TokenCipher: Sendable {
     public struct Failure: Error, Sendable, Equatable, CustomStringConvertible {
         public var description: String
@@ -15,9 +16,13 @@ public struct TokenCipher: Sendable {
 
     static let prefix = "tbenc1:"
     private let key: [UInt8]
+    /// What the key is called where operators configure it ("state key", "fleet key"), for the
+    /// message of a value that does not open.
+    public let keyName: String
 
     /// The key: exactly 32 bytes, or 64 hexadecimal digits (surrounding whitespace ignored).
-    public init(keyMaterial: [UInt8]) throws(Failure) {
+    public init(keyMaterial: [UInt8], name: String = "state key") throws(Failure) {
+        keyName = name
         var bytes = keyMaterial
         while let last = bytes.last, last == 0x0A || last == 0x0D || last == 0x20 { bytes.removeLast() }
         if bytes.count == 32 {
@@ -45,7 +50,7 @@ public struct TokenCipher: Sendable {
 
     public func open(_ sealed: String, associatedData: String) throws(Failure) -> String {
         guard sealed.hasPrefix(Self.prefix), let bytes = Base64.decode(String(sealed.dropFirst(Self.prefix.count))), bytes.count >= 28 else {
-            throw Failure("a stored token is not a sealed value")
+            throw Failure("a value that is not sealed")
         }
         let nonce = Array(bytes[0..<12])
         let input = Array(bytes[12..<(bytes.count - 16)])
@@ -82,7 +87,7 @@ public struct TokenCipher: Sendable {
         } else {
             guard EVP_CIPHER_CTX_ctrl(context, EVP_CTRL_GCM_SET_TAG, 16, &tag) == 1,
                   EVP_DecryptFinal_ex(context, &scratch, &length) == 1 else {
-                throw Failure("a stored token does not decrypt with this state key (wrong key, or the value was moved or altered)")
+                throw Failure("a value that does not decrypt with this \(keyName) (wrong key, or the value was moved or altered)")
             }
         }
     }
