@@ -3,63 +3,10 @@ import Synchronization
 import Upstream
 import WireJSON
 
-/// A key's record as etcd holds it.
-public struct EtcdKeyValue: Sendable, Equatable {
-    public var key: [UInt8]
-    public var value: [UInt8]
-    public var createRevision: Int64
-    public var modRevision: Int64
-    public var version: Int64
-    /// The lease the key is attached to (0: none).
-    public var lease: Int64
-}
-
-/// What went wrong talking to etcd.
-public struct EtcdError: Error, Sendable, Equatable, CustomStringConvertible {
-    public enum Kind: Sendable, Equatable {
-        /// No member answered (network, timeout, no quorum behind the gateway): try again later.
-        case unavailable
-        /// etcd refused the request (its gRPC code): retrying the same request will not help.
-        case refused(code: Int)
-        /// The answer was not what etcd's JSON gateway sends.
-        case malformed
-        /// The calling task was cancelled (nothing is known of etcd).
-        case cancelled
-    }
-
-    public var kind: Kind
-    public var message: String
-    public var description: String { "etcd: \(message)" }
-}
-
-/// One comparison of a transaction (all must hold for `success` to run).
-public enum EtcdCompare: Sendable, Equatable {
-    /// The key's create revision (0: the key does not exist).
-    case createRevision(key: [UInt8], equals: Int64)
-    /// The key's last modification revision.
-    case modRevision(key: [UInt8], equals: Int64)
-    case value(key: [UInt8], equals: [UInt8])
-}
-
-/// One operation of a transaction.
-public enum EtcdOperation: Sendable, Equatable {
-    case put(key: [UInt8], value: [UInt8], lease: Int64)
-    case delete(key: [UInt8])
-    case get(key: [UInt8])
-}
-
-/// The outcome of a transaction: which branch ran, at which revision, and the records that
-/// its `get` operations read (in order).
-public struct EtcdTransaction: Sendable, Equatable {
-    public var succeeded: Bool
-    public var revision: Int64
-    public var reads: [EtcdKeyValue?]
-}
-
 /// etcd v3 through its JSON gateway (`/v3/kv/…`, `/v3/lease/…`), over the daemon's libcurl loop.
 /// Keys and values are bytes (base64 on the wire); 64-bit numbers travel as JSON strings.
 /// Endpoints are tried in order: a member that does not answer is skipped for the next one.
-public struct EtcdClient: Sendable {
+public struct EtcdClient: FleetBackend {
     public var endpoints: [String]
     public var tls: TLSOptions
     /// The deadline of one request to one member.
@@ -104,13 +51,10 @@ public struct EtcdClient: Sendable {
     }
 
     /// Watches the keys under `prefix` from `revision` on, on the first member that takes the
-    /// watch, for at most `duration`: `changed` is called with the revision of every batch of
-    /// changes (on the HTTP loop's thread; it must not block). Returns when the duration is
-    /// over or the member ends the stream; throws when no member would watch, or when etcd
-    /// cancelled the watch (its history before `revision` was compacted, say): the caller
-    /// reads the keys again and watches from there.
+    /// watch, for at most `duration` (see `FleetBackend.watch`; `changed` runs on the HTTP loop's
+    /// thread).
     public func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
-                      changed: @escaping @Sendable (Int64) -> Void) async throws(EtcdError) {
+                      changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
         let create: JSONObject = ["create_request": ["key": .string(Base64.encode(prefix)),
                                                      "range_end": .string(Base64.encode(Self.rangeEnd(prefix))),
                                                      "start_revision": .string(String(revision))]]
@@ -118,14 +62,16 @@ public struct EtcdClient: Sendable {
         create.encode(into: &body)
         var problem = EtcdError(kind: .unavailable, message: "no endpoint")
         for endpoint in endpoints {
-            let stream = WatchStream(limit: maximumAnswer, changed: changed)
+            let stream = EtcdWatchStream(limit: maximumAnswer, changed: changed)
             var request = HTTPRequest(method: "POST", url: endpoint + "/v3/watch", headers: [("Content-Type", "application/json")],
                                       body: body, connectTimeout: timeout, timeout: duration, tls: tls)
             request.onBody = { stream.take($0) }
             do {
                 _ = try await CurlLoop.shared.perform(request)
+            } catch is CancellationError {
+                throw EtcdError(kind: .cancelled, message: "cancelled")
             } catch let error as HTTPError where error.kind == .timeout && stream.started {
-                return   // the duration is over
+                return .expired
             } catch {
                 if let ended = stream.problem { throw ended }
                 problem = EtcdError(kind: .unavailable, message: "\(endpoint): \(error)")
@@ -133,7 +79,7 @@ public struct EtcdClient: Sendable {
                 continue
             }
             if let ended = stream.problem { throw ended }
-            if stream.started { return }
+            if stream.started { return .endedEarly }
             problem = EtcdError(kind: .unavailable, message: "\(endpoint): the watch ended before it started")
         }
         throw problem
@@ -264,93 +210,45 @@ public struct EtcdClient: Sendable {
         }
     }
 
-    private static func revision(_ answer: JSONObject) throws(EtcdError) -> Int64 {
+    static func revision(_ answer: JSONObject) throws(EtcdError) -> Int64 {
         // (A revision near Int64.max would make `revision + 1` trap: no real cluster gets there.)
-        guard let revision = int(answer["header"]?.objectValue?["revision"]), (0..<(Int64.max / 2)).contains(revision) else {
+        guard let revision = int(answer["header"]?.objectValue?["revision"]), (0..<etcdNumberLimit).contains(revision) else {
             throw EtcdError(kind: .malformed, message: "an answer without a header revision")
         }
         return revision
     }
 
-    private static func records(_ value: JSON?) throws(EtcdError) -> [EtcdKeyValue] {
+    static func records(_ value: JSON?) throws(EtcdError) -> [EtcdKeyValue] {
         guard let value else { return [] }
         guard let array = value.arrayValue else { throw EtcdError(kind: .malformed, message: "kvs is not an array") }
         return try array.map { (item) throws(EtcdError) -> EtcdKeyValue in
-            guard let object = item.objectValue, let key = object["key"]?.stringValue.flatMap(Base64.decode) else {
-                throw EtcdError(kind: .malformed, message: "a record without a key")
-            }
-            // An empty value is left out of the JSON.
-            var value: [UInt8] = []
-            if let encoded = object["value"] {
-                guard let decoded = encoded.stringValue.flatMap(Base64.decode) else {
-                    throw EtcdError(kind: .malformed, message: "a value that is not base64")
-                }
-                value = decoded
-            }
-            return EtcdKeyValue(key: key, value: value, createRevision: int(object["create_revision"]) ?? 0,
-                                modRevision: int(object["mod_revision"]) ?? 0, version: int(object["version"]) ?? 0,
-                                lease: int(object["lease"]) ?? 0)
+            guard let object = item.objectValue else { throw EtcdError(kind: .malformed, message: "a record that is not an object") }
+            return try record(object)
         }
     }
-}
 
-/// The lines of one watch answer (one JSON object per line), cut and read on the HTTP loop's
-/// thread as they arrive.
-private final class WatchStream: Sendable {
-    private struct State {
-        var line: [UInt8] = []
-        var started = false
-        var problem: EtcdError?
-    }
-
-    private let state = Mutex(State())
-    private let limit: Int
-    private let changed: @Sendable (Int64) -> Void
-
-    init(limit: Int, changed: @escaping @Sendable (Int64) -> Void) {
-        self.limit = limit
-        self.changed = changed
-    }
-
-    var started: Bool { state.withLock { $0.started } }
-    var problem: EtcdError? { state.withLock { $0.problem } }
-
-    /// Returns false to end the transfer (a line too long, an error, a cancelled watch).
-    func take(_ bytes: UnsafeRawBufferPointer) -> Bool {
-        var revisions: [Int64] = []
-        let going = state.withLock { state -> Bool in
-            for byte in bytes {
-                guard byte == 0x0A else {
-                    state.line.append(byte)
-                    if state.line.count > limit {
-                        state.problem = EtcdError(kind: .malformed, message: "a watch message larger than \(limit) bytes")
-                        return false
-                    }
-                    continue
-                }
-                defer { state.line.removeAll(keepingCapacity: true) }
-                guard let message = (try? JSONParser.parse(state.line))?.objectValue else {
-                    state.problem = EtcdError(kind: .malformed, message: "a watch message that is not a JSON object")
-                    return false
-                }
-                guard let result = message["result"]?.objectValue else {
-                    let text = message["error"]?.objectValue?["message"]?.stringValue ?? "an error"
-                    state.problem = EtcdError(kind: .unavailable, message: "watch: \(text.prefix(200))")
-                    return false
-                }
-                if result["canceled"]?.boolValue == true || EtcdClient.int(result["compact_revision"]).map({ $0 > 0 }) == true {
-                    state.problem = EtcdError(kind: .refused(code: 11), message: "the watch was cancelled (history compacted)")
-                    return false
-                }
-                if result["created"]?.boolValue == true { state.started = true }
-                if result["events"] != nil, let revision = EtcdClient.int(result["header"]?.objectValue?["revision"]) {
-                    state.started = true
-                    revisions.append(revision)
-                }
-            }
-            return true
+    /// One `mvccpb.KeyValue`; its revisions and version within `etcdNumberLimit`.
+    static func record(_ object: JSONObject) throws(EtcdError) -> EtcdKeyValue {
+        guard let key = object["key"]?.stringValue.flatMap(Base64.decode) else {
+            throw EtcdError(kind: .malformed, message: "a record without a key")
         }
-        for revision in revisions { changed(revision) }
-        return going
+        // An empty value is left out of the JSON.
+        var value: [UInt8] = []
+        if let encoded = object["value"] {
+            guard let decoded = encoded.stringValue.flatMap(Base64.decode) else {
+                throw EtcdError(kind: .malformed, message: "a value that is not base64")
+            }
+            value = decoded
+        }
+        var numbers: [Int64] = []
+        for field in ["create_revision", "mod_revision", "version"] {
+            let number = object[field] == nil ? 0 : int(object[field])
+            guard let number, (0..<etcdNumberLimit).contains(number) else {
+                throw EtcdError(kind: .malformed, message: "a record whose \(field) is not a number in range")
+            }
+            numbers.append(number)
+        }
+        return EtcdKeyValue(key: key, value: value, createRevision: numbers[0], modRevision: numbers[1], version: numbers[2],
+                            lease: int(object["lease"]) ?? 0)
     }
 }

@@ -31,7 +31,7 @@ public struct StoreError: Error, Sendable, Equatable, CustomStringConvertible {
 /// All SQLite work runs on one dedicated thread, in order.
 public final class SQLiteSessionStore: SessionStore {
     /// The schema version this build writes; older databases are migrated forward.
-    public static let schemaVersion: Int32 = 1
+    public static let schemaVersion: Int32 = 2
 
     private final class Connection: @unchecked Sendable {
         // @unchecked: the handle is used only on the store's serial thread.
@@ -199,6 +199,17 @@ public final class SQLiteSessionStore: SessionStore {
             updated_at INTEGER NOT NULL
         ) STRICT;
         """,
+        // 2: per session and fleet prefix, the highest position of the fleet's history this
+        // broker has applied or published (a fleet that shows older history is not followed).
+        """
+        CREATE TABLE fleet_marks (
+            session TEXT NOT NULL,
+            prefix TEXT NOT NULL,
+            generation INTEGER NOT NULL,
+            serial INTEGER NOT NULL,
+            PRIMARY KEY (session, prefix)
+        ) STRICT;
+        """,
     ]
 
     private static func migrate(_ db: OpaquePointer) throws {
@@ -234,7 +245,64 @@ public final class SQLiteSessionStore: SessionStore {
 
     public func write(_ write: StoreWrite) async throws -> Bool {
         let (connection, cipher) = (self.connection, self.cipher)
-        return try await thread.run { try Self.apply(connection.db, write, cipher: cipher) }
+        return try await thread.run {
+            let (applied, erased) = try Self.apply(connection.db, write, cipher: cipher)
+            if erased { try Self.checkpoint(connection.db) }
+            return applied
+        }
+    }
+
+    /// A position in a fleet's history: its generation and serial.
+    public struct HistoryMark: Sendable, Equatable {
+        public var generation: Int64
+        public var serial: Int64
+        public init(generation: Int64, serial: Int64) {
+            self.generation = generation
+            self.serial = serial
+        }
+    }
+
+    /// Performs `write` (if its guard holds) and raises the session's mark under `prefix` to
+    /// `mark` (never lowers it), in one transaction: both are durable, or neither.
+    public func write(_ write: StoreWrite, mark: HistoryMark, prefix: String) async throws -> Bool {
+        let (connection, cipher) = (self.connection, self.cipher)
+        return try await thread.run {
+            let db = connection.db
+            try Self.execute(db, "BEGIN IMMEDIATE")
+            let applied: Bool
+            let erased: Bool
+            do {
+                (applied, erased) = try Self.apply(db, write, cipher: cipher)
+                let upsert = try Statement(db, """
+                    INSERT INTO fleet_marks (session, prefix, generation, serial) VALUES (?1, ?2, ?3, ?4)
+                    ON CONFLICT (session, prefix) DO UPDATE SET generation = excluded.generation, serial = excluded.serial
+                    WHERE (excluded.generation, excluded.serial) > (fleet_marks.generation, fleet_marks.serial)
+                    """)
+                upsert.bind(1, write.record.name)
+                upsert.bind(2, prefix)
+                upsert.bind(3, mark.generation)
+                upsert.bind(4, mark.serial)
+                try upsert.run()
+                try Self.execute(db, "COMMIT")
+            } catch {
+                try? Self.execute(db, "ROLLBACK")
+                throw error
+            }
+            if erased { try Self.checkpoint(db) }
+            return applied
+        }
+    }
+
+    /// The session's mark under `prefix`, or nil when none is stored.
+    public func mark(_ session: String, prefix: String) async throws -> HistoryMark? {
+        let connection = self.connection
+        return try await thread.run {
+            let statement = try Statement(connection.db, "SELECT generation, serial FROM fleet_marks WHERE session = ?1 AND prefix = ?2")
+            statement.bind(1, session)
+            statement.bind(2, prefix)
+            guard try statement.step(), let generation = statement.int(0), let serial = statement.int(1) else { return nil }
+            return HistoryMark(generation: generation, serial: serial)
+        }
     }
 
     /// Removes a session's row; returns whether there was one.
@@ -245,12 +313,17 @@ public final class SQLiteSessionStore: SessionStore {
             statement.bind(1, session)
             try statement.run()
             let removed = sqlite3_changes(connection.db) > 0
+            let marks = try Statement(connection.db, "DELETE FROM fleet_marks WHERE session = ?1")
+            marks.bind(1, session)
+            try marks.run()
             if removed { try Self.execute(connection.db, "PRAGMA wal_checkpoint(TRUNCATE)") }
             return removed
         }
     }
 
-    private static func apply(_ db: OpaquePointer, _ write: StoreWrite, cipher: TokenCipher?) throws -> Bool {
+    /// Runs the write's statement; returns whether it applied, and whether it erased tokens (the
+    /// caller then checkpoints, outside any transaction).
+    private static func apply(_ db: OpaquePointer, _ write: StoreWrite, cipher: TokenCipher?) throws -> (applied: Bool, erased: Bool) {
         let record = write.record
         let sql: String
         switch write.guardedBy {
@@ -294,12 +367,13 @@ public final class SQLiteSessionStore: SessionStore {
         statement.bind(11, Int64(now.tv_sec))
         try statement.run()
         let applied = sqlite3_changes(db) == 1
-        if applied && record.refreshToken == nil && record.accessToken == nil {
-            // Tokens were erased (logout, end): move the WAL's older page versions, which still
-            // hold them, into the main file and empty the WAL.
-            try execute(db, "PRAGMA wal_checkpoint(TRUNCATE)")
-        }
-        return applied
+        return (applied, applied && record.refreshToken == nil && record.accessToken == nil)
+    }
+
+    /// Tokens were erased (logout, end): moves the WAL's older page versions, which still hold
+    /// them, into the main file and empties the WAL.
+    private static func checkpoint(_ db: OpaquePointer) throws {
+        try execute(db, "PRAGMA wal_checkpoint(TRUNCATE)")
     }
 
     private static func select(_ db: OpaquePointer, name: String?, cipher: TokenCipher?) throws -> [SessionRecord] {

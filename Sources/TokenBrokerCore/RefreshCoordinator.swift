@@ -256,6 +256,12 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         return false
     }
 
+    /// Returns once the flight under way, if any, has landed and committed (a fleet applies a
+    /// refresh made elsewhere between this host's flights: `adopt` declines during one).
+    public func awaitFlight() async {
+        if let flight = flightTask?.task { await flight.value }
+    }
+
     // MARK: - Boundaries
 
     /// Logs the session out: a new generation, no tokens, the flight cancelled and its waiters
@@ -275,6 +281,19 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         if let write = boundary.write, let reason = await persist(write) {
             throw SessionError.storeFailed(reason: reason)
         }
+    }
+
+    /// A logout made elsewhere (another broker of a fleet), applied here: as
+    /// `logout(replicated: true)`, but it answers the generation it ended the session in, also
+    /// when this host's copy could not be written yet (the write is then pending).
+    @discardableResult
+    public func logoutReplicated() async -> Int {
+        var boundary = machine.logout()
+        boundary.write?.replicated = true
+        cross(boundary)
+        let generation = machine.generation
+        if let write = boundary.write { await persist(write) }
+        return generation
     }
 
     /// Installs a credential under a new generation (`nil` for grants without a refresh token,

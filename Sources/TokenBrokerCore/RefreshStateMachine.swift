@@ -299,8 +299,7 @@ public struct RefreshStateMachine: Sendable {
         let expiresAt = fetched.expiresIn.map { Int64((unixNow + $0.seconds).rounded(.down)) }
         let next = Current(token: fetched.accessToken, tokenType: fetched.tokenType, expiresAt: expiresAt,
                            deadline: fetched.expiresIn.map { now + $0 }, serial: lastSerial + 1, since: now)
-        // Rotation: keep the refresh token that was sent when the answer carries none.
-        let nextRefreshToken = fetched.refreshToken ?? refreshToken
+        let nextRefreshToken = fetched.refreshToken(replacing: refreshToken)
         let stamp = Int64(unixNow.rounded(.down))
         flight.committing = (next, nextRefreshToken, stamp)
         self.flight = flight

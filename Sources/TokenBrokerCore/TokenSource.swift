@@ -46,6 +46,15 @@ public struct FetchedToken: Sendable {
     }
 }
 
+extension FetchedToken {
+    /// The refresh token in force after this answer to a request that sent `sent`: the rotated
+    /// one, or `sent` itself when the server did not rotate. The one rotation rule, for the
+    /// coordinator and for a fleet's shared record alike.
+    public func refreshToken(replacing sent: Secret?) -> Secret? {
+        refreshToken ?? sent
+    }
+}
+
 /// A classified failed fetch. `reason` is shown to callers and operators, so it must not
 /// contain a token or secret: use the OAuth error code, an HTTP status, a transport error name.
 public struct FetchFailure: Error, Sendable, Equatable {

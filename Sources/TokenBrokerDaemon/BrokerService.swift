@@ -441,7 +441,7 @@ final class BrokerService: VarlinkHandler {
         return .object(entry.parameters)
     }
 
-    static func statusEntry(_ status: SessionStatus, fleet: FleetSession.Status? = nil) -> JSON {
+    static func statusEntry(_ status: SessionStatus, fleet: DaemonFleetSession.Status? = nil) -> JSON {
         var entry = StatusEntry(status)
         if let fleet {
             switch fleet.health {
@@ -449,6 +449,9 @@ final class BrokerService: VarlinkHandler {
             case .starting: entry.fleetHealth = "starting"
             case let .unavailable(why):
                 entry.fleetHealth = "unavailable: \(why)"
+                entry.degraded = true
+            case let .untrusted(why):
+                entry.fleetHealth = "untrusted: \(why)"
                 entry.degraded = true
             }
             (entry.fleetGeneration, entry.fleetRevision, entry.flightHolder) = (fleet.generation, fleet.revision, fleet.flightHolder)

@@ -46,6 +46,8 @@ public final class Daemon: Sendable {
     private let development: (any DevelopmentEnvironment)?
     private let state: StateStore
     private let metrics = Metrics(version: Daemon.version)
+    /// Fleet marks of sessions kept in memory (development mode, no state database).
+    private let fleetMarks = SynchronizedBox<[String: FleetPosition]>([:])
     /// The number of open client connections (set once the server exists).
     private let connectionCount = SynchronizedBox<@Sendable () -> Int>({ 0 })
 
@@ -306,9 +308,9 @@ public final class Daemon: Sendable {
         await withTaskGroup(of: Void.self) { group in
             for session in table.snapshot.sessions.values {
                 group.addTask { [logger] in
-                    session.fleet?.stopWaiting()
+                    await session.fleet?.stopWaiting()
                     await session.coordinator.retire()
-                    session.stopFollowing()
+                    await session.stopFollowing()
                     if await !session.coordinator.flushPendingWrite() {
                         logger.error("session \(session.configuration.name): state could not be written before exit",
                                      session: session.configuration.name)
@@ -412,7 +414,7 @@ public final class Daemon: Sendable {
             if await existing.coordinator.status().refreshing {
                 logger.info("session \(name): settings changed; waiting for its refresh in flight", session: name)
             }
-            existing.fleet?.stopWaiting()
+            await existing.fleet?.stopWaiting()
             await existing.coordinator.quiesce()
         }
         await table.gate.exclusive { [self] in
@@ -425,7 +427,7 @@ public final class Daemon: Sendable {
                                                                            upstream: existing.upstream, fleet: existing.fleetPart)
                 } else if let existing = leaving[session.name] {
                     let handedOver = await existing.coordinator.handOver()
-                    existing.stopFollowing()
+                    await existing.stopFollowing()
                     snapshot.sessions[session.name] = await makeSession(session, handedOver: handedOver)
                 } else if let earlier = takeUnflushed(session.name) {
                     // Configured again while its last write from before is still pending: the
@@ -438,7 +440,7 @@ public final class Daemon: Sendable {
             }
             for (name, removed) in leaving where configuration.session(named: name) == nil {
                 await removed.coordinator.shutdown()
-                removed.stopFollowing()
+                await removed.stopFollowing()
                 if await !removed.coordinator.flushPendingWrite() {
                     logger.error("session \(name): removed from the configuration with a write still pending; retrying it", session: name)
                     unflushed.withLock { $0.append(removed.coordinator) }
@@ -499,22 +501,23 @@ public final class Daemon: Sendable {
             source = http
             upstream = http
         }
-        var fleet: FleetSession?
+        var fleet: DaemonFleetSession?
         if let settings = session.fleet {
-            let logger = self.logger
-            let name = session.name
+            let local = FleetStateStore(state: state, prefix: settings.prefix, metrics: metrics, memory: state.database == nil ? fleetMarks : nil)
+            var floor: FleetPosition?
             do {
-                fleet = try FleetSession(name: session.name, settings: settings, upstream: source, local: measuredStore, wall: SystemWallClock(),
-                                         pendingLogoutFile: state.directory.map { "\($0)/fleet-logout-\(session.name)" },
-                                         discarded: discardedTokenRevocation(session, upstream),
-                                         log: { level, message in
-                                             switch level {
-                                             case .error: logger.log(.error, message, session: name)
-                                             case .warning: logger.log(.warning, message, session: name)
-                                             case .notice: logger.log(.notice, message, session: name)
-                                             case .info: logger.log(.info, message, session: name)
-                                             }
-                                         })
+                floor = try await local.mark(session.name)
+            } catch {
+                logger.error("session \(session.name): cannot read the position this broker has reached in the fleet: \(error); "
+                             + "until a write succeeds, an older history in etcd would not be recognised", session: session.name)
+            }
+            do {
+                fleet = try DaemonFleetSession(
+                    name: session.name, settings: settings,
+                    backend: EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout),
+                    upstream: source, local: local, floor: floor, clock: ContinuousClock(), wall: SystemWallClock(),
+                    pendingLogoutFile: state.directory.map { "\($0)/fleet-logout-\(session.name)" },
+                    discarded: discardedTokenRevocation(session, upstream), report: fleetReport(session.name))
             } catch {
                 // The key was checked when the configuration was read.
                 logger.error("session \(session.name): the fleet key cannot be used: \(error)", session: session.name)
@@ -531,7 +534,7 @@ public final class Daemon: Sendable {
                                       })
         if let fleet {
             // The sync loop's first read of etcd logs the session in or out here as the fleet has it.
-            fleet.attach(coordinator)
+            await fleet.attach(coordinator)
             let following = Task { await fleet.run() }
             logger.log(.info, "session \(session.name): shared with the fleet (\(fleet.settings.prefix) on \(fleet.settings.endpoints.count) "
                        + "etcd endpoint(s)); it follows the fleet's state", session: session.name)
@@ -555,6 +558,25 @@ public final class Daemon: Sendable {
             break   // refresh_token sessions wait for a login (Login or DeviceLogin)
         }
         return SessionTable.Session(configuration: session, coordinator: coordinator, upstream: upstream)
+    }
+
+    /// A fleet session's events, to the journal at their level (the noisy kinds rate-limited).
+    private func fleetReport(_ name: String) -> @Sendable (FleetEvent) -> Void {
+        let logger = self.logger
+        return { event in
+            let level: LogLevel
+            switch event.level {
+            case .error: level = .error
+            case .warning: level = .warning
+            case .notice: level = .notice
+            case .info: level = .info
+            }
+            if let key = event.limitKey {
+                logger.limited(level, key: name + ":" + key, "session \(name): \(event.message)")
+            } else {
+                logger.log(level, "session \(name): \(event.message)", session: name)
+            }
+        }
     }
 
     /// What happens to an upstream answer that arrived after a logout (or login) had ended its

@@ -124,7 +124,7 @@ final class Metrics: Sendable {
     /// What a scrape shows of one session, read from its coordinator.
     struct SessionView: Sendable {
         var status: SessionStatus
-        var fleet: FleetSession.Status?
+        var fleet: DaemonFleetSession.Status?
     }
 
     /// The exposition: the Prometheus text format (0.0.4), or OpenMetrics 1.0.0.
@@ -175,16 +175,32 @@ final class Metrics: Sendable {
         out.family("tokenbroker_session_degraded", "gauge", "1 while a session is served from memory (a state write failed) or its fleet is unavailable.")
         for view in sessions {
             var degraded = view.status.degraded
-            if case .unavailable = view.fleet?.health { degraded = true }
+            switch view.fleet?.health {
+            case .unavailable?, .untrusted?: degraded = true
+            case .healthy?, .starting?, nil: break
+            }
             out.sample("tokenbroker_session_degraded", ["session": view.status.name], degraded ? 1 : 0)
         }
         let fleet = sessions.filter { $0.fleet != nil }
         if !fleet.isEmpty {
-            out.family("tokenbroker_fleet_healthy", "gauge", "1 while the fleet's etcd answers (fleet sessions only).")
+            out.family("tokenbroker_fleet_healthy", "gauge", "1 while the fleet's etcd answers and its state is trusted (fleet sessions only).")
             for view in fleet {
                 var healthy = false
                 if case .healthy = view.fleet?.health { healthy = true }
                 out.sample("tokenbroker_fleet_healthy", ["session": view.status.name], healthy ? 1 : 0)
+            }
+            out.family("tokenbroker_fleet_refused_values", "counter",
+                       "Values read from etcd that were not taken: not sealed with the fleet key, altered, or written back (each write once).")
+            for view in fleet {
+                out.sample("tokenbroker_fleet_refused_values_total", ["session": view.status.name], Double(view.fleet?.counters.refusedValues ?? 0))
+            }
+            out.family("tokenbroker_fleet_rollbacks", "counter", "Times etcd showed older history than this broker had seen (not followed).")
+            for view in fleet {
+                out.sample("tokenbroker_fleet_rollbacks_total", ["session": view.status.name], Double(view.fleet?.counters.rollbacks ?? 0))
+            }
+            out.family("tokenbroker_fleet_watch_restarts", "counter", "Watches of the fleet's keys started again after one ended early or failed.")
+            for view in fleet {
+                out.sample("tokenbroker_fleet_watch_restarts_total", ["session": view.status.name], Double(view.fleet?.counters.watchRestarts ?? 0))
             }
         }
 

@@ -5,6 +5,7 @@ import Upstream
 import Varlink
 
 typealias Coordinator = RefreshCoordinator<ContinuousClock>
+typealias DaemonFleetSession = FleetSession<ContinuousClock>
 
 /// The sessions the daemon serves, swapped as a whole on reload.
 final class SessionTable: Sendable {
@@ -18,11 +19,11 @@ final class SessionTable: Sendable {
         /// The GetToken reply for the current token, encoded once.
         let replies = TokenReplyCache()
         /// A session shared with a fleet (`Fleet=yes`): its etcd side, and the task following it.
-        let fleet: FleetSession?
+        let fleet: DaemonFleetSession?
         private let following: Task<Void, Never>?
 
         init(configuration: SessionConfiguration, coordinator: Coordinator, upstream: HTTPTokenSource? = nil,
-             fleet: (session: FleetSession, following: Task<Void, Never>)? = nil) {
+             fleet: (session: DaemonFleetSession, following: Task<Void, Never>)? = nil) {
             self.configuration = configuration
             self.coordinator = coordinator
             self.upstream = upstream
@@ -30,14 +31,17 @@ final class SessionTable: Sendable {
             self.following = fleet?.following
         }
 
-        var fleetPart: (session: FleetSession, following: Task<Void, Never>)? {
+        var fleetPart: (session: DaemonFleetSession, following: Task<Void, Never>)? {
             guard let fleet, let following else { return nil }
             return (fleet, following)
         }
 
-        /// Stops following the fleet (the coordinator is retired or handed over).
-        func stopFollowing() {
+        /// Stops following the fleet (the coordinator is retired or handed over), and returns
+        /// once its loops have ended: before the HTTP loop stops, so that nothing they still
+        /// had in flight fails for want of it.
+        func stopFollowing() async {
             following?.cancel()
+            await following?.value
         }
     }
 

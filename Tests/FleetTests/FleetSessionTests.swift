@@ -47,12 +47,20 @@ struct FleetSessionTests {
 
     static let key = Secret(String(repeating: "ab", count: 32))
 
+    typealias Session = FleetSession<ContinuousClock>
+
     static func session(_ cluster: EtcdCluster, member: String, upstream: any TokenSource,
-                        discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in }) throws -> FleetSession {
+                        discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in }) throws -> Session {
         let settings = FleetSettings(endpoints: cluster.clientURLs, prefix: "/t", key: key, flightLease: .seconds(6),
                                      requestTimeout: .seconds(1), member: member)
-        return try FleetSession(name: "api", settings: settings, upstream: upstream, local: InMemorySessionStore(), wall: Wall(),
-                                discarded: discarded)
+        return try session(settings, upstream: upstream, discarded: discarded)
+    }
+
+    static func session(_ settings: FleetSettings, upstream: any TokenSource,
+                        discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in }) throws -> Session {
+        try Session(name: "api", settings: settings,
+                    backend: EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout),
+                    upstream: upstream, local: InMemoryFleetStore(), floor: nil, clock: ContinuousClock(), wall: Wall(), discarded: discarded)
     }
 
     static func login(_ generation: Int, refreshToken: String) -> StoreWrite {
@@ -63,14 +71,12 @@ struct FleetSessionTests {
         StoreWrite(SessionRecord(name: "api", generation: generation, state: .signedOut), guardedBy: .newerGeneration)
     }
 
-    /// The record etcd holds, opened with the fleet key.
-    static func stored(_ cluster: EtcdCluster) async throws -> (generation: String, record: FleetRecord) {
+    /// The state etcd holds, opened with the fleet key.
+    static func stored(_ cluster: EtcdCluster) async throws -> FleetState {
         let etcd = EtcdClient(endpoints: cluster.clientURLs)
-        let generation = try #require(try await etcd.get(Array("/t/sessions/api/generation".utf8)).record)
-        let record = try #require(try await etcd.get(Array("/t/sessions/api/record".utf8)).record)
-        let cipher = try TokenCipher(keyMaterial: Array(key.reveal.utf8))
-        return (String(decoding: generation.value, as: UTF8.self),
-                try FleetRecord.open(record.value, with: cipher, associatedData: "/t/sessions/api/record"))
+        let record = try #require(try await etcd.get(Array("/t/sessions/api/state".utf8)).record)
+        let codec = FleetCodec(cipher: try TokenCipher(keyMaterial: Array(key.reveal.utf8)), keys: FleetKeys(prefix: "/t", session: "api"))
+        return try codec.openState(record, unixNow: Date().timeIntervalSince1970).get()
     }
 
     @Test("a refresh answer that lands after a logout elsewhere is never committed: the commit compares the generation, the record and the flight, and the answer is discarded")
@@ -87,14 +93,16 @@ struct FleetSessionTests {
             let flight = Task { try await hostB.fetch(FetchRequest(session: "api", generation: 1, refreshToken: nil)) }
             try await eventually("B's upstream request is under way") { upstream.calls == 1 }
             #expect(hostB.status.flightHolder == nil || hostB.status.flightHolder?.hasPrefix("b ") == true)
+            // The flight etcd holds names B, and B's state.
+            #expect(try await EtcdClient(endpoints: cluster.clientURLs).get(Array("/t/sessions/api/flight".utf8)).record?.lease ?? 0 != 0)
 
             // Host A logs out (it has no coordinator: nothing tells B's flight locally).
             #expect(try await hostA.write(Self.logout(1)))
             upstream.release()
             await #expect(throws: FetchFailure.self) { try await flight.value }
             #expect(discarded.withLock { $0 } == ["refresh-1"], "the uncommitted answer was not handed back for revocation")
-            let (generation, record) = try await Self.stored(cluster)
-            #expect(generation == "2" && record.generation == 2 && record.state == .signedOut && record.refreshToken == nil)
+            let state = try await Self.stored(cluster)
+            #expect(state.position.generation == 3 && state.phase == .signedOut && state.refreshToken == nil, "\(state.position)")
             #expect(try await EtcdClient(endpoints: cluster.clientURLs).get(Array("/t/sessions/api/flight".utf8)).record == nil)
         } catch {
             await cluster.stop()
@@ -103,7 +111,7 @@ struct FleetSessionTests {
         await cluster.stop()
     }
 
-    @Test("a record sealed under another fleet key is refused, not served: the fleet counts as unavailable and nothing is fetched")
+    @Test("a state sealed under another fleet key is refused, not served: the fleet's state counts as untrusted, nothing is fetched, counted once")
     func wrongKey() async throws {
         let cluster = try await EtcdCluster(members: 3, answers: etcdAnswers)
         do {
@@ -112,16 +120,19 @@ struct FleetSessionTests {
             let settings = FleetSettings(endpoints: cluster.clientURLs, prefix: "/t", key: Secret(String(repeating: "cd", count: 32)),
                                          flightLease: .seconds(6), requestTimeout: .seconds(1), member: "x")
             let upstream = GatedSource()
-            let stranger = try FleetSession(name: "api", settings: settings, upstream: upstream, local: InMemorySessionStore(), wall: Wall())
-            // Its logout cannot even read the fleet's state.
-            await #expect(throws: EtcdError.self) { try await stranger.write(Self.logout(1)) }
-            guard case let .unavailable(why) = stranger.status.health else {
+            let stranger = try Self.session(settings, upstream: upstream)
+            // Its refreshes find nothing it can open.
+            for _ in 0..<2 {
+                await #expect(throws: FetchFailure.self) { try await stranger.fetch(FetchRequest(session: "api", generation: 0, refreshToken: nil)) }
+            }
+            guard case let .untrusted(why) = stranger.status.health else {
                 Issue.record("health is \(stranger.status.health)")
                 return
             }
-            #expect(why.contains("does not decrypt"), "\(why)")
+            #expect(why.contains("does not open with the fleet key"), "\(why)")
+            #expect(stranger.status.counters.refusedValues == 1, "the same refused write was counted \(stranger.status.counters.refusedValues) times")
             #expect(upstream.calls == 0)
-            #expect(try await Self.stored(cluster).record.state == .active)
+            #expect(try await Self.stored(cluster).phase == .active)
         } catch {
             await cluster.stop()
             throw error
@@ -140,13 +151,15 @@ struct FleetSessionTests {
             var settings = FleetSettings(endpoints: ["http://127.0.0.1:\(proxy.port)", cluster.clientURLs[0]], prefix: "/t", key: Self.key,
                                          flightLease: .seconds(6), requestTimeout: .seconds(1), member: "b")
             settings.requestTimeout = .seconds(2)
-            let host = try FleetSession(name: "api", settings: settings, upstream: upstream, local: InMemorySessionStore(), wall: Wall())
+            let host = try Self.session(settings, upstream: upstream)
             #expect(try await host.write(Self.login(1, refreshToken: "refresh-0")))
-            #expect(try await Self.stored(cluster).generation == "1", "one login, one generation")
+            // (The first login creates the key, with no token, then logs in: two generations.)
+            #expect(try await Self.stored(cluster).position == FleetPosition(generation: 2, serial: 0), "one login, one generation")
             let fetched = try await host.fetch(FetchRequest(session: "api", generation: 1, refreshToken: nil))
             #expect(fetched.accessToken.reveal == "access-1" && upstream.calls == 1)
-            let (generation, record) = try await Self.stored(cluster)
-            #expect(generation == "1" && record.serial == 1 && record.accessToken?.reveal == "access-1" && record.refreshToken?.reveal == "refresh-1")
+            let state = try await Self.stored(cluster)
+            #expect(state.position == FleetPosition(generation: 2, serial: 1) && state.accessToken?.reveal == "access-1"
+                    && state.refreshToken?.reveal == "refresh-1", "\(state.position)")
             #expect(proxy.forwarded >= 4, "the proxy forwarded \(proxy.forwarded) requests")
         } catch {
             proxy.stop()

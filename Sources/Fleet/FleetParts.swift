@@ -1,0 +1,83 @@
+import Basics
+import TokenBrokerCore
+import Upstream
+
+/// How brokers of a fleet reach etcd, and what they share there.
+public struct FleetSettings: Sendable, Equatable {
+    /// etcd members' client URLs (`Endpoints=`), tried in order.
+    public var endpoints: [String]
+    /// Where the fleet's keys live (`Prefix=`): `<prefix>/sessions/<name>/…`.
+    public var prefix: String
+    /// The CA, client certificate and key for etcd's TLS (`CAFile=`, `ClientCertificate=`, `ClientKey=`).
+    public var tls: TLSOptions
+    /// Seals every value (`KeyFile=` or `KeyCredential=`): 32 bytes or 64 hex digits.
+    public var key: Secret
+    /// The lease of a flight (`FlightLease=`): how long a broker that took the flight and then
+    /// vanished keeps the others from refreshing. Longer than an upstream request may take.
+    public var flightLease: Duration
+    /// The deadline of one etcd request (`RequestTimeout=`).
+    public var requestTimeout: Duration
+    /// This broker's name in flight claims and status (`Name=`; the host name by default).
+    public var member: String
+
+    public init(endpoints: [String], prefix: String = "/tokenbroker", tls: TLSOptions = TLSOptions(), key: Secret,
+                flightLease: Duration = .seconds(60), requestTimeout: Duration = .seconds(2), member: String) {
+        self.endpoints = endpoints
+        self.prefix = prefix
+        self.tls = tls
+        self.key = key
+        self.flightLease = flightLease
+        self.requestTimeout = requestTimeout
+        self.member = member
+    }
+}
+
+/// This host's copy of a fleet session: the state database, which also keeps, per session and
+/// prefix, the highest position of the fleet's history this broker has applied or published
+/// (its *mark*), written in the same durable commit as the session's row.
+public protocol FleetLocalStore: Sendable {
+    func load(_ session: String) async throws -> SessionRecord?
+    /// Performs `write` if its guard holds, and raises the session's mark to `mark` (never
+    /// lowers it) whether or not it applied, in one durable commit; returns whether it applied.
+    func write(_ write: StoreWrite, mark: FleetPosition) async throws -> Bool
+    /// The session's mark, or nil when this store has seen nothing of the fleet.
+    func mark(_ session: String) async throws -> FleetPosition?
+}
+
+/// The coordinator, as a fleet session drives it: the boundaries and refreshes made elsewhere
+/// are applied through it, so that they reach watchers and the store the usual way.
+public protocol FleetFollower: AnyObject, Sendable {
+    func login(refreshToken: Secret?, initial: FetchedToken?, replicated: Bool) async throws -> Int
+    func logoutReplicated() async -> Int
+    func adopt(_ fetched: FetchedToken, generation: Int) async -> Bool
+    /// Returns once no flight is under way (after the one that was has landed and committed).
+    func awaitFlight() async
+    func status() async -> SessionStatus
+    func currentToken() -> IssuedToken?
+}
+
+extension RefreshCoordinator: FleetFollower {}
+
+/// A `FleetLocalStore` in memory (development mode, tests): marks are kept with the rows.
+public actor InMemoryFleetStore: FleetLocalStore {
+    private let sessions: InMemorySessionStore
+    private var marks: [String: FleetPosition] = [:]
+
+    public init(_ records: [SessionRecord] = [], marks: [String: FleetPosition] = [:]) {
+        sessions = InMemorySessionStore(records)
+        self.marks = marks
+    }
+
+    public func load(_ session: String) async throws -> SessionRecord? {
+        await sessions.load(session)
+    }
+
+    public func write(_ write: StoreWrite, mark: FleetPosition) async throws -> Bool {
+        marks[write.record.name] = max(marks[write.record.name] ?? .start, mark)
+        return await sessions.write(write)
+    }
+
+    public func mark(_ session: String) async throws -> FleetPosition? {
+        marks[session]
+    }
+}

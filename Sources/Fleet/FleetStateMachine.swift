@@ -1,0 +1,329 @@
+import TokenBrokerCore
+
+/// Every decision of one fleet session, with no I/O: what to do with what etcd shows (follow a
+/// login, logout, end or refresh made elsewhere), how a refresh demand is met (deliver another
+/// broker's token, wait for its flight, take the flight), and how this broker's own boundaries
+/// are published. `FleetSession` feeds it views (`FleetView`, opened and checked by
+/// `FleetCodec`) and the results of its etcd requests, and carries out what it answers.
+///
+/// Invariants (each method keeps them; the preconditions callers rely on):
+/// - **History only moves forward.** `floor` is the highest position this broker has applied,
+///   published, committed or read authentically; it starts at the position its state database
+///   remembers and never decreases. A state older than `floor` is never followed, delivered or
+///   refreshed from: the session keeps serving what it has and reports `rolledBack`.
+/// - **Only authentic values decide.** A view's refused values change nothing but health and
+///   counters; a void flight claim is replaced, never waited for.
+/// - `bound`, once set, pairs this host's local generation with the fleet generation it stands
+///   for; `bound.generation <= floor.generation`. A demand of another local generation is
+///   refused (`notCaughtUp`): its session is over here.
+/// - `applied` is the position of what this host's coordinator holds (within `bound`): a state
+///   at or before it is never installed again.
+struct FleetStateMachine: Sendable {
+    struct Bound: Sendable, Equatable {
+        var local: Int
+        var generation: Int64
+    }
+
+    enum Health: Sendable, Equatable {
+        case starting
+        case healthy
+        /// etcd cannot be reached or has no quorum.
+        case unavailable(String)
+        /// The state value is refused (forged, altered, written back).
+        case untrusted(String)
+        /// The fleet shows older history than this broker has seen (nil: no state at all).
+        case rolledBack(seen: FleetPosition?, floor: FleetPosition)
+        /// The fleet holds only an earlier version's layout.
+        case earlierLayout
+    }
+
+    /// What the sync loop does with a view.
+    enum FollowAction: Sendable, Equatable {
+        case none
+        /// A login elsewhere, or first contact with an active session: log in here.
+        case logIn(FleetState)
+        /// A logout or end elsewhere, or first contact with a session that is not active (nil:
+        /// the fleet has no state for it yet).
+        case logOut(FleetState?)
+        /// A refresh elsewhere: install its token.
+        case adopt(FleetState)
+    }
+
+    /// How a refresh demand is met.
+    enum RefreshPlan: Sendable, Equatable {
+        case notCaughtUp
+        /// Nothing in the fleet can be refreshed from (the reason is shown to callers).
+        case unusable(String)
+        /// Logged out, in or ended elsewhere: the sync loop applies it; this flight ends.
+        case boundaryElsewhere
+        /// Another broker refreshed: its token, with no upstream request.
+        case deliver(FleetState)
+        case backoff(BackoffNote)
+        case wait(FlightClaim)
+        /// Take the flight over this state (replacing the void claim at that revision, if any).
+        case takeFlight(FleetState, FleetPlace, replacing: Int64?)
+    }
+
+    let session: String
+    private(set) var floor: FleetPosition
+    private(set) var bound: Bound?
+    private(set) var applied: FleetPosition?
+    /// What the fleet's values say (from the last view checked).
+    private var trust = Health.starting
+    /// Why the last request to etcd failed (nil: the last one answered).
+    private var unreachable: String?
+    /// Unreachable first, else what the values say.
+    var health: Health { unreachable.map { .unavailable($0) } ?? trust }
+    private(set) var counters = FleetCounters()
+    /// A local login that could not reach the fleet: its generation's logout is local only.
+    var failedLogin: Int?
+    /// A logout of this host etcd has not taken yet: the fleet generation it ends (nil: the newest).
+    var pendingLogout: Int64??
+    /// Events for the log, drained by the session after each step.
+    private(set) var events: [FleetEvent] = []
+    /// The revision of the last refused write reported, per field (each is reported once).
+    private var reported: [String: Int64] = [:]
+    /// A state this broker is writing itself (an end): not to be followed as one made elsewhere.
+    private var ownWrite: FleetPosition?
+
+    init(session: String, floor: FleetPosition?) {
+        self.session = session
+        self.floor = floor ?? .start
+    }
+
+    mutating func drainEvents() -> [FleetEvent] {
+        defer { events.removeAll() }
+        return events
+    }
+
+    // MARK: - Health
+
+    mutating func countWatchRestart() {
+        counters.watchRestarts += 1
+    }
+
+    mutating func unavailable(_ why: String) {
+        if unreachable == nil { events.append(.unavailable(why)) }
+        unreachable = why
+    }
+
+    /// A request to etcd answered.
+    mutating func reached() {
+        if unreachable != nil { events.append(.available) }
+        unreachable = nil
+    }
+
+    /// Counts and reports the view's refused values, and sets health from its state. Returns the
+    /// state that may be acted on: valid, and not older than `floor` (which it raises).
+    private mutating func check(_ view: FleetView) -> FleetState? {
+        for refusal in view.refused where reported[refusal.field] != refusal.modRevision {
+            reported[refusal.field] = refusal.modRevision
+            counters.refusedValues += 1
+            events.append(.valueRefused(field: refusal.field, problem: refusal.problem.description, revision: refusal.modRevision))
+        }
+        let before = trust
+        var usable: FleetState?
+        switch view.state {
+        case let .refused(problem, _):
+            trust = .untrusted("the fleet's state \(problem)")
+        case .absent where view.earlierLayout:
+            trust = .earlierLayout
+            if before != .earlierLayout { events.append(.earlierLayout) }
+        case .absent where floor > .start:
+            trust = .rolledBack(seen: nil, floor: floor)
+        case .absent:
+            trust = .healthy
+        case let .valid(state, _) where state.position < floor:
+            trust = .rolledBack(seen: state.position, floor: floor)
+        case let .valid(state, _):
+            floor = state.position
+            trust = .healthy
+            usable = state
+        }
+        if case .rolledBack = trust, trust != before {
+            counters.rollbacks += 1
+            if case let .rolledBack(seen, floor) = trust { events.append(.rolledBack(seen: seen, floor: floor)) }
+        }
+        if trust == .healthy {
+            switch before {
+            case .untrusted, .rolledBack, .earlierLayout: events.append(.trusted(floor))
+            case .starting, .healthy, .unavailable: break
+            }
+        }
+        return usable
+    }
+
+    // MARK: - Following the fleet
+
+    /// What the sync loop does with `view`. `unixNow` decides whether a token is worth adopting.
+    mutating func follow(_ view: FleetView, unixNow: Double) -> FollowAction {
+        let state = check(view)
+        guard let state else {
+            // First contact with a fleet that has no state for this session: signed out here.
+            if case .absent = view.state, bound == nil, trust == .healthy { return .logOut(nil) }
+            return .none
+        }
+        guard let bound, state.position.generation <= bound.generation else {
+            return state.phase == .active ? .logIn(state) : .logOut(state)
+        }
+        guard state.position.generation == bound.generation, state.position > (applied ?? .start), state.position != ownWrite else { return .none }
+        switch state.phase {
+        case .active:
+            return Self.usable(state, unixNow: unixNow) == nil ? .none : .adopt(state)
+        case .ended, .signedOut:
+            return .logOut(state)
+        }
+    }
+
+    /// This host logged in (as `local`) with the fleet's `state`, or out with it (nil: none).
+    mutating func followed(_ state: FleetState?, local: Int) {
+        bound = Bound(local: local, generation: state?.position.generation ?? 0)
+        applied = state?.position ?? .start
+    }
+
+    /// This host installed the token of `position` (adopted, delivered, or its own commit).
+    mutating func installed(_ position: FleetPosition) {
+        guard let bound, position.generation == bound.generation else { return }
+        applied = max(applied ?? .start, position)
+        floor = max(floor, position)
+    }
+
+    /// This broker is about to write the state at `position` (the end of its session).
+    mutating func writing(_ position: FleetPosition) {
+        ownWrite = position
+    }
+
+    /// The write of `position` is over: if it took, it is what this host holds.
+    mutating func wrote(_ position: FleetPosition, succeeded: Bool) {
+        if ownWrite == position { ownWrite = nil }
+        if succeeded { installed(position) }
+    }
+
+    // MARK: - Refreshing
+
+    /// How a demand of local generation `generation` is met, given a fresh `view`. `held` is
+    /// the token this host hands out now, `holder` this broker's own flight name.
+    mutating func planRefresh(generation: Int, view: FleetView, unixNow: Double, held: Secret?, holder: String) -> RefreshPlan {
+        let state = check(view)
+        guard let bound, bound.local == generation else { return .notCaughtUp }
+        guard let state, case let .valid(_, place) = view.state else { return .unusable(Self.describe(health)) }
+        guard state.position.generation == bound.generation, state.phase == .active else { return .boundaryElsewhere }
+        if state.position > (applied ?? .start), let token = Self.usable(state, unixNow: unixNow), token.accessToken != held {
+            return .deliver(state)
+        }
+        if let note = view.backoff, note.until > Self.milliseconds(unixNow) { return .backoff(note) }
+        var replacing: Int64?
+        switch view.flight {
+        case .none: break
+        case let .held(claim, modRevision):
+            guard claim.holder == holder else { return .wait(claim) }
+            replacing = modRevision   // an earlier flight of this broker's, not yet revoked
+        case let .void(modRevision):
+            replacing = modRevision
+        }
+        guard state.position.nextSerial != nil else {
+            events.append(.exhausted)
+            return .unusable("the fleet's token serial has reached its limit; log in again")
+        }
+        return .takeFlight(state, place, replacing: replacing)
+    }
+
+    /// Once this broker's own flight is over without a token of its own: the newest token the
+    /// fleet holds for this generation, if it is newer than what this host has.
+    mutating func afterFlight(_ view: FleetView, generation: Int, unixNow: Double) -> FleetState? {
+        guard let state = check(view), let bound, bound.local == generation, state.position.generation == bound.generation,
+              state.phase == .active, state.position > (applied ?? .start), Self.usable(state, unixNow: unixNow) != nil else { return nil }
+        return state
+    }
+
+    // MARK: - Publishing this host's boundaries
+
+    /// What to publish for this host's login or logout `write`, given a fresh `view`: nil when
+    /// it is local only (published already, or superseded here, or the end of a login that
+    /// never reached the fleet). `ending` is the fleet generation a logout that waited ends.
+    enum PublishPlan: Sendable, Equatable {
+        case localOnly
+        /// The fleet has moved past the generation the logout ends.
+        case overtaken(generation: Int64)
+        /// The key does not exist: create it first, with no token, at this position.
+        case create(FleetState)
+        /// Write `state` over `place`.
+        case publish(FleetState, FleetPlace)
+    }
+
+    mutating func planPublish(_ record: SessionRecord?, view: FleetView, ending: Int64?) -> PublishPlan {
+        if let record {
+            if let bound, bound.local >= record.generation { return .localOnly }
+            if failedLogin == record.generation, record.state != .active {
+                failedLogin = nil
+                bound = nil   // follow the fleet afresh
+                return .localOnly
+            }
+        }
+        _ = check(view)
+        let phase = record?.state ?? .signedOut
+        if phase != .active, let ending, let current = view.validState, current.position.generation > ending {
+            return .overtaken(generation: current.position.generation)
+        }
+        let place: FleetPlace
+        switch view.state {
+        case .absent: place = .absent
+        case let .valid(_, current), let .refused(_, current): place = current
+        }
+        guard let next = FleetPosition.nextGeneration(after: floor, view.validState?.position ?? .start) else {
+            return .overtaken(generation: floor.generation)
+        }
+        var published = FleetState(position: next, phase: phase)
+        if phase == .active, let record {
+            published.refreshToken = record.refreshToken
+            published.accessToken = record.accessToken
+            published.tokenType = record.tokenType
+            published.expiresAt = record.expiresAt
+            published.lastRefresh = record.lastRefresh
+        }
+        if place.record == nil, published.hasTokens {
+            return .create(FleetState(position: next, phase: .signedOut))
+        }
+        return .publish(published, place)
+    }
+
+    /// The fleet took `state`, published by this host; its local generation is `local` (nil:
+    /// a creation, or a logout that ends no local generation of its own).
+    mutating func published(_ state: FleetState, local: Int?) {
+        floor = max(floor, state.position)
+        if let local {
+            bound = Bound(local: local, generation: state.position.generation)
+            applied = state.position
+        }
+    }
+
+    // MARK: - Helpers
+
+    /// The state's token for this host, when it has one that is not about to expire.
+    static func usable(_ state: FleetState, unixNow: Double) -> FetchedToken? {
+        guard state.phase == .active, let token = state.accessToken else { return nil }
+        var expiresIn: Duration?
+        if let expiresAt = state.expiresAt {
+            let left = Double(expiresAt) - unixNow
+            guard left > 1 else { return nil }
+            expiresIn = .milliseconds(Int64(min(left, FleetCodec.timeBound * 2) * 1000))
+        }
+        return FetchedToken(accessToken: token, tokenType: state.tokenType, expiresIn: expiresIn, refreshToken: state.refreshToken)
+    }
+
+    static func milliseconds(_ unixNow: Double) -> Int64 {
+        Int64(min(max(unixNow, 0), 1e12) * 1000)
+    }
+
+    static func describe(_ health: Health) -> String {
+        switch health {
+        case .starting: return "fleet: not read yet"
+        case .healthy: return "fleet: the session has no state in the fleet"
+        case let .unavailable(why): return "fleet: \(why)"
+        case let .untrusted(why): return "fleet: \(why)"
+        case let .rolledBack(seen, floor):
+            return "fleet: it shows \(seen.map { "\($0)" } ?? "no state"), older than \(floor) seen here; log in again"
+        case .earlierLayout: return "fleet: the session is in an earlier version's layout; log in again"
+        }
+    }
+}
