@@ -18,10 +18,10 @@ extension FleetSession {
         var waited = false
         while true {
             try Task.checkCancellation()
-            let version = changes.version
             let view: FleetView
+            let version: UInt64
             do {
-                view = try await readView()
+                (view, version) = try await readViewAndVersion()
             } catch {
                 throw FetchFailure.transient("fleet: \(error.message)")
             }

@@ -149,11 +149,19 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
     /// Reads the session's keys into the mirror and returns the view of them; records an
     /// unreachable etcd in the machine's health.
     func readView() async throws(EtcdError) -> FleetView {
+        try await readViewAndVersion().view
+    }
+
+    /// As `readView`, with the change version the view is at: a caller that waits for the next
+    /// change waits after it (never for its own read, never past a change the view lacks: the
+    /// view is taken after the version, and every change is applied before it is signalled).
+    func readViewAndVersion() async throws(EtcdError) -> (view: FleetView, version: UInt64) {
         do {
             let (records, revision) = try await backend.range(prefix: keys.prefixBytes)
             machine.reached()
             if mirror.withLock({ $0.reset(records, revision: revision, keys: keys) }) { changes.signal() }
-            return currentView()
+            let version = changes.version
+            return (currentView(), version)
         } catch where error.kind == .cancelled {
             throw error   // nothing learnt about etcd
         } catch {

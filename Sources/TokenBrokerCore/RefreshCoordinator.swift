@@ -256,10 +256,22 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         return false
     }
 
-    /// Returns once the flight under way, if any, has landed and committed (a fleet applies a
-    /// refresh made elsewhere between this host's flights: `adopt` declines during one).
+    /// Returns once the flight under way, if any, is over — landed and committed, failed, or
+    /// ended by a boundary — or at once when the caller is cancelled. (A fleet applies a
+    /// refresh made elsewhere between this host's flights: `adopt` declines during one.) The
+    /// caller waits like a joined waiter, and its result is dropped.
     public func awaitFlight() async {
-        if let flight = flightTask?.task { await flight.value }
+        guard let flight = machine.currentFlight else { return }
+        nextWaiter += 1
+        let waiter = nextWaiter
+        waiters.register(waiter, on: flight)
+        _ = try? await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { continuation in
+                waiters.park(waiter, continuation)
+            }
+        } onCancel: { [waiters] in
+            waiters.cancel(waiter)
+        }
     }
 
     // MARK: - Boundaries

@@ -194,6 +194,9 @@ public struct RefreshStateMachine: Sendable {
     /// Whether a flight (fetch or its commit) is under way.
     public var isRefreshing: Bool { flight != nil }
 
+    /// The flight under way (fetch, commit, or an adoption), if any.
+    public var currentFlight: FlightID? { flight?.id }
+
     /// The current token and how long the hot path may hand it out without asking the state
     /// machine: until the refresh-ahead window opens (or expiry). `nil` outside `active`.
     public var publishable: (token: IssuedToken, freshUntil: Duration?)? {

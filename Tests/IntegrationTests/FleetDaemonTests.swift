@@ -20,6 +20,8 @@ struct FleetDaemonTests {
         let issuer: DevIssuer
         let keyPath: String
         var brokers: [Broker] = []
+        /// Where the brokers reach etcd (by default, every member).
+        var endpoints: [String]?
 
         init(cluster: EtcdCluster, issuer: DevIssuer, keyPath: String) {
             self.cluster = cluster
@@ -33,7 +35,7 @@ struct FleetDaemonTests {
             SocketMode=0666
 
             [Fleet]
-            Endpoints=\(cluster.clientURLs.joined(separator: " "))
+            Endpoints=\((endpoints ?? cluster.clientURLs).joined(separator: " "))
             Prefix=/tokenbroker-test
             KeyFile=\(keyPath)
             FlightLease=\(FleetDaemonTests.lease)s
@@ -112,7 +114,7 @@ struct FleetDaemonTests {
         var reply: VarlinkReply? { value.withLock { $0 } }
     }
 
-    static func withFleet(brokers count: Int = 3, _ body: (Fleet) async throws -> Void) async throws {
+    static func withFleet(brokers count: Int = 3, prepare: (Fleet) throws -> Void = { _ in }, _ body: (Fleet) async throws -> Void) async throws {
         let cluster = try await EtcdCluster(members: 3) { url in
             (try? await EtcdClient(endpoints: [url], timeout: .milliseconds(500)).get(Array("ready".utf8))) != nil
         }
@@ -132,6 +134,7 @@ struct FleetDaemonTests {
             try? FileManager.default.removeItem(atPath: keyDirectory)
         }
         do {
+            try prepare(fleet)
             for member in 0..<count { fleet.brokers.append(try await fleet.start(member)) }
             try await body(fleet)
         } catch {

@@ -75,3 +75,16 @@ public final class TestClock: Clock, Sendable {
         }
     }
 }
+
+/// A value behind a lock, shared by reference (closures can capture it before `self` exists).
+public final class Locked<Value: Sendable>: Sendable {
+    private let state: Mutex<Value>
+
+    public init(_ value: Value) { state = Mutex(value) }
+
+    public func withLock<Result>(_ body: (inout Value) -> Result) -> Result {
+        state.withLock { body(&$0) }
+    }
+
+    public var value: Value { state.withLock { $0 } }
+}

@@ -38,6 +38,7 @@ final class MemoryEtcd: FleetBackend {
         var held: [Kind: Int] = [:]
         var parked: [(kind: Kind, continuation: CheckedContinuation<Void, Never>)] = []
         var dropAnswers: [Kind: Int] = [:]
+        var failures: [Kind: Int] = [:]
         var unavailable = false
         var requests: [Kind: Int] = [:]
     }
@@ -62,8 +63,13 @@ final class MemoryEtcd: FleetBackend {
         for continuation in going { continuation.resume() }
     }
 
-    /// The next `count` requests of `kind` are applied, then fail as if the answer was lost.
+    /// The next `count` requests of `kind` are applied, their answer is lost, and they are sent
+    /// again (as the client's failover to the next member does): the caller gets the answer to
+    /// the second sending.
     func dropAnswer(_ kind: Kind, count: Int = 1) { state.withLock { $0.dropAnswers[kind, default: 0] += count } }
+
+    /// The next `count` requests of `kind` fail (`unavailable`), not applied.
+    func failNext(_ kind: Kind, count: Int = 1) { state.withLock { $0.failures[kind, default: 0] += count } }
 
     /// Every request fails (`unavailable`) while set.
     func setUnavailable(_ value: Bool) { state.withLock { $0.unavailable = value } }
@@ -220,7 +226,14 @@ final class MemoryEtcd: FleetBackend {
             }
             if !park { continuation.resume() }
         }
-        if state.withLock({ $0.unavailable }) { throw EtcdError(kind: .unavailable, message: "no quorum (test)") }
+        let fails = state.withLock { state -> Bool in
+            if let count = state.failures[kind], count > 0 {
+                state.failures[kind] = count - 1
+                return true
+            }
+            return state.unavailable
+        }
+        if fails { throw EtcdError(kind: .unavailable, message: "no quorum (test)") }
     }
 
     /// Runs `body` on the state; then tells the watches of the revisions it wrote.
@@ -248,14 +261,13 @@ final class MemoryEtcd: FleetBackend {
     }
 
     private func finish<T>(_ kind: Kind, _ body: (inout State) throws(EtcdError) -> T) throws(EtcdError) -> T {
-        let result = try mutate(body)
         let drop = state.withLock { state -> Bool in
             guard let count = state.dropAnswers[kind], count > 0 else { return false }
             state.dropAnswers[kind] = count - 1
             return true
         }
-        if drop { throw EtcdError(kind: .unavailable, message: "the answer was lost (test)") }
-        return result
+        if drop { _ = try? mutate(body) }
+        return try mutate(body)
     }
 
     private static func putLocked(_ state: inout State, _ key: [UInt8], _ value: [UInt8], lease: Int64) {

@@ -7,8 +7,9 @@ import TestSupport
 
 /// Paths the integration tests need.
 enum Paths {
-    /// The directory holding the built executables (next to the test bundle).
-    static let binaries = Bundle.main.bundleURL
+    /// The directory holding the executables under test: the ones built next to the test
+    /// bundle, or `TB_BINARIES` (another build's, to show that a test fails on it).
+    static let binaries = ProcessInfo.processInfo.environment["TB_BINARIES"].map { URL(fileURLWithPath: $0) } ?? Bundle.main.bundleURL
     static let tokenbroker = binaries.appendingPathComponent("tokenbroker").path
     /// What `tokenbroker serve` and `check-config` become (exec).
     static let daemon = binaries.appendingPathComponent("tokenbroker-daemon").path

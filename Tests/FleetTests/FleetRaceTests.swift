@@ -1,0 +1,321 @@
+import Foundation
+import Testing
+import TestSupport
+import TokenBrokerCore
+@testable import Fleet
+
+/// Iterations of each fleet race: `TB_RACE_ITERATIONS` (capped), or the CI-sized default.
+func fleetIterations(_ fallback: Int) -> Int {
+    guard let text = ProcessInfo.processInfo.environment["TB_RACE_ITERATIONS"], let value = Int(text), value > 0 else { return fallback }
+    return min(value, fallback * 20)
+}
+
+/// `count` calls started at once, each a task of its own; `all()` waits for them under a deadline.
+final class Calls: Sendable {
+    private let results = Locked<[Int: Result<IssuedToken, any Error>]>([:])
+    private let tasks: [Task<Void, Never>]
+    let count: Int
+
+    init(_ count: Int, _ work: @escaping @Sendable (Int) async throws -> IssuedToken) {
+        self.count = count
+        let results = self.results
+        tasks = (0..<count).map { index in
+            Task {
+                let result: Result<IssuedToken, any Error>
+                do { result = .success(try await work(index)) } catch { result = .failure(error) }
+                results.withLock { $0[index] = result }
+            }
+        }
+    }
+
+    var finished: Int { results.value.count }
+
+    func all(_ what: String = "the calls finish") async throws -> [Result<IssuedToken, any Error>] {
+        try await eventually(what) { self.finished == self.count }
+        let all = results.value
+        return (0..<count).map { all[$0]! }
+    }
+}
+
+extension Result {
+    var value: Success? { try? get() }
+}
+
+/// The fleet's race suite: two and three real `FleetSession`s with real coordinators on one
+/// in-memory etcd (`MemoryEtcd`) and one rotating issuer with reuse detection. Every
+/// interleaving is driven by the test — requests held at the issuer or at etcd, links cut,
+/// leases expired, answers lost — and waited for as states, never for time: the test clock
+/// moves only where a test says so, so no timer can hide a lost wake-up. Titled by the
+/// guarantee each proves, fleet-wide.
+@Suite("Fleet race suite (in-memory etcd)")
+struct FleetRaceTests {
+    @Test("G1 fleet-wide: every broker's demands for the same rejected token, arriving in every order, before and after the holder's answer → 1 upstream request, one new token for all, no replay",
+          arguments: [2, 3])
+    func storm(brokers count: Int) async throws {
+        let orders = Array(0..<count).permutations
+        for iteration in 0..<fleetIterations(8 * orders.count) {
+            let h = try await FleetHarness(brokers: count)
+            let first = try await h.logIn()
+            let refreshes = h.issuer.counters.refreshes
+            let order = orders[iteration % orders.count]
+            let releaseEarly = (iteration / orders.count) % 2 == 1
+            h.issuer.hold()
+            var calls: [Calls] = []
+            for (position, index) in order.enumerated() {
+                let broker = h.brokers[index]
+                calls.append(Calls(6) { _ in try await broker.coordinator.recover(rejected: Secret(first)) })
+                if position == 0 {
+                    try await eventually("the first broker's refresh is held at the issuer") { h.issuer.parkedCount == 1 }
+                    if releaseEarly { h.issuer.release() }
+                } else if !releaseEarly {
+                    try await eventually("\(broker.name) waits for the holder's flight") { broker.waits >= 1 }
+                }
+            }
+            if !releaseEarly { h.issuer.release() }
+            var tokens = Set<String>()
+            for call in calls {
+                for result in try await call.all() { tokens.insert((try? result.get())?.token.reveal ?? "failed: \(result)") }
+            }
+            try #require(tokens.count == 1 && !tokens.contains(first), "iteration \(iteration): \(tokens)")
+            try #require(h.issuer.counters.refreshes == refreshes + 1, "iteration \(iteration): \(h.issuer.counters)")
+            try #require(h.issuer.counters.replays == 0)
+            let token = tokens.first!
+            try await eventually("every broker serves the new token") { h.brokers.allSatisfy { $0.token == token } }
+            await h.stopAll()
+        }
+    }
+
+    @Test("G3 fleet-wide: a logout on A while B's refresh is on its way — before the issuer answers, while B commits, or just after — B's answer reaches no broker unless committed before the logout; a late one is handed back for revocation")
+    func logoutDuringRefresh() async throws {
+        for iteration in 0..<fleetIterations(60) {
+            let point = iteration % 3
+            let ignoresCancellation = (iteration / 3) % 2 == 1
+            let h = try await FleetHarness(brokers: 3, ignoresCancellation: ignoresCancellation)
+            let first = try await h.logIn()
+            let (a, b) = (h.brokers[0], h.brokers[1])
+            h.issuer.hold()
+            let waiter = Calls(1) { _ in try await b.coordinator.recover(rejected: Secret(first)) }
+            try await eventually("B's refresh is held at the issuer") { h.issuer.parkedCount == 1 }
+            switch point {
+            case 0:   // before the issuer answers
+                try await a.coordinator.logout()
+                try await eventually("B has followed the logout") { await b.coordinator.status().state == .signedOut }
+                h.issuer.release()
+            case 1:   // the issuer has answered; B's commit is held at etcd
+                h.etcd.hold(.transaction)
+                h.issuer.release()
+                try await eventually("B's commit is held") { h.etcd.parkedCount(.transaction) == 1 }
+                try await a.coordinator.logout()
+                h.etcd.release(.transaction)
+            default:  // just after B's commit
+                h.issuer.release()
+                _ = try await waiter.all()
+                try await a.coordinator.logout()
+            }
+            let outcome = try await waiter.all()[0]
+            try await eventually("every broker is signed out") { h.brokers.allSatisfy { $0.token == nil } }
+            for broker in h.brokers {
+                await #expect(throws: SessionError.signedOut) { try await broker.coordinator.token() }
+            }
+            let stored = try h.stored()
+            try #require(stored?.phase == .signedOut && stored?.position.generation == 3 && stored?.hasTokens == false,
+                         "iteration \(iteration): \(String(describing: stored?.position))")
+            let answered = point == 2 || point == 1 || ignoresCancellation
+            try #require(h.issuer.counters.refreshes == (answered ? 2 : 1), "iteration \(iteration): \(h.issuer.counters)")
+            if point == 2 {
+                try #require(outcome.value?.token.reveal == "access-3", "iteration \(iteration)")
+                try #require(b.discarded.value.isEmpty)
+            } else {
+                try #require(outcome.value == nil, "iteration \(iteration): B's caller got the late token")
+                if answered {
+                    try await eventually("B's late answer is handed back for revocation") { b.discarded.value == ["refresh-3"] }
+                } else {
+                    try #require(b.discarded.value.isEmpty, "iteration \(iteration): \(b.discarded.value)")
+                }
+            }
+            try #require(h.issuer.counters.replays == 0)
+            await h.stopAll()
+        }
+    }
+
+    @Test("G1 across a dead holder: B dies (kill -9) holding the flight → the others wait for its lease, then one takes over; the issuer never sees the same refresh token twice")
+    func holderKilled() async throws {
+        for iteration in 0..<fleetIterations(20) {
+            let h = try await FleetHarness(brokers: 3)
+            let first = try await h.logIn()
+            let (a, b, c) = (h.brokers[0], h.brokers[1], h.brokers[2])
+            h.issuer.hold()
+            let doomed = Calls(1) { _ in try await b.coordinator.recover(rejected: Secret(first)) }
+            try await eventually("B's refresh is held at the issuer") { h.issuer.parkedCount == 1 }
+            let lease = try #require(h.etcd.entry("/t/sessions/api/flight")?.lease)
+            let early = iteration % 2 == 0
+            var waiter: Calls?
+            if early {
+                waiter = Calls(1) { _ in try await c.coordinator.recover(rejected: Secret(first)) }
+                try await eventually("C waits for B's flight") { c.waits >= 1 }
+            }
+            // Killed: nothing B does reaches etcd any more, and its tasks end.
+            b.link.sever()
+            await b.kill()
+            _ = try await doomed.all()
+            if !early {
+                waiter = Calls(1) { _ in try await c.coordinator.recover(rejected: Secret(first)) }
+                try await eventually("C waits for B's flight") { c.waits >= 1 }
+            }
+            try #require(h.issuer.counters.refreshes == 1, "iteration \(iteration): a refresh went out while B's lease held")
+            h.etcd.expire(lease: lease)
+            let token = try await waiter!.all()[0].get().token.reveal
+            try #require(token != first && h.issuer.counters.refreshes == 2 && h.issuer.counters.replays == 0, "iteration \(iteration)")
+            try await eventually("A follows") { a.token == token }
+            await h.stopAll()
+        }
+    }
+
+    @Test("no lost wake-up: B is stopped (SIGSTOP) holding the flight, its lease lapses, C refreshes; B resumes — its own flight failing before or after it hears of C's refresh, able to read etcd then or not — and serves C's token within one watch round trip, with no timer to help")
+    func holderStalled() async throws {
+        for iteration in 0..<fleetIterations(30) {
+            let h = try await FleetHarness(brokers: 3)
+            let first = try await h.logIn()
+            let (a, b, c) = (h.brokers[0], h.brokers[1], h.brokers[2])
+            h.issuer.hold()
+            let stalled = Calls(1) { _ in try await b.coordinator.recover(rejected: Secret(first)) }
+            try await eventually("B's refresh is held at the issuer") { h.issuer.parkedCount == 1 }
+            let lease = try #require(h.etcd.entry("/t/sessions/api/flight")?.lease)
+            b.link.sever()
+            h.etcd.expire(lease: lease)
+            let token = try await c.coordinator.recover(rejected: Secret(first)).token.reveal
+            try await eventually("A follows C") { a.token == token }
+            try #require(b.token == first)
+            let variant = iteration % 3
+            if variant == 1 {
+                // B's request fails while B still cannot reach etcd: its caller hears of the
+                // failure; then B hears of C's refresh.
+                h.issuer.fail(.transient("HTTP 503"))
+                let outcome = try await stalled.all()[0]
+                try #require(outcome.value == nil, "iteration \(iteration)")
+                b.link.mend()
+            } else {
+                // B hears of C's refresh first (its adoption is declined: its flight is under way),
+                // then its own request fails — and, in one variant, B cannot read etcd right then.
+                b.link.mend()
+                try await eventually("B has heard of C's refresh") { b.fleet.status.position.serial >= 2 }
+                if variant == 2 { h.etcd.failNext(.range) }
+                h.issuer.fail(.transient("HTTP 503"))
+                let outcome = try await stalled.all()[0]
+                if variant == 0 {
+                    try #require(outcome.value?.token.reveal == token, "iteration \(iteration): B's caller got \(outcome)")
+                }
+            }
+            try await eventually("B serves C's token") { b.token == token }
+            try #require(h.issuer.counters.refreshes == 2 && h.issuer.counters.replays == 0, "iteration \(iteration): \(h.issuer.counters)")
+            try #require(h.clock.now.offset == .zero, "the test clock moved")
+            await h.stopAll()
+        }
+    }
+
+    @Test("lost answers (etcd applied the request, the answer was lost, the client sent it again): of the login, the flight, the commit → one generation per login, the flight recognised as ours, the refresh committed once and returned")
+    func lostAnswers() async throws {
+        for lost in 0..<3 {
+            let h = try await FleetHarness(brokers: 2)
+            try await eventually("both brokers have read the fleet") { await h.brokers.asyncAllSatisfy { $0.fleet.status.health == .healthy } }
+            let (a, b) = (h.brokers[0], h.brokers[1])
+            if lost == 0 { h.etcd.dropAnswer(.transaction, count: 2) }   // the creation and the login
+            _ = try await a.coordinator.login(refreshToken: h.issuer.login())
+            #expect(try h.stored()?.position == FleetPosition(generation: 2, serial: 0), "case \(lost)")
+            if lost == 1 { h.etcd.dropAnswer(.transaction) }   // the flight
+            if lost == 2 {
+                h.etcd.dropAnswer(.transaction, count: 2)   // the flight, then the commit
+            }
+            let token = try await a.coordinator.token().token.reveal
+            #expect(token == "access-2" && h.issuer.counters.refreshes == 1, "case \(lost): \(h.issuer.counters)")
+            #expect(try h.stored()?.position == FleetPosition(generation: 2, serial: 1), "case \(lost)")
+            try await eventually("B follows") { b.token == token }
+            await h.stopAll()
+        }
+    }
+
+    @Test("replayed values: an etcd writer without the key writes the old state back (after a refresh, or during one) → nobody serves or refreshes from it, an honest commit is not beaten by it, the issuer sees no replay; a login recovers")
+    func replayedValues() async throws {
+        for during in [false, true] {
+            let h = try await FleetHarness(brokers: 2)
+            let first = try await h.logIn()
+            let (a, b) = (h.brokers[0], h.brokers[1])
+            let old = h.etcd.snapshot
+            func writeBack() {
+                for (key, entry) in old { h.etcd.write(String(decoding: key, as: UTF8.self), entry.value) }
+            }
+            if during {
+                h.issuer.hold()
+                let waiter = Calls(1) { _ in try await a.coordinator.recover(rejected: Secret(first)) }
+                try await eventually("A's refresh is held") { h.issuer.parkedCount == 1 }
+                writeBack()
+                h.issuer.release()
+                let token = try await waiter.all()[0].get().token.reveal
+                #expect(token == "access-3")
+                try await eventually("B follows A's commit, made over the values written back") { b.token == token }
+                #expect(try h.stored()?.position == FleetPosition(generation: 2, serial: 2))
+            } else {
+                let second = try await a.coordinator.recover(rejected: Secret(first)).token.reveal
+                try await eventually("B follows") { b.token == second }
+                let requests = h.issuer.counters.requests
+                writeBack()
+                try await eventually("both brokers refuse the state written back") {
+                    h.brokers.allSatisfy { if case .untrusted = $0.fleet.status.health { return true } else { return false } }
+                }
+                for broker in h.brokers {
+                    #expect(broker.token == second)
+                    await #expect(throws: SessionError.self) { try await broker.coordinator.recover(rejected: Secret(second)) }
+                }
+                #expect(h.issuer.counters.requests == requests, "a broker refreshed from the values written back")
+                #expect(a.fleet.status.counters.refusedValues >= 1)
+                // A login writes a new generation over them.
+                _ = try await b.coordinator.login(refreshToken: h.issuer.login())
+                let fresh = try await b.coordinator.token().token.reveal
+                try await eventually("A follows the login") { a.token == fresh && a.fleet.status.health == .healthy }
+            }
+            #expect(h.issuer.counters.replays == 0)
+            await h.stopAll()
+        }
+    }
+
+    @Test("rolled back (etcd restored from a backup: the old values at their old revisions): a broker that restarts on its own state does not follow, nor does a running one; a new broker, with no history, does (the documented limit); a login moves the fleet past all of them")
+    func rolledBack() async throws {
+        var h = try await FleetHarness(brokers: 3)
+        let first = try await h.logIn()
+        let backup = h.etcd.snapshot
+        try await h.brokers[0].coordinator.logout()
+        let brokers = h.brokers
+        try await eventually("every broker is signed out") { brokers.allSatisfy { $0.token == nil } }
+        h.etcd.restore(backup)
+        // A restart of C on its own state database.
+        let c = h.brokers[2]
+        await c.kill()
+        h.brokers[2] = try await h.start("host-2", store: c.store)
+        let restarted = h.brokers[2]
+        try await eventually("the restarted broker reports the rollback") { restarted.fleet.status.counters.rollbacks == 1 }
+        #expect(restarted.token == nil)
+        await #expect(throws: SessionError.signedOut) { try await restarted.coordinator.token() }
+        if case let .untrusted(why) = restarted.fleet.status.health {
+            #expect(why.contains("older than"), "\(why)")
+        } else {
+            Issue.record("health is \(restarted.fleet.status.health)")
+        }
+        // A running broker finds out at its next read (after ten quiet seconds).
+        h.clock.advance(by: .seconds(11))
+        let running = h.brokers[0]
+        try await eventually("a running broker reports the rollback") { running.fleet.status.counters.rollbacks == 1 }
+        #expect(h.brokers[0].token == nil)
+        // A broker with no history of its own cannot tell: it follows the restored state.
+        let newcomer = try await h.start("host-3")
+        h.brokers.append(newcomer)
+        try await eventually("the new broker follows the restored state") { newcomer.token == first }
+        // A login on A starts a generation after everything any broker has seen.
+        _ = try await h.brokers[0].coordinator.login(refreshToken: h.issuer.login())
+        let fresh = try await h.brokers[0].coordinator.token().token.reveal
+        let everyone = h.brokers
+        try await eventually("every broker follows the login") { everyone.allSatisfy { $0.token == fresh } }
+        #expect(try h.stored()!.position.generation > 3)
+        #expect(h.issuer.counters.replays == 0)
+        await h.stopAll()
+    }
+}
