@@ -87,7 +87,8 @@ public enum FleetEvent: Sendable, Equatable {
             return "the rotated refresh token could not be committed to the fleet (\(problem)); the next refresh will "
                 + "present the spent one, and the issuer may refuse it as a replay: log in again if so"
         case .exhausted:
-            return "the fleet's token serial has reached its limit; log in again (tokenbroker ctl login)"
+            return "the fleet's generation or token serial has reached its limit (a value written with the fleet key that no "
+                + "broker counts to); log in again (tokenbroker ctl login), or remove the session's keys in etcd if the generation is at its limit"
         case let .pendingLogoutNotDurable(path):
             return "cannot remember the logout in \(path); it is kept in memory only"
         case let .pendingLogoutIgnored(path):

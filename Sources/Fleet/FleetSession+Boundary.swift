@@ -93,6 +93,9 @@ extension FleetSession {
             switch plan {
             case .localOnly:
                 return
+            case .exhausted:
+                throw EtcdError(kind: .refused(code: 0), message: "the fleet's generation has reached its limit; "
+                                + "remove the session's keys (\(keys.base)) to start its history anew")
             case let .overtaken(generation):
                 report(.logoutOvertaken(generation: generation))
                 changes.signal()

@@ -247,6 +247,9 @@ struct FleetStateMachine: Sendable {
         case overtaken(generation: Int64)
         /// The key does not exist: create it first, with no token, at this position.
         case create(FleetState)
+        /// The fleet's generation has reached its limit (written with the key: no broker counts
+        /// that far): nothing can be published.
+        case exhausted
         /// Write `state` over `place`.
         case publish(FleetState, FleetPlace)
     }
@@ -271,7 +274,8 @@ struct FleetStateMachine: Sendable {
         case let .valid(_, current), let .refused(_, current): place = current
         }
         guard let next = FleetPosition.nextGeneration(after: floor, view.validState?.position ?? .start) else {
-            return .overtaken(generation: floor.generation)
+            events.append(.exhausted)
+            return .exhausted
         }
         var published = FleetState(position: next, phase: phase)
         if phase == .active, let record {
