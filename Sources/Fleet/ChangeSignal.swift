@@ -40,8 +40,10 @@ final class ChangeSignal<C: Clock>: Sendable where C.Duration == Duration {
             state.active.insert(state.nextWaiter)
             return state.nextWaiter
         }
+        // The deadline is fixed now, not when the timer task first runs.
+        let deadline = clock.now.advanced(by: limit)
         let timer = Task { [clock, weak self] in
-            try? await clock.sleep(for: limit)
+            try? await clock.sleep(until: deadline, tolerance: nil)
             self?.wake(id)
         }
         defer {

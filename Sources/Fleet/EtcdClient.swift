@@ -50,14 +50,23 @@ public struct EtcdClient: FleetBackend {
         return [0]   // every key
     }
 
-    /// Watches the keys under `prefix` from `revision` on, on the first member that takes the
-    /// watch, for at most `duration` (see `FleetBackend.watch`; `changed` runs on the HTTP loop's
-    /// thread).
+    /// Watches `key` from `revision` on, on the first member that takes the watch, for at most
+    /// `duration` (see `FleetBackend.watch`; `changed` runs on the HTTP loop's thread).
+    public func watch(key: [UInt8], from revision: Int64, for duration: Duration,
+                      changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
+        try await watch(["key": .string(Base64.encode(key)), "start_revision": .string(String(revision))], for: duration, changed: changed)
+    }
+
+    /// Watches the keys under `prefix` from `revision` on (as `watch(key:…)`).
     public func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
                       changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
-        let create: JSONObject = ["create_request": ["key": .string(Base64.encode(prefix)),
-                                                     "range_end": .string(Base64.encode(Self.rangeEnd(prefix))),
-                                                     "start_revision": .string(String(revision))]]
+        try await watch(["key": .string(Base64.encode(prefix)), "range_end": .string(Base64.encode(Self.rangeEnd(prefix))),
+                         "start_revision": .string(String(revision))], for: duration, changed: changed)
+    }
+
+    private func watch(_ request: JSONObject, for duration: Duration,
+                       changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
+        let create: JSONObject = ["create_request": .object(request)]
         var body: [UInt8] = []
         create.encode(into: &body)
         var problem = EtcdError(kind: .unavailable, message: "no endpoint")

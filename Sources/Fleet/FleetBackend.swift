@@ -1,27 +1,22 @@
-/// What a fleet needs of the store it shares: etcd v3's data model — keys with revisions, atomic
-/// compare-and-swap transactions, leases, and watches. `EtcdClient` is the implementation the
-/// daemon uses; the tests drive an in-memory one, whose every request they can hold, fail or
-/// answer late.
+/// What a fleet needs of the store it shares: etcd v3's data model — keys with revisions and
+/// versions, atomic compare-and-swap transactions, and watches. `EtcdClient` is the
+/// implementation the daemon uses; the tests drive an in-memory one, whose every request they
+/// can hold, fail or answer late. (etcd's leases are not among them: anyone who can write the
+/// prefix can delete a key on a lease, so who refreshes is part of the sealed state instead.)
 ///
 /// Nothing a backend returns is trusted: a fleet session opens every value with the fleet key,
-/// checks where in its history it was written, and bounds every number (`FleetCodec`).
+/// checks where in its key's history it was written, and bounds every number (`FleetCodec`).
 public protocol FleetBackend: Sendable {
-    /// Every record whose key starts with `prefix` (in key order), with the store's revision.
-    func range(prefix: [UInt8]) async throws(EtcdError) -> (records: [EtcdKeyValue], revision: Int64)
+    /// The record of `key`, or nil when there is none; with the store's revision.
+    func get(_ key: [UInt8]) async throws(EtcdError) -> (record: EtcdKeyValue?, revision: Int64)
     /// Runs `success` if every comparison holds, else `failure`, atomically.
     func transaction(_ compare: [EtcdCompare], success: [EtcdOperation], failure: [EtcdOperation]) async throws(EtcdError)
         -> EtcdTransaction
-    /// A new lease of `ttl`; returns its id and the TTL granted.
-    func grantLease(ttl: Duration) async throws(EtcdError) -> (id: Int64, ttl: Duration)
-    /// Renews the lease; returns its TTL, or nil when it has expired (or never existed).
-    func keepAlive(lease: Int64) async throws(EtcdError) -> Duration?
-    /// Ends the lease at once, deleting the keys attached to it. An unknown lease is no error.
-    func revoke(lease: Int64) async throws(EtcdError)
-    /// Watches the keys under `prefix` from `revision` on, for at most `duration`: `changed` gets
-    /// every batch of events with the revision it brings (it must not block). Returns how the
-    /// stream ended; throws when no member would watch, or when the watch was cancelled (its
-    /// history before `revision` compacted, say): the caller reads the keys again.
-    func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
+    /// Watches `key` from `revision` on, for at most `duration`: `changed` gets every batch of
+    /// events with the revision it brings (it must not block). Returns how the stream ended;
+    /// throws when no member would watch, or when the watch was cancelled (its history before
+    /// `revision` compacted, say): the caller reads the key again.
+    func watch(key: [UInt8], from revision: Int64, for duration: Duration,
                changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd
 }
 
@@ -101,6 +96,7 @@ public enum EtcdCompare: Sendable, Equatable {
 
 /// One operation of a transaction.
 public enum EtcdOperation: Sendable, Equatable {
+    /// (`lease` 0: none; a fleet session attaches nothing to a lease.)
     case put(key: [UInt8], value: [UInt8], lease: Int64)
     case delete(key: [UInt8])
     case get(key: [UInt8])

@@ -12,28 +12,25 @@ enum FleetValueProblem: Error, Sendable, Equatable, CustomStringConvertible {
     /// It opens, but was written at another place in the key's history: an old value written
     /// back (a replay), or the key deleted and written anew.
     case misplaced
-    /// A flight claim not attached to the lease it names.
-    case offLease
 
     var description: String {
         switch self {
         case let .unsealed(why): return "does not open with the fleet key (\(why))"
         case let .malformed(why): return "is not a well-formed value (\(why))"
         case .misplaced: return "was written elsewhere in the key's history (an old value written back)"
-        case .offLease: return "is not on the lease it names"
         }
     }
 }
 
 /// Seals what a fleet session writes to etcd and opens what it reads, trusting nothing:
-/// - every value is sealed (AES-256-GCM) under the fleet key with its etcd key's path as
+/// - the state value is sealed (AES-256-GCM) under the fleet key with its etcd key's path as
 ///   associated data, so it opens only under the key it was written to;
-/// - a state value says where in its key's life it was written — the key's create revision and
-///   the version that write gave it (create revision 0: the write that created the key, which
+/// - it says where in its key's life it was written — the key's create revision and the
+///   version that write gave it (create revision 0: the write that created the key, which
 ///   carries no token) — and is refused anywhere else, so an old value written back, or a key
 ///   deleted and written anew, is recognised whoever did it;
-/// - flight claims and backoff notes name the revision of the state write they are about, and
-///   are void for any other;
+/// - the flight claim and the backoff note are part of it, so they are as authentic, and as
+///   placed, as the tokens;
 /// - every number is bounded, expiries are clamped to ±10 years, texts are cut and printable.
 struct FleetCodec: Sendable {
     static let version = "1"
@@ -61,6 +58,15 @@ struct FleetCodec: Sendable {
         if let expiresAt = state.expiresAt { object["exp"] = .string(String(expiresAt)) }
         if let lastRefresh = state.lastRefresh { object["lr"] = .string(String(lastRefresh)) }
         if let endReason = state.endReason { object["er"] = .string(Self.printable(endReason)) }
+        if let claim = state.flight {
+            object["fh"] = .string(Self.printable(claim.holder))
+            object["fl"] = .string(String(claim.lease.milliseconds))
+            object["ft"] = .string(String(claim.taken))
+        }
+        if let note = state.backoff {
+            object["bu"] = .string(String(note.until))
+            object["br"] = .string(Self.printable(note.reason))
+        }
         return try seal(object, at: keys.state)
     }
 
@@ -83,6 +89,20 @@ struct FleetCodec: Sendable {
                                expiresAt: Self.time(object["exp"], around: unixNow), lastRefresh: Self.time(object["lr"], around: unixNow),
                                endReason: object["er"]?.stringValue.map(Self.printable))
         if state.tokenType.isEmpty { state.tokenType = "Bearer" }
+        if let holder = object["fh"]?.stringValue {
+            guard let lease = Self.number(object["fl"], below: Int64.max / 4), let taken = Self.number(object["ft"], below: Int64.max / 4) else {
+                return .failure(.malformed("a flight claim without its lease or time"))
+            }
+            state.flight = FlightClaim(holder: String(Self.printable(holder).prefix(200)),
+                                       lease: .milliseconds(min(max(lease, 1_000), 3_600_000)), taken: taken)
+        }
+        if let until = object["bu"] {
+            guard let until = Self.number(until, below: Int64.max / 4) else { return .failure(.malformed("a backoff without its time")) }
+            // At most an hour from now, whatever it says.
+            let latest = Int64(min(max(unixNow, 0), 1e12)) * 1000 + 3_600_000
+            state.backoff = BackoffNote(until: min(until, latest), reason: Self.printable(object["br"]?.stringValue ?? "refresh failed"))
+        }
+        if phase != .active, state.flight != nil || state.backoff != nil { return .failure(.malformed("a state that is not active but refreshes")) }
         if phase != .active, state.hasTokens { return .failure(.malformed("a state that is not active but carries tokens")) }
         if created == 0 {
             guard version == 1, record.version == 1, !state.hasTokens else { return .failure(.misplaced) }
@@ -90,47 +110,6 @@ struct FleetCodec: Sendable {
             guard created == record.createRevision, version == record.version else { return .failure(.misplaced) }
         }
         return .success(state)
-    }
-
-    // MARK: - Flight and backoff
-
-    func seal(_ claim: FlightClaim) throws(FleetValueProblem) -> [UInt8] {
-        try seal(["v": .string(Self.version), "h": .string(claim.holder), "l": .string(String(claim.lease)),
-                  "r": .string(String(claim.stateRevision)), "u": .string(String(claim.until))], at: keys.flight)
-    }
-
-    func openFlight(_ record: EtcdKeyValue) -> Result<FlightClaim, FleetValueProblem> {
-        let object: JSONObject
-        switch open(record.value, at: keys.flight) {
-        case let .success(opened): object = opened
-        case let .failure(problem): return .failure(problem)
-        }
-        guard let holder = object["h"]?.stringValue, let lease = object["l"]?.stringValue.flatMap({ Int64($0) }),
-              let revision = Self.number(object["r"], below: etcdNumberLimit), let until = Self.number(object["u"], below: Int64.max / 4) else {
-            return .failure(.malformed("a flight claim without its holder, lease, state or time"))
-        }
-        guard record.lease == lease, lease != 0 else { return .failure(.offLease) }
-        return .success(FlightClaim(holder: String(Self.printable(holder).prefix(200)), lease: lease, stateRevision: revision, until: until))
-    }
-
-    func seal(_ note: BackoffNote) throws(FleetValueProblem) -> [UInt8] {
-        try seal(["v": .string(Self.version), "r": .string(String(note.stateRevision)), "u": .string(String(note.until)),
-                  "e": .string(Self.printable(note.reason))], at: keys.backoff)
-    }
-
-    func openBackoff(_ record: EtcdKeyValue, unixNow: Double) -> Result<BackoffNote, FleetValueProblem> {
-        let object: JSONObject
-        switch open(record.value, at: keys.backoff) {
-        case let .success(opened): object = opened
-        case let .failure(problem): return .failure(problem)
-        }
-        guard let revision = Self.number(object["r"], below: etcdNumberLimit), let until = Self.number(object["u"], below: Int64.max / 4) else {
-            return .failure(.malformed("a backoff note without its state or time"))
-        }
-        // At most an hour from now, whatever it says.
-        let latest = Int64(min(max(unixNow, 0), 1e12)) * 1000 + 3_600_000
-        return .success(BackoffNote(stateRevision: revision, until: min(until, latest),
-                                    reason: Self.printable(object["e"]?.stringValue ?? "refresh failed")))
     }
 
     // MARK: - Sealing

@@ -49,7 +49,7 @@ public protocol FleetLocalStore: Sendable {
 public protocol FleetFollower: AnyObject, Sendable {
     func login(refreshToken: Secret?, initial: FetchedToken?, replicated: Bool) async throws -> Int
     func logoutReplicated() async -> Int
-    func adopt(_ fetched: FetchedToken, generation: Int) async -> Bool
+    func adopt(_ fetched: FetchedToken, generation: Int, replacing expected: Secret?) async -> AdoptOutcome
     /// Returns once no flight is under way (after the one that was has landed and committed).
     func awaitFlight() async
     func status() async -> SessionStatus

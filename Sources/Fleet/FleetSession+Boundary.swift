@@ -86,7 +86,7 @@ extension FleetSession {
     private func publish(_ record: SessionRecord?, ending: Int64?) async throws(EtcdError) {
         for _ in 0..<16 {
             let view = try await readView()
-            let plan = machine.planPublish(record, view: view, ending: ending)
+            let plan = machine.planPublish(record, view: view, ending: ending, now: now())
             settle(view)
             let state: FleetState
             let place: FleetPlace
@@ -94,8 +94,9 @@ extension FleetSession {
             case .localOnly:
                 return
             case .exhausted:
-                throw EtcdError(kind: .refused(code: 0), message: "the fleet's generation has reached its limit; "
-                                + "remove the session's keys (\(keys.base)) to start its history anew")
+                // (9: failed precondition, as gRPC names it.)
+                throw EtcdError(kind: .refused(code: 9), message: "the fleet's generation has reached its limit; "
+                                + "remove the session's key (\(keys.base)state) to start its history anew")
             case let .overtaken(generation):
                 report(.logoutOvertaken(generation: generation))
                 changes.signal()
@@ -111,10 +112,8 @@ extension FleetSession {
             } catch {
                 throw EtcdError(kind: .malformed, message: "cannot seal the fleet's state: \(error)")
             }
-            let done = try await backend.transaction(
-                [place.record == nil ? .createRevision(key: keys.state, equals: 0) : .modRevision(key: keys.state, equals: place.modRevision)],
-                success: [.put(key: keys.state, value: sealed, lease: 0), .delete(key: keys.flight), .delete(key: keys.backoff)],
-                failure: [.get(key: keys.state)])
+            let done = try await backend.transaction([place.compare(keys.state)], success: [.put(key: keys.state, value: sealed, lease: 0)],
+                                                     failure: [.get(key: keys.state)])
             // An answer lost after etcd applied it, then sent again: the state is ours.
             guard done.succeeded || (done.reads.first ?? nil)?.value == sealed else { continue }
             if case .create = plan {

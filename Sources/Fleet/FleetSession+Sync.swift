@@ -1,18 +1,13 @@
 import TokenBrokerCore
 
 extension FleetSession {
-    /// Follows the fleet until cancelled: a loop that reads the session's keys and watches them
-    /// (every change lands in the mirror), a loop that applies the mirror whenever it changes
-    /// (and publishes a logout still owed to the fleet), and the revocation of finished flights'
-    /// leases. Returns once all three have ended.
+    /// Follows the fleet until cancelled: a loop that reads the session's state key and watches
+    /// it (every change lands in the mirror), and a loop that applies the mirror whenever it
+    /// changes (and writes what this host still owes the fleet: a logout, a commit). Returns
+    /// once both have ended.
     public nonisolated func run() async {
         await withTaskGroup(of: Void.self) { group in
             group.addTask { await self.watchLoop() }
-            group.addTask {
-                for await lease in self.revocations.stream {
-                    _ = try? await self.backend.revoke(lease: lease)
-                }
-            }
             await self.syncLoop()
             group.cancelAll()
         }
@@ -25,11 +20,10 @@ extension FleetSession {
         while !Task.isCancelled {
             do throws(EtcdError) {
                 _ = try await readView()
-                await markSynced()
                 let from = mirror.withLock { $0.revision } + 1
-                let end = try await backend.watch(prefix: keys.prefixBytes, from: from, for: .seconds(30)) { [weak self] events, revision in
+                let end = try await backend.watch(key: keys.state, from: from, for: .seconds(30)) { [weak self] events, revision in
                     guard let self else { return }
-                    let changed = self.mirror.withLock { $0.apply(events, revision: revision, keys: self.keys) }
+                    let changed = self.mirror.withLock { $0.apply(events, revision: revision, key: self.keys.state) }
                     if changed { self.changes.signal() }
                 }
                 troubles = end == .expired ? 0 : troubles + 1
@@ -37,8 +31,8 @@ extension FleetSession {
                 return
             } catch {
                 troubles += 1
-                await markSynced()
-                changes.signal()   // the sync loop learns the health
+                await markSynced()   // the first read failed: nothing to wait for
+                changes.signal()     // the sync loop learns the health
             }
             guard troubles > 0, !Task.isCancelled else { continue }
             await countWatchRestart(early: troubles)
@@ -51,9 +45,9 @@ extension FleetSession {
         if troubles == 5 || troubles % 100 == 0 { report(.watchEndingEarly(restarts: machine.counters.watchRestarts)) }
     }
 
-    /// Applies the mirror at every change; publishes a logout this host still owes the fleet.
-    /// After ten quiet seconds it reads the keys anyway: a member without quorum may hold a
-    /// watch open and silent, and the read is what finds out.
+    /// Applies the mirror at every change; writes what this host owes the fleet. After ten
+    /// quiet seconds it reads the key anyway: a member without quorum may hold a watch open and
+    /// silent, and the read is what finds out.
     private nonisolated func syncLoop() async {
         var failures = 0
         var quiet = false
@@ -61,9 +55,10 @@ extension FleetSession {
             if quiet { _ = try? await readView() }
             let version = changes.version
             var pause = Duration.seconds(10)
-            if await owesLogout() {
+            if await owes() {
                 do throws(EtcdError) {
                     try await publishPendingLogout()
+                    await commitPendingInBackground()
                     failures = 0
                 } catch where error.kind == .cancelled {
                     return
@@ -72,34 +67,60 @@ extension FleetSession {
                     pause = min(.milliseconds(100) * (1 << min(failures, 6)), .seconds(5))
                 }
             }
-            if await serializer.run({ await self.applyFleet() }) {
+            let applied = await serializer.run { await self.applyFleet() }
+            if applied == .afterFlight {
                 // A refresh to adopt arrived during this host's own flight: once that flight has
                 // landed (it may bring this very state, or have failed), look again.
                 await awaitFlight()
                 continue
             }
+            if applied == .again { continue }
             await changes.wait(after: version, upTo: pause)
             quiet = changes.version == version
         }
     }
 
-    private func owesLogout() -> Bool { machine.pendingLogout != nil }
+    private func owes() -> Bool { machine.pendingLogout != nil || pendingCommit != nil }
 
     private func awaitFlight() async { await coordinator?.awaitFlight() }
 
+    /// A commit no flight is waiting for any more (etcd was away for longer than two leases):
+    /// written once etcd answers; the sync loop then adopts it like another broker's refresh.
+    private func commitPendingInBackground() async {
+        guard let pending = pendingCommit, !(await coordinator?.status().refreshing ?? false) else { return }
+        switch await commit(pending, retryUntil: clock.now) {
+        case .committed:
+            pendingCommit = nil
+            changes.signal()
+        case .overtakenByBoundary:
+            pendingCommit = nil
+            discarded(pending.fetched)
+            report(.lateAnswerDiscarded)
+        case .overtakenByRefresh:
+            pendingCommit = nil
+        case .failed:
+            break
+        }
+    }
+
+    enum ApplyOutcome: Sendable, Equatable { case done, again, afterFlight }
+
     /// Applies what the fleet holds to the coordinator (under the serializer): a login, logout
-    /// or end made elsewhere, or a refresh to adopt. Returns true when a refresh was declined
-    /// because a flight is under way here: the caller looks again once it has landed, so no
-    /// change the fleet made is ever left unapplied.
-    func applyFleet() async -> Bool {
-        guard let coordinator, mirror.withLock({ $0.loaded }) else { return false }
+    /// or end made elsewhere, or a refresh to adopt. `afterFlight`: a refresh was declined
+    /// because a flight is under way here, and the caller looks again once it has landed;
+    /// `again`: the coordinator's token changed meanwhile, look again now. No change the fleet
+    /// made is ever left unapplied.
+    func applyFleet() async -> ApplyOutcome {
+        guard let coordinator, mirror.withLock({ $0.loaded }) else { return .done }
+        defer { markSynced() }
         for _ in 0..<8 {
             let view = currentView()
-            let action = machine.follow(view, unixNow: wall.unixTime())
+            let held = coordinator.currentToken()?.token
+            let action = machine.follow(view, unixNow: wall.unixTime(), now: now(), held: held)
             settle(view)
             switch action {
             case .none:
-                return false
+                return .done
             case let .logIn(state):
                 do {
                     let generation = try await coordinator.login(refreshToken: state.refreshToken,
@@ -109,7 +130,7 @@ extension FleetSession {
                     report(.loggedIn(state.position))
                 } catch {
                     report(.loginNotApplied("\(error)"))
-                    return false
+                    return .done
                 }
             case let .logOut(state):
                 let wasActive = await coordinator.status().state == .active
@@ -120,16 +141,16 @@ extension FleetSession {
                     report(.loggedOut(state.position, endReason: state.phase == .ended ? state.endReason ?? "ended" : nil))
                 }
             case let .adopt(state):
-                guard let bound = machine.bound, let token = FleetStateMachine.usable(state, unixNow: wall.unixTime()) else { return false }
-                guard await coordinator.adopt(token, generation: bound.local) else {
-                    // Declined: during a flight here, look again once it has landed; otherwise
-                    // the generation is over here (or the coordinator retires): nothing to do.
-                    return await coordinator.status().refreshing
+                guard let bound = machine.bound, let token = FleetStateMachine.usable(state, unixNow: wall.unixTime()) else { return .done }
+                switch await coordinator.adopt(token, generation: bound.local, replacing: held) {
+                case .adopted: machine.installed(state.position)
+                case .busy: return .afterFlight
+                case .superseded: return .again
+                case .over: return .done
                 }
-                machine.installed(state.position)
             }
             settle()
         }
-        return false
+        return .again
     }
 }

@@ -9,13 +9,12 @@ import TokenBrokerCore
 /// One session shared by the brokers of a fleet, through etcd: the coordinator's token source
 /// and store, and the loops that follow the fleet into the coordinator.
 ///
-/// Under `<prefix>/sessions/<name>/` etcd holds, each value sealed with the fleet key
-/// (`FleetCodec`):
-/// - `state`: the session's state and tokens at a position of its history (`FleetPosition`).
-///   Every login or logout anywhere starts a generation, every refresh adds a serial, each in a
-///   transaction that compares the key's revision: one history, moving forward.
-/// - `flight`: who refreshes now, on a lease of `FlightLease=`, for that state only.
-/// - `backoff`: after a failed refresh of that state, until when nobody tries again.
+/// etcd holds one key per session, `<prefix>/sessions/<name>/state`, sealed with the fleet key
+/// (`FleetCodec`): the session's state and tokens at a position of its history
+/// (`FleetPosition`), who refreshes from it now (a claim of `FlightLease=`), and the backoff
+/// after a failed refresh. Every login or logout anywhere starts a generation, every other write
+/// adds a serial, each in a transaction that compares the key's revision: one history, moving
+/// forward, and every fact a broker acts on in the one value nobody without the key can write.
 ///
 /// The decisions are `FleetStateMachine`'s; this actor does the I/O they call for and re-asks
 /// the machine after every `await`. As a **source** (`fetch`) it delivers another broker's
@@ -76,8 +75,18 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
     private nonisolated let shown: Mutex<Status>
     /// Orders this host's boundaries against the application of the fleet's.
     let serializer = AsyncSerializer()
-    /// Leases of finished flights, revoked in the background by `run`.
-    nonisolated let revocations: (stream: AsyncStream<Int64>, continuation: AsyncStream<Int64>.Continuation)
+    /// The session's monotonic time starts here (`now`).
+    nonisolated let epoch: C.Instant
+    /// A refresh this broker redeemed upstream but could not commit: the issuer has rotated,
+    /// so it is committed as soon as etcd lets it, before anything else is tried.
+    var pendingCommit: PendingCommit?
+
+    struct PendingCommit: Sendable {
+        var next: FleetState
+        var fetched: FetchedToken
+        var over: FleetPlace
+        var generation: Int
+    }
 
     /// - Parameters:
     ///   - floor: the mark `local` holds for this session (the highest position reached before).
@@ -101,16 +110,15 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
         self.report = report
         self.pendingLogoutFile = pendingLogoutFile
         changes = ChangeSignal(clock: clock)
-        revocations = AsyncStream.makeStream(of: Int64.self, bufferingPolicy: .bufferingNewest(256))
+        epoch = clock.now
         var random = [UInt8](repeating: 0, count: 4)
         for index in random.indices { random[index] = UInt8.random(in: 0...255) }
         holder = "\(settings.member) pid \(getpid()) \(random.map { String($0, radix: 16) }.joined())"
         var machine = FleetStateMachine(session: name, floor: floor)
         if let pendingLogoutFile, let text = PendingLogoutFile.read(pendingLogoutFile) {
             // "<prefix> <generation or ->": a logout of this session under that prefix.
-            let words = text.split(separator: " ")
-            if words.count == 2, words[0] == settings.prefix {
-                machine.pendingLogout = .some(Int64(words[1]))
+            if let space = text.lastIndex(of: " "), text[..<space] == settings.prefix {
+                machine.pendingLogout = .some(Int64(text[text.index(after: space)...]))
             } else {
                 report(.pendingLogoutIgnored(path: pendingLogoutFile))
             }
@@ -144,6 +152,9 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
 
     public nonisolated var status: Status { shown.withLock { $0 } }
 
+    /// The session's monotonic time.
+    nonisolated func now() -> Duration { epoch.duration(to: clock.now) }
+
     // MARK: - Shared steps
 
     /// Reads the session's keys into the mirror and returns the view of them; records an
@@ -157,9 +168,16 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
     /// view is taken after the version, and every change is applied before it is signalled).
     func readViewAndVersion() async throws(EtcdError) -> (view: FleetView, version: UInt64) {
         do {
-            let (records, revision) = try await backend.range(prefix: keys.prefixBytes)
+            let (record, revision) = try await backend.get(keys.state)
+            // Only when there is no state: is the session kept as an earlier version kept it?
+            let earlier = record == nil ? try await backend.get(keys.earlierRecord).record != nil : false
             machine.reached()
-            if mirror.withLock({ $0.reset(records, revision: revision, keys: keys) }) { changes.signal() }
+            let changed = mirror.withLock { mirror -> Bool in
+                let before = (mirror.loaded, mirror.state, mirror.earlierLayout)
+                mirror.reset(record, revision: revision, earlierLayout: earlier)
+                return !before.0 || before.1 != record || before.2 != mirror.earlierLayout
+            }
+            if changed { changes.signal() }
             let version = changes.version
             return (currentView(), version)
         } catch where error.kind == .cancelled {
@@ -193,14 +211,8 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
             status.position = machine.floor
             status.generation = machine.bound?.generation ?? view?.validState?.position.generation ?? status.generation
             status.counters = machine.counters
-            if let view {
-                if case let .held(claim, _) = view.flight { status.flightHolder = claim.holder } else { status.flightHolder = nil }
-            }
+            if let view { status.flightHolder = machine.holder(in: view, now: now()) }
         }
-    }
-
-    func revokeLater(_ lease: Int64) {
-        revocations.continuation.yield(lease)
     }
 
     func countWatchRestart() {
@@ -208,6 +220,7 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
         settle()
     }
 
+    /// The first read has been applied (or has failed): `firstSync` returns.
     func markSynced() {
         guard !synced else { return }
         synced = true

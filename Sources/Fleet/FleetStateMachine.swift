@@ -2,22 +2,28 @@ import TokenBrokerCore
 
 /// Every decision of one fleet session, with no I/O: what to do with what etcd shows (follow a
 /// login, logout, end or refresh made elsewhere), how a refresh demand is met (deliver another
-/// broker's token, wait for its flight, take the flight), and how this broker's own boundaries
-/// are published. `FleetSession` feeds it views (`FleetView`, opened and checked by
-/// `FleetCodec`) and the results of its etcd requests, and carries out what it answers.
+/// broker's token, wait for its flight, take the flight), what a commit that lost its compare
+/// does, and how this broker's own boundaries are published. `FleetSession` feeds it views
+/// (`FleetView`, opened and checked by `FleetCodec`), the results of its etcd requests and the
+/// time — `now` on the session's monotonic clock, `unixNow` the wall clock — and carries out
+/// what it answers.
 ///
 /// Invariants (each method keeps them; the preconditions callers rely on):
 /// - **History only moves forward.** `floor` is the highest position this broker has applied,
 ///   published, committed or read authentically; it starts at the position its state database
-///   remembers and never decreases. A state older than `floor` is never followed, delivered or
-///   refreshed from: the session keeps serving what it has and reports `rolledBack`.
-/// - **Only authentic values decide.** A view's refused values change nothing but health and
-///   counters; a void flight claim is replaced, never waited for.
+///   remembers and never decreases. A state older than `floor` is never followed, delivered,
+///   refreshed from or committed over: the session serves what it has and reports `rolledBack`.
+/// - **Only authentic values decide.** A refused state changes nothing but health and counters.
+/// - **A flight claim holds for its lease from the moment this broker first saw it** (on its own
+///   clock), and again from scratch once etcd answers after it could not be reached: the holder
+///   gives up its upstream request a margin before its own lease ends, so no second broker
+///   starts while the first one's request may still reach the issuer.
 /// - `bound`, once set, pairs this host's local generation with the fleet generation it stands
 ///   for; `bound.generation <= floor.generation`. A demand of another local generation is
 ///   refused (`notCaughtUp`): its session is over here.
 /// - `applied` is the position of what this host's coordinator holds (within `bound`): a state
 ///   at or before it is never installed again.
+/// - While this host owes the fleet a logout, it follows no login it would end.
 struct FleetStateMachine: Sendable {
     struct Bound: Sendable, Equatable {
         var local: Int
@@ -59,21 +65,27 @@ struct FleetStateMachine: Sendable {
         /// Another broker refreshed: its token, with no upstream request.
         case deliver(FleetState)
         case backoff(BackoffNote)
-        case wait(FlightClaim)
-        /// Take the flight over this state (replacing the void claim at that revision, if any).
-        case takeFlight(FleetState, FleetPlace, replacing: Int64?)
+        /// Another broker holds the flight, until `until` on this broker's clock at the latest.
+        case wait(FlightClaim, until: Duration)
+        /// Take the flight over this state.
+        case takeFlight(FleetState, FleetPlace)
+    }
+
+    /// What a commit whose compare failed does, given what the key holds now.
+    enum CommitVerdict: Sendable, Equatable {
+        /// It holds our own write (applied, its answer lost, sent again).
+        case committed
+        case overtakenByBoundary
+        case overtakenByRefresh
+        /// A value nobody with the fleet key wrote, the only write since ours: write over it.
+        case writeOver
+        case failed(String)
     }
 
     let session: String
     private(set) var floor: FleetPosition
     private(set) var bound: Bound?
     private(set) var applied: FleetPosition?
-    /// What the fleet's values say (from the last view checked).
-    private var trust = Health.starting
-    /// Why the last request to etcd failed (nil: the last one answered).
-    private var unreachable: String?
-    /// Unreachable first, else what the values say.
-    var health: Health { unreachable.map { .unavailable($0) } ?? trust }
     private(set) var counters = FleetCounters()
     /// A local login that could not reach the fleet: its generation's logout is local only.
     var failedLogin: Int?
@@ -81,15 +93,24 @@ struct FleetStateMachine: Sendable {
     var pendingLogout: Int64??
     /// Events for the log, drained by the session after each step.
     private(set) var events: [FleetEvent] = []
-    /// The revision of the last refused write reported, per field (each is reported once).
-    private var reported: [String: Int64] = [:]
+    /// What the fleet's values say (from the last view checked).
+    private var trust = Health.starting
+    /// Why the last request to etcd failed (nil: the last one answered).
+    private var unreachable: String?
+    /// The revision of the last refused state reported (each is reported once).
+    private var reported: Int64?
     /// A state this broker is writing itself (an end): not to be followed as one made elsewhere.
     private var ownWrite: FleetPosition?
+    /// The state revision whose flight claim this broker saw first, and when (its own clock).
+    private var claimSeen: (revision: Int64, at: Duration)?
 
     init(session: String, floor: FleetPosition?) {
         self.session = session
         self.floor = floor ?? .start
     }
+
+    /// Unreachable first, else what the values say.
+    var health: Health { unreachable.map { .unavailable($0) } ?? trust }
 
     mutating func drainEvents() -> [FleetEvent] {
         defer { events.removeAll() }
@@ -107,24 +128,29 @@ struct FleetStateMachine: Sendable {
         unreachable = why
     }
 
-    /// A request to etcd answered.
+    /// A request to etcd answered. After an outage every flight claim counts from now: its
+    /// holder could not commit meanwhile either.
     mutating func reached() {
-        if unreachable != nil { events.append(.available) }
+        if unreachable != nil {
+            events.append(.available)
+            claimSeen = nil
+        }
         unreachable = nil
     }
 
-    /// Counts and reports the view's refused values, and sets health from its state. Returns the
-    /// state that may be acted on: valid, and not older than `floor` (which it raises).
-    private mutating func check(_ view: FleetView) -> FleetState? {
-        for refusal in view.refused where reported[refusal.field] != refusal.modRevision {
-            reported[refusal.field] = refusal.modRevision
-            counters.refusedValues += 1
-            events.append(.valueRefused(field: refusal.field, problem: refusal.problem.description, revision: refusal.modRevision))
-        }
+    /// Counts and reports a refused state, sets health from the view, notes when a claim was
+    /// first seen. Returns the state that may be acted on: valid, and not older than `floor`
+    /// (which it raises).
+    private mutating func check(_ view: FleetView, now: Duration) -> FleetState? {
         let before = trust
         var usable: FleetState?
         switch view.state {
-        case let .refused(problem, _):
+        case let .refused(problem, place):
+            if reported != place.modRevision {
+                reported = place.modRevision
+                counters.refusedValues += 1
+                events.append(.valueRefused(field: "state", problem: problem.description, revision: place.modRevision))
+            }
             trust = .untrusted("the fleet's state \(problem)")
         case .absent where view.earlierLayout:
             trust = .earlierLayout
@@ -135,10 +161,11 @@ struct FleetStateMachine: Sendable {
             trust = .healthy
         case let .valid(state, _) where state.position < floor:
             trust = .rolledBack(seen: state.position, floor: floor)
-        case let .valid(state, _):
+        case let .valid(state, place):
             floor = state.position
             trust = .healthy
             usable = state
+            if state.flight != nil, claimSeen?.revision != place.modRevision { claimSeen = (place.modRevision, now) }
         }
         if case .rolledBack = trust, trust != before {
             counters.rollbacks += 1
@@ -153,22 +180,44 @@ struct FleetStateMachine: Sendable {
         return usable
     }
 
+    /// The claim of `state` at `place`, while it holds, and until when (this broker's clock).
+    private func liveClaim(_ state: FleetState, _ place: FleetPlace, now: Duration) -> (claim: FlightClaim, until: Duration)? {
+        guard let claim = state.flight, let seen = claimSeen, seen.revision == place.modRevision else { return nil }
+        let until = seen.at + claim.lease
+        return now < until ? (claim, until) : nil
+    }
+
+    /// The holder shown in status: the claim of the view's state, while it holds.
+    func holder(in view: FleetView, now: Duration) -> String? {
+        guard case let .valid(state, place) = view.state else { return nil }
+        return liveClaim(state, place, now: now)?.claim.holder
+    }
+
     // MARK: - Following the fleet
 
-    /// What the sync loop does with `view`. `unixNow` decides whether a token is worth adopting.
-    mutating func follow(_ view: FleetView, unixNow: Double) -> FollowAction {
-        let state = check(view)
+    /// What the sync loop does with `view`. `unixNow` decides whether a token is worth adopting;
+    /// `held` is the token this host hands out now (a state that carries it — a flight taken,
+    /// a failure noted — is only noted, not installed again).
+    mutating func follow(_ view: FleetView, unixNow: Double, now: Duration, held: Secret?) -> FollowAction {
+        let state = check(view, now: now)
         guard let state else {
             // First contact with a fleet that has no state for this session: signed out here.
             if case .absent = view.state, bound == nil, trust == .healthy { return .logOut(nil) }
             return .none
         }
         guard let bound, state.position.generation <= bound.generation else {
-            return state.phase == .active ? .logIn(state) : .logOut(state)
+            guard state.phase == .active else { return .logOut(state) }
+            // A logout this host owes the fleet ends this login too: not followed meanwhile.
+            if let pending = pendingLogout, state.position.generation <= (pending ?? floor.generation) { return .none }
+            return .logIn(state)
         }
         guard state.position.generation == bound.generation, state.position > (applied ?? .start), state.position != ownWrite else { return .none }
         switch state.phase {
         case .active:
+            if let held, state.accessToken == held {
+                installed(state.position)
+                return .none
+            }
             return Self.usable(state, unixNow: unixNow) == nil ? .none : .adopt(state)
         case .ended, .signedOut:
             return .logOut(state)
@@ -181,7 +230,8 @@ struct FleetStateMachine: Sendable {
         applied = state?.position ?? .start
     }
 
-    /// This host installed the token of `position` (adopted, delivered, or its own commit).
+    /// This host holds the token of `position` (adopted, delivered, or its own commit), or has
+    /// seen a state of its own generation with the same token (a flight taken, a backoff noted).
     mutating func installed(_ position: FleetPosition) {
         guard let bound, position.generation == bound.generation else { return }
         applied = max(applied ?? .start, position)
@@ -203,58 +253,78 @@ struct FleetStateMachine: Sendable {
 
     /// How a demand of local generation `generation` is met, given a fresh `view`. `held` is
     /// the token this host hands out now, `holder` this broker's own flight name.
-    mutating func planRefresh(generation: Int, view: FleetView, unixNow: Double, held: Secret?, holder: String) -> RefreshPlan {
-        let state = check(view)
+    mutating func planRefresh(generation: Int, view: FleetView, unixNow: Double, now: Duration, held: Secret?, holder: String) -> RefreshPlan {
+        let state = check(view, now: now)
         guard let bound, bound.local == generation else { return .notCaughtUp }
         guard let state, case let .valid(_, place) = view.state else { return .unusable(Self.describe(health)) }
         guard state.position.generation == bound.generation, state.phase == .active else { return .boundaryElsewhere }
         if state.position > (applied ?? .start), let token = Self.usable(state, unixNow: unixNow), token.accessToken != held {
             return .deliver(state)
         }
-        if let note = view.backoff, note.until > Self.milliseconds(unixNow) { return .backoff(note) }
-        var replacing: Int64?
-        switch view.flight {
-        case .none: break
-        case let .held(claim, modRevision):
-            guard claim.holder == holder else { return .wait(claim) }
-            replacing = modRevision   // an earlier flight of this broker's, not yet revoked
-        case let .void(modRevision):
-            replacing = modRevision
-        }
-        guard state.position.nextSerial != nil else {
+        if let note = state.backoff, note.until > Self.milliseconds(unixNow) { return .backoff(note) }
+        if let (claim, until) = liveClaim(state, place, now: now), claim.holder != holder { return .wait(claim, until: until) }
+        guard state.position.nextSerial?.nextSerial != nil else {
             events.append(.exhausted)
             return .unusable("the fleet's token serial has reached its limit; log in again")
         }
-        return .takeFlight(state, place, replacing: replacing)
+        return .takeFlight(state, place)
     }
 
     /// Once this broker's own flight is over without a token of its own: the newest token the
     /// fleet holds for this generation, if it is newer than what this host has.
-    mutating func afterFlight(_ view: FleetView, generation: Int, unixNow: Double) -> FleetState? {
-        guard let state = check(view), let bound, bound.local == generation, state.position.generation == bound.generation,
+    mutating func afterFlight(_ view: FleetView, generation: Int, unixNow: Double, now: Duration) -> FleetState? {
+        guard let state = check(view, now: now), let bound, bound.local == generation, state.position.generation == bound.generation,
               state.phase == .active, state.position > (applied ?? .start), Self.usable(state, unixNow: unixNow) != nil else { return nil }
         return state
     }
 
+    /// A commit of `next` over `place` lost its compare; the key now holds `stored` (opened, or
+    /// refused with its problem; nil: deleted). `sameBytes`: it holds exactly what we sent.
+    func verdict(on stored: Result<FleetState, FleetValueProblem>?, record: EtcdKeyValue?, sameBytes: Bool, next: FleetState,
+                 over place: FleetPlace) -> CommitVerdict {
+        if sameBytes { return .committed }
+        // A later generation is known here (a logout or login elsewhere): the answer is late.
+        if floor.generation > next.position.generation { return .overtakenByBoundary }
+        guard let stored, let record else { return .failed("the fleet's state was deleted") }
+        switch stored {
+        case let .success(current) where current.position.generation > next.position.generation:
+            return .overtakenByBoundary
+        case let .success(current) where current.position >= next.position:
+            return .overtakenByRefresh
+        case .success, .failure:
+            // Written over only when it is the one write since ours (and no later generation is
+            // known here, above): an attacker's value cannot beat an honest commit, nor can a
+            // commit carry an ended generation back over a logout.
+            guard let ours = place.record,
+                  record.createRevision == ours.createRevision, record.version == ours.version + 1 else {
+                return .failed("the fleet's state changed under the commit (written by someone without the fleet key?)")
+            }
+            return .writeOver
+        }
+    }
+
     // MARK: - Publishing this host's boundaries
 
-    /// What to publish for this host's login or logout `write`, given a fresh `view`: nil when
-    /// it is local only (published already, or superseded here, or the end of a login that
-    /// never reached the fleet). `ending` is the fleet generation a logout that waited ends.
+    /// What to publish for this host's login or logout.
     enum PublishPlan: Sendable, Equatable {
+        /// Published already, or superseded here, or the end of a login that never reached the fleet.
         case localOnly
         /// The fleet has moved past the generation the logout ends.
         case overtaken(generation: Int64)
         /// The key does not exist: create it first, with no token, at this position.
         case create(FleetState)
-        /// The fleet's generation has reached its limit (written with the key: no broker counts
-        /// that far): nothing can be published.
-        case exhausted
         /// Write `state` over `place`.
         case publish(FleetState, FleetPlace)
+        /// The fleet's generation has reached its limit: nothing can be published.
+        case exhausted
     }
 
-    mutating func planPublish(_ record: SessionRecord?, view: FleetView, ending: Int64?) -> PublishPlan {
+    /// What to publish for this host's login or logout `record` (nil: a logout this host owes
+    /// from before), given a fresh `view`; `ending` is the fleet generation a logout that
+    /// waited ends. The new generation is after every one this broker knows of, and after the
+    /// revision read: every generation published stays below the revision of its own commit,
+    /// so one published later is higher, whatever its publisher had seen.
+    mutating func planPublish(_ record: SessionRecord?, view: FleetView, ending: Int64?, now: Duration) -> PublishPlan {
         if let record {
             if let bound, bound.local >= record.generation { return .localOnly }
             if failedLogin == record.generation, record.state != .active {
@@ -263,17 +333,12 @@ struct FleetStateMachine: Sendable {
                 return .localOnly
             }
         }
-        _ = check(view)
+        _ = check(view, now: now)
         let phase = record?.state ?? .signedOut
         if phase != .active, let ending, let current = view.validState, current.position.generation > ending {
             return .overtaken(generation: current.position.generation)
         }
-        let place: FleetPlace
-        switch view.state {
-        case .absent: place = .absent
-        case let .valid(_, current), let .refused(_, current): place = current
-        }
-        guard let next = FleetPosition.nextGeneration(after: floor, view.validState?.position ?? .start) else {
+        guard let next = FleetPosition.nextGeneration(after: [floor, view.validState?.position ?? .start], atLeast: view.revision + 1) else {
             events.append(.exhausted)
             return .exhausted
         }
@@ -285,10 +350,10 @@ struct FleetStateMachine: Sendable {
             published.expiresAt = record.expiresAt
             published.lastRefresh = record.lastRefresh
         }
-        if place.record == nil, published.hasTokens {
+        if view.place.record == nil, published.hasTokens {
             return .create(FleetState(position: next, phase: .signedOut))
         }
-        return .publish(published, place)
+        return .publish(published, view.place)
     }
 
     /// The fleet took `state`, published by this host; its local generation is `local` (nil:

@@ -1,9 +1,10 @@
 import TokenBrokerCore
 
 /// A place in a fleet session's history. Every write of the session's state moves it on: a
-/// login or logout, on any broker, starts a generation (serial 0); each refresh, and the end of
-/// a session, adds one to the serial. Positions are ordered, and a broker never installs,
-/// serves or follows anything before the highest position it has applied or published.
+/// login or logout, on any broker, starts a generation (serial 0); every other write — a flight
+/// taken, a refresh committed, a failure noted, the end of a session — adds one to the serial.
+/// Positions are ordered, and a broker never installs, serves, refreshes from or follows a
+/// state before the highest position it has applied or published.
 public struct FleetPosition: Sendable, Hashable, Comparable, CustomStringConvertible {
     /// Both numbers stay below this (2^53): no successor can overflow, and JSON carries them
     /// exactly.
@@ -28,10 +29,12 @@ public struct FleetPosition: Sendable, Hashable, Comparable, CustomStringConvert
     /// The next serial of this generation (nil at the limit: the session needs a new login).
     public var nextSerial: FleetPosition? { FleetPosition(generation: generation, serial: serial + 1) }
 
-    /// The first position of the generation after `self` and `other` both.
-    static func nextGeneration(after positions: FleetPosition...) -> FleetPosition? {
+    /// The first position of a generation after every one of `positions`, and at least
+    /// `atLeast` (nil at the limit).
+    static func nextGeneration(after positions: [FleetPosition], atLeast: Int64) -> FleetPosition? {
         let highest = positions.map(\.generation).max() ?? 0
-        return FleetPosition(generation: highest + 1, serial: 0)
+        guard highest < Self.limit - 1 else { return nil }
+        return FleetPosition(generation: max(highest + 1, atLeast), serial: 0)
     }
 
     public static func < (lhs: FleetPosition, rhs: FleetPosition) -> Bool {
@@ -41,8 +44,10 @@ public struct FleetPosition: Sendable, Hashable, Comparable, CustomStringConvert
     public var description: String { "generation \(generation), serial \(serial)" }
 }
 
-/// A session's state as the fleet shares it, in the `state` key: sealed with the fleet key
-/// (`FleetCodec`), so etcd never holds a token in clear and nobody without the key can write one.
+/// A session's state as the fleet shares it, in its `state` key: sealed with the fleet key
+/// (`FleetCodec`), so etcd never holds a token in clear and nobody without the key can write
+/// one. It also carries who refreshes now and the backoff after a failure: every fact a broker
+/// acts on is in this one authenticated value, placed in the key's history.
 struct FleetState: Sendable, Equatable {
     var position: FleetPosition
     var phase: SessionState
@@ -53,17 +58,35 @@ struct FleetState: Sendable, Equatable {
     var expiresAt: Int64?
     var lastRefresh: Int64?
     var endReason: String?
+    /// The broker refreshing from this state now.
+    var flight: FlightClaim?
+    /// After a failed refresh, until when nobody tries again.
+    var backoff: BackoffNote?
 
     /// Whether the value carries a credential.
     var hasTokens: Bool { refreshToken != nil || accessToken != nil }
 
-    /// The state a refresh answer makes of `self`: the next serial, the new access token, and
-    /// the rotated refresh token (`FetchedToken.refreshToken(replacing:)`, the one rule).
-    /// Nil at the serial limit.
-    func refreshed(with fetched: FetchedToken, unixNow: Double) -> FleetState? {
+    /// `self` at the next serial, with no flight and no backoff (nil at the serial limit).
+    private func next() -> FleetState? {
         guard let position = position.nextSerial else { return nil }
         var next = self
         next.position = position
+        next.flight = nil
+        next.backoff = nil
+        return next
+    }
+
+    /// The same tokens, with `claim`'s broker refreshing from them.
+    func claimed(_ claim: FlightClaim) -> FleetState? {
+        var next = next()
+        next?.flight = claim
+        return next
+    }
+
+    /// The state a refresh answer makes of `self`: the new access token, and the rotated
+    /// refresh token (`FetchedToken.refreshToken(replacing:)`, the one rule).
+    func refreshed(with fetched: FetchedToken, unixNow: Double) -> FleetState? {
+        guard var next = next() else { return nil }
         next.accessToken = fetched.accessToken
         next.tokenType = fetched.tokenType
         next.expiresAt = fetched.expiresIn.map { FleetCodec.expiry(unixNow + $0.seconds) }
@@ -72,56 +95,56 @@ struct FleetState: Sendable, Equatable {
         return next
     }
 
-    /// The session ended for good (the refresh token is dead): the next serial, no tokens.
+    /// The refresh failed: the same tokens, and nobody tries again before `note.until`.
+    func failed(_ note: BackoffNote) -> FleetState? {
+        var next = next()
+        next?.backoff = note
+        return next
+    }
+
+    /// The flight is given up with nothing to say (cancelled, or a failure of this broker's own).
+    func released() -> FleetState? { next() }
+
+    /// The session ended for good (the refresh token is dead): no tokens.
     func ended(reason: String) -> FleetState? {
         guard let position = position.nextSerial else { return nil }
         return FleetState(position: position, phase: .ended, lastRefresh: lastRefresh, endReason: reason)
     }
 }
 
-/// Who refreshes now, in the `flight` key, on a lease of `FlightLease=`. Sealed like the state,
-/// and tied to the state it refreshes from: a claim of an earlier state, off its lease, or past
-/// its time is void, whoever wrote it.
+/// Who refreshes a state now: part of the state value, so nobody without the fleet key can
+/// claim, extend or remove it. Each broker holds it for `lease` from the moment it first saw it
+/// (on its own monotonic clock, whatever the hosts' clocks say); the holder gives its upstream
+/// request up a margin before that.
 struct FlightClaim: Sendable, Equatable {
     /// The holder's `Name=`, pid and a random tag (shown in Status).
     var holder: String
-    /// The lease the key must be attached to.
-    var lease: Int64
-    /// The etcd revision of the state write it refreshes from.
-    var stateRevision: Int64
-    /// Until when it holds, Unix milliseconds: the time it was taken plus the lease, renewed by
-    /// a holder that keeps the lease alive.
-    var until: Int64
+    /// The holder's `FlightLease=` (bounded to [1 s, 1 h] when read).
+    var lease: Duration
+    /// When it was taken, Unix milliseconds by the holder's clock (for operators only).
+    var taken: Int64
 }
 
-/// After a failed refresh, until when no broker tries again, and why: in the `backoff` key,
-/// sealed and tied to the state it is about.
+/// After a failed refresh of a state, until when no broker tries again, and why.
 struct BackoffNote: Sendable, Equatable {
-    var stateRevision: Int64
     /// Unix milliseconds (at most an hour ahead when read).
     var until: Int64
     /// What the refresh failed with (bounded, printable).
     var reason: String
 }
 
-/// The etcd keys of one fleet session, `<prefix>/sessions/<name>/…`. Each key's path is also the
+/// The etcd key of one fleet session, `<prefix>/sessions/<name>/state`. Its path is also the
 /// associated data its value is sealed with: a value moved to another key, session or prefix
 /// does not open.
 struct FleetKeys: Sendable {
     let base: String
     let state: [UInt8]
-    let flight: [UInt8]
-    let backoff: [UInt8]
+    /// Where an earlier version kept the session (a clear generation and a sealed record).
+    let earlierRecord: [UInt8]
 
     init(prefix: String, session: String) {
         base = prefix + "/sessions/" + session + "/"
         state = Array((base + "state").utf8)
-        flight = Array((base + "flight").utf8)
-        backoff = Array((base + "backoff").utf8)
+        earlierRecord = Array((base + "record").utf8)
     }
-
-    var prefixBytes: [UInt8] { Array(base.utf8) }
-
-    /// The fields of an earlier version's layout (a clear `generation` and a `record`).
-    static let earlierLayout: Set<String> = ["generation", "record"]
 }

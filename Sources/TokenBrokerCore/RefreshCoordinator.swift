@@ -1,5 +1,16 @@
 import Synchronization
 
+/// What became of `RefreshCoordinator.adopt`.
+public enum AdoptOutcome: Sendable, Equatable {
+    case adopted
+    /// A flight is under way here: adopt again once it has landed (`awaitFlight`).
+    case busy
+    /// The token handed out is no longer the one the caller decided on.
+    case superseded
+    /// The session is not active in that generation here, or the coordinator retires.
+    case over
+}
+
 /// Owns one session: hands out its current token, runs at most one upstream refresh at a time
 /// for all callers, and enforces the logout boundary.
 ///
@@ -242,18 +253,20 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
 
     /// Installs a token another broker of the fleet fetched and committed, as if this
     /// coordinator had refreshed: written to the store (this host's copy) first, then handed
-    /// out and told to watchers. Returns false when the session is no longer active in
-    /// `generation`, or a flight is under way (it brings the token itself).
-    @discardableResult
-    public func adopt(_ fetched: FetchedToken, generation: Int) async -> Bool {
+    /// out and told to watchers — only in `generation`, only between flights, and only while the
+    /// token handed out is still `replacing` (what the caller's decision was based on).
+    public func adopt(_ fetched: FetchedToken, generation: Int, replacing expected: Secret?) async -> AdoptOutcome {
+        guard machine.phase == .active, !machine.isShutDown, !machine.isRetiring, machine.generation == generation else { return .over }
+        guard machine.currentFlight == nil else { return .busy }
+        guard machine.publishable?.token.token == expected else { return .superseded }
         guard let id = machine.beginAdoption(generation: generation),
-              var write = machine.fetchSucceeded(id, fetched, now: now(), unixNow: wall.unixTime()) else { return false }
+              var write = machine.fetchSucceeded(id, fetched, now: now(), unixNow: wall.unixTime()) else { return .over }
         write.replicated = true
         let committed = await commit(write)
-        guard let resolution = machine.commitFinished(id, committed) else { return false }
+        guard let resolution = machine.commitFinished(id, committed) else { return .over }
         resolve(resolution)
-        if case .success = resolution.result { return true }
-        return false
+        if case .success = resolution.result { return .adopted }
+        return .over
     }
 
     /// Returns once the flight under way, if any, is over — landed and committed, failed, or

@@ -17,9 +17,8 @@ struct FleetCodecTests {
         FleetCodec(cipher: try TokenCipher(keyMaterial: Array(key.utf8), name: "fleet key"), keys: FleetKeys(prefix: prefix, session: session))
     }
 
-    static func record(_ value: [UInt8], key: [UInt8] = keys.state, created: Int64, version: Int64, modRevision: Int64 = 10, lease: Int64 = 0)
-        -> EtcdKeyValue {
-        EtcdKeyValue(key: key, value: value, createRevision: created, modRevision: modRevision, version: version, lease: lease)
+    static func record(_ value: [UInt8], key: [UInt8] = keys.state, created: Int64, version: Int64, modRevision: Int64 = 10) -> EtcdKeyValue {
+        EtcdKeyValue(key: key, value: value, createRevision: created, modRevision: modRevision, version: version, lease: 0)
     }
 
     static func active(_ generation: Int64, _ serial: Int64) -> FleetState {
@@ -60,10 +59,6 @@ struct FleetCodecTests {
                 continue
             }
         }
-        guard case .failure(.unsealed) = codec.openFlight(Self.record(sealed, key: Self.keys.flight, created: 5, version: 1, lease: 7)) else {
-            Issue.record("a state opened as a flight claim")
-            return
-        }
         guard case .failure(.unsealed("not sealed")) = codec.openState(Self.record(Array("{\"g\":\"9\"}".utf8), created: 5, version: 2), unixNow: Self.now) else {
             Issue.record("clear text taken")
             return
@@ -90,42 +85,56 @@ struct FleetCodecTests {
             }
         }
         let limit = try forge(#""g":"9007199254740991","n":"9007199254740991","s":"active","at":"a""#).get()
-        #expect(limit.position.nextSerial == nil && FleetPosition.nextGeneration(after: limit.position) == nil)
+        #expect(limit.position.nextSerial == nil && FleetPosition.nextGeneration(after: [limit.position], atLeast: 0) == nil)
         #expect(limit.refreshed(with: FetchedToken(accessToken: Secret("b")), unixNow: Self.now) == nil)
         #expect(FleetCodec.printable("a\nb\u{2028}" + String(repeating: "z", count: 400)).count == 200)
         #expect(!FleetCodec.printable("a\r\nb").contains("\n"))
     }
 
-    @Test("a flight claim holds only for the state it names, on the lease it names, until its time (plus the clocks' allowance)")
-    func flight() throws {
+    @Test("a flight claim and a backoff note are part of the state: sealed with it, bounded, and only on an active state")
+    func claimAndBackoff() throws {
         let codec = try Self.codec()
-        let claim = FlightClaim(holder: "b pid 1 ab", lease: 77, stateRevision: 10, until: Int64(Self.now * 1000) + 60_000)
-        let sealed = try codec.seal(claim)
-        var mirror = FleetMirror()
-        let state = try codec.seal(Self.active(2, 1), over: Self.record([], created: 5, version: 1))
-        _ = mirror.reset([Self.record(state, created: 5, version: 2, modRevision: 10),
-                          Self.record(sealed, key: Self.keys.flight, created: 11, version: 1, modRevision: 11, lease: 77)], revision: 11, keys: Self.keys)
-        #expect(codec.view(of: mirror, unixNow: Self.now).flight == .held(claim, modRevision: 11))
-        // Past its time.
-        #expect(codec.view(of: mirror, unixNow: Self.now + 66).flight == .void(modRevision: 11))
-        // Written back onto no lease: refused, and counted.
-        _ = mirror.reset([Self.record(state, created: 5, version: 2, modRevision: 10),
-                          Self.record(sealed, key: Self.keys.flight, created: 12, version: 1, modRevision: 12)], revision: 12, keys: Self.keys)
-        let offLease = codec.view(of: mirror, unixNow: Self.now)
-        #expect(offLease.flight == .void(modRevision: 12) && offLease.refused.map(\.problem) == [.offLease])
-        // Of an earlier state: stale, void, not counted.
-        _ = mirror.reset([Self.record(state, created: 5, version: 2, modRevision: 20),
-                          Self.record(sealed, key: Self.keys.flight, created: 11, version: 1, modRevision: 11, lease: 77)], revision: 20, keys: Self.keys)
-        let stale = codec.view(of: mirror, unixNow: Self.now)
-        #expect(stale.flight == .void(modRevision: 11) && stale.refused.isEmpty)
+        var state = Self.active(2, 3)
+        state.flight = FlightClaim(holder: "b pid 1 ab", lease: .seconds(7200), taken: Int64(Self.now * 1000))
+        state.backoff = BackoffNote(until: Int64(Self.now * 1000) + 86_400_000, reason: "HTTP 503")
+        let opened = try codec.openState(Self.record(try codec.seal(state, over: Self.record([], created: 5, version: 1)), created: 5, version: 2),
+                                         unixNow: Self.now).get()
+        #expect(opened.flight?.holder == "b pid 1 ab" && opened.flight?.lease == .seconds(3600), "the lease is bounded to an hour")
+        #expect(opened.backoff == BackoffNote(until: Int64(Self.now * 1000) + 3_600_000, reason: "HTTP 503"), "the backoff is bounded to an hour")
+        #expect(state.claimed(FlightClaim(holder: "c", lease: .seconds(6), taken: 0))?.position == FleetPosition(generation: 2, serial: 4))
+        #expect(state.refreshed(with: FetchedToken(accessToken: Secret("new")), unixNow: Self.now)?.flight == nil)
+        let cipher = try TokenCipher(keyMaterial: Array(String(repeating: "5a", count: 32).utf8), name: "fleet key")
+        let sealed = try cipher.seal(#"{"v":"1","c":"5","k":"2","g":"2","n":"1","s":"signedOut","fh":"x","fl":"6000","ft":"0"}"#,
+                                     associatedData: FleetCodec.associatedData(Self.keys.state))
+        guard case .failure(.malformed) = codec.openState(Self.record(Array(sealed.utf8), created: 5, version: 2), unixNow: Self.now) else {
+            Issue.record("a claim on a signed-out state was taken")
+            return
+        }
     }
 
-    @Test("a backoff note holds only for the state it names, and for an hour at most")
-    func backoff() throws {
+    @Test("a claim holds for its lease from the moment this broker first saw it, by this broker's clock, and from scratch after an outage")
+    func claimTiming() throws {
         let codec = try Self.codec()
-        let note = BackoffNote(stateRevision: 10, until: Int64(Self.now * 1000) + 86_400_000, reason: "HTTP 503")
-        let opened = try codec.openBackoff(Self.record(try codec.seal(note), key: Self.keys.backoff, created: 11, version: 1), unixNow: Self.now).get()
-        #expect(opened.until == Int64(Self.now * 1000) + 3_600_000 && opened.reason == "HTTP 503")
+        var state = Self.active(2, 3)
+        state.flight = FlightClaim(holder: "b", lease: .seconds(6), taken: 0)
+        let place = Self.record(try codec.seal(state, over: Self.record([], created: 5, version: 1)), created: 5, version: 2)
+        var mirror = FleetMirror()
+        mirror.reset(place, revision: 10, earlierLayout: false)
+        let view = codec.view(of: mirror, unixNow: Self.now)
+        var machine = FleetStateMachine(session: "api", floor: nil)
+        machine.followed(Self.active(2, 3), local: 1)
+        func plan(_ now: Duration) -> FleetStateMachine.RefreshPlan {
+            machine.planRefresh(generation: 1, view: view, unixNow: Self.now, now: now, held: Secret("at"), holder: "a")
+        }
+        guard case .wait(_, let until) = plan(.seconds(100)) else { Issue.record("not waiting"); return }
+        #expect(until == .seconds(106))
+        guard case .wait = plan(.seconds(105)) else { Issue.record("not waiting within the lease"); return }
+        guard case .takeFlight = plan(.seconds(106)) else { Issue.record("not taken over after the lease"); return }
+        // etcd was away: the holder could not commit either; its claim counts from now.
+        machine.unavailable("no quorum")
+        machine.reached()
+        guard case .wait(_, let again) = plan(.seconds(200)) else { Issue.record("not waiting after the outage"); return }
+        #expect(again == .seconds(206))
     }
 }
 
@@ -135,7 +144,7 @@ struct FleetCodecTests {
 /// 2,000 values, 3,000 answers) and `TB_FUZZ_SEED` (printed).
 @Suite("Fleet fuzz: etcd answers and value contents")
 struct FleetFuzzTests {
-    static let fields = ["v", "c", "k", "g", "n", "s", "rt", "at", "tt", "exp", "lr", "er", "h", "l", "r", "u", "e"]
+    static let fields = ["v", "c", "k", "g", "n", "s", "rt", "at", "tt", "exp", "lr", "er", "fh", "fl", "ft", "bu", "br"]
 
     static func number(_ random: inout SeededRandom) -> String {
         if random.next() % 3 != 0 { return String(random.next() % 10_000_000) }
@@ -169,39 +178,46 @@ struct FleetFuzzTests {
             var object: JSONObject = ["v": "1", "c": "5", "k": "2", "g": .string(Self.number(&random)), "n": .string(Self.number(&random)),
                                       "s": "active", "tt": "Bearer", "at": "a", "rt": "r",
                                       "exp": .string(Self.number(&random)), "lr": .string(Self.number(&random)), "er": "why",
-                                      "h": "b pid 1 ab", "l": "77", "r": "10", "u": .string(Self.number(&random)), "e": "HTTP 503"]
+                                      "fh": "b pid 1 ab", "fl": .string(Self.number(&random)), "ft": .string(Self.number(&random)),
+                                      "bu": .string(Self.number(&random)), "br": "HTTP 503"]
             if random.next() % 4 == 0 {
                 object["s"] = .string(random.pick(["signedOut", "ended"]))
-                if random.next() % 4 != 0 { object["at"] = nil; object["rt"] = nil }
+                if random.next() % 4 != 0 { object["at"] = nil; object["rt"] = nil; object["fh"] = nil; object["bu"] = nil }
             }
+            if random.next() % 2 == 0 { object["fh"] = nil }
+            if random.next() % 2 == 0 { object["bu"] = nil }
             for field in Self.fields where random.next() % 8 == 0 {
                 if random.next() % 2 == 0 { object[field] = nil } else { object[field] = Self.value(&random) }
             }
             var bytes: [UInt8] = []
             object.encode(into: &bytes)
             let keys = FleetKeys(prefix: "/t", session: "api")
-            let key = random.next() % 3 == 0 ? random.pick([keys.flight, keys.backoff]) : keys.state
+            let key = random.next() % 5 == 0 ? keys.earlierRecord : keys.state
             let sealed = Array(try cipher.seal(String(decoding: bytes, as: UTF8.self), associatedData: FleetCodec.associatedData(key)).utf8)
-            let record = EtcdKeyValue(key: key, value: sealed, createRevision: 5, modRevision: 10, version: random.next() % 3 == 0 ? 1 : 2,
-                                      lease: random.pick([0, 77, -1]))
+            let record = EtcdKeyValue(key: keys.state, value: sealed, createRevision: 5, modRevision: 10, version: random.next() % 3 == 0 ? 1 : 2,
+                                      lease: 0)
             if case let .success(state) = codec.openState(record, unixNow: now) {
                 taken += 1
-                #expect(record.key == keys.state)
+                #expect(key == keys.state)
                 #expect(state.position.generation < FleetPosition.limit && state.position.serial < FleetPosition.limit)
                 #expect(abs(Double(state.expiresAt ?? 0) - now) <= FleetCodec.timeBound + 1 || state.expiresAt == nil)
                 #expect((state.endReason?.count ?? 0) <= 200 && state.tokenType.count <= 40)
                 _ = FleetStateMachine.usable(state, unixNow: now)
                 _ = state.refreshed(with: FetchedToken(accessToken: Secret("a"), expiresIn: .seconds(Int64.max / 4)), unixNow: now)
             }
-            _ = codec.openFlight(record)
-            _ = codec.openBackoff(record, unixNow: now)
             var mirror = FleetMirror()
-            _ = mirror.reset([record], revision: 10, keys: FleetKeys(prefix: "/t", session: "api"))
-            var machine = FleetStateMachine(session: "api", floor: FleetPosition(generation: 2, serial: 0))
+            mirror.reset(record, revision: 10, earlierLayout: false)
             let view = codec.view(of: mirror, unixNow: now)
-            _ = machine.follow(view, unixNow: now)
-            _ = machine.planRefresh(generation: 0, view: view, unixNow: now, held: nil, holder: "x")
-            _ = machine.planPublish(nil, view: view, ending: nil)
+            // A machine that follows the session at the state's generation, so that every plan
+            // (deliver, wait, backoff, take the flight) is reached, and a commit's verdict.
+            var machine = FleetStateMachine(session: "api", floor: FleetPosition(generation: 2, serial: 0))
+            if let state = view.validState { machine.followed(state, local: 1) }
+            _ = machine.follow(view, unixNow: now, now: .seconds(Int64(random.next() % 100)), held: Secret("a"))
+            let plan = machine.planRefresh(generation: 1, view: view, unixNow: now, now: .seconds(Int64(random.next() % 100)), held: nil, holder: "x")
+            if case let .takeFlight(state, place) = plan, let next = state.refreshed(with: FetchedToken(accessToken: Secret("b")), unixNow: now) {
+                _ = machine.verdict(on: codec.openState(record, unixNow: now), record: record, sameBytes: false, next: next, over: place)
+            }
+            _ = machine.planPublish(nil, view: view, ending: nil, now: .zero)
         }
         print("fuzz: \(taken) of \(iterations) states taken")
         #expect(taken > iterations / 20, "the fuzz hardly ever builds a state that is taken: it tests only refusals")
@@ -239,7 +255,7 @@ struct FleetFuzzTests {
             if let (events, revision) = (try? EtcdWatchStream.batch(bytes, started: &started)) ?? nil {
                 #expect((0..<etcdNumberLimit).contains(revision))
                 var mirror = FleetMirror()
-                _ = mirror.apply(events, revision: revision, keys: FleetKeys(prefix: "/t", session: "api"))
+                _ = mirror.apply(events, revision: revision, key: FleetKeys(prefix: "/t", session: "api").state)
             }
         }
     }

@@ -73,13 +73,16 @@ struct FleetSessionTests {
 
     /// The state etcd holds, opened with the fleet key.
     static func stored(_ cluster: EtcdCluster) async throws -> FleetState {
-        let etcd = EtcdClient(endpoints: cluster.clientURLs)
-        let record = try #require(try await etcd.get(Array("/t/sessions/api/state".utf8)).record)
+        let record = try await storedRecord(cluster)
         let codec = FleetCodec(cipher: try TokenCipher(keyMaterial: Array(key.reveal.utf8)), keys: FleetKeys(prefix: "/t", session: "api"))
         return try codec.openState(record, unixNow: Date().timeIntervalSince1970).get()
     }
 
-    @Test("a refresh answer that lands after a logout elsewhere is never committed: the commit compares the generation, the record and the flight, and the answer is discarded")
+    static func storedRecord(_ cluster: EtcdCluster) async throws -> EtcdKeyValue {
+        try #require(try await EtcdClient(endpoints: cluster.clientURLs).get(Array("/t/sessions/api/state".utf8)).record)
+    }
+
+    @Test("a refresh answer that lands after a logout elsewhere is never committed: the commit compares the state's revision, and the answer is discarded")
     func lateAnswerAfterLogout() async throws {
         let cluster = try await EtcdCluster(members: 3, answers: etcdAnswers)
         do {
@@ -90,11 +93,11 @@ struct FleetSessionTests {
             }
             let hostA = try Self.session(cluster, member: "a", upstream: GatedSource())
             #expect(try await hostB.write(Self.login(1, refreshToken: "refresh-0")))
+            let loggedIn = try await Self.stored(cluster).position.generation
             let flight = Task { try await hostB.fetch(FetchRequest(session: "api", generation: 1, refreshToken: nil)) }
             try await eventually("B's upstream request is under way") { upstream.calls == 1 }
-            #expect(hostB.status.flightHolder == nil || hostB.status.flightHolder?.hasPrefix("b ") == true)
-            // The flight etcd holds names B, and B's state.
-            #expect(try await EtcdClient(endpoints: cluster.clientURLs).get(Array("/t/sessions/api/flight".utf8)).record?.lease ?? 0 != 0)
+            // The state etcd holds names B as the one refreshing.
+            #expect(try await Self.stored(cluster).flight?.holder.hasPrefix("b pid ") == true)
 
             // Host A logs out (it has no coordinator: nothing tells B's flight locally).
             #expect(try await hostA.write(Self.logout(1)))
@@ -102,8 +105,8 @@ struct FleetSessionTests {
             await #expect(throws: FetchFailure.self) { try await flight.value }
             #expect(discarded.withLock { $0 } == ["refresh-1"], "the uncommitted answer was not handed back for revocation")
             let state = try await Self.stored(cluster)
-            #expect(state.position.generation == 3 && state.phase == .signedOut && state.refreshToken == nil, "\(state.position)")
-            #expect(try await EtcdClient(endpoints: cluster.clientURLs).get(Array("/t/sessions/api/flight".utf8)).record == nil)
+            #expect(state.position.generation > loggedIn && state.phase == .signedOut && state.refreshToken == nil && state.flight == nil,
+                    "\(state.position)")
         } catch {
             await cluster.stop()
             throw error
@@ -153,13 +156,15 @@ struct FleetSessionTests {
             settings.requestTimeout = .seconds(2)
             let host = try Self.session(settings, upstream: upstream)
             #expect(try await host.write(Self.login(1, refreshToken: "refresh-0")))
-            // (The first login creates the key, with no token, then logs in: two generations.)
-            #expect(try await Self.stored(cluster).position == FleetPosition(generation: 2, serial: 0), "one login, one generation")
+            // (The first login creates the key, with no token, then logs in: two writes of the key.)
+            #expect(try await Self.storedRecord(cluster).version == 2, "one login, one generation")
+            let login = try await Self.stored(cluster).position
             let fetched = try await host.fetch(FetchRequest(session: "api", generation: 1, refreshToken: nil))
             #expect(fetched.accessToken.reveal == "access-1" && upstream.calls == 1)
             let state = try await Self.stored(cluster)
-            #expect(state.position == FleetPosition(generation: 2, serial: 1) && state.accessToken?.reveal == "access-1"
+            #expect(state.position == FleetPosition(generation: login.generation, serial: 2) && state.accessToken?.reveal == "access-1"
                     && state.refreshToken?.reveal == "refresh-1", "\(state.position)")
+            #expect(try await Self.storedRecord(cluster).version == 4, "the flight and the commit, each once")
             #expect(proxy.forwarded >= 4, "the proxy forwarded \(proxy.forwarded) requests")
         } catch {
             proxy.stop()

@@ -104,7 +104,7 @@ struct FleetAttackTests {
         }
     }
 
-    @Test("flight and backoff keys written without the fleet key (a flight on no lease, a backoff of an hour with the attacker's text) → refreshes go on at once, no caller ever sees that text")
+    @Test("keys written next to the state without the fleet key (a flight, an hour's backoff with the attacker's text: where an earlier version kept them) → refreshes go on at once, no caller ever sees that text")
     func forgedFlightAndBackoff() async throws {
         try await FleetDaemonTests.withFleet(brokers: 2) { fleet in
             let first = try await fleet.logIn()
@@ -141,6 +141,7 @@ struct FleetAttackTests {
             }
             try await forge { state in
                 state.position = FleetPosition(generation: state.position.generation, serial: state.position.serial + 1)!
+                state.accessToken = Secret("forged-access-1")
                 state.expiresAt = 9_000_000_000_000_000_000
             }
             try await eventually("both brokers adopt the forged state") {
@@ -159,16 +160,18 @@ struct FleetAttackTests {
 
             try await forge { state in
                 state.position = FleetPosition(generation: state.position.generation, serial: FleetPosition.limit - 1)!
+                state.accessToken = Secret("forged-access-2")
             }
-            let held = try #require(fleet.token(0))
             try await eventually("host A's refresh is refused at the serial limit, saying what to do") {
+                guard let held = fleet.token(0) else { return false }
                 let reply = try? fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(held)])
                 return reply?.parameters["reason"]?.stringValue?.contains("log in again") == true
             }
 
             // Past the limit: the codec never writes it; written by hand under the real key.
             let record = try #require(try await etcd.get(key).record)
-            let plaintext = #"{"v":"1","c":"\#(record.createRevision)","k":"\#(record.version + 1)","g":"2","n":"18446744073709551615","s":"active","tt":"Bearer","at":"x"}"#
+            let generation = try codec.openState(record, unixNow: Date().timeIntervalSince1970).get().position.generation
+            let plaintext = #"{"v":"1","c":"\#(record.createRevision)","k":"\#(record.version + 1)","g":"\#(generation)","n":"18446744073709551615","s":"active","tt":"Bearer","at":"x"}"#
             let key32 = try String(contentsOfFile: fleet.keyPath, encoding: .utf8)
             let sealed = try TokenCipher(keyMaterial: Array(key32.utf8)).seal(plaintext, associatedData: FleetCodec.associatedData(key))
             try await etcd.put(key, Array(sealed.utf8))
@@ -204,6 +207,37 @@ struct FleetAttackTests {
             #expect(next != first)
             let metrics = try await fleet.brokers[0].ctl(["metrics"])
             #expect(!metrics.out.contains("tokenbroker_fleet_watch_restarts_total{session=\"api\"} 0"), "restarts not counted")
+        }
+    }
+
+    @Test("the state deleted or garbled while a refresh is held at the issuer → no other broker refreshes from anything (no replay); a garbled state is written over by the commit; a deleted one waits for a new login", arguments: [false, true])
+    func stateTamperedDuringFlight(deleted: Bool) async throws {
+        try await FleetDaemonTests.withFleet(brokers: 2) { fleet in
+            let first = try await fleet.logIn()
+            let key = Array((Self.base + "state").utf8)
+            let waiter = try await fleet.holdRefresh(on: 1, rejecting: first)
+            if deleted {
+                _ = try await Self.etcd(fleet).transaction([], success: [.delete(key: key)], failure: [])
+            } else {
+                try await Self.etcd(fleet).put(key, Array("garbage".utf8))
+            }
+            let requests = fleet.issuer.counters.tokenRequests
+            try await eventually("host A sees the state gone or refused") { Self.health(fleet, 0).hasPrefix("untrusted: ") }
+            let refused = try fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(first)])
+            #expect(refused.error == "io.tokenbroker.Broker.RefreshFailed", "\(refused)")
+            #expect(fleet.issuer.counters.tokenRequests == requests, "host A refreshed from a state it cannot trust")
+            fleet.issuer.releaseHeld()
+            try await eventually("host B's refresh is answered") { waiter.reply != nil }
+            if deleted {
+                #expect(waiter.reply?.error != nil, "host B served a token the fleet does not hold")
+            } else {
+                let token = try #require(waiter.reply?.parameters["token"]?.stringValue, "\(String(describing: waiter.reply))")
+                try await eventually("host A follows B's commit, written over the garbage") { fleet.token(0) == token }
+            }
+            print("figure: state \(deleted ? "deleted" : "garbled") during a flight: \(fleet.issuer.counters.replays) replays at the issuer")
+            #expect(fleet.issuer.counters.replays == 0)
+            _ = try await fleet.logIn(on: 0)
+            try await eventually("every broker trusts the fleet again") { (0..<2).allSatisfy { Self.health(fleet, $0) == "healthy" } }
         }
     }
 

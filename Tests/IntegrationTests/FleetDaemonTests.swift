@@ -94,8 +94,9 @@ struct FleetDaemonTests {
 
         /// Logs session `api` in on broker `member` with a new refresh token family, and waits
         /// until every broker has followed the login and holds the same first access token.
-        /// (The first login of a session creates its state key with no token, at fleet
-        /// generation 1, and logs in at generation 2; a logout after it is generation 3.)
+        /// (The first login of a session creates its state key with no token, then logs in; a
+        /// generation is at least the etcd revision it was published after, so its number says
+        /// only that it is newer.)
         @discardableResult
         func logIn(on member: Int = 0) async throws -> String {
             let reply = try brokers[member].call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())])
@@ -211,7 +212,7 @@ struct FleetDaemonTests {
             #expect(fleet.issuer.counters.refreshGrants == after.refreshGrants, "a stale rejection refreshed")
             // `ctl status` says where the fleet stands.
             let status = try await fleet.brokers[2].ctl(["status"])
-            #expect(status.code == 0 && status.out.contains("fleet api: healthy, fleet generation 2, etcd revision "), "\(status.out)")
+            #expect(status.code == 0 && status.out.contains("fleet api: healthy, fleet generation ") && status.out.contains(", etcd revision "), "\(status.out)")
             #expect(!status.out.contains(tokens.first ?? "-"), "ctl status printed a token")
         }
     }
@@ -220,6 +221,7 @@ struct FleetDaemonTests {
     func logoutRace() async throws {
         try await Self.withFleet { fleet in
             let first = try await fleet.logIn()
+            let loggedIn = try #require(fleet.status(0)?["fleetGeneration"]?.intValue)
             let brokerB = fleet.brokers[1]
             let waiter = try await fleet.holdRefresh(on: 1, rejecting: first)
             try await eventually("host A's status names B as the flight holder") {
@@ -241,14 +243,14 @@ struct FleetDaemonTests {
             // after, nothing may change.
             for member in 0..<3 {
                 let status = try #require(fleet.status(member))
-                #expect(status["state"]?.stringValue == "signedOut" && status["fleetGeneration"]?.intValue == 3, "host \(member): \(status)")
+                #expect(status["state"]?.stringValue == "signedOut" && (status["fleetGeneration"]?.intValue ?? 0) > loggedIn, "host \(member): \(status)")
             }
             // Restart B on its state: it comes back signed out, as the fleet is.
             _ = await fleet.brokers[1].stop()
             fleet.brokers[1] = try await fleet.start(1, reusing: brokerB.directory)
             try await eventually("the restarted broker has read the fleet") { fleet.status(1)?["fleetHealth"]?.stringValue == "healthy" }
             #expect(try fleet.brokers[1].call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut")
-            #expect(fleet.status(1)?["fleetGeneration"]?.intValue == 3)
+            #expect((fleet.status(1)?["fleetGeneration"]?.intValue ?? 0) > loggedIn)
             #expect(fleet.issuer.counters.replays == 0)
         }
     }
@@ -343,6 +345,7 @@ struct FleetDaemonTests {
     func logoutWhileUnavailable() async throws {
         try await Self.withFleet { fleet in
             _ = try await fleet.logIn()
+            let loggedIn = try #require(fleet.status(0)?["fleetGeneration"]?.intValue)
             fleet.cluster.pause(1)
             fleet.cluster.pause(2)
             try await eventually("host A sees the fleet unavailable") {
@@ -365,7 +368,7 @@ struct FleetDaemonTests {
             try await eventually("every host is logged out", timeout: .seconds(30)) {
                 (0..<3).allSatisfy {
                     (try? fleet.brokers[$0].call("GetToken", ["session": "api"]))?.error == "io.tokenbroker.Broker.SignedOut"
-                        && fleet.status($0)?["fleetGeneration"]?.intValue == 3
+                        && (fleet.status($0)?["fleetGeneration"]?.intValue ?? 0) > loggedIn
                 }
             }
             #expect(!FileManager.default.fileExists(atPath: brokerA.directory + "/state/fleet-logout-api"), "the pending logout was not forgotten")

@@ -40,6 +40,9 @@ public final class TestClock: Clock, Sendable {
     /// How many tasks sleep on it now.
     public var sleeping: Int { state.withLock { $0.sleepers.count } }
 
+    /// When they wake (for a failing test's message).
+    public var wakeTimes: [Duration] { state.withLock { $0.sleepers.values.map(\.deadline.offset).sorted() } }
+
     public func advance(by duration: Duration) {
         let due = state.withLock { state -> [CheckedContinuation<Void, any Error>] in
             state.now = state.now.advanced(by: duration)

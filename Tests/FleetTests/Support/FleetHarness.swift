@@ -139,9 +139,9 @@ final class Link: FleetBackend {
         if state.value.cut { throw EtcdError(kind: .unavailable, message: "cut off (test)") }
     }
 
-    func range(prefix: [UInt8]) async throws(EtcdError) -> (records: [EtcdKeyValue], revision: Int64) {
+    func get(_ key: [UInt8]) async throws(EtcdError) -> (record: EtcdKeyValue?, revision: Int64) {
         try check()
-        return try await inner.range(prefix: prefix)
+        return try await inner.get(key)
     }
 
     func transaction(_ compare: [EtcdCompare], success: [EtcdOperation], failure: [EtcdOperation]) async throws(EtcdError) -> EtcdTransaction {
@@ -149,25 +149,10 @@ final class Link: FleetBackend {
         return try await inner.transaction(compare, success: success, failure: failure)
     }
 
-    func grantLease(ttl: Duration) async throws(EtcdError) -> (id: Int64, ttl: Duration) {
-        try check()
-        return try await inner.grantLease(ttl: ttl)
-    }
-
-    func keepAlive(lease: Int64) async throws(EtcdError) -> Duration? {
-        try check()
-        return try await inner.keepAlive(lease: lease)
-    }
-
-    func revoke(lease: Int64) async throws(EtcdError) {
-        try check()
-        try await inner.revoke(lease: lease)
-    }
-
-    func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
+    func watch(key: [UInt8], from revision: Int64, for duration: Duration,
                changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
         try check()
-        return try await inner.watch(prefix: prefix, from: revision, for: duration) { [state] events, revision in
+        return try await inner.watch(key: key, from: revision, for: duration) { [state] events, revision in
             let now = state.withLock { state -> Bool in
                 guard state.cut else { return true }
                 state.waiting.append((changed, events, revision))
@@ -179,10 +164,12 @@ final class Link: FleetBackend {
 }
 
 /// One broker of the fleet under test: a real `RefreshCoordinator` fed by a real
-/// `FleetSession`, on the shared `MemoryEtcd` through its own `Link`, with its own store.
+/// `FleetSession`, on the shared `MemoryEtcd` through its own `Link`, with its own store and
+/// its own clock (a stopped host's clock does not move).
 final class TestBroker: Sendable {
     let name: String
     let link: Link
+    let clock: TestClock
     let store: InMemoryFleetStore
     let fleet: FleetSession<TestClock>
     let coordinator: RefreshCoordinator<TestClock>
@@ -190,16 +177,18 @@ final class TestBroker: Sendable {
     let discarded = Locked<[String]>([])
     let events = Locked<[FleetEvent]>([])
 
-    init(name: String, etcd: MemoryEtcd, issuer: RotatingIssuer, clock: TestClock, store: InMemoryFleetStore = InMemoryFleetStore(),
-         lease: Duration = .seconds(60)) async throws {
+    init(name: String, etcd: MemoryEtcd, issuer: RotatingIssuer, store: InMemoryFleetStore = InMemoryFleetStore(),
+         lease: Duration = .seconds(60), pendingLogoutFile: String? = nil) async throws {
         self.name = name
         self.store = store
+        let clock = TestClock()
+        self.clock = clock
         link = Link(etcd)
         let settings = FleetSettings(endpoints: [], prefix: "/t", key: FleetHarness.key, flightLease: lease, requestTimeout: .seconds(1), member: name)
         let discarded = self.discarded
         let events = self.events
         fleet = try FleetSession(name: "api", settings: settings, backend: link, upstream: issuer, local: store,
-                                 floor: try await store.mark("api"), clock: clock, wall: clock,
+                                 floor: try await store.mark("api"), clock: clock, wall: clock, pendingLogoutFile: pendingLogoutFile,
                                  discarded: { fetched in discarded.withLock { $0.append(fetched.refreshToken?.reveal ?? "-") } },
                                  report: { event in events.withLock { $0.append(event) } })
         // As the daemon restores a fleet session: its generation, signed out until the fleet is read.
@@ -237,14 +226,14 @@ final class TestBroker: Sendable {
     var waits: Int { events.withLock { $0.filter { if case .waitingForHolder = $0 { return true } else { return false } }.count } }
 }
 
-/// A fleet of brokers on one in-memory etcd, one rotating issuer and one test clock.
+/// A fleet of brokers on one in-memory etcd and one rotating issuer; each broker has its own
+/// test clock, and the test moves time for all of them (but the stopped ones) at once.
 struct FleetHarness {
     static let key = Secret(String(repeating: "5a", count: 32))
     static let stateKey = "/t/sessions/api/state"
 
     let etcd = MemoryEtcd()
     let issuer: RotatingIssuer
-    let clock = TestClock()
     var brokers: [TestBroker] = []
 
     init(brokers count: Int, ignoresCancellation: Bool = false) async throws {
@@ -252,9 +241,17 @@ struct FleetHarness {
         for index in 0..<count { brokers.append(try await start("host-\(index)")) }
     }
 
-    func start(_ name: String, store: InMemoryFleetStore = InMemoryFleetStore()) async throws -> TestBroker {
-        try await TestBroker(name: name, etcd: etcd, issuer: issuer, clock: clock, store: store)
+    func start(_ name: String, store: InMemoryFleetStore = InMemoryFleetStore(), pendingLogoutFile: String? = nil) async throws -> TestBroker {
+        try await TestBroker(name: name, etcd: etcd, issuer: issuer, store: store, pendingLogoutFile: pendingLogoutFile)
     }
+
+    /// Time passes for every broker but `stopped`.
+    func advance(by duration: Duration, except stopped: [TestBroker] = []) {
+        for broker in brokers where !stopped.contains(where: { $0 === broker }) { broker.clock.advance(by: duration) }
+    }
+
+    /// No broker's clock has moved.
+    var timeStood: Bool { brokers.allSatisfy { $0.clock.now.offset == .zero } }
 
     /// Logs in on `broker` and makes its first token (one refresh); returns once every broker
     /// serves it.
@@ -276,8 +273,8 @@ struct FleetHarness {
     func stored() throws -> FleetState? {
         guard let entry = etcd.entry(Self.stateKey) else { return nil }
         let record = EtcdKeyValue(key: Array(Self.stateKey.utf8), value: entry.value, createRevision: entry.createRevision,
-                                  modRevision: entry.modRevision, version: entry.version, lease: entry.lease)
-        return try FleetHarness.codec().openState(record, unixNow: clock.unixTime()).get()
+                                  modRevision: entry.modRevision, version: entry.version, lease: 0)
+        return try FleetHarness.codec().openState(record, unixNow: TestClock().unixTime()).get()
     }
 
     static func codec() throws -> FleetCodec {

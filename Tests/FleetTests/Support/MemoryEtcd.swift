@@ -3,19 +3,18 @@ import Synchronization
 import TestSupport
 
 /// etcd's data model in memory, as `FleetBackend`: one revision counter, keys with create and
-/// mod revisions and versions, leases the test expires, transactions applied atomically, and
-/// watches fed from the history. The test steers it: it can hold the next requests of a kind
+/// mod revisions and versions, transactions applied atomically, and watches fed from the
+/// history. The test steers it: it can hold the next requests of a kind
 /// (until it lets them go), drop an answer after the request was applied (a lost answer), make
 /// every request fail (no quorum), end every watch at once, and write keys as an attacker would.
 final class MemoryEtcd: FleetBackend {
-    enum Kind: Hashable, Sendable { case range, transaction, grant, keepAlive, revoke, watch }
+    enum Kind: Hashable, Sendable { case get, transaction, watch }
 
     struct Entry: Sendable, Equatable {
         var value: [UInt8]
         var createRevision: Int64
         var modRevision: Int64
         var version: Int64
-        var lease: Int64
     }
 
     private struct Watcher {
@@ -27,8 +26,6 @@ final class MemoryEtcd: FleetBackend {
     private struct State {
         var revision: Int64 = 1
         var keys: [[UInt8]: Entry] = [:]
-        var leases: [Int64: Set<[UInt8]>] = [:]
-        var nextLease: Int64 = 7_000_000_000_000_000_000
         var history: [(revision: Int64, events: [EtcdEvent])] = []
         /// The changes of the revision being written.
         var pending: [EtcdEvent] = []
@@ -87,43 +84,41 @@ final class MemoryEtcd: FleetBackend {
 
     var watching: Int { state.withLock { $0.watchers.count } }
 
-    /// The lease's keys go, as when its TTL runs out.
-    func expire(lease: Int64) { mutate { state in Self.revokeLocked(&state, lease) } }
-
-    /// The leases granted and not yet revoked or expired.
-    var liveLeases: [Int64] { state.withLock { Array($0.leases.keys) } }
-
     func entry(_ key: String) -> Entry? { state.withLock { $0.keys[Array(key.utf8)] } }
 
     /// An attacker's write (a plain put, outside any transaction), or a delete when `value` is nil.
-    func write(_ key: String, _ value: [UInt8]?, lease: Int64 = 0) {
+    func write(_ key: String, _ value: [UInt8]?) {
         mutate { state in
             let bytes = Array(key.utf8)
-            if let value { Self.putLocked(&state, bytes, value, lease: lease) } else { Self.deleteLocked(&state, bytes) }
+            if let value { Self.putLocked(&state, bytes, value) } else { Self.deleteLocked(&state, bytes) }
             Self.commitLocked(&state)
         }
     }
 
+    /// A backup: every key, and the revision.
+    var snapshot: (keys: [[UInt8]: Entry], revision: Int64) { state.withLock { ($0.keys, $0.revision) } }
+
     /// Puts every key back as it was in `snapshot` (a restored backup: the same revisions and
-    /// versions as then); keys not in it are deleted.
-    func restore(_ snapshot: [[UInt8]: Entry]) {
+    /// versions as then; keys not in it are gone). With `rewinding`, the store's revision goes
+    /// back too (`etcdutl snapshot restore` without `--bump-revision`); otherwise it moves on.
+    /// Watches see nothing of it (a restore restarts the members).
+    func restore(_ snapshot: (keys: [[UInt8]: Entry], revision: Int64), rewinding: Bool = false) {
         state.withLock { state in
-            state.revision += 1
-            state.keys = snapshot
+            state.keys = snapshot.keys
+            if rewinding {
+                state.revision = snapshot.revision
+                state.history.removeAll { $0.revision > snapshot.revision }
+            } else {
+                state.revision += 1
+            }
         }
     }
 
-    var snapshot: [[UInt8]: Entry] { state.withLock { $0.keys } }
-
     // MARK: - FleetBackend
 
-    func range(prefix: [UInt8]) async throws(EtcdError) -> (records: [EtcdKeyValue], revision: Int64) {
-        try await admit(.range)
-        return try finish(.range) { state in
-            let records = state.keys.filter { $0.key.starts(with: prefix) }.sorted { $0.key.lexicographicallyPrecedes($1.key) }
-                .map { Self.record($0.key, $0.value) }
-            return (records, state.revision)
-        }
+    func get(_ key: [UInt8]) async throws(EtcdError) -> (record: EtcdKeyValue?, revision: Int64) {
+        try await admit(.get)
+        return try finish(.get) { state in (state.keys[key].map { Self.record(key, $0) }, state.revision) }
     }
 
     func transaction(_ compare: [EtcdCompare], success: [EtcdOperation], failure: [EtcdOperation]) async throws(EtcdError) -> EtcdTransaction {
@@ -137,15 +132,12 @@ final class MemoryEtcd: FleetBackend {
                 }
             }
             let operations = holds ? success : failure
-            for case let .put(_, _, lease) in operations where lease != 0 && state.leases[lease] == nil {
-                throw EtcdError(kind: .refused(code: 5), message: "requested lease not found")
-            }
             var reads: [EtcdKeyValue?] = []
             var wrote = false
             for operation in operations {
                 switch operation {
-                case let .put(key, value, lease):
-                    Self.putLocked(&state, key, value, lease: lease)
+                case let .put(key, value, _):
+                    Self.putLocked(&state, key, value)
                     wrote = true
                 case let .delete(key):
                     if state.keys[key] != nil { wrote = true }
@@ -159,26 +151,7 @@ final class MemoryEtcd: FleetBackend {
         }
     }
 
-    func grantLease(ttl: Duration) async throws(EtcdError) -> (id: Int64, ttl: Duration) {
-        try await admit(.grant)
-        return try finish(.grant) { state in
-            state.nextLease += 1
-            state.leases[state.nextLease] = []
-            return (state.nextLease, ttl)
-        }
-    }
-
-    func keepAlive(lease: Int64) async throws(EtcdError) -> Duration? {
-        try await admit(.keepAlive)
-        return try finish(.keepAlive) { state in state.leases[lease] == nil ? nil : .seconds(60) }
-    }
-
-    func revoke(lease: Int64) async throws(EtcdError) {
-        try await admit(.revoke)
-        try finish(.revoke) { state in Self.revokeLocked(&state, lease) }
-    }
-
-    func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
+    func watch(key prefix: [UInt8], from revision: Int64, for duration: Duration,
                changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
         try await admit(.watch)
         let id = state.withLock { state -> UInt64 in
@@ -190,7 +163,7 @@ final class MemoryEtcd: FleetBackend {
                 let backlog = state.withLock { state -> [(Int64, [EtcdEvent])]? in
                     if state.cancelledWatchers.remove(id) != nil { return nil }
                     state.watchers[id] = Watcher(prefix: prefix, changed: changed, ended: continuation)
-                    return state.history.filter { $0.revision >= revision }.map { ($0.revision, $0.events.filter { $0.record.key.starts(with: prefix) }) }
+                    return state.history.filter { $0.revision >= revision }.map { ($0.revision, $0.events.filter { $0.record.key == prefix }) }
                         .filter { !$0.1.isEmpty }
                 }
                 guard let backlog else { return continuation.resume() }
@@ -245,7 +218,7 @@ final class MemoryEtcd: FleetBackend {
             var notify: [Note] = []
             for (revision, events) in state.history.dropFirst(before) {
                 for watcher in state.watchers.values where watcher.ended != nil {
-                    let mine = events.filter { $0.record.key.starts(with: watcher.prefix) }
+                    let mine = events.filter { $0.record.key == watcher.prefix }
                     if !mine.isEmpty { notify.append((watcher.changed, mine, revision)) }
                 }
             }
@@ -270,27 +243,18 @@ final class MemoryEtcd: FleetBackend {
         return try mutate(body)
     }
 
-    private static func putLocked(_ state: inout State, _ key: [UInt8], _ value: [UInt8], lease: Int64) {
+    private static func putLocked(_ state: inout State, _ key: [UInt8], _ value: [UInt8]) {
         let next = state.revision + 1
         let old = state.keys[key]
-        if let old, old.lease != 0 { state.leases[old.lease]?.remove(key) }
-        let entry = Entry(value: value, createRevision: old?.createRevision ?? next, modRevision: next, version: (old?.version ?? 0) + 1, lease: lease)
+        let entry = Entry(value: value, createRevision: old?.createRevision ?? next, modRevision: next, version: (old?.version ?? 0) + 1)
         state.keys[key] = entry
-        if lease != 0 { state.leases[lease, default: []].insert(key) }
         state.pending.append(EtcdEvent(kind: .put, record: record(key, entry)))
     }
 
     private static func deleteLocked(_ state: inout State, _ key: [UInt8]) {
-        guard let old = state.keys.removeValue(forKey: key) else { return }
-        if old.lease != 0 { state.leases[old.lease]?.remove(key) }
+        guard state.keys.removeValue(forKey: key) != nil else { return }
         state.pending.append(EtcdEvent(kind: .delete, record: EtcdKeyValue(key: key, value: [], createRevision: 0,
                                                                           modRevision: state.revision + 1, version: 0, lease: 0)))
-    }
-
-    private static func revokeLocked(_ state: inout State, _ lease: Int64) {
-        guard let keys = state.leases.removeValue(forKey: lease) else { return }
-        for key in keys { deleteLocked(&state, key) }
-        if !keys.isEmpty { commitLocked(&state) }
     }
 
     /// Ends the revision being written: its changes become one entry of the history.
@@ -303,6 +267,6 @@ final class MemoryEtcd: FleetBackend {
 
     private static func record(_ key: [UInt8], _ entry: Entry) -> EtcdKeyValue {
         EtcdKeyValue(key: key, value: entry.value, createRevision: entry.createRevision, modRevision: entry.modRevision,
-                     version: entry.version, lease: entry.lease)
+                     version: entry.version, lease: 0)
     }
 }
