@@ -170,7 +170,7 @@ public struct EtcdClient: FleetBackend {
                 throw problem
             }
             if let code = Self.int(answer["code"]), code != 0 {
-                let message = String((answer["message"]?.stringValue ?? "error \(code)").prefix(200))
+                let message = FleetCodec.printable(answer["message"]?.stringValue ?? "error \(code)")
                 // Unavailable (14) and deadline exceeded (4): another member may do better.
                 if code == 14 || code == 4 {
                     problem = EtcdError(kind: .unavailable, message: "\(endpoint): \(message)")

@@ -24,6 +24,8 @@ public enum FleetEvent: Sendable, Equatable {
     /// The session's serial reached its limit: it needs a new login.
     case exhausted
     case pendingLogoutNotDurable(path: String)
+    /// A refresh waiting for its commit could not be kept in the state database.
+    case pendingCommitNotDurable(String)
     case pendingLogoutIgnored(path: String)
     /// Watches keep ending at once; restarts back off (the count so far).
     case watchEndingEarly(restarts: Int)
@@ -32,7 +34,8 @@ public enum FleetEvent: Sendable, Equatable {
 
     public var level: Level {
         switch self {
-        case .valueRefused, .rolledBack, .earlierLayout, .loginNotApplied, .commitFailed, .exhausted, .pendingLogoutNotDurable: return .error
+        case .valueRefused, .rolledBack, .earlierLayout, .loginNotApplied, .commitFailed, .exhausted, .pendingLogoutNotDurable,
+             .pendingCommitNotDurable: return .error
         case .unavailable, .overtakenByRefresh, .pendingLogoutIgnored, .watchEndingEarly: return .warning
         case .available, .trusted, .loggedOut, .logoutOvertaken, .lateAnswerDiscarded: return .notice
         case .loggedIn, .waitingForHolder, .published: return .info
@@ -91,6 +94,9 @@ public enum FleetEvent: Sendable, Equatable {
                 + "broker counts to); log in again (tokenbroker ctl login), or remove the session's keys in etcd if the generation is at its limit"
         case let .pendingLogoutNotDurable(path):
             return "cannot remember the logout in \(path); it is kept in memory only"
+        case let .pendingCommitNotDurable(why):
+            return "cannot keep the refresh waiting for its commit in the state database (\(why)); it is kept in memory only, "
+                + "and lost if this broker stops before etcd takes it"
         case let .pendingLogoutIgnored(path):
             return "\(path) does not name a logout under this fleet prefix; ignored"
         case let .watchEndingEarly(restarts):

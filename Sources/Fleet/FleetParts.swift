@@ -20,6 +20,9 @@ public struct FleetSettings: Sendable, Equatable {
     /// This broker's name in flight claims and status (`Name=`; the host name by default).
     public var member: String
 
+    /// What a holder keeps of its lease for its commit: one etcd request to each endpoint.
+    public var commitReserve: Duration { requestTimeout * endpoints.count }
+
     public init(endpoints: [String], prefix: String = "/tokenbroker", tls: TLSOptions = TLSOptions(), key: Secret,
                 flightLease: Duration = .seconds(60), requestTimeout: Duration = .seconds(2), member: String) {
         self.endpoints = endpoints
@@ -42,6 +45,34 @@ public protocol FleetLocalStore: Sendable {
     func write(_ write: StoreWrite, mark: FleetPosition) async throws -> Bool
     /// The session's mark, or nil when this store has seen nothing of the fleet.
     func mark(_ session: String) async throws -> FleetPosition?
+    /// A refresh this broker redeemed but could not commit to etcd yet (nil: none).
+    func pendingCommit(_ session: String) async throws -> FleetPendingCommit?
+    /// Keeps `pending` durably (nil: forgets it) until it is committed or overtaken.
+    func keepPendingCommit(_ session: String, _ pending: FleetPendingCommit?) async throws
+}
+
+/// A refresh a holder redeemed but could not commit, as its state database keeps it: the issuer
+/// has rotated, so the new refresh token must reach etcd before anyone presents the old one —
+/// across a stop, a reload, a restart. Both values are sealed with the fleet key.
+public struct FleetPendingCommit: Sendable, Equatable {
+    /// The next state, sealed for the write after `place`.
+    public var value: [UInt8]
+    /// The state key as it stood (the holder's claim): its value and revisions.
+    public var placeValue: [UInt8]
+    public var createRevision: Int64
+    public var modRevision: Int64
+    public var version: Int64
+    /// This host's generation the refresh belonged to.
+    public var generation: Int
+
+    public init(value: [UInt8], placeValue: [UInt8], createRevision: Int64, modRevision: Int64, version: Int64, generation: Int) {
+        self.value = value
+        self.placeValue = placeValue
+        self.createRevision = createRevision
+        self.modRevision = modRevision
+        self.version = version
+        self.generation = generation
+    }
 }
 
 /// The coordinator, as a fleet session drives it: the boundaries and refreshes made elsewhere
@@ -62,6 +93,7 @@ extension RefreshCoordinator: FleetFollower {}
 public actor InMemoryFleetStore: FleetLocalStore {
     private let sessions: InMemorySessionStore
     private var marks: [String: FleetPosition] = [:]
+    private var pending: [String: FleetPendingCommit] = [:]
 
     public init(_ records: [SessionRecord] = [], marks: [String: FleetPosition] = [:]) {
         sessions = InMemorySessionStore(records)
@@ -79,5 +111,13 @@ public actor InMemoryFleetStore: FleetLocalStore {
 
     public func mark(_ session: String) async throws -> FleetPosition? {
         marks[session]
+    }
+
+    public func pendingCommit(_ session: String) async throws -> FleetPendingCommit? {
+        pending[session]
+    }
+
+    public func keepPendingCommit(_ session: String, _ commit: FleetPendingCommit?) async throws {
+        pending[session] = commit
     }
 }

@@ -56,7 +56,9 @@ extension FleetSession {
         // in `publish` is the ordering point. Only a logout that already waited for etcd (a
         // retry, or one remembered across a restart) gives way to a newer boundary made meanwhile.
         let waiting = machine.pendingLogout
-        if waiting == nil { remember(pendingLogout: machine.bound?.generation ?? currentView().validState?.position.generation) }
+        if waiting == nil {
+            remember(pendingLogout: machine.bound?.generation ?? currentView().validState?.position.generation ?? machine.floor.generation)
+        }
         try await publish(write.record, ending: waiting ?? nil)
         forgetPendingLogout()
     }
@@ -112,7 +114,7 @@ extension FleetSession {
             } catch {
                 throw EtcdError(kind: .malformed, message: "cannot seal the fleet's state: \(error)")
             }
-            let done = try await backend.transaction([place.compare(keys.state)], success: [.put(key: keys.state, value: sealed, lease: 0)],
+            let done = try await backend.transaction(place.compare(keys.state), success: [.put(key: keys.state, value: sealed, lease: 0)],
                                                      failure: [.get(key: keys.state)])
             // An answer lost after etcd applied it, then sent again: the state is ours.
             guard done.succeeded || (done.reads.first ?? nil)?.value == sealed else { continue }

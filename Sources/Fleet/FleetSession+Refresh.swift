@@ -21,7 +21,8 @@ extension FleetSession {
             guard !stopping else { throw FetchFailure.transient("fleet: shutting down") }
             guard clock.now < deadline else { throw FetchFailure.transient("fleet: another broker's refresh has not finished") }
             // A refresh redeemed before but never committed goes first: the issuer has rotated.
-            if let pending = pendingCommit {
+            // (One of another local generation is the sync loop's to write, or to discard.)
+            if let pending = pendingCommit, pending.generation == request.generation {
                 if let token = try await commitPending(pending, for: request) { return token }
                 continue
             }
@@ -84,7 +85,7 @@ extension FleetSession {
         }
         let took: EtcdTransaction
         do throws(EtcdError) {
-            took = try await backend.transaction([place.compare(keys.state)], success: [.put(key: keys.state, value: sealed, lease: 0)],
+            took = try await backend.transaction(place.compare(keys.state), success: [.put(key: keys.state, value: sealed, lease: 0)],
                                                  failure: [.get(key: keys.state)])
         } catch {
             throw FetchFailure.transient("fleet: \(error.message)")
@@ -104,12 +105,26 @@ extension FleetSession {
     /// the fleet's newest token when another broker committed one meanwhile.
     private func refreshAsHolder(_ request: FetchRequest, _ flight: HeldFlight) async throws -> FetchedToken {
         // Every other broker holds the claim for the lease from when it first saw it, which is
-        // after the claim was taken: the upstream request ends (or is abandoned) a margin before.
-        let margin = min(.seconds(2), settings.flightLease / 4)
+        // after the claim was taken: the upstream request ends (or is abandoned) a margin
+        // before, and early enough for one commit to reach etcd.
+        let margin = min(.seconds(2), settings.flightLease / 4) + min(settings.commitReserve, settings.flightLease / 4)
         let budget = settings.flightLease - margin - flight.taken.duration(to: clock.now)
         let refreshToken = flight.claimed.refreshToken
-        let outcome = await within(budget) { [upstream, name] in
+        let answer = await within(budget) { [upstream, name] in
             try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken))
+        }
+        guard case let .answered(outcome) = answer else {
+            // Abandoned: the request may still be processed. Nobody tries again (this broker
+            // neither) before the claim would have run out: a backoff until then.
+            let left = max(settings.flightLease - flight.taken.duration(to: clock.now), .seconds(1))
+            let failure = FetchFailure.transient("fleet: the upstream request was abandoned before the flight lease could lapse",
+                                                 retryAfter: left)
+            if let after = flight.claimed.failed(BackoffNote(until: FleetStateMachine.milliseconds(wall.unixTime()) + left.milliseconds,
+                                                             reason: "the upstream request was abandoned")) {
+                _ = await write(after, over: flight.place)
+            }
+            if let newer = await newestAfterFlight(request) { return newer }
+            throw failure
         }
         switch outcome {
         case let .success(fetched):
@@ -122,7 +137,8 @@ extension FleetSession {
                 report(.commitFailed("the token serial has reached its limit"))
                 throw FetchFailure.transient("fleet: the refresh could not be committed")
             }
-            let pending = PendingCommit(next: next, fetched: fetched, over: flight.place, generation: request.generation)
+            let pending = PendingCommit(next: next, fetched: fetched, over: flight.place, generation: request.generation,
+                                        sealed: try? codec.seal(next, over: flight.place.record))
             let committed = await Task { await self.commit(pending, retryUntil: flight.taken.advanced(by: self.settings.flightLease * 2)) }.value
             return try await conclude(committed, pending, request)
         case let .failure(error):
@@ -155,14 +171,7 @@ extension FleetSession {
             // when the watch brings it before this flight has landed.
             if let ended { machine.writing(ended.position) }
             var succeeded = false
-            if let after, let sealed = try? codec.seal(after, over: flight.place.record) {
-                let done = await Task { [backend, keys] in
-                    try? await backend.transaction([flight.place.compare(keys.state)], success: [.put(key: keys.state, value: sealed, lease: 0)],
-                                                   failure: [])
-                }.value
-                succeeded = done?.succeeded == true
-                if succeeded { machine.installed(after.position) }
-            }
+            if let after { succeeded = await write(after, over: flight.place) }
             if let ended { machine.wrote(ended.position, succeeded: succeeded) }
             changes.signal()
             // Stalled past the lease, say, while another broker refreshed: its token, not a failure.
@@ -171,12 +180,25 @@ extension FleetSession {
         }
     }
 
+    /// Writes `state` over the claim at `place`, once, to its end whatever this task's
+    /// cancellation; returns whether it took.
+    @discardableResult
+    private func write(_ state: FleetState, over place: FleetPlace) async -> Bool {
+        guard let sealed = try? codec.seal(state, over: place.record) else { return false }
+        let done = await Task { [backend, keys] in
+            try? await backend.transaction(place.compare(keys.state), success: [.put(key: keys.state, value: sealed, lease: 0)], failure: [])
+        }.value
+        let succeeded = done?.succeeded == true
+        if succeeded { machine.installed(state.position) }
+        return succeeded
+    }
+
     /// What the flight's caller gets once the commit is over.
     private func conclude(_ committed: CommitOutcome, _ pending: PendingCommit, _ request: FetchRequest) async throws -> FetchedToken {
         changes.signal()
         switch committed {
         case let .committed(state):
-            pendingCommit = nil
+            await keep(nil)
             machine.installed(state.position)
             settle()
             return FetchedToken(accessToken: pending.fetched.accessToken, tokenType: pending.fetched.tokenType,
@@ -184,18 +206,18 @@ extension FleetSession {
         case .overtakenByBoundary:
             // Never installed anywhere; its refresh token is revoked upstream (the fleet's session
             // it belonged to is over).
-            pendingCommit = nil
+            await keep(nil)
             discarded(pending.fetched)
             report(.lateAnswerDiscarded)
             throw FetchFailure.transient("fleet: the session was logged out or in on another broker meanwhile")
         case .overtakenByRefresh:
             // Not revoked: at a server that does not rotate, it is the fleet's refresh token too.
-            pendingCommit = nil
+            await keep(nil)
             report(.overtakenByRefresh)
             if let newer = await newestAfterFlight(request) { return newer }
             throw FetchFailure.transient("fleet: another broker committed a refresh first")
         case let .failed(problem):
-            pendingCommit = pending
+            await keep(pending)
             report(.commitFailed(problem))
             throw FetchFailure.transient("fleet: the refresh could not be committed yet: \(problem)")
         }
@@ -218,11 +240,12 @@ extension FleetSession {
         var place = pending.over
         var problem = "etcd did not answer"
         var attempts = 0
+        // Sealed once per place: a commit sent again after its answer was lost is recognised by its bytes.
+        guard var sealed = pending.sealed ?? (try? codec.seal(pending.next, over: place.record)) else { return .failed("cannot seal the state") }
         repeat {
             attempts += 1
-            guard let sealed = try? codec.seal(pending.next, over: place.record) else { return .failed("cannot seal the state") }
             do throws(EtcdError) {
-                let done = try await backend.transaction([place.compare(keys.state)],
+                let done = try await backend.transaction(place.compare(keys.state),
                                                          success: [.put(key: keys.state, value: sealed, lease: 0)],
                                                          failure: [.get(key: keys.state)])
                 if done.succeeded { return .committed(pending.next) }
@@ -234,7 +257,10 @@ extension FleetSession {
                 case .overtakenByBoundary: return .overtakenByBoundary
                 case .overtakenByRefresh: return .overtakenByRefresh
                 case let .failed(why): return .failed(why)
-                case .writeOver: place = FleetPlace(record: stored)
+                case .writeOver:
+                    place = FleetPlace(record: stored)
+                    guard let resealed = try? codec.seal(pending.next, over: place.record) else { return .failed("cannot seal the state") }
+                    sealed = resealed
                 }
             } catch where error.kind == .unavailable {
                 problem = error.message
@@ -255,29 +281,36 @@ extension FleetSession {
         return FleetStateMachine.usable(state, unixNow: wall.unixTime())
     }
 
+    /// How an upstream request under a budget ended.
+    enum UpstreamAnswer: Sendable {
+        case answered(Result<FetchedToken, any Error>)
+        /// Given up at the budget, with no answer (the request may still be processed).
+        case abandoned
+    }
+
     /// Runs `body`, abandoning it (cancelled) once `budget` is spent — but a success that comes
     /// anyway (an upstream that ignores the cancellation) is taken: the issuer has rotated.
-    private func within(_ budget: Duration, _ body: @escaping @Sendable () async throws -> FetchedToken) async -> Result<FetchedToken, any Error> {
-        guard budget > .zero else { return .failure(FetchFailure.transient("fleet: no time left in the flight lease")) }
+    private func within(_ budget: Duration, _ body: @escaping @Sendable () async throws -> FetchedToken) async -> UpstreamAnswer {
+        guard budget > .zero else { return .answered(.failure(FetchFailure.transient("fleet: no time left in the flight lease"))) }
         // The deadline is fixed now, not when the timer task first runs: never later than the budget.
         let deadline = clock.now.advanced(by: budget)
-        return await withTaskGroup(of: Result<FetchedToken, any Error>?.self) { [clock] group in
+        return await withTaskGroup(of: UpstreamAnswer?.self) { [clock] group in
             group.addTask {
-                do { return .success(try await body()) } catch { return .failure(error) }
+                do { return .answered(.success(try await body())) } catch { return .answered(.failure(error)) }
             }
             group.addTask {
                 do { try await clock.sleep(until: deadline, tolerance: nil) } catch { return nil }
-                return .failure(FetchFailure.transient("fleet: the upstream request was abandoned before the flight lease could lapse"))
+                return .abandoned
             }
-            var first: Result<FetchedToken, any Error>?
+            var first: UpstreamAnswer?
             while let next = await group.next() {
                 guard let next else { continue }
-                if case .success = next { first = next; break }
+                if case .answered(.success) = next { first = next; break }
                 if first == nil { first = next }
                 group.cancelAll()
             }
             group.cancelAll()
-            return first ?? .failure(CancellationError())
+            return first ?? .answered(.failure(CancellationError()))
         }
     }
 }

@@ -90,14 +90,14 @@ extension FleetSession {
         guard let pending = pendingCommit, !(await coordinator?.status().refreshing ?? false) else { return }
         switch await commit(pending, retryUntil: clock.now) {
         case .committed:
-            pendingCommit = nil
+            await keep(nil)
             changes.signal()
         case .overtakenByBoundary:
-            pendingCommit = nil
+            await keep(nil)
             discarded(pending.fetched)
             report(.lateAnswerDiscarded)
         case .overtakenByRefresh:
-            pendingCommit = nil
+            await keep(nil)
         case .failed:
             break
         }

@@ -78,7 +78,8 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
     /// The session's monotonic time starts here (`now`).
     nonisolated let epoch: C.Instant
     /// A refresh this broker redeemed upstream but could not commit: the issuer has rotated,
-    /// so it is committed as soon as etcd lets it, before anything else is tried.
+    /// so it is committed as soon as etcd lets it, before anything else is tried. Kept in the
+    /// state database too (`keep`), so that no stop, reload or restart loses it.
     var pendingCommit: PendingCommit?
 
     struct PendingCommit: Sendable {
@@ -86,14 +87,17 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
         var fetched: FetchedToken
         var over: FleetPlace
         var generation: Int
+        /// `next` sealed for the write after `over` (nil: not sealed yet).
+        var sealed: [UInt8]?
     }
 
     /// - Parameters:
     ///   - floor: the mark `local` holds for this session (the highest position reached before).
+    ///   - pending: the refresh `local` keeps for a commit, from before a stop or reload.
     ///   - pendingLogoutFile: where a logout that could not reach etcd is remembered until it
     ///     does, across restarts (`nil`: in memory only).
     public init(name: String, settings: FleetSettings, backend: any FleetBackend, upstream: any TokenSource, local: any FleetLocalStore,
-                floor: FleetPosition?, clock: C, wall: any WallClock, pendingLogoutFile: String? = nil,
+                floor: FleetPosition?, pending: FleetPendingCommit? = nil, clock: C, wall: any WallClock, pendingLogoutFile: String? = nil,
                 discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in },
                 report: @escaping @Sendable (FleetEvent) -> Void = { _ in }) throws(TokenCipher.Failure) {
         self.name = name
@@ -125,6 +129,35 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
         }
         self.machine = machine
         shown = Mutex(Status(health: .starting, revision: 0, position: floor ?? .start, counters: FleetCounters()))
+        if let pending { pendingCommit = Self.restore(pending, codec: codec, unixNow: wall.unixTime()) }
+    }
+
+    /// A kept commit as it was before the stop: the state it writes, over the claim it was sealed for.
+    private static func restore(_ kept: FleetPendingCommit, codec: FleetCodec, unixNow: Double) -> PendingCommit? {
+        let place = EtcdKeyValue(key: codec.keys.state, value: kept.placeValue, createRevision: kept.createRevision,
+                                 modRevision: kept.modRevision, version: kept.version, lease: 0)
+        let written = EtcdKeyValue(key: codec.keys.state, value: kept.value, createRevision: kept.createRevision, modRevision: 0,
+                                   version: kept.version + 1, lease: 0)
+        guard let next = try? codec.openState(written, unixNow: unixNow).get(), let token = FleetStateMachine.usable(next, unixNow: unixNow)
+              ?? next.accessToken.map({ FetchedToken(accessToken: $0, tokenType: next.tokenType, refreshToken: next.refreshToken) }) else { return nil }
+        return PendingCommit(next: next, fetched: token, over: FleetPlace(record: place), generation: kept.generation, sealed: kept.value)
+    }
+
+    /// Keeps `pending` (nil: forgets the one kept), in memory and in the state database.
+    func keep(_ pending: PendingCommit?) async {
+        var pending = pending
+        if let unsealed = pending, unsealed.sealed == nil { pending?.sealed = try? codec.seal(unsealed.next, over: unsealed.over.record) }
+        pendingCommit = pending
+        let kept = pending.flatMap { pending -> FleetPendingCommit? in
+            guard let sealed = pending.sealed, let place = pending.over.record else { return nil }
+            return FleetPendingCommit(value: sealed, placeValue: place.value, createRevision: place.createRevision, modRevision: place.modRevision,
+                                      version: place.version, generation: pending.generation)
+        }
+        do {
+            try await local.keepPendingCommit(name, kept)
+        } catch {
+            report(.pendingCommitNotDurable("\(error)"))
+        }
     }
 
     /// Binds the coordinator this session feeds (once, right after both are made).
@@ -168,14 +201,18 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
     /// view is taken after the version, and every change is applied before it is signalled).
     func readViewAndVersion() async throws(EtcdError) -> (view: FleetView, version: UInt64) {
         do {
+            let before = mirror.withLock { $0.revision }
             let (record, revision) = try await backend.get(keys.state)
             // Only when there is no state: is the session kept as an earlier version kept it?
             let earlier = record == nil ? try await backend.get(keys.earlierRecord).record != nil : false
             machine.reached()
             let changed = mirror.withLock { mirror -> Bool in
-                let before = (mirror.loaded, mirror.state, mirror.earlierLayout)
+                // The watch brought something newer while this read was out: the read is stale.
+                // (An older read is taken only when nothing came meanwhile: etcd went back.)
+                if mirror.loaded, revision < mirror.revision, mirror.revision != before { return false }
+                let previous = (mirror.loaded, mirror.state, mirror.earlierLayout)
                 mirror.reset(record, revision: revision, earlierLayout: earlier)
-                return !before.0 || before.1 != record || before.2 != mirror.earlierLayout
+                return !previous.0 || previous.1 != record || previous.2 != mirror.earlierLayout
             }
             if changed { changes.signal() }
             let version = changes.version

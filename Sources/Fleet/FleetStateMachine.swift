@@ -13,11 +13,13 @@ import TokenBrokerCore
 ///   published, committed or read authentically; it starts at the position its state database
 ///   remembers and never decreases. A state older than `floor` is never followed, delivered,
 ///   refreshed from or committed over: the session serves what it has and reports `rolledBack`.
+///   Nor is a state written at an older etcd revision than one this broker has seen the key
+///   hold (a restored backup, even at the position of the floor).
 /// - **Only authentic values decide.** A refused state changes nothing but health and counters.
 /// - **A flight claim holds for its lease from the moment this broker first saw it** (on its own
-///   clock), and again from scratch once etcd answers after it could not be reached: the holder
-///   gives up its upstream request a margin before its own lease ends, so no second broker
-///   starts while the first one's request may still reach the issuer.
+///   clock), and once more from scratch when etcd answers after it could not be reached (once
+///   per claim): the holder gives up its upstream request a margin before its own lease ends,
+///   so no second broker starts while the first one's request may still reach the issuer.
 /// - `bound`, once set, pairs this host's local generation with the fleet generation it stands
 ///   for; `bound.generation <= floor.generation`. A demand of another local generation is
 ///   refused (`notCaughtUp`): its session is over here.
@@ -103,6 +105,10 @@ struct FleetStateMachine: Sendable {
     private var ownWrite: FleetPosition?
     /// The state revision whose flight claim this broker saw first, and when (its own clock).
     private var claimSeen: (revision: Int64, at: Duration)?
+    /// The claim whose clock an outage has restarted already (each is restarted once).
+    private var claimRestarted: Int64?
+    /// The highest etcd revision at which this broker has seen the state key written.
+    private var highestRevision: Int64 = 0
 
     init(session: String, floor: FleetPosition?) {
         self.session = session
@@ -133,7 +139,10 @@ struct FleetStateMachine: Sendable {
     mutating func reached() {
         if unreachable != nil {
             events.append(.available)
-            claimSeen = nil
+            if let seen = claimSeen, claimRestarted != seen.revision {
+                claimRestarted = seen.revision
+                claimSeen = nil
+            }
         }
         unreachable = nil
     }
@@ -144,6 +153,8 @@ struct FleetStateMachine: Sendable {
     private mutating func check(_ view: FleetView, now: Duration) -> FleetState? {
         let before = trust
         var usable: FleetState?
+        let written = view.place.modRevision
+        defer { highestRevision = max(highestRevision, written) }
         switch view.state {
         case let .refused(problem, place):
             if reported != place.modRevision {
@@ -152,14 +163,14 @@ struct FleetStateMachine: Sendable {
                 events.append(.valueRefused(field: "state", problem: problem.description, revision: place.modRevision))
             }
             trust = .untrusted("the fleet's state \(problem)")
+        case .absent where floor > .start:
+            trust = .rolledBack(seen: nil, floor: floor)
         case .absent where view.earlierLayout:
             trust = .earlierLayout
             if before != .earlierLayout { events.append(.earlierLayout) }
-        case .absent where floor > .start:
-            trust = .rolledBack(seen: nil, floor: floor)
         case .absent:
             trust = .healthy
-        case let .valid(state, _) where state.position < floor:
+        case let .valid(state, place) where state.position < floor || place.modRevision < highestRevision:
             trust = .rolledBack(seen: state.position, floor: floor)
         case let .valid(state, place):
             floor = state.position
@@ -338,7 +349,11 @@ struct FleetStateMachine: Sendable {
         if phase != .active, let ending, let current = view.validState, current.position.generation > ending {
             return .overtaken(generation: current.position.generation)
         }
-        guard let next = FleetPosition.nextGeneration(after: [floor, view.validState?.position ?? .start], atLeast: view.revision + 1) else {
+        // (At most 2^32 past what this broker knows: one answer with a huge revision, from a
+        // member that lies, cannot use the generations up.)
+        let known = max(floor.generation, view.validState?.position.generation ?? 0)
+        guard let next = FleetPosition.nextGeneration(after: [floor, view.validState?.position ?? .start],
+                                                      atLeast: min(view.revision + 1, known + (1 << 32))) else {
             events.append(.exhausted)
             return .exhausted
         }

@@ -70,9 +70,11 @@ struct FleetPlace: Sendable, Equatable {
 
     static let absent = FleetPlace(record: nil)
 
-    /// The comparison a write over this place makes.
-    func compare(_ key: [UInt8]) -> EtcdCompare {
-        record == nil ? .createRevision(key: key, equals: 0) : .modRevision(key: key, equals: modRevision)
+    /// The comparisons a write over this place makes: its revision and its very value (a value
+    /// is unique, its nonce random: no restore that sends revisions back can pass for it).
+    func compare(_ key: [UInt8]) -> [EtcdCompare] {
+        guard let record else { return [.createRevision(key: key, equals: 0)] }
+        return [.modRevision(key: key, equals: record.modRevision), .value(key: key, equals: record.value)]
     }
 }
 

@@ -31,7 +31,7 @@ public struct StoreError: Error, Sendable, Equatable, CustomStringConvertible {
 /// All SQLite work runs on one dedicated thread, in order.
 public final class SQLiteSessionStore: SessionStore {
     /// The schema version this build writes; older databases are migrated forward.
-    public static let schemaVersion: Int32 = 2
+    public static let schemaVersion: Int32 = 3
 
     private final class Connection: @unchecked Sendable {
         // @unchecked: the handle is used only on the store's serial thread.
@@ -210,6 +210,21 @@ public final class SQLiteSessionStore: SessionStore {
             PRIMARY KEY (session, prefix)
         ) STRICT;
         """,
+        // 3: per session and fleet prefix, a refresh redeemed upstream but not yet committed to
+        // the fleet (its values sealed with the fleet key), kept across stops.
+        """
+        CREATE TABLE fleet_pending (
+            session TEXT NOT NULL,
+            prefix TEXT NOT NULL,
+            value TEXT NOT NULL,
+            place_value TEXT NOT NULL,
+            create_revision INTEGER NOT NULL,
+            mod_revision INTEGER NOT NULL,
+            version INTEGER NOT NULL,
+            local_generation INTEGER NOT NULL,
+            PRIMARY KEY (session, prefix)
+        ) STRICT;
+        """,
     ]
 
     private static func migrate(_ db: OpaquePointer) throws {
@@ -293,6 +308,64 @@ public final class SQLiteSessionStore: SessionStore {
         }
     }
 
+    /// A fleet's commit still owed, as kept: its sealed values, revisions and local generation.
+    public struct PendingFleetCommit: Sendable, Equatable {
+        public var value: String
+        public var placeValue: String
+        public var createRevision: Int64
+        public var modRevision: Int64
+        public var version: Int64
+        public var generation: Int64
+        public init(value: String, placeValue: String, createRevision: Int64, modRevision: Int64, version: Int64, generation: Int64) {
+            (self.value, self.placeValue, self.createRevision, self.modRevision, self.version, self.generation) =
+                (value, placeValue, createRevision, modRevision, version, generation)
+        }
+    }
+
+    /// Keeps `pending` for the session under `prefix` (nil: removes it), durably.
+    public func keepPendingFleetCommit(_ session: String, prefix: String, _ pending: PendingFleetCommit?) async throws {
+        let connection = self.connection
+        try await thread.run {
+            if let pending {
+                let statement = try Statement(connection.db, """
+                    INSERT OR REPLACE INTO fleet_pending (session, prefix, value, place_value, create_revision, mod_revision, version,
+                                                          local_generation) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+                    """)
+                statement.bind(1, session)
+                statement.bind(2, prefix)
+                statement.bind(3, pending.value)
+                statement.bind(4, pending.placeValue)
+                statement.bind(5, pending.createRevision)
+                statement.bind(6, pending.modRevision)
+                statement.bind(7, pending.version)
+                statement.bind(8, pending.generation)
+                try statement.run()
+            } else {
+                let statement = try Statement(connection.db, "DELETE FROM fleet_pending WHERE session = ?1 AND prefix = ?2")
+                statement.bind(1, session)
+                statement.bind(2, prefix)
+                try statement.run()
+            }
+        }
+    }
+
+    /// The commit kept for the session under `prefix`, if any.
+    public func pendingFleetCommit(_ session: String, prefix: String) async throws -> PendingFleetCommit? {
+        let connection = self.connection
+        return try await thread.run {
+            let statement = try Statement(connection.db, """
+                SELECT value, place_value, create_revision, mod_revision, version, local_generation FROM fleet_pending
+                WHERE session = ?1 AND prefix = ?2
+                """)
+            statement.bind(1, session)
+            statement.bind(2, prefix)
+            guard try statement.step(), let value = statement.text(0), let place = statement.text(1), let created = statement.int(2),
+                  let modified = statement.int(3), let version = statement.int(4), let generation = statement.int(5) else { return nil }
+            return PendingFleetCommit(value: value, placeValue: place, createRevision: created, modRevision: modified, version: version,
+                                      generation: generation)
+        }
+    }
+
     /// The session's mark under `prefix`, or nil when none is stored.
     public func mark(_ session: String, prefix: String) async throws -> HistoryMark? {
         let connection = self.connection
@@ -313,9 +386,11 @@ public final class SQLiteSessionStore: SessionStore {
             statement.bind(1, session)
             try statement.run()
             let removed = sqlite3_changes(connection.db) > 0
-            let marks = try Statement(connection.db, "DELETE FROM fleet_marks WHERE session = ?1")
-            marks.bind(1, session)
-            try marks.run()
+            for table in ["fleet_marks", "fleet_pending"] {
+                let statement = try Statement(connection.db, "DELETE FROM \(table) WHERE session = ?1")
+                statement.bind(1, session)
+                try statement.run()
+            }
             if removed { try Self.execute(connection.db, "PRAGMA wal_checkpoint(TRUNCATE)") }
             return removed
         }

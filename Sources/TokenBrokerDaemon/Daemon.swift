@@ -48,6 +48,7 @@ public final class Daemon: Sendable {
     private let metrics = Metrics(version: Daemon.version)
     /// Fleet marks of sessions kept in memory (development mode, no state database).
     private let fleetMarks = SynchronizedBox<[String: FleetPosition]>([:])
+    private let fleetPending = SynchronizedBox<[String: FleetPendingCommit]>([:])
     /// The number of open client connections (set once the server exists).
     private let connectionCount = SynchronizedBox<@Sendable () -> Int>({ 0 })
 
@@ -503,10 +504,13 @@ public final class Daemon: Sendable {
         }
         var fleet: DaemonFleetSession?
         if let settings = session.fleet {
-            let local = FleetStateStore(state: state, prefix: settings.prefix, metrics: metrics, memory: state.database == nil ? fleetMarks : nil)
+            let local = FleetStateStore(state: state, prefix: settings.prefix, metrics: metrics, memory: state.database == nil ? fleetMarks : nil,
+                                        pendingMemory: state.database == nil ? fleetPending : nil)
             var floor: FleetPosition?
+            var pending: FleetPendingCommit?
             do {
                 floor = try await local.mark(session.name)
+                pending = try await local.pendingCommit(session.name)
             } catch {
                 logger.error("session \(session.name): cannot read the position this broker has reached in the fleet: \(error); "
                              + "until a write succeeds, an older history in etcd would not be recognised", session: session.name)
@@ -515,7 +519,7 @@ public final class Daemon: Sendable {
                 fleet = try DaemonFleetSession(
                     name: session.name, settings: settings,
                     backend: EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout),
-                    upstream: source, local: local, floor: floor, clock: ContinuousClock(), wall: SystemWallClock(),
+                    upstream: source, local: local, floor: floor, pending: pending, clock: ContinuousClock(), wall: SystemWallClock(),
                     pendingLogoutFile: state.directory.map { "\($0)/fleet-logout-\(session.name)" },
                     discarded: discardedTokenRevocation(session, upstream), report: fleetReport(session.name))
             } catch {

@@ -10,8 +10,10 @@ struct FleetStateStore: FleetLocalStore {
     let state: StateStore
     let prefix: String
     let metrics: Metrics
-    /// Marks of sessions without a database (development mode), for the daemon's lifetime.
+    /// Marks and kept commits of sessions without a database (development mode), for the
+    /// daemon's lifetime.
     let memory: SynchronizedBox<[String: FleetPosition]>?
+    let pendingMemory: SynchronizedBox<[String: FleetPendingCommit]>?
 
     func load(_ session: String) async throws -> SessionRecord? {
         try await state.sessions.load(session)
@@ -34,6 +36,25 @@ struct FleetStateStore: FleetLocalStore {
             metrics.storeWrite(seconds: started.duration(to: .now).seconds, failed: true)
             throw error
         }
+    }
+
+    func pendingCommit(_ session: String) async throws -> FleetPendingCommit? {
+        guard let database = state.database else { return pendingMemory?.value[session] }
+        guard let kept = try await database.pendingFleetCommit(session, prefix: prefix) else { return nil }
+        return FleetPendingCommit(value: Array(kept.value.utf8), placeValue: Array(kept.placeValue.utf8), createRevision: kept.createRevision,
+                                  modRevision: kept.modRevision, version: kept.version, generation: Int(clamping: kept.generation))
+    }
+
+    func keepPendingCommit(_ session: String, _ pending: FleetPendingCommit?) async throws {
+        guard let database = state.database else {
+            pendingMemory?.modify { $0[session] = pending }
+            return
+        }
+        try await database.keepPendingFleetCommit(session, prefix: prefix, pending.map {
+            SQLiteSessionStore.PendingFleetCommit(value: String(decoding: $0.value, as: UTF8.self), placeValue: String(decoding: $0.placeValue, as: UTF8.self),
+                                                  createRevision: $0.createRevision, modRevision: $0.modRevision, version: $0.version,
+                                                  generation: Int64($0.generation))
+        })
     }
 
     func mark(_ session: String) async throws -> FleetPosition? {

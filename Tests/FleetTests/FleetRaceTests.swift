@@ -351,6 +351,9 @@ struct FleetTamperTests {
         let outcome = try await holder.all()[0]
         if deleted {
             #expect(outcome.value == nil, "A served an answer the fleet does not hold")
+            // A keeps it for a commit; a login elsewhere makes it worthless: handed back for revocation.
+            _ = try await b.coordinator.login(refreshToken: h.issuer.login())
+            try await eventually("A's kept answer is handed back once the login is followed") { a.discarded.value == ["refresh-3"] }
         } else {
             let token = try #require(outcome.value?.token.reveal)
             try await eventually("B follows A's commit, written over the garbage") { b.token == token }
@@ -460,6 +463,231 @@ struct FleetTamperTests {
         h.brokers.append(late)
         await late.fleet.firstSync(within: .seconds(5))
         #expect(late.token == first, "run \(run)")
+        await h.stopAll()
+    }
+}
+
+/// The cases a second adversarial review found, each failing before its fix: a claim brought
+/// back by a restored backup, a commit kept across a clean stop, a read that comes back after
+/// the watch brought something newer, a lying member's revision, a late commit over garbage
+/// that its holder cannot tell from a logout, a slow commit within the holder's reserve, a
+/// broker behind the others publishing over garbage, and a claim first seen late.
+@Suite("Fleet race suite: a second review")
+struct FleetSecondReviewTests {
+    @Test("a backup taken while A's claim was current, restored after A's commit was blocked → B, which saw the claim replaced, does not take over from the spent token; A's kept commit lands")
+    func restoredClaim() async throws {
+        let h = try await FleetHarness(brokers: 2)
+        let first = try await h.logIn()
+        let (a, b) = (h.brokers[0], h.brokers[1])
+        h.issuer.hold()
+        let holder = Calls(1) { _ in try await a.coordinator.recover(rejected: Secret(first)) }
+        let issuer = h.issuer
+        try await eventually("A's refresh is held") { issuer.parkedCount == 1 }
+        try await eventually("B has seen A's claim") { b.fleet.status.flightHolder?.hasPrefix("host-0 ") == true }
+        let backup = h.etcd.snapshot
+        h.etcd.write(FleetHarness.stateKey, Array("garbage-1".utf8))
+        h.etcd.write(FleetHarness.stateKey, Array("garbage-2".utf8))
+        try await eventually("B has seen the garbage") { b.fleet.status.counters.refusedValues >= 1 }
+        issuer.release()
+        #expect(try await holder.all()[0].value == nil, "A served a token it could not commit")
+        h.advance(by: .seconds(61))
+        h.etcd.restore(backup)
+        await #expect(throws: SessionError.self) { try await b.coordinator.recover(rejected: Secret(first)) }
+        #expect(issuer.counters.replays == 0 && issuer.counters.requests == 2, "\(issuer.counters)")
+        // A's kept commit is written over its own claim, now back in etcd; everyone follows.
+        h.etcd.endWatches()
+        h.advance(by: .seconds(1))
+        try await eventually("B follows A's commit") { b.token == "access-3" }
+        #expect(issuer.counters.replays == 0)
+        await h.stopAll()
+    }
+
+    @Test("etcd away for longer than two leases after the issuer answered A: the refresh is kept in A's state database across a clean stop and committed after the restart; no broker presents the spent token")
+    func keptCommitAcrossStop() async throws {
+        var h = try await FleetHarness(brokers: 2)
+        let first = try await h.logIn()
+        let (a, b) = (h.brokers[0], h.brokers[1])
+        let issuer = h.issuer
+        issuer.hold()
+        let holder = Calls(1) { _ in try await a.coordinator.recover(rejected: Secret(first)) }
+        try await eventually("A's refresh is held") { issuer.parkedCount == 1 }
+        h.etcd.setUnavailable(true)
+        issuer.release()
+        try await eventually("A has the answer and tries its commit") { issuer.counters.refreshes == 2 }
+        // Time passes, a second at a time, past twice the lease: A gives the commit up for now.
+        let brokers = h
+        try await eventually("A gives its commit up for now") {
+            brokers.advance(by: .seconds(1))
+            return holder.finished == 1
+        }
+        #expect(try await holder.all()[0].value == nil)
+        try await eventually("A keeps the refresh in its state database") { (try? await a.store.pendingCommit("api")) != nil }
+        await a.stop()
+        h.etcd.setUnavailable(false)
+        let restarted = try await h.start("host-0", store: a.store)
+        h.brokers[0] = restarted
+        try await eventually("the kept commit lands and both brokers serve its token") { restarted.token == "access-3" && b.token == "access-3" }
+        #expect(try await a.store.pendingCommit("api") == nil)
+        let next = try await b.coordinator.recover(rejected: Secret("access-3")).token.reveal
+        #expect(next == "access-4" && issuer.counters.replays == 0, "\(issuer.counters)")
+        await h.stopAll()
+    }
+
+    @Test("a read answered before a logout elsewhere comes back after the watch brought the logout → it is dropped: B follows the logout at once, and reports no rollback")
+    func staleReadDropped() async throws {
+        let h = try await FleetHarness(brokers: 2)
+        _ = try await h.logIn()
+        let (a, b) = (h.brokers[0], h.brokers[1])
+        b.link.holdNextAnswer()
+        b.clock.advance(by: .seconds(10))   // B's read after ten quiet seconds
+        try await eventually("B's read is answered and on its way") { b.link.answerParked }
+        try await a.coordinator.logout()
+        let revision = h.etcd.snapshot.revision
+        try await eventually("B's watch has brought the logout") { b.fleet.mirror.withLock { $0.revision } >= revision }
+        b.link.releaseAnswer()
+        try await eventually("B follows the logout") { b.token == nil }
+        #expect(b.fleet.status.counters.rollbacks == 0 && b.fleet.status.health == .healthy)
+        await h.stopAll()
+    }
+
+    @Test("one read answered with a huge revision (a member that lies) during a login → the generation moves on by a bounded step; later logouts still reach every broker")
+    func forgedRevision() async throws {
+        let h = try await FleetHarness(brokers: 2)
+        _ = try await h.logIn()
+        let (a, b) = (h.brokers[0], h.brokers[1])
+        a.link.forgedRevision.withLock { $0 = FleetPosition.limit - 2 }
+        _ = try await a.coordinator.login(refreshToken: h.issuer.login())
+        let fresh = try await a.coordinator.token().token.reveal
+        try await eventually("B follows the login") { b.token == fresh }
+        #expect(try h.stored()!.position.generation < FleetPosition.limit / 2)
+        try await a.coordinator.logout()
+        try await eventually("B follows the logout") { b.token == nil }
+        await h.stopAll()
+    }
+
+    @Test("a late commit whose holder has not applied the logout, the logout then garbled → not written over it: the one-write rule; a broker with history serves nothing after a restart")
+    func lateCommitHolderUnaware() async throws {
+        var h = try await FleetHarness(brokers: 3)
+        let first = try await h.logIn()
+        let (a, b, c) = (h.brokers[0], h.brokers[1], h.brokers[2])
+        await c.kill()
+        // B applies nothing the fleet does meanwhile: its serializer is held.
+        let gate = Locked<CheckedContinuation<Void, Never>?>(nil)
+        let blocker = Task { await b.fleet.serializer.run { await withCheckedContinuation { continuation in gate.withLock { $0 = continuation } } } }
+        try await eventually("B's serializer is held") { gate.value != nil }
+        let issuer = h.issuer
+        issuer.hold()
+        let waiter = Calls(1) { _ in try await b.coordinator.recover(rejected: Secret(first)) }
+        try await eventually("B's refresh is held") { issuer.parkedCount == 1 }
+        try await a.coordinator.logout()
+        h.etcd.write(FleetHarness.stateKey, Array("garbage".utf8))
+        issuer.release()
+        #expect(try await waiter.all()[0].value == nil, "B served its late answer")
+        gate.withLock { $0?.resume(); $0 = nil }
+        await blocker.value
+        #expect(h.etcd.entry(FleetHarness.stateKey)?.value == Array("garbage".utf8), "the late commit was written over the garbage")
+        let restarted = try await h.start("host-2", store: c.store)
+        h.brokers[2] = restarted
+        try await eventually("the restarted broker has read the fleet") {
+            if case .untrusted = restarted.fleet.status.health { return true } else { return false }
+        }
+        #expect(restarted.token == nil, "a broker with history serves the ended session")
+        await h.stopAll()
+    }
+
+    @Test("the issuer answers late in the holder's budget and its commit takes the second it keeps for it → no other broker takes over meanwhile; no replay")
+    func commitWithinReserve() async throws {
+        let h = try await FleetHarness(brokers: 2)
+        let first = try await h.logIn()
+        let (a, b) = (h.brokers[0], h.brokers[1])
+        let issuer = h.issuer
+        issuer.hold()
+        let holder = Calls(1) { _ in try await a.coordinator.recover(rejected: Secret(first)) }
+        try await eventually("A's refresh is held") { issuer.parkedCount == 1 }
+        try await eventually("B has seen A's claim") { b.fleet.status.flightHolder?.hasPrefix("host-0 ") == true }
+        h.advance(by: .milliseconds(56_900))   // the budget: 60 s - 2 s margin - 1 s for the commit
+        h.etcd.hold(.transaction)
+        issuer.release()
+        try await eventually("A's commit is on its way") { h.etcd.parkedCount(.transaction) == 1 }
+        h.advance(by: .milliseconds(1_000))
+        let waiting = Calls(1) { _ in try await b.coordinator.recover(rejected: Secret(first)) }
+        try await eventually("B waits for A's claim") { b.waits >= 1 }
+        h.etcd.release(.transaction)
+        let token = try await holder.all()[0].get().token.reveal
+        #expect(try await waiting.all()[0].get().token.reveal == token)
+        #expect(issuer.counters.replays == 0 && issuer.counters.requests == 2, "\(issuer.counters)")
+        await h.stopAll()
+    }
+
+    @Test("a broker whose history is behind the others' logs out over a garbled state → its generation is past etcd's revision, so the others follow it (not a rollback to them)")
+    func laggingBrokerPublishes() async throws {
+        var h = try await FleetHarness(brokers: 3)
+        _ = try await h.logIn()
+        let a = h.brokers[0]
+        await a.kill()
+        _ = try await h.brokers[1].coordinator.login(refreshToken: h.issuer.login())
+        let second = try await h.brokers[1].coordinator.token().token.reveal
+        let (b, c) = (h.brokers[1], h.brokers[2])
+        try await eventually("C follows B's login") { c.token == second }
+        h.etcd.write(FleetHarness.stateKey, Array("garbage".utf8))
+        let restarted = try await h.start("host-0", store: a.store)
+        h.brokers[0] = restarted
+        try await eventually("A has read the garbage") {
+            if case .untrusted = restarted.fleet.status.health { return true } else { return false }
+        }
+        try await restarted.coordinator.logout()
+        try await eventually("B and C follow A's logout") { b.token == nil && c.token == nil }
+        #expect(b.fleet.status.counters.rollbacks == 0 && c.fleet.status.counters.rollbacks == 0)
+        await h.stopAll()
+    }
+
+    @Test("a broker that first sees a claim late (its link was down) holds it for a whole lease from then, by its own clock")
+    func claimFirstSeenLate() async throws {
+        let h = try await FleetHarness(brokers: 2)
+        let first = try await h.logIn()
+        let (b, c) = (h.brokers[0], h.brokers[1])
+        c.link.sever()
+        let issuer = h.issuer
+        issuer.hold()
+        _ = Calls(1) { _ in try await b.coordinator.recover(rejected: Secret(first)) }
+        try await eventually("B's refresh is held") { issuer.parkedCount == 1 }
+        c.clock.advance(by: .seconds(30))
+        c.link.mend()   // the claim reaches C now, at 30 s on its clock
+        try await eventually("C has seen B's claim") { c.fleet.status.flightHolder?.hasPrefix("host-0 ") == true }
+        b.link.sever()
+        await b.kill()
+        let waiter = Calls(1) { _ in try await c.coordinator.recover(rejected: Secret(first)) }
+        try await eventually("C waits") { c.waits >= 1 }
+        c.clock.advance(by: .seconds(59))   // 89 s on C's clock: 59 s since it saw the claim
+        try await eventually("C's wait has woken and waits on") { c.clock.wakeTimes.contains(.seconds(90)) }
+        #expect(issuer.counters.requests == 2, "C took over before a lease had passed since it saw the claim")
+        c.clock.advance(by: .seconds(1))
+        let token = try await waiter.all()[0].get().token.reveal
+        #expect(token == "access-3" && issuer.counters.replays == 0)
+        await h.stopAll()
+    }
+}
+
+extension FleetSecondReviewTests {
+    @Test("the issuer has not answered when the holder's budget (its lease less the margin and its commit's second) is spent → the request is abandoned, never processed, and nobody tries again before the lease would have ended")
+    func abandonedAtBudget() async throws {
+        let h = try await FleetHarness(brokers: 2)
+        let first = try await h.logIn()
+        let (a, b) = (h.brokers[0], h.brokers[1])
+        let issuer = h.issuer
+        issuer.hold()
+        let holder = Calls(1) { _ in try await a.coordinator.recover(rejected: Secret(first)) }
+        try await eventually("A's refresh is held") { issuer.parkedCount == 1 }
+        try await eventually("B has seen A's claim") { b.fleet.status.flightHolder?.hasPrefix("host-0 ") == true }
+        h.advance(by: .milliseconds(57_500))
+        let outcome = try await holder.all("A abandons its request")[0]
+        #expect(outcome.value == nil && issuer.counters.refreshes == 1, "the abandoned request was processed: \(issuer.counters)")
+        try await eventually("B has heard of the backoff") { b.fleet.status.flightHolder == nil }
+        await #expect(throws: SessionError.self) { try await b.coordinator.recover(rejected: Secret(first)) }
+        #expect(issuer.counters.requests == 2, "B tried again before A's lease would have ended")
+        h.advance(by: .seconds(3))
+        let token = try await b.coordinator.recover(rejected: Secret(first)).token.reveal
+        #expect(token == "access-3" && issuer.counters.replays == 0)
         await h.stopAll()
     }
 }

@@ -12,7 +12,7 @@ import Varlink
 @Suite("Fleet mode: brokers sharing a session through etcd", .serialized)
 struct FleetDaemonTests {
     /// The flight lease of the tests (the shortest allowed): the takeover waits for it.
-    static let lease = 6
+    static let lease = 8
 
     final class Fleet: @unchecked Sendable {
         // @unchecked: set up once; `brokers` changes only on the test's own task (restarts).

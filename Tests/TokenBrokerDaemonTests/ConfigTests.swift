@@ -163,7 +163,7 @@ struct ConfigTests {
         ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\n[Session]\nName=api\nUpstream=test\nFleet=yes", 7,
          "Fleet=yes needs an OAuth session with Grant=refresh_token (a refresh token family is what the fleet shares)"),
         ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\nFlightLease=20s\n" + fleetSession + "RequestTimeout=30s", 7,
-         "[Fleet] FlightLease= (20.0s) must be at least the session's RequestTimeout= (30.0s) plus 5s"),
+         "[Fleet] FlightLease= (20.0s) must be at least the session's RequestTimeout= (30.0s) plus 5s, plus [Fleet] RequestTimeout= for each endpoint (2.0s)"),
         ("[Session]\nName=api\nUpstream=test\nFleet=maybe", 4, "Fleet= must be yes or no"),
     ])
     func fleetErrors(text: String, line: Int, message: String) throws {

@@ -68,12 +68,14 @@ public enum ConfigLoader {
                 guard case let .oauth(settings) = session.upstream, settings.grant == .refreshToken else {
                     throw fail("Fleet=yes needs an OAuth session with Grant=refresh_token (a refresh token family is what the fleet shares)")
                 }
-                // The flight's holder gives up its upstream request before the lease can lapse:
-                // a request that may take longer would be cut short every time.
+                // The flight's holder gives up its upstream request before its lease ends, leaving
+                // time for one commit to etcd: a request that may take longer would be cut short
+                // every time.
                 let upstream = settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero)
-                guard fleet.flightLease >= upstream + .seconds(5) else {
+                guard fleet.flightLease >= upstream + .seconds(5) + fleet.commitReserve else {
                     throw fail("[Fleet] FlightLease= (\(fleet.flightLease.seconds)s) must be at least the session's RequestTimeout= "
-                               + "(\(settings.client.timeout.seconds)s)\(settings.issuer == nil ? "" : ", plus its discovery deadline,") plus 5s")
+                               + "(\(settings.client.timeout.seconds)s)\(settings.issuer == nil ? "" : ", plus its discovery deadline,") plus 5s, "
+                               + "plus [Fleet] RequestTimeout= for each endpoint (\(fleet.commitReserve.seconds)s)")
                 }
                 session.fleet = fleet
             }

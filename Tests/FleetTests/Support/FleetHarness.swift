@@ -126,6 +126,21 @@ final class Link: FleetBackend {
 
     func sever() { state.withLock { $0.cut = true } }
 
+    /// The next read's answer carries this header revision (a member or proxy that lies).
+    let forgedRevision = Locked<Int64?>(nil)
+    /// The next read's answer, once computed, waits until `releaseAnswer()` (an answer on its way).
+    private let answerHold = Locked<(armed: Bool, parked: CheckedContinuation<Void, Never>?)>((false, nil))
+    func holdNextAnswer() { answerHold.withLock { $0.armed = true } }
+    var answerParked: Bool { answerHold.withLock { $0.parked != nil } }
+
+    func releaseAnswer() {
+        let parked = answerHold.withLock { hold -> CheckedContinuation<Void, Never>? in
+            defer { hold = (false, nil) }
+            return hold.parked
+        }
+        parked?.resume()
+    }
+
     func mend() {
         let waiting = state.withLock { state in
             state.cut = false
@@ -141,7 +156,20 @@ final class Link: FleetBackend {
 
     func get(_ key: [UInt8]) async throws(EtcdError) -> (record: EtcdKeyValue?, revision: Int64) {
         try check()
-        return try await inner.get(key)
+        var answer = try await inner.get(key)
+        if let forged = forgedRevision.withLock({ forged -> Int64? in
+            defer { forged = nil }
+            return forged
+        }) {
+            answer.revision = forged
+        }
+        if answerHold.withLock({ hold -> Bool in
+            defer { hold.armed = false }
+            return hold.armed
+        }) {
+            await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in answerHold.withLock { $0.parked = continuation } }
+        }
+        return answer
     }
 
     func transaction(_ compare: [EtcdCompare], success: [EtcdOperation], failure: [EtcdOperation]) async throws(EtcdError) -> EtcdTransaction {
@@ -184,11 +212,14 @@ final class TestBroker: Sendable {
         let clock = TestClock()
         self.clock = clock
         link = Link(etcd)
-        let settings = FleetSettings(endpoints: [], prefix: "/t", key: FleetHarness.key, flightLease: lease, requestTimeout: .seconds(1), member: name)
+        // (One endpoint: a holder keeps one second of its lease for its commit.)
+        let settings = FleetSettings(endpoints: ["memory:"], prefix: "/t", key: FleetHarness.key, flightLease: lease, requestTimeout: .seconds(1),
+                                     member: name)
         let discarded = self.discarded
         let events = self.events
         fleet = try FleetSession(name: "api", settings: settings, backend: link, upstream: issuer, local: store,
-                                 floor: try await store.mark("api"), clock: clock, wall: clock, pendingLogoutFile: pendingLogoutFile,
+                                 floor: try await store.mark("api"), pending: try await store.pendingCommit("api"), clock: clock, wall: clock,
+                                 pendingLogoutFile: pendingLogoutFile,
                                  discarded: { fetched in discarded.withLock { $0.append(fetched.refreshToken?.reveal ?? "-") } },
                                  report: { event in events.withLock { $0.append(event) } })
         // As the daemon restores a fleet session: its generation, signed out until the fleet is read.
