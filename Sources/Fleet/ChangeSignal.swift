@@ -34,14 +34,17 @@ final class ChangeSignal<C: Clock>: Sendable where C.Duration == Duration {
 
     /// Returns at the next change after `version`, after `limit`, or at cancellation.
     func wait(after version: UInt64, upTo limit: Duration) async {
-        guard limit > .zero else { return }
+        await wait(after: version, until: clock.now.advanced(by: limit))
+    }
+
+    /// Returns at the next change after `version`, at `deadline`, or at cancellation.
+    func wait(after version: UInt64, until deadline: C.Instant) async {
+        guard clock.now < deadline else { return }
         let id = state.withLock { state -> UInt64 in
             state.nextWaiter &+= 1
             state.active.insert(state.nextWaiter)
             return state.nextWaiter
         }
-        // The deadline is fixed now, not when the timer task first runs.
-        let deadline = clock.now.advanced(by: limit)
         let timer = Task { [clock, weak self] in
             try? await clock.sleep(until: deadline, tolerance: nil)
             self?.wake(id)

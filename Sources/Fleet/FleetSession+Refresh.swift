@@ -56,8 +56,10 @@ extension FleetSession {
                     waited = true
                     report(.waitingForHolder(claim.holder))
                 }
-                let limit = min(.seconds(1), until - now(), clock.now.duration(to: deadline))
-                await changes.wait(after: version, upTo: limit)
+                // One instant, from the claim's end on this broker's clock, a second from now and
+                // the demand's deadline: the earliest.
+                let claimEnds = epoch.advanced(by: until)
+                await changes.wait(after: version, until: min(claimEnds, clock.now.advanced(by: .seconds(1)), deadline))
             case let .takeFlight(state, place):
                 if let flight = try await takeFlight(from: state, over: place) {
                     return try await refreshAsHolder(request, flight)

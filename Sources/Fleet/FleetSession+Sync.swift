@@ -135,6 +135,9 @@ extension FleetSession {
             case let .logOut(state):
                 let wasActive = await coordinator.status().state == .active
                 let hadBound = machine.bound != nil
+                // First contact with a fleet that is signed out, and nothing active here: there
+                // is nothing to end (a logout now would only undo a login this host is making).
+                if !hadBound, !wasActive { return .done }
                 let generation = await coordinator.logoutReplicated()
                 machine.followed(state, local: generation)
                 if let state, wasActive || hadBound {
