@@ -26,6 +26,9 @@ public final class DevIssuer: Sendable {
         /// Polling interval the device flow asks for.
         public var deviceInterval: Duration = .seconds(5)
         public var deviceExpiresIn: Duration = .seconds(600)
+        /// The device grant's two requests must carry `client_id` in the form, whatever the client
+        /// authentication, as oauthlib (django-oauth-toolkit) requires; refused with its own words.
+        public var deviceRequiresClientIDInBody = false
 
         public init() {}
     }
@@ -37,6 +40,8 @@ public final class DevIssuer: Sendable {
         /// Answer with this status and a JSON OAuth error (`nil`: an empty body), and
         /// optionally `Retry-After`.
         case status(Int, error: String?, retryAfter: Int?)
+        /// Answer with this status, an OAuth error and its `error_description`.
+        case described(Int, error: String, description: String)
         /// 200 with a body that is not JSON.
         case malformedBody
         /// Close the connection without answering, *after* processing the request (a lost
@@ -261,6 +266,8 @@ public final class DevIssuer: Sendable {
             }
             credentials = (FormEncoding.unescape(String(decoding: decoded[..<colon], as: UTF8.self)),
                            FormEncoding.unescape(String(decoding: decoded[(colon + 1)...], as: UTF8.self)))
+            // A client_id in the form as well must name the same client.
+            if let id = form["client_id"], id != credentials?.0 { return .refused(Self.invalidClient()) }
         } else if let id = form["client_id"], let secret = form["client_secret"] {
             credentials = (id, secret)
         }
@@ -280,6 +287,8 @@ public final class DevIssuer: Sendable {
             var headers: [(String, String)] = [("Content-Type", "application/json")]
             if let retryAfter { headers.append(("Retry-After", "\(retryAfter)")) }
             return .respond(status: status, headers: headers, body: error.map { JSON.object(["error": .string($0)]).encoded } ?? [])
+        case let .described(status, error, description)?:
+            return Self.json(status, ["error": .string(error), "error_description": .string(description)])
         case .malformedBody?:
             return .respond(status: 200, headers: [("Content-Type", "application/json")], body: Array("{\"access_token\": ".utf8))
         case .hold?:
@@ -334,6 +343,9 @@ public final class DevIssuer: Sendable {
                 return tokenAnswer(mintAccess(&state, family: nil), refresh: nil)
             }
         case "urn:ietf:params:oauth:grant-type:device_code":
+            if options.deviceRequiresClientIDInBody, form["client_id"] == nil {
+                return Self.oauthError("invalid_request", description: "Missing client_id parameter.")
+            }
             guard let code = form["device_code"] else { return Self.oauthError("invalid_request") }
             return state.withLock { state in
                 state.counters.deviceGrants += 1
@@ -372,6 +384,9 @@ public final class DevIssuer: Sendable {
         switch authenticate(request, form) {
         case let .client(id): clientID = id
         case let .refused(answer): return answer
+        }
+        if options.deviceRequiresClientIDInBody, form["client_id"] == nil {
+            return Self.oauthError("invalid_request", description: "Missing client_id parameter.")
         }
         let code = Self.random(32)
         let userCode = Self.userCode()
@@ -482,8 +497,10 @@ public final class DevIssuer: Sendable {
                  body: JSON.object(["error": "invalid_client"]).encoded)
     }
 
-    private static func oauthError(_ code: String) -> HTTPServerAction {
-        json(400, ["error": .string(code)])
+    private static func oauthError(_ code: String, description: String? = nil) -> HTTPServerAction {
+        var body: JSONObject = ["error": .string(code)]
+        if let description { body["error_description"] = .string(description) }
+        return json(400, .object(body))
     }
 
     private static func json(_ status: Int, _ value: JSON, extra: [(String, String)] = []) -> HTTPServerAction {

@@ -222,14 +222,15 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
                 return
             }
             resolve(resolution)
+            // The journal gets the server's own words too (`lastError`); workers get the reason.
             if case let .ended(reason) = machine.phase {
-                report(.ended(reason: reason))
+                report(.ended(reason: machine.lastError ?? reason))
             } else {
                 var refused = false
                 if case .refused = failure.kind { refused = true }
                 var retryAfter: Duration?
                 if case let .failure(.refreshFailed(_, _, wait)) = resolution.result { retryAfter = wait }
-                report(.failed(reason: failure.reason, refused: refused, retryAfter: retryAfter))
+                report(.failed(reason: failure.message, refused: refused, retryAfter: retryAfter))
             }
             if let write = resolution.write { await persist(write) }
         }

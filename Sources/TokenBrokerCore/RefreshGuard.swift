@@ -12,11 +12,14 @@ public struct RefreshGuard: Sendable, Equatable {
         self.window = window
     }
 
-    /// `nil` when a request may start at `now`, else how long until one may.
-    public func retryAfter(now: Duration) -> Duration? {
+    /// `nil` when a request may start at `now`, else how long until one may. `extra` requests
+    /// are allowed on top of `limit` (the ones the tokens' lifetime makes necessary).
+    public func retryAfter(now: Duration, allowing extra: Int = 0) -> Duration? {
         let live = starts.drop { $0 + window <= now }
-        guard live.count >= limit, let oldest = live.first else { return nil }
-        return oldest + window - now
+        let allowed = limit + max(extra, 0)
+        guard live.count >= allowed else { return nil }
+        // The request that must leave the window before one more fits.
+        return live[live.startIndex + (live.count - allowed)] + window - now
     }
 
     /// Requests started inside the window ending at `now`.
@@ -24,9 +27,13 @@ public struct RefreshGuard: Sendable, Equatable {
         starts.count { $0 + window > now }
     }
 
-    /// Records a request started at `now`.
+    /// Records a request started at `now`. (At most `maximumKept` starts are kept: more could
+    /// never be allowed, whatever the lifetime.)
     public mutating func record(now: Duration) {
         starts.removeAll { $0 + window <= now }
         starts.append(now)
+        if starts.count > Self.maximumKept { starts.removeFirst(starts.count - Self.maximumKept) }
     }
+
+    static let maximumKept = 110_000
 }

@@ -24,6 +24,17 @@ public struct RefreshPolicy: Sendable, Equatable {
         self.backoff = backoff
         self.refusalLimit = refusalLimit
     }
+
+    /// The refreshes per guard window that expiry alone needs with tokens that live `lifetime`:
+    /// one per refresh-ahead window (which opens `refreshAhead` before expiry, but no earlier
+    /// than half-way through the token's life), half a second apart at least. The guard allows these
+    /// on top of `guardLimit`: it stops a storm of needless refreshes, never the ones that
+    /// short-lived tokens require.
+    public func expiryRefreshes(lifetime: Duration) -> Int {
+        guard lifetime > .zero else { return Int((guardWindow / .milliseconds(500)).rounded(.up)) }
+        let step = refreshAhead > .zero ? max(lifetime - refreshAhead, lifetime / 2) : lifetime
+        return min(Int((guardWindow / max(step, .milliseconds(500))).rounded(.up)), 100_000)
+    }
 }
 
 /// Exponential backoff with jitter, bounded, honouring a server-given `Retry-After`.

@@ -244,8 +244,8 @@ public struct RefreshStateMachine: Sendable {
         // A refresh ahead of expiry is advisory: it never spends the last half of the guard's
         // budget, which stays for refreshes the session cannot do without.
         guard policy.refreshAhead > .zero, let opens = current.windowOpens(ahead: policy.refreshAhead), now >= opens,
-              flight == nil, !isRetiring, !inBackoff(now: now), refreshGuard.retryAfter(now: now) == nil,
-              refreshGuard.count(now: now) < policy.guardLimit / 2
+              flight == nil, !isRetiring, !inBackoff(now: now), refreshGuard.retryAfter(now: now, allowing: expiryRefreshes) == nil,
+              refreshGuard.count(now: now) < expiryRefreshes + policy.guardLimit / 2
         else { return .deliver(token) }
         let (request, id) = startFlight(now: now, refreshAhead: true)
         return .deliverAndStart(token, request, id)
@@ -261,12 +261,20 @@ public struct RefreshStateMachine: Sendable {
         if let backoff, now < backoff.until {
             return .fail(.refreshFailed(reason: backoff.reason, retryable: true, retryAfter: backoff.until - now))
         }
-        if let wait = refreshGuard.retryAfter(now: now) {
+        if let wait = refreshGuard.retryAfter(now: now, allowing: expiryRefreshes) {
             counters.throttled += 1
             return .fail(.throttled(retryAfter: wait))
         }
         let (request, id) = startFlight(now: now, refreshAhead: false)
         return .startAndWait(request, id)
+    }
+
+    /// The refreshes per guard window that expiry needs with tokens of the lifetime the current
+    /// one had here (`RefreshPolicy.expiryRefreshes`), allowed on top of `RefreshLimitBurst=`
+    /// (6-second tokens against the default 10 per 60 s used to fail one call in ten).
+    public var expiryRefreshes: Int {
+        guard let current, let deadline = current.deadline else { return 0 }
+        return policy.expiryRefreshes(lifetime: deadline - current.since)
     }
 
     private mutating func startFlight(now: Duration, refreshAhead: Bool) -> (FetchRequest, FlightID) {
@@ -370,7 +378,7 @@ public struct RefreshStateMachine: Sendable {
                                 + "(a revoked, replayed or unknown refresh token, or wrong client credentials); log in again "
                                 + "(tokenbroker ctl login) or check the client configuration")
         }
-        lastError = failure.reason
+        lastError = failure.message
         switch failure.kind {
         case let .transient(retryAfter), let .refused(retryAfter):
             let failures = (backoff?.failures ?? 0) + 1

@@ -75,10 +75,19 @@ public struct FetchFailure: Error, Sendable, Equatable {
 
     public var kind: Kind
     public var reason: String
+    /// What the server said about it in its own words (`error_description`), made printable and
+    /// bounded: shown to operators (`ctl`, the journal, `Status`), never to workers in a reply.
+    public var detail: String?
 
-    public init(_ kind: Kind, reason: String) {
+    public init(_ kind: Kind, reason: String, detail: String? = nil) {
         self.kind = kind
         self.reason = reason
+        self.detail = detail
+    }
+
+    /// The reason, with the server's own words when it gave some.
+    public var message: String {
+        detail.map { "\(reason) (the server says: \"\($0)\")" } ?? reason
     }
 
     public static func transient(_ reason: String, retryAfter: Duration? = nil) -> FetchFailure {

@@ -319,7 +319,7 @@ final class BrokerService: VarlinkHandler {
         do {
             client = try await upstream.client()
         } catch {
-            return failed(error.reason)
+            return failed(error.message)
         }
         let authorization: DeviceAuthorization
         do {

@@ -40,21 +40,26 @@ struct RefreshLog: Sendable {
                        session: name, generation: outcome.generation)
         case let .throttled(retryAfter):
             logger.limited(.warning, key: "throttled:\(name)",
-                           "session \(name): refresh limit reached (\(policy.guardLimit) per \(Self.seconds(policy.guardWindow))); "
+                           "session \(name): refresh limit reached (RefreshLimitBurst=\(policy.guardLimit) per "
+                           + "RefreshLimitInterval=\(Self.seconds(policy.guardWindow)), beyond the refreshes the tokens' lifetime needs); "
                            + "next in \(Self.seconds(retryAfter))")
         }
     }
 
-    /// Lifetimes that make the configuration unreasonable: said once per session and lifetime.
+    /// Lifetimes that change how the session refreshes: said once per session and lifetime.
     private func warnAboutLifetime(_ lifetime: Duration, session name: String) {
-        let unreasonable = lifetime * policy.guardLimit < policy.guardWindow || (policy.refreshAhead > .zero && lifetime < policy.refreshAhead * 2)
-        guard unreasonable, warned.lifetime.withLock({ last in
+        let short = lifetime * policy.guardLimit < policy.guardWindow
+        let underAhead = policy.refreshAhead > .zero && lifetime < policy.refreshAhead * 2
+        guard short || underAhead, warned.lifetime.withLock({ last in
             defer { last = lifetime }
             return last != lifetime
         }) else { return }
-        if lifetime * policy.guardLimit < policy.guardWindow {
-            logger.log(.warning, "session \(name): tokens live \(Self.seconds(lifetime)), shorter than the refresh guard allows "
-                           + "(\(policy.guardLimit) refreshes per \(Self.seconds(policy.guardWindow))): callers will be throttled",
+        if short {
+            // The guard sizes itself (RefreshPolicy.expiryRefreshes); the keys are named so that
+            // an operator who wants a tighter bound knows what to set.
+            logger.log(.notice, "session \(name): tokens live \(Self.seconds(lifetime)), so the refresh guard allows the "
+                           + "\(policy.expiryRefreshes(lifetime: lifetime)) refreshes per \(Self.seconds(policy.guardWindow)) they need, "
+                           + "on top of RefreshLimitBurst=\(policy.guardLimit) per RefreshLimitInterval=\(Self.seconds(policy.guardWindow))",
                        session: name)
         } else {
             logger.log(.notice, "session \(name): tokens live \(Self.seconds(lifetime)), less than twice RefreshAhead= "

@@ -28,7 +28,7 @@ public enum DeviceLoginError: Error, Sendable, Equatable, CustomStringConvertibl
         case .denied: return "the login was denied (access_denied)"
         case .expired: return "the code expired before it was approved (expired_token)"
         case .unsupported: return "the authorization server has no device authorization endpoint"
-        case let .failed(failure): return failure.reason
+        case let .failed(failure): return failure.message
         }
     }
 }
@@ -41,7 +41,7 @@ extension OAuthClient {
         if let scope = configuration.scope { fields.append(("scope", scope)) }
         let response: HTTPResponse
         do {
-            response = try await post(url, fields)
+            response = try await post(url, fields, clientIDInBody: true)
         } catch {
             throw .failed(error)
         }
@@ -100,7 +100,7 @@ extension OAuthClient {
             let response: HTTPResponse
             do {
                 response = try await post(endpoints.token, [("grant_type", "urn:ietf:params:oauth:grant-type:device_code"),
-                                                            ("device_code", authorization.deviceCode.reveal)])
+                                                            ("device_code", authorization.deviceCode.reveal)], clientIDInBody: true)
             } catch {
                 if error.reason == "cancelled" { throw .failed(error) }
                 wait = min(wait * 2, .seconds(60))   // network trouble: back off

@@ -82,7 +82,7 @@ public final class HTTPTokenSource: TokenSource {
         do {
             return try await client().revoke(refreshToken) ? .revoked : .noEndpoint
         } catch {
-            return .failed(error.reason)
+            return .failed(error.message)
         }
     }
 

@@ -95,7 +95,10 @@ public struct OAuthClient: Sendable {
     }
 
     /// POSTs a form with client authentication; transport failures are transient.
-    func post(_ url: String, _ fields: [(String, String)]) async throws(FetchFailure) -> HTTPResponse {
+    /// `clientIDInBody`: `client_id` goes in the form with `client_secret_basic` too. RFC 8628
+    /// §3.1 and §3.4 allow it always, and some servers (oauthlib: django-oauth-toolkit) require
+    /// it for the device grant whatever the client authentication.
+    func post(_ url: String, _ fields: [(String, String)], clientIDInBody: Bool = false) async throws(FetchFailure) -> HTTPResponse {
         // The last line of defence: no credential leaves for an endpoint the policy refuses,
         // wherever its URL came from (checked at configuration and discovery already).
         if let problem = EndpointPolicy.problem(with: url) { throw .transient("refused endpoint: \(problem)") }
@@ -107,6 +110,7 @@ public struct OAuthClient: Sendable {
             let secret = configuration.clientSecret?.reveal ?? ""
             let credentials = FormEncoding.escape(configuration.clientID) + ":" + FormEncoding.escape(secret)
             headers.append(("Authorization", "Basic " + Base64.encode(Array(credentials.utf8))))
+            if clientIDInBody { fields.append(("client_id", configuration.clientID)) }
         case .post:
             fields.append(("client_id", configuration.clientID))
             if let secret = configuration.clientSecret { fields.append(("client_secret", secret.reveal)) }
@@ -151,6 +155,12 @@ public struct OAuthClient: Sendable {
     static func classify(_ response: HTTPResponse) -> FetchFailure {
         let status = response.status
         let retryAfter = response.retryAfter.map { min(Duration.seconds($0), UpstreamNumbers.longestRetryAfter) }
+        var failure = classifyCode(response, status: status, retryAfter: retryAfter)
+        failure.detail = errorDescription(response)
+        return failure
+    }
+
+    private static func classifyCode(_ response: HTTPResponse, status: Int, retryAfter: Duration?) -> FetchFailure {
         let code = errorCode(response)
         if status == 429 || status == 503 || status >= 500 {
             return .transient(code.map { "HTTP \(status) \($0)" } ?? "HTTP \(status)", retryAfter: retryAfter)
@@ -186,6 +196,35 @@ public struct OAuthClient: Sendable {
         return code
     }
 
+    /// The `error_description` of an RFC 6749 §5.2 body, as one short line an operator can
+    /// read: controls and line separators become spaces, runs of spaces one, at most
+    /// `longestDescription` characters (then `…`). Nil when there is none (or nothing printable).
+    static func errorDescription(_ response: HTTPResponse) -> String? {
+        guard response.body.count <= 65_536, let json = try? JSONParser.parse(response.body),
+              let text = json.objectValue?["error_description"]?.stringValue else { return nil }
+        var line = ""
+        var count = 0
+        for scalar in text.unicodeScalars {
+            let printable = scalar.value >= 0x20 && scalar.value != 0x7F && !(0x80...0x9F).contains(scalar.value)
+                && scalar.value != 0x2028 && scalar.value != 0x2029 && !(0x202A...0x202E).contains(scalar.value)
+                && !(0x2066...0x2069).contains(scalar.value) && scalar.properties.generalCategory != .format
+                && scalar.properties.generalCategory != .unassigned && scalar.properties.generalCategory != .surrogate
+            let next: Unicode.Scalar = printable ? scalar : " "
+            if next == " ", line.unicodeScalars.last == " " || line.isEmpty { continue }
+            guard count < longestDescription else {
+                line = line.trimmingSuffixSpaces() + "…"
+                return line
+            }
+            line.unicodeScalars.append(next)
+            count += 1
+        }
+        line = line.trimmingSuffixSpaces()
+        return line.isEmpty ? nil : line
+    }
+
+    /// The longest server description kept, in Unicode scalars.
+    static let longestDescription = 200
+
     // MARK: - Revocation (RFC 7009)
 
     /// Revokes `token`; false when there is no revocation endpoint to ask. 200 means done (also
@@ -199,3 +238,11 @@ public struct OAuthClient: Sendable {
     }
 }
 
+
+private extension String {
+    func trimmingSuffixSpaces() -> String {
+        var text = self
+        while text.unicodeScalars.last == " " { text.unicodeScalars.removeLast() }
+        return text
+    }
+}

@@ -181,6 +181,40 @@ struct OAuthDaemonTests {
         }
     }
 
+    @Test("device login with client_secret_basic against a server that requires client_id in the form (oauthlib); the server's error_description reaches ctl, Status and the journal, not the workers' reason")
+    func strictServer() async throws {
+        var options = DevIssuer.Options()
+        options.deviceInterval = .seconds(1)
+        options.deviceRequiresClientIDInBody = true
+        let issuer = try DevIssuer(options: options)
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            let login = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "login", "api"], directory: broker.directory)
+            try await eventually("a device code waits") { !issuer.pendingUserCodes.isEmpty || !login.process.isRunning }
+            let code = try #require(issuer.pendingUserCodes.first, "\(login.stderr)")
+            issuer.decide(userCode: code, approve: true)
+            #expect(await login.wait() == 0, "\(login.stderr)")
+            #expect(login.stdout.hasSuffix("logged in api (generation 1)\n"))
+
+            // A poll refused with the server's own words: ctl shows them, bounded and on one line.
+            let failing = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "login", "api"], directory: broker.directory)
+            try await eventually("a second device code") { !issuer.pendingUserCodes.isEmpty }
+            issuer.inject([.described(400, error: "invalid_scope", description: "Scope \"payroll\" is unknown.\n\u{1B}[2J")])
+            #expect(await failing.wait() == 1)
+            #expect(failing.stderr == "Error: login of 'api' failed: invalid_scope (the server says: \"Scope \"payroll\" is unknown. [2J\")\n")
+
+            // A refresh refused so: the reason workers get is the code; Status and the journal say more.
+            let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"])
+            issuer.inject([.described(400, error: "invalid_request", description: "Missing refresh_token parameter.")])
+            let refused = try broker.call("Recover", ["session": "api", "rejected": token])
+            #expect(refused == .error("io.tokenbroker.Broker.RefreshFailed", ["session": "api", "reason": "invalid_request", "retryable": false]))
+            #expect(try broker.status("api")?["lastError"] == "invalid_request (the server says: \"Missing refresh_token parameter.\")")
+            try await eventually("the journal line") {
+                broker.child.stderr.contains("<3>session api: ended: invalid_request (the server says: \"Missing refresh_token parameter.\")")
+            }
+        }
+    }
+
     @Test("logout revokes the refresh token upstream, after the local boundary")
     func logoutRevokes() async throws {
         try await Self.withIssuerAndBroker { issuer, broker in

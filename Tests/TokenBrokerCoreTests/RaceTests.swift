@@ -339,31 +339,31 @@ struct RaceTests {
 
     // MARK: 8
 
-    @Test("G4 refresh cap: the refresh guard caps fetches per sliding window")
+    @Test("G4 refresh cap: the refresh guard caps fetches per sliding window (the burst, plus the one refresh per window that hour-long tokens need)")
     func refreshGuard() async throws {
         let h = Harness(policy: RefreshPolicy(refreshAhead: .zero, guardLimit: 3, guardWindow: .seconds(60)))
         var current = Self.old
-        for n in 1...3 {
+        for n in 1...4 {
             let racer = Racers(1) { [current] _ in try await h.coordinator.recover(rejected: current) }
             try await h.source.started(n)
             h.source.succeed(n, with: FakeTokenSource.token(n + 1))
             current = try #require(try await racer.all().first?.get().token)
             h.clock.advance(by: .seconds(10))
         }
-        // t = 30 s: three fetches since t = 0; the oldest leaves the window at t = 60 s.
-        await #expect(throws: SessionError.throttled(retryAfter: .seconds(30))) {
-            try await h.coordinator.recover(rejected: current)
-        }
-        #expect(h.source.fetchCount == 3)
+        // t = 40 s: four fetches since t = 0 (3 + 1); the oldest leaves the window at t = 60 s.
+        // (A broken guard starts a fifth fetch, which nobody answers: the deadline fails it.)
+        let throttled = Racers(1) { [current] _ in try await h.coordinator.recover(rejected: current) }
+        #expect(try await throttled.all().first?.error as? SessionError == .throttled(retryAfter: .seconds(20)))
+        #expect(h.source.fetchCount == 4)
         #expect(await h.coordinator.status().counters.throttled == 1)
         // A valid token is still handed out while throttled.
-        #expect(try await h.coordinator.token().serial == 4)
+        #expect(try await h.coordinator.token().serial == 5)
 
-        h.clock.advance(by: .seconds(30))
+        h.clock.advance(by: .seconds(20))
         let racer = Racers(1) { [current] _ in try await h.coordinator.recover(rejected: current) }
-        try await h.source.started(4)
-        h.source.succeed(4, with: FakeTokenSource.token(5))
-        #expect(try await racer.all().first?.value?.serial == 5)
+        try await h.source.started(5)
+        h.source.succeed(5, with: FakeTokenSource.token(6))
+        #expect(try await racer.all().first?.value?.serial == 6)
     }
 
     @Test("G1 one flight: refresh-ahead is served at once, with one background refresh shared with reactive demands")

@@ -218,29 +218,56 @@ struct RefreshStateMachineTests {
         #expect(machine.phase == .active)
     }
 
-    @Test("refresh-ahead opens no earlier than half-way through a token's life, and never spends the last half of the guard's budget")
+    @Test("refresh-ahead opens no earlier than half-way through a token's life; the guard allows what the lifetime needs, and refresh-ahead never spends the last half of the burst beyond it")
     func refreshAheadBounded() throws {
         // Tokens that live 20 s against RefreshAhead=60s: without the bound, every demand would
-        // start a refresh.
-        var machine = Self.active(expiresIn: 20, policy: RefreshPolicy(refreshAhead: .seconds(60), guardLimit: 4, guardWindow: .seconds(600)))
+        // start a refresh. The window opens half-way, so expiry needs 600 s / 10 s = 60 refreshes
+        // per 600 s window; the guard allows those plus the burst of 4.
+        let policy = RefreshPolicy(refreshAhead: .seconds(60), guardLimit: 4, guardWindow: .seconds(600))
+        var machine = Self.active(expiresIn: 20, policy: policy)
         #expect(machine.publishable?.freshUntil == .seconds(10))
         #expect(machine.demand(.get, now: .seconds(9)) == .deliver(try #require(machine.publishable).token))
+        #expect(machine.expiryRefreshes == 60)
         var now = Duration.seconds(10)
-        var advisory = 0
-        while true {
-            guard case let .deliverAndStart(_, _, id) = machine.demand(.get, now: now) else { break }
-            advisory += 1
-            _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("a\(advisory)"), expiresIn: .seconds(20)), now: now, unixNow: Self.unix)
+        // Two windows' worth of refreshes ahead of expiry, at the tokens' own pace: none is refused.
+        for n in 1...130 {
+            guard case let .deliverAndStart(_, _, id) = machine.demand(.get, now: now) else {
+                Issue.record("refresh-ahead \(n) did not start")
+                return
+            }
+            _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("a\(n)"), expiresIn: .seconds(20)), now: now, unixNow: Self.unix)
             _ = machine.commitFinished(id, .applied)
             #expect(machine.publishable?.freshUntil == now + .seconds(10), "the window of a new 20 s token opens 10 s after it came")
             now += .seconds(10)
         }
-        // Half of the guard's 4 went to refreshes ahead of expiry; the rest is for the refresh
-        // the session cannot do without, once the token has expired.
-        #expect(advisory == 2)
-        #expect(machine.demand(.get, now: now).isDelivery, "inside the window, with half the budget spent: served, no refresh")
-        now += .seconds(10)
-        #expect(machine.demand(.get, now: now).startedFlight != nil, "expired: the mandatory refresh still has budget")
+
+        // A storm of needless refreshes (rejections of the current token) at one instant, on a
+        // fresh machine: 60 + 2 of them leave refresh-ahead no budget, but the refresh the session
+        // cannot do without still has some; 60 + 4 are all the guard allows.
+        func storm(_ count: Int) -> Machine {
+            var machine = Self.active(expiresIn: 20, policy: policy)
+            for n in 0..<count {
+                let current = machine.publishable!.token.token
+                guard case let .startAndWait(_, id) = machine.demand(.recover(rejected: current), now: .zero) else {
+                    Issue.record("storm refresh \(n) refused")
+                    return machine
+                }
+                _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("s\(n)"), expiresIn: .seconds(20)), now: .zero, unixNow: Self.unix)
+                _ = machine.commitFinished(id, .applied)
+            }
+            return machine
+        }
+        var spent = storm(61)
+        guard case .deliverAndStart = spent.demand(.get, now: .seconds(10)) else {
+            Issue.record("61 of 62 spent: one refresh ahead was left")
+            return
+        }
+        spent = storm(62)
+        #expect(spent.demand(.get, now: .seconds(10)).isDelivery, "inside the window, 62 spent: served, no refresh")
+        #expect(spent.demand(.get, now: .seconds(20)).startedFlight != nil, "expired: the mandatory refresh still has budget")
+        spent = storm(64)
+        let current = spent.publishable!.token.token
+        #expect(spent.demand(.recover(rejected: current), now: .zero) == .fail(.throttled(retryAfter: .seconds(600))))
     }
 
     @Test("shutdown fails the flight's waiters and later demands")

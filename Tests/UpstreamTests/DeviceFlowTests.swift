@@ -91,4 +91,28 @@ struct DeviceFlowTests {
                                  configuration: OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("dev-secret")))
         await #expect(throws: DeviceLoginError.unsupported) { try await client.startDeviceAuthorization() }
     }
+
+    @Test("client_secret_basic against a server that wants client_id in the form too (oauthlib): both device requests carry it, and the login completes")
+    func clientIDInBody() async throws {
+        var options = DevIssuer.Options()
+        options.deviceInterval = .zero
+        options.deviceRequiresClientIDInBody = true
+        let issuer = try DevIssuer(options: options)
+        defer { issuer.stop() }
+        let client = OAuthClient(endpoints: OAuthEndpoints(token: issuer.tokenEndpoint, deviceAuthorization: issuer.deviceAuthorizationEndpoint),
+                                 configuration: OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("dev-secret"),
+                                                                         authentication: .basic))
+        let authorization = try await client.startDeviceAuthorization()
+        let clock = SteppingClock()
+        clock.hook = { _ in issuer.decide(userCode: authorization.userCode, approve: true) }
+        let token = try await client.completeDeviceLogin(authorization, clock: clock)
+        #expect(issuer.isValidAccessToken(token.accessToken.reveal))
+        #expect(issuer.counters.deviceAuthorizations == 1 && issuer.counters.deviceGrants == 1)
+        // A client_id in the form that names another client than the Basic credentials is refused.
+        let other = OAuthClient(endpoints: client.endpoints,
+                                configuration: OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("wrong")))
+        await #expect(throws: DeviceLoginError.failed(FetchFailure.terminal("client configuration: invalid_client"))) {
+            try await other.startDeviceAuthorization()
+        }
+    }
 }

@@ -82,6 +82,29 @@ struct OAuthClientTests {
         await #expect(throws: expected) { try await Self.client(issuer).refresh(Secret(issuer.issueRefreshToken())) }
     }
 
+    @Test("the server's error_description is kept as one printable, bounded line beside the reason (which workers see unchanged)")
+    func errorDescription() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        let cases: [(String, String?)] = [
+            ("Missing client_id parameter.", "Missing client_id parameter."),
+            ("two\nlines\r\n\u{1B}[31mred\u{2028}sep\u{202E}rtl\tend  ", "two lines [31mred sep rtl end"),
+            (String(repeating: "é", count: 500), String(repeating: "é", count: 200) + "…"),
+            ("\n\t ", nil),
+        ]
+        for (said, shown) in cases {
+            issuer.inject([.described(400, error: "invalid_request", description: said)])
+            do {
+                _ = try await Self.client(issuer).refresh(Secret(issuer.issueRefreshToken()))
+                Issue.record("no failure")
+            } catch {
+                #expect(error.reason == "invalid_request" && error.kind == .terminal)
+                #expect(error.detail == shown)
+                #expect(error.message == (shown.map { "invalid_request (the server says: \"\($0)\")" } ?? "invalid_request"))
+            }
+        }
+    }
+
     @Test("a lost answer is transient, and the rotation it hid makes the retry a replay")
     func lostAnswer() async throws {
         let issuer = try Self.issuer()

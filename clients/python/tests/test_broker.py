@@ -17,6 +17,8 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import httpx
@@ -316,6 +318,190 @@ def test_a_401_after_a_redirect_to_another_origin_is_not_retried_and_gets_no_tok
         assert stack.counters()["refresh_token"] == before["refresh_token"]
     finally:
         foreign.stop()
+        start.stop()
+
+
+def recover_calls(broker):
+    """Recover calls the broker has answered (any result), from its metrics."""
+    text = broker.call("Metrics")["text"]
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith('tokenbroker_calls_total{method="Recover",'))
+
+
+class FrontResource:
+    """A resource on loopback in front of the issuer's: each request's token is checked at the
+    issuer's /resource and its answer passed on (200 for a live token, 401 invalid_token for a
+    revoked one, a bare Bearer 401 without a token). `redirects` maps a path to (status,
+    location, always): that redirect instead, for a live token only unless `always`.
+
+    Every arrival goes into `log` (shared between servers, in order of arrival) as
+    (server name, path, method, token fingerprint, Idempotency-Key, body length)."""
+
+    def __init__(self, name, issuer, log, lock):
+        self.redirects = {}
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                authorization = self.headers.get("Authorization")
+                token = authorization[len("Bearer "):] if authorization and authorization.startswith("Bearer ") else None
+                path = urllib.parse.urlsplit(self.path).path
+                with lock:
+                    log.append((name, path, self.command, fingerprint(token), self.headers.get("Idempotency-Key"), len(body)))
+                check = urllib.request.Request(issuer + "/resource", headers={"Authorization": authorization} if authorization else {})
+                try:
+                    with urllib.request.urlopen(check, timeout=10) as verdict:
+                        status, challenge = verdict.status, None
+                except urllib.error.HTTPError as error:
+                    status, challenge = error.code, error.headers.get("WWW-Authenticate")
+                    error.close()
+                redirect = outer.redirects.get(path)
+                if redirect and (status == 200 or redirect[2]):
+                    self.send_response(redirect[0])
+                    self.send_header("Location", redirect[1])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(status)
+                if challenge:
+                    self.send_header("WWW-Authenticate", challenge)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            do_GET = do_PUT = do_POST = answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _send(client, broker, method, url, body, headers):
+    """One business request through the client's auth class, redirects followed."""
+    if client == "requests":
+        return requests.request(method, url, data=body, headers=headers, auth=BrokerAuth(broker, "api"), timeout=10)
+    if client == "httpx":
+        return httpx.request(method, url, content=body, headers=headers, auth=HTTPXBrokerAuth(broker, "api"),
+                             follow_redirects=True, timeout=10)
+    import asyncio
+
+    async def send():
+        async with httpx.AsyncClient(auth=HTTPXBrokerAuth(broker, "api"), follow_redirects=True, timeout=10) as http:
+            return await http.request(method, url, content=body, headers=headers)
+
+    return asyncio.run(send())
+
+
+def _named(arrivals, names):
+    """The log with fingerprints replaced by what they are (rejected, fresh, none)."""
+    return [(server, path, method, names.get(token, token), key, length) for server, path, method, token, key, length in arrivals]
+
+
+@pytest.mark.parametrize("client", ["requests", "httpx", "httpx-async"])
+@pytest.mark.parametrize("origin", ["same-origin", "cross-origin"])
+@pytest.mark.parametrize("status", [307, 302])
+def test_a_redirect_answering_the_retry_costs_no_second_recover_or_retry(stack, client, origin, status):
+    """401 invalid_token, then the retry (fresh token) is answered with a redirect: that redirect
+    is followed with the fresh token (same origin) or with none (another origin), and nothing is
+    recovered or retried again. 307 keeps a PUT with an Idempotency-Key; 302 a GET."""
+    broker = Broker(stack.socket)
+    log, lock = [], threading.Lock()
+    start = FrontResource("start", stack.base, log, lock)
+    foreign = FrontResource("foreign", stack.base, log, lock) if origin == "cross-origin" else None
+    try:
+        target = (foreign or start).url + "/target"
+        start.redirects["/start"] = (status, target, False)
+        method, body, headers = ("PUT", b"the business body", {"Idempotency-Key": "k-307"}) if status == 307 else ("GET", None, {})
+        rejected = broker.token("api").token
+        stack.revoke(rejected)
+        refreshes, recovers = stack.counters()["refresh_token"], recover_calls(broker)
+
+        response = _send(client, broker, method, start.url + "/start", body, headers)
+
+        fresh = broker.token("api").token
+        names = {fingerprint(rejected): "rejected", fingerprint(fresh): "fresh", "-": "none"}
+        arrivals = _named(log, names)
+        recovered, refreshed = recover_calls(broker) - recovers, stack.counters()["refresh_token"] - refreshes
+        figures = (f"{method} arrived {len(arrivals)} times, {recovered} Recover, {refreshed} refresh: {arrivals}")
+        key, length = headers.get("Idempotency-Key"), len(body or b"")
+        expected = [("start", "/start", method, "rejected", key, length), ("start", "/start", method, "fresh", key, length)]
+        if origin == "same-origin":
+            expected.append(("start", "/target", method, "fresh", key, length))
+        else:
+            expected.append(("foreign", "/target", method, "none", key, length))
+        assert arrivals == expected, figures
+        assert recovered == 1 and refreshed == 1, figures
+        assert response.status_code == (200 if origin == "same-origin" else 401), figures
+        assert fresh != rejected
+    finally:
+        start.stop()
+        if foreign:
+            foreign.stop()
+
+
+@pytest.mark.parametrize("client", ["requests", "httpx", "httpx-async"])
+def test_a_401_after_a_same_origin_redirect_costs_one_recover_and_one_retry(stack, client):
+    """A 307 first (to the same origin, whatever the token), then the 401: one Recover, one
+    retry, and the rejected token is not sent again once the fresh one has gone out."""
+    broker = Broker(stack.socket)
+    log, lock = [], threading.Lock()
+    start = FrontResource("start", stack.base, log, lock)
+    try:
+        start.redirects["/start"] = (307, start.url + "/target", True)
+        rejected = broker.token("api").token
+        stack.revoke(rejected)
+        refreshes, recovers = stack.counters()["refresh_token"], recover_calls(broker)
+
+        response = _send(client, broker, "PUT", start.url + "/start", b"body", {"Idempotency-Key": "k"})
+
+        fresh = broker.token("api").token
+        arrivals = _named(log, {fingerprint(rejected): "rejected", fingerprint(fresh): "fresh", "-": "none"})
+        recovered, refreshed = recover_calls(broker) - recovers, stack.counters()["refresh_token"] - refreshes
+        figures = f"PUT arrived {len(arrivals)} times, {recovered} Recover, {refreshed} refresh: {arrivals}"
+        tokens = [token for _, _, _, token, _, _ in arrivals]
+        assert response.status_code == 200, figures
+        assert recovered == 1 and refreshed == 1, figures
+        assert arrivals[:2] == [("start", "/start", "PUT", "rejected", "k", 4), ("start", "/target", "PUT", "rejected", "k", 4)], figures
+        assert arrivals[-1] == ("start", "/target", "PUT", "fresh", "k", 4), figures
+        assert "rejected" not in tokens[tokens.index("fresh"):], figures
+        # requests retries the hop that was refused; httpx sends the business request again.
+        assert len(arrivals) == (3 if client == "requests" else 4), figures
+    finally:
+        start.stop()
+
+
+def test_requests_a_redirect_of_the_retry_followed_by_hand_carries_the_fresh_token(stack):
+    """allow_redirects=False: the retry's 307 comes back with `next`, which the caller sends. It
+    carries the fresh token, and a 401 to it is not recovered or retried again."""
+    broker = Broker(stack.socket)
+    log, lock = [], threading.Lock()
+    start = FrontResource("start", stack.base, log, lock)
+    try:
+        start.redirects["/start"] = (307, start.url + "/target", False)
+        rejected = broker.token("api").token
+        stack.revoke(rejected)
+        recovers = recover_calls(broker)
+        with requests.Session() as http:
+            response = http.put(start.url + "/start", data=b"body", headers={"Idempotency-Key": "k"},
+                                auth=BrokerAuth(broker, "api"), allow_redirects=False, timeout=10)
+            assert response.status_code == 307 and response.next is not None
+            followed = http.send(response.next, allow_redirects=False, timeout=10)
+        fresh = broker.token("api").token
+        arrivals = _named(log, {fingerprint(rejected): "rejected", fingerprint(fresh): "fresh", "-": "none"})
+        figures = f"PUT arrived {len(arrivals)} times, {recover_calls(broker) - recovers} Recover: {arrivals}"
+        assert followed.status_code == 200, figures
+        assert [token for _, _, _, token, _, _ in arrivals] == ["rejected", "fresh", "fresh"], figures
+        assert recover_calls(broker) - recovers == 1, figures
+    finally:
         start.stop()
 
 

@@ -123,6 +123,13 @@ class BrokerAuth(_RequestsAuthBase):
     Only a 401 for the request that carried this token counts: after a redirect to another
     origin (requests drops the Authorization header there), nothing is retried and the broker's
     token goes nowhere new.
+
+    One Recover and one retry per business request, whatever redirects follow: `requests` runs
+    the response hook on every response of the redirect chain, and builds each redirect from the
+    request it was given. So the state lives with the request (its hook, which requests shares
+    between the copies it makes for redirects), and after the Recover the request itself carries
+    the fresh token: a redirect answering the retry is followed with that one (or none, to
+    another origin), never with the rejected token, and is not recovered or retried again.
     """
 
     def __init__(self, broker: Broker, session: str):
@@ -134,28 +141,45 @@ class BrokerAuth(_RequestsAuthBase):
     def __call__(self, request):
         token = self.broker.token(self.session)
         request.headers["Authorization"] = token.authorization
-        request.register_hook("response", functools.partial(self._on_response, token))
+        request.register_hook("response", functools.partial(self._on_response, _Attempt(token)))
         return request
 
-    def _on_response(self, sent, response, **kwargs):
+    def _on_response(self, attempt, response, **kwargs):
+        if attempt.retried:
+            return response   # this business request had its one Recover and retry
         request = response.request
-        # The retry (its header holds the fresh token), or a request that no longer carries ours.
-        if request.headers.get("Authorization") != sent.authorization:
+        # A request that no longer carries our token (redirected to another origin).
+        if request.headers.get("Authorization") != attempt.sent.authorization:
             return response
         body = request.body
         stream = body is not None and not isinstance(body, (bytes, str))
         if not should_retry(response.status_code, _header_values(response.headers, "WWW-Authenticate"),
                             replayable(request.method, request.headers, stream)):
             return response
-        fresh = self.broker.recover(self.session, sent.token)
+        attempt.retried = True
+        fresh = self.broker.recover(self.session, attempt.sent.token)
         response.content  # read it, so that the connection can be reused
         response.close()
+        # requests follows a redirect of the retry from this request (Session.send's, or the
+        # previous hop's), and builds `response.next` from it: from now on it holds the fresh
+        # token. The refused response keeps a copy as it was sent.
+        response.request = request.copy()
+        request.headers["Authorization"] = fresh.authorization
         retry = request.copy()
-        retry.headers["Authorization"] = fresh.authorization
         second = response.connection.send(retry, **kwargs)
         second.history.append(response)
         second.request = retry
         return second
+
+
+class _Attempt:
+    """One business request's state: the token it was sent with, and whether it had its retry."""
+
+    __slots__ = ("sent", "retried")
+
+    def __init__(self, sent):
+        self.sent = sent
+        self.retried = False
 
 
 def _header_values(headers, name: str) -> List[str]:
@@ -173,7 +197,12 @@ except ImportError:  # pragma: no cover - httpx is optional
 class HTTPXBrokerAuth(httpx.Auth if httpx is not None else object):
     """`httpx` auth, for Client and AsyncClient: the session's token from the broker, one
     Recover and one retry (only for a 401 to the request that carried this token). With
-    AsyncClient the broker calls run in a worker thread, off the event loop."""
+    AsyncClient the broker calls run in a worker thread, off the event loop.
+
+    The flow is one generator per business request, and httpx follows redirects within each
+    request the flow yields, handing the flow only the last response of the chain: the retry is
+    the flow's last request, so a redirect answering it is followed (with the fresh token to the
+    same origin, none to another) and never recovered or retried again."""
 
     requires_response_body = False
 
