@@ -29,6 +29,9 @@ public final class DevIssuer: Sendable {
         /// The device grant's two requests must carry `client_id` in the form, whatever the client
         /// authentication, as oauthlib (django-oauth-toolkit) requires; refused with its own words.
         public var deviceRequiresClientIDInBody = false
+        /// Revoking a refresh token that has been rotated already ends its family (lenient), or,
+        /// as many servers do, changes nothing: the family lives on through the newer token.
+        public var revokingARotatedTokenEndsItsFamily = true
 
         public init() {}
     }
@@ -51,6 +54,9 @@ public final class DevIssuer: Sendable {
         case trickle(Duration)
         /// Hold the request until `releaseHeld()` (then process it normally).
         case hold
+        /// Process the request (a refresh rotates), then hold the answer until `releaseHeld()`:
+        /// an issuer that answers late after rotating.
+        case holdAfterProcessing
     }
 
     /// Requests per kind, for tests and `/_dev/counters`.
@@ -170,6 +176,11 @@ public final class DevIssuer: Sendable {
 
     /// Requests currently held.
     public var heldCount: Int { state.withLock { $0.held } }
+
+    /// Refresh tokens that would be honoured now: not rotated, in a family not revoked.
+    public var activeRefreshTokens: Int {
+        state.withLock { state in state.refreshTokens.values.count { !$0.retired && !state.revokedFamilies.contains($0.family) } }
+    }
 
     public var counters: Counters { state.withLock { $0.counters } }
 
@@ -305,6 +316,9 @@ public final class DevIssuer: Sendable {
             if case let .respond(status, headers, body, _, _) = answer { answer = .respond(status: status, headers: headers, body: body, trickle: pause) }
         case .dropAfterProcessing?:
             return .drop
+        case .holdAfterProcessing?:
+            state.withLock { $0.held += 1 }
+            gate.wait()
         default:
             break
         }
@@ -427,7 +441,7 @@ public final class DevIssuer: Sendable {
         state.withLock { state in
             state.counters.revocations += 1
             if let record = state.refreshTokens[token] {
-                state.revokedFamilies.insert(record.family)
+                if !record.retired || options.revokingARotatedTokenEndsItsFamily { state.revokedFamilies.insert(record.family) }
             } else if state.accessTokens[token] != nil {
                 state.accessTokens[token]?.revoked = true
             }

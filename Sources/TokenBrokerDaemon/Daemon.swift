@@ -499,6 +499,7 @@ public final class Daemon: Sendable {
         case let .oauth(settings):
             let http = HTTPTokenSource(grant: settings.grant, configuration: settings.client.configuration,
                                        endpoints: settings.endpoints, issuer: settings.issuer)
+            http.whenAbandoned(abandonedRequestRevocation(session, http))
             source = http
             upstream = http
         }
@@ -595,6 +596,42 @@ public final class Daemon: Sendable {
                 if case let .failed(problem) = await upstream.revoke(refreshToken) {
                     logger.warning("revoking the refresh token of a discarded answer of session \(name) failed: \(problem)", session: name)
                 }
+            }
+        }
+    }
+
+    /// What happens to a token request whose flight a logout, login or stop ended before the
+    /// issuer answered: it goes on to its deadline, and a refresh token it brings (the issuer
+    /// rotated already) is revoked, so that the logout leaves nothing usable upstream. What
+    /// cannot be revoked is said.
+    private func abandonedRequestRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource)
+        -> @Sendable (FetchRequest, Result<FetchedToken, any Error>) -> Void {
+        guard case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return { _, _ in } }
+        let logger = self.logger
+        let name = session.name
+        return { request, result in
+            switch result {
+            case let .success(fetched):
+                guard let refreshToken = fetched.refreshToken else { return }
+                Task {
+                    switch await upstream.revoke(refreshToken) {
+                    case .revoked:
+                        logger.log(.info, "session \(name): a refresh answer that came after the logout (or login) had ended its request "
+                                   + "brought a new refresh token; it is revoked upstream", session: name, generation: request.generation)
+                    case .noEndpoint:
+                        logger.log(.warning, "session \(name): a refresh answer that came after the logout brought a new refresh token, "
+                                   + "and there is no revocation endpoint: it stays valid upstream", session: name, generation: request.generation)
+                    case let .failed(problem):
+                        logger.log(.warning, "session \(name): revoking the refresh token that came after the logout failed (\(problem)): "
+                                   + "it stays valid upstream", session: name, generation: request.generation)
+                    }
+                }
+            case let .failure(error):
+                // No answer: if the issuer rotated, the new refresh token is known to nobody and
+                // cannot be revoked here; the logout revoked the one it knew.
+                guard let failure = error as? FetchFailure, case .transient = failure.kind, request.refreshToken != nil else { return }
+                logger.log(.notice, "session \(name): the refresh under way at the logout got no answer (\(failure.reason)): if the issuer "
+                           + "rotated the refresh token, the new one cannot be revoked from here", session: name, generation: request.generation)
             }
         }
     }

@@ -66,7 +66,30 @@ public final class HTTPTokenSource: TokenSource {
         OAuthClient(endpoints: try await endpoints(), configuration: configuration, loop: loop)
     }
 
+    /// The token request, on a transfer of its own: cancelling the caller (a logout, a login,
+    /// a stop overtook the refresh) returns at once, but the request goes on to its own
+    /// deadline, and what it brings is given to the `abandoned` handler. An issuer that has
+    /// rotated already would otherwise leave the new refresh token alive, known to nobody, and
+    /// revoking the old one changes nothing at many servers.
     public func fetch(_ request: FetchRequest) async throws -> FetchedToken {
+        try Task.checkCancellation()   // nothing sent yet: nothing to abandon
+        let race = AbandonableResult<FetchedToken>()
+        Task { [self] in
+            let result: Result<FetchedToken, any Error>
+            do { result = .success(try await fetchNow(request)) } catch { result = .failure(error) }
+            if !race.deliver(result) { abandoned.withLock { $0 }?(request, result) }
+        }
+        return try await race.value()
+    }
+
+    /// Receives the outcome of a token request whose caller was cancelled before it came.
+    public func whenAbandoned(_ handler: @escaping @Sendable (FetchRequest, Result<FetchedToken, any Error>) -> Void) {
+        abandoned.withLock { $0 = handler }
+    }
+
+    private let abandoned = Mutex<(@Sendable (FetchRequest, Result<FetchedToken, any Error>) -> Void)?>(nil)
+
+    private func fetchNow(_ request: FetchRequest) async throws -> FetchedToken {
         let client = try await client()
         switch grant {
         case .refreshToken:
@@ -92,5 +115,72 @@ public final class HTTPTokenSource: TokenSource {
         /// No revocation endpoint is configured or discovered: nothing was sent.
         case noEndpoint
         case failed(String)
+    }
+}
+
+/// One result that a waiter may stop waiting for: whoever comes first, the result or the
+/// waiter's cancellation, decides; a result that comes after the cancellation is the
+/// deliverer's to deal with.
+final class AbandonableResult<Value: Sendable>: Sendable {
+    private enum State {
+        case pending
+        case waiting(CheckedContinuation<Value, any Error>)
+        case delivered(Result<Value, any Error>)
+        case abandoned
+    }
+
+    private let state = Mutex<State>(.pending)
+
+    /// The result, or `CancellationError` at once when the calling task is cancelled.
+    func value() async throws -> Value {
+        try await withTaskCancellationHandler {
+            try await withCheckedThrowingContinuation { continuation in
+                let ready: Result<Value, any Error>? = state.withLock { state in
+                    switch state {
+                    case .pending:
+                        state = .waiting(continuation)
+                        return nil
+                    case let .delivered(result):
+                        return result
+                    case .abandoned, .waiting:
+                        return .failure(CancellationError())
+                    }
+                }
+                if let ready { continuation.resume(with: ready) }
+            }
+        } onCancel: {
+            let waiting: CheckedContinuation<Value, any Error>? = state.withLock { state in
+                switch state {
+                case let .waiting(continuation):
+                    state = .abandoned
+                    return continuation
+                case .pending:
+                    state = .abandoned
+                    return nil
+                case .delivered, .abandoned:
+                    return nil
+                }
+            }
+            waiting?.resume(throwing: CancellationError())
+        }
+    }
+
+    /// Hands `result` to the waiter; false when it was abandoned (the result is the caller's).
+    func deliver(_ result: Result<Value, any Error>) -> Bool {
+        let waiting: CheckedContinuation<Value, any Error>?? = state.withLock { state in
+            switch state {
+            case let .waiting(continuation):
+                state = .delivered(result)
+                return .some(continuation)
+            case .pending:
+                state = .delivered(result)
+                return .some(nil)
+            case .delivered, .abandoned:
+                return .none
+            }
+        }
+        guard let waiting else { return false }
+        waiting?.resume(with: result)
+        return true
     }
 }

@@ -246,6 +246,35 @@ struct OAuthDaemonTests {
         }
     }
 
+    @Test("logout while the issuer, having rotated, still holds its answer (and revoking a rotated token changes nothing there): the late answer's refresh token is revoked; no refresh token of the session stays active at the issuer")
+    func logoutBeforeLateAnswer() async throws {
+        var options = DevIssuer.Options()
+        options.revokingARotatedTokenEndsItsFamily = false
+        let issuer = try DevIssuer(options: options)
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            try await Self.logIn(broker, issuer)
+            let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"])
+            #expect(issuer.activeRefreshTokens == 1)
+            issuer.inject([.holdAfterProcessing])
+            let caller = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "recover", "api"],
+                                   directory: broker.directory, stdin: (token.stringValue ?? "") + "\n")
+            try await eventually("the refresh rotated and its answer held at the issuer") { issuer.heldCount == 1 }
+            #expect(try await broker.ctl(["logout", "api"]).code == 0)
+            #expect(await caller.wait() == 1)
+            // The logout revoked the token it knew, the rotated one: nothing changed upstream.
+            try await eventually("the logout's revocation") { issuer.counters.revocations == 1 }
+            #expect(issuer.activeRefreshTokens == 1, "the rotation's new refresh token is alive until the answer comes")
+            issuer.releaseHeld()
+            try await eventually("the late answer's refresh token revoked") { issuer.activeRefreshTokens == 0 }
+            #expect(issuer.counters.revocations == 2 && issuer.counters.refreshGrants == 2, "a refresh at the first GetToken, the one held")
+            try await eventually("the journal says so") {
+                broker.child.stderr.contains("session api: a refresh answer that came after the logout (or login) had ended its request brought a new refresh token; it is revoked upstream")
+            }
+            #expect(try broker.call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut")
+        }
+    }
+
     @Test("upstream failures reach every caller as the contract's errors")
     func upstreamErrors() async throws {
         try await Self.withIssuerAndBroker { issuer, broker in
