@@ -187,7 +187,13 @@ public final class Daemon: Sendable {
         if let address = configuration.metricsListen {
             do {
                 let listener = try MetricsServer(address)
-                listener.start { [self] openMetrics in await self.metricsText(openMetrics: openMetrics) }
+                let metricsGroup = configuration.metricsGroup
+                let authorization = MetricsAuthorization(peerMayRead: { [table] peer in
+                    table.snapshot.access.isAdmin(peer) || metricsGroup.map { $0 != ProcessDefences.overflowGID && peer.isMember(of: $0) } == true
+                }, bearerToken: configuration.metricsBearerToken)
+                listener.start(authorization: authorization,
+                               render: { [self] openMetrics, full in await self.metricsText(openMetrics: openMetrics, full: full) },
+                               refused: { [metrics] reason in metrics.refusedScrape(reason) })
                 metricsServer = listener
                 logger.info("metrics on \(address)/metrics")
             } catch {
@@ -364,15 +370,15 @@ public final class Daemon: Sendable {
     }
 
     /// The metrics exposition (`MetricsListen=`, the Metrics method).
-    func metricsText(openMetrics: Bool = false) async -> String {
+    func metricsText(openMetrics: Bool = false, full: Bool = true) async -> String {
         let snapshot = table.snapshot
         var views: [Metrics.SessionView] = []
-        for name in snapshot.order {
+        for name in snapshot.order where full {
             guard let session = snapshot.sessions[name] else { continue }
             views.append(Metrics.SessionView(status: await session.coordinator.status(), fleet: session.fleet?.status))
         }
         return metrics.render(sessions: views, connections: connectionCount.value(), unixNow: Int64(SystemWallClock().unixTime()),
-                              openMetrics: openMetrics)
+                              openMetrics: openMetrics, full: full)
     }
 
     private func reloadNow() async -> String? {

@@ -59,6 +59,7 @@ final class Metrics: Sendable {
         var storeFailures = 0
         var reloads: [String: Int] = ["ok": 0, "failed": 0]
         var refusedConnections: [String: Int] = ["server_full": 0, "user_limit": 0, "descriptors": 0]
+        var refusedScrapes: [String: Int] = [:]
     }
 
     private let rare = Mutex(Rare())
@@ -119,6 +120,13 @@ final class Metrics: Sendable {
         rare.withLock { $0.refusedConnections[reason, default: 0] += 1 }
     }
 
+    /// A scrape not answered in full: forbidden, unauthorized, busy, timeout, full.
+    func refusedScrape(_ reason: String) {
+        rare.withLock { $0.refusedScrapes[reason, default: 0] += 1 }
+    }
+
+    static let scrapeRefusals = ["forbidden", "unauthorized", "busy", "timeout", "full"]
+
     // MARK: - The exposition
 
     /// What a scrape shows of one session, read from its coordinator.
@@ -127,12 +135,22 @@ final class Metrics: Sendable {
         var fleet: DaemonFleetSession.Status?
     }
 
-    /// The exposition: the Prometheus text format (0.0.4), or OpenMetrics 1.0.0.
-    func render(sessions: [SessionView], connections: Int, unixNow: Int64, openMetrics: Bool) -> String {
+    /// The exposition: the Prometheus text format (0.0.4), or OpenMetrics 1.0.0. Without
+    /// `full`, only the daemon-wide series: nothing that names a session or shows its callers'
+    /// activity (for a scraper that has not shown it may see them).
+    func render(sessions: [SessionView], connections: Int, unixNow: Int64, openMetrics: Bool, full: Bool = true) -> String {
         var out = Exposition(openMetrics: openMetrics)
         let rare = self.rare.withLock { $0 }
         out.family("tokenbroker_build", "gauge", "The daemon's version.", info: true)
         out.sample("tokenbroker_build_info", ["version": version], 1)
+        out.family("tokenbroker_metrics_scrapes_refused", "counter", "Scrapes of /metrics not answered in full, by reason.")
+        for reason in Self.scrapeRefusals {
+            out.sample("tokenbroker_metrics_scrapes_refused_total", ["reason": reason], Double(rare.refusedScrapes[reason] ?? 0))
+        }
+        guard full else {
+            daemonWide(&out, rare, connections: connections)
+            return out.finish()
+        }
 
         out.family("tokenbroker_calls", "counter", "GetToken and Recover calls by result (ok, or the error's name).")
         for (method, table) in [("GetToken", getToken), ("Recover", recover)] {
@@ -204,6 +222,12 @@ final class Metrics: Sendable {
             }
         }
 
+        daemonWide(&out, rare, connections: connections)
+        return out.finish()
+    }
+
+    /// The series that name no session.
+    private func daemonWide(_ out: inout Exposition, _ rare: Rare, connections: Int) {
         out.family("tokenbroker_connections_open", "gauge", "Client connections open now.")
         out.sample("tokenbroker_connections_open", [:], Double(connections))
         out.family("tokenbroker_connections_refused", "counter", "Connections refused, by reason.")
@@ -216,7 +240,6 @@ final class Metrics: Sendable {
         out.sample("tokenbroker_store_write_failures_total", [:], Double(rare.storeFailures))
         out.family("tokenbroker_reloads", "counter", "Configuration reloads by result.")
         for result in ["ok", "failed"] { out.sample("tokenbroker_reloads_total", ["result": result], Double(rare.reloads[result] ?? 0)) }
-        return out.finish()
     }
 }
 

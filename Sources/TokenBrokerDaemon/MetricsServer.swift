@@ -4,6 +4,7 @@ import Glibc
 import Basics
 import Dispatch
 import Synchronization
+import TokenBrokerCore
 import Varlink
 
 /// Where `MetricsListen=` serves: a loopback TCP address or a Unix socket path.
@@ -39,12 +40,44 @@ public enum MetricsAddress: Sendable, Equatable, CustomStringConvertible {
     }
 }
 
-/// A minimal HTTP/1.1 server for `GET /metrics`, on threads of its own: up to four scrapes at
-/// once (more are closed at once), each with 2 s to send its whole request (8K at most) and 2 s
-/// per write of the answer, so a slow or hostile client delays nobody's token call and holds a
-/// scrape slot for 2 s at most.
+/// Who may read what of the exposition (`MetricsGroup=`, `MetricsBearerTokenFile=`).
+struct MetricsAuthorization: Sendable {
+    /// Whether a peer on a Unix socket may read the per-session series (admins, `MetricsGroup=`).
+    var peerMayRead: @Sendable (PeerCredentials) -> Bool
+    /// The bearer token a scraper must present for the per-session series (TCP or Unix).
+    var bearerToken: Secret?
+
+    /// What a request may see: the whole exposition, the daemon-wide part, or nothing.
+    enum View: Equatable { case full, daemonOnly, forbidden, unauthorized }
+
+    func view(peer: PeerCredentials?, authorization: String?) -> View {
+        if let bearerToken, let authorization, authorization.count > 7, authorization.prefix(7).lowercased() == "bearer ",
+           Self.constantTimeEqual(Array(authorization.utf8.dropFirst(7)), Array(bearerToken.reveal.utf8)) {
+            return .full
+        }
+        if let peer { return peerMayRead(peer) ? .full : .forbidden }
+        // TCP: session names only to a scraper that authenticates; none configured, none shown.
+        return bearerToken == nil ? .daemonOnly : .unauthorized
+    }
+
+    static func constantTimeEqual(_ a: [UInt8], _ b: [UInt8]) -> Bool {
+        var difference = UInt8(a.count == b.count ? 0 : 1)
+        for index in 0..<max(a.count, b.count) {
+            difference |= (index < a.count ? a[index] : 0) ^ (index < b.count ? b[index] : 0)
+        }
+        return difference == 0
+    }
+}
+
+/// A minimal HTTP/1.1 server for `GET /metrics`, one thread with a poll loop: every connection
+/// is non-blocking, with 1 s for its first byte and 2 s for its whole request (8K at most);
+/// at most `maximumConnections` at once (when full, the oldest that has sent nothing makes
+/// room), `maximumPerUser` per uid on a Unix socket. Idle or slow clients cost a slot, never a
+/// scraper's answer, and never a token call. Renders run as tasks, `concurrentRenders` at once.
 final class MetricsServer: Sendable {
     private let fd: Int32
+    private let wakeRead: Int32
+    private let wakeWrite: Int32
     let address: MetricsAddress
 
     init(_ address: MetricsAddress) throws(SocketError) {
@@ -56,7 +89,7 @@ final class MetricsServer: Sendable {
             } catch {
                 throw SocketError("\(error)")
             }
-            _ = fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK)
+            _ = fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK)
         case let .tcp(host, port):
             let v6 = host.contains(":")
             let socketFD = socket(v6 ? AF_INET6 : AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
@@ -77,14 +110,26 @@ final class MetricsServer: Sendable {
                 inet_pton(AF_INET, host, &sockaddr.sin_addr)
                 bound = Self.bind(socketFD, &sockaddr)
             }
-            if bound == 0 { bound = listen(socketFD, 16) }
+            if bound == 0 { bound = listen(socketFD, 128) }
             guard bound == 0 else {
                 let error = SocketError("bind \(address)")
                 close(socketFD)
                 throw error
             }
+            _ = fcntl(socketFD, F_SETFL, fcntl(socketFD, F_GETFL) | O_NONBLOCK)
             fd = socketFD
         }
+        var pipeFDs: [Int32] = [-1, -1]
+        guard pipe(&pipeFDs) == 0 else {
+            close(fd)
+            throw SocketError("pipe")
+        }
+        for end in pipeFDs {
+            _ = fcntl(end, F_SETFL, fcntl(end, F_GETFL) | O_NONBLOCK)
+            _ = fcntl(end, F_SETFD, FD_CLOEXEC)
+        }
+        wakeRead = pipeFDs[0]
+        wakeWrite = pipeFDs[1]
     }
 
     private static func bind<Address>(_ fd: Int32, _ address: inout Address) -> Int32 {
@@ -93,101 +138,239 @@ final class MetricsServer: Sendable {
         }
     }
 
-    /// Serves until `stop()`; `render(openMetrics)` builds the exposition.
-    func start(render: @escaping @Sendable (Bool) async -> String) {
-        let fd = self.fd
-        let address = self.address
+    static let maximumConnections = 256
+    static let maximumPerUser = 16
+    static let concurrentRenders = 4
+    static let firstByteDeadline = Duration.seconds(1)
+    static let requestDeadline = Duration.seconds(2)
+    static let answerDeadline = Duration.seconds(5)
+
+    private struct Connection {
+        var fd: Int32
+        var peer: PeerCredentials?
+        var accepted: ContinuousClock.Instant
+        var request: [UInt8] = []
+        /// Set once the answer is ready: the bytes and how many are sent.
+        var answer: [UInt8]?
+        var sent = 0
+        var answerStarted: ContinuousClock.Instant?
+        var rendering = false
+    }
+
+    /// Answers handed back by render tasks, for the loop to send.
+    private let finished = Mutex<[(Int32, [UInt8])]>([])
+
+    /// Serves until `stop()`. `render(openMetrics, full)` builds the exposition; `refused(reason)`
+    /// counts scrapes not answered in full (forbidden, unauthorized, busy, timeout, full).
+    func start(authorization: MetricsAuthorization, render: @escaping @Sendable (Bool, Bool) async -> String,
+               refused: @escaping @Sendable (String) -> Void) {
         spawnThread { [self] in
-            while true {
-                let client = accept(fd, nil, nil)
-                if client < 0 {
-                    if errno == EINTR || errno == ECONNABORTED { continue }
-                    if errno == EMFILE || errno == ENFILE {
-                        usleep(100_000)   // out of descriptors: the token calls come first
-                        continue
-                    }
-                    break   // shut down by stop()
-                }
-                _ = fcntl(client, F_SETFD, FD_CLOEXEC)
-                // A few scrapes at once, each on a thread of its own; beyond that, closed at once.
-                guard self.busy.add(1, ordering: .relaxed).newValue <= MetricsServer.concurrentScrapes else {
-                    self.busy.subtract(1, ordering: .relaxed)
-                    close(client)
-                    continue
-                }
-                spawnThread { [self] in
-                    MetricsServer.serve(client, render)
-                    close(client)
-                    self.busy.subtract(1, ordering: .relaxed)
-                }
-            }
-            // The listener is closed here, by the thread that used it, once accept has returned.
+            loop(authorization, render, refused)
             close(fd)
+            close(wakeRead)
+            close(wakeWrite)
             if case let .unix(path) = address { unlink(path) }
         }
     }
 
-    /// Scrapes served at once.
-    static let concurrentScrapes = 4
-    /// Time for a client to send its request, all of it.
-    static let requestDeadline = Duration.seconds(2)
+    private let stopped = Atomic<Bool>(false)
+    private let rendering = Atomic<Int>(0)
 
-    private let busy = Atomic<Int>(0)
-
-    /// Ends the accept loop (which then closes the listener).
+    /// Ends the loop (which then closes the listener).
     func stop() {
-        shutdown(fd, Int32(SHUT_RDWR))
+        stopped.store(true, ordering: .releasing)
+        wake()
     }
 
-    private static func serve(_ client: Int32, _ render: @escaping @Sendable (Bool) async -> String) {
-        UnixSocket.setTimeout(client, seconds: 2)   // for sending the answer
-        let deadline = ContinuousClock.now + requestDeadline
-        var request: [UInt8] = []
-        var buffer = [UInt8](repeating: 0, count: 4096)
-        while !request.contains(subsequence: [13, 10, 13, 10]) {
-            guard request.count < 8192 else { return respond(client, 431, "request header fields too large\n") }
-            // One deadline for the whole request, however slowly it trickles in.
-            let left = ContinuousClock.now.duration(to: deadline)
-            guard left > .zero else { return }
-            var poller = pollfd(fd: client, events: Int16(POLLIN), revents: 0)
-            let milliseconds = Int32(max(1, left.components.seconds * 1000 + left.components.attoseconds / 1_000_000_000_000_000))
-            guard poll(&poller, 1, milliseconds) == 1 else { return }
-            let count = read(client, &buffer, buffer.count)
-            guard count > 0 else { return }
-            request += buffer[..<count]
+    private func wake() {
+        var byte: UInt8 = 1
+        _ = write(wakeWrite, &byte, 1)
+    }
+
+    private func loop(_ authorization: MetricsAuthorization, _ render: @escaping @Sendable (Bool, Bool) async -> String,
+                      _ refused: @escaping @Sendable (String) -> Void) {
+        var connections: [Int32: Connection] = [:]
+        var acceptPausedUntil: ContinuousClock.Instant?
+        func drop(_ fd: Int32) {
+            connections[fd] = nil
+            close(fd)
         }
+        while !stopped.load(ordering: .acquiring) {
+            // Answers that are ready.
+            for (client, answer) in finished.withLock({ list in defer { list = [] }; return list }) {
+                guard connections[client] != nil else { continue }
+                connections[client]?.answer = answer
+                connections[client]?.answerStarted = .now
+                connections[client]?.rendering = false
+            }
+            let now = ContinuousClock.now
+            if let paused = acceptPausedUntil, paused <= now { acceptPausedUntil = nil }
+            // (While out of descriptors, the listener is left alone for a moment: no busy loop.)
+            var polled = [pollfd(fd: acceptPausedUntil == nil ? fd : -1, events: Int16(POLLIN), revents: 0),
+                          pollfd(fd: wakeRead, events: Int16(POLLIN), revents: 0)]
+            var nextDeadline = acceptPausedUntil ?? now + .seconds(1)
+            for (client, connection) in connections {
+                if connection.rendering { continue }
+                let deadline: ContinuousClock.Instant
+                if connection.answer != nil {
+                    deadline = (connection.answerStarted ?? now) + Self.answerDeadline
+                } else {
+                    deadline = connection.accepted + (connection.request.isEmpty ? Self.firstByteDeadline : Self.requestDeadline)
+                }
+                if deadline <= now {
+                    if connection.answer == nil { refused("timeout") }
+                    drop(client)
+                    continue
+                }
+                nextDeadline = min(nextDeadline, deadline)
+                polled.append(pollfd(fd: client, events: Int16(connection.answer == nil ? POLLIN : POLLOUT), revents: 0))
+            }
+            let wait = now.duration(to: nextDeadline)
+            let milliseconds = Int32(max(1, min(1000, wait.components.seconds * 1000 + wait.components.attoseconds / 1_000_000_000_000_000 + 1)))
+            guard poll(&polled, nfds_t(polled.count), milliseconds) >= 0 || errno == EINTR else { break }
+            if polled[1].revents != 0 {
+                var buffer = [UInt8](repeating: 0, count: 64)
+                while read(wakeRead, &buffer, buffer.count) > 0 {}
+            }
+            for entry in polled.dropFirst(2) where entry.revents != 0 {
+                guard var connection = connections[entry.fd] else { continue }
+                if connection.answer != nil {
+                    let left = connection.answer![connection.sent...]
+                    let count = left.withUnsafeBytes { send(entry.fd, $0.baseAddress, $0.count, Int32(MSG_NOSIGNAL)) }
+                    if count > 0 { connection.sent += count }
+                    if count <= 0 && errno != EAGAIN || connection.sent >= connection.answer!.count {
+                        drop(entry.fd)
+                        continue
+                    }
+                    connections[entry.fd] = connection
+                    continue
+                }
+                var buffer = [UInt8](repeating: 0, count: 4096)
+                let count = read(entry.fd, &buffer, buffer.count)
+                if count == 0 || (count < 0 && errno != EAGAIN && errno != EINTR) {
+                    drop(entry.fd)
+                    continue
+                }
+                guard count > 0 else { continue }
+                connection.request += buffer[..<count]
+                connections[entry.fd] = connection
+                if connection.request.count > 8192 && !connection.request.contains(subsequence: [13, 10, 13, 10]) {
+                    connections[entry.fd]?.answer = Self.response(431, "request header fields too large\n")
+                    connections[entry.fd]?.answerStarted = .now
+                    continue
+                }
+                guard connection.request.contains(subsequence: [13, 10, 13, 10]) else { continue }
+                let outcome = Self.parse(connection.request, peer: connection.peer, authorization)
+                switch outcome {
+                case let .answer(bytes, reason):
+                    if let reason { refused(reason) }
+                    connections[entry.fd]?.answer = bytes
+                    connections[entry.fd]?.answerStarted = .now
+                case let .render(openMetrics, full, head):
+                    guard rendering.add(1, ordering: .relaxed).newValue <= Self.concurrentRenders else {
+                        rendering.subtract(1, ordering: .relaxed)
+                        refused("busy")
+                        connections[entry.fd]?.answer = Self.response(503, "busy\n")
+                        connections[entry.fd]?.answerStarted = .now
+                        continue
+                    }
+                    connections[entry.fd]?.rendering = true
+                    let client = entry.fd
+                    Task { [self] in
+                        let text = await render(openMetrics, full)
+                        let type = openMetrics ? "application/openmetrics-text; version=1.0.0; charset=utf-8" : "text/plain; version=0.0.4; charset=utf-8"
+                        let answer = Self.response(200, head ? "" : text, type: type, length: text.utf8.count)
+                        rendering.subtract(1, ordering: .relaxed)
+                        finished.withLock { $0.append((client, answer)) }
+                        wake()
+                    }
+                }
+            }
+            // New connections.
+            if polled[0].revents != 0 {
+                while true {
+                    let client = accept(fd, nil, nil)
+                    if client < 0 {
+                        if errno == EINTR || errno == ECONNABORTED { continue }
+                        // Out of descriptors: the token calls come first.
+                        if errno == EMFILE || errno == ENFILE { acceptPausedUntil = .now + .milliseconds(100) }
+                        break
+                    }
+                    _ = fcntl(client, F_SETFD, FD_CLOEXEC)
+                    _ = fcntl(client, F_SETFL, fcntl(client, F_GETFL) | O_NONBLOCK)
+                    var peer: PeerCredentials?
+                    if case .unix = address {
+                        peer = UnixSocket.peer(client)
+                        let uid = peer?.uid
+                        if connections.values.count(where: { $0.peer?.uid == uid }) >= Self.maximumPerUser {
+                            refused("full")
+                            close(client)
+                            continue
+                        }
+                    }
+                    if connections.count >= Self.maximumConnections {
+                        // The oldest connection that has sent nothing makes room.
+                        guard let idle = connections.values.filter({ $0.request.isEmpty && $0.answer == nil && !$0.rendering })
+                            .min(by: { $0.accepted < $1.accepted }) else {
+                            refused("full")
+                            close(client)
+                            continue
+                        }
+                        refused("timeout")
+                        drop(idle.fd)
+                    }
+                    connections[client] = Connection(fd: client, peer: peer, accepted: .now)
+                }
+            }
+        }
+        for client in connections.keys { close(client) }
+        // Render tasks still running find their connection gone: their answers are dropped.
+    }
+
+    private enum Parsed {
+        case answer([UInt8], refusal: String?)
+        case render(openMetrics: Bool, full: Bool, head: Bool)
+    }
+
+    private static func parse(_ request: [UInt8], peer: PeerCredentials?, _ authorization: MetricsAuthorization) -> Parsed {
         let head = String(decoding: request, as: UTF8.self)
         let lines = head.split(separator: "\r\n", omittingEmptySubsequences: false)
         let words = lines.first?.split(separator: " ") ?? []
-        guard words.count == 3, words[2].hasPrefix("HTTP/1.") else { return respond(client, 400, "bad request\n") }
-        guard words[0] == "GET" || words[0] == "HEAD" else { return respond(client, 405, "only GET\n") }
-        guard words[1] == "/metrics" || words[1].hasPrefix("/metrics?") else { return respond(client, 404, "try /metrics\n") }
-        let openMetrics = lines.dropFirst().contains { line in
-            line.lowercased().hasPrefix("accept:") && line.lowercased().contains("application/openmetrics-text")
+        guard words.count == 3, words[2].hasPrefix("HTTP/1.") else { return .answer(response(400, "bad request\n"), refusal: nil) }
+        guard words[0] == "GET" || words[0] == "HEAD" else { return .answer(response(405, "only GET\n"), refusal: nil) }
+        guard words[1] == "/metrics" || words[1].hasPrefix("/metrics?") else { return .answer(response(404, "try /metrics\n"), refusal: nil) }
+        func header(_ name: String) -> String? {
+            for line in lines.dropFirst() {
+                guard let colon = line.firstIndex(of: ":"), line[..<colon].lowercased() == name else { continue }
+                return line[line.index(after: colon)...].trimmingCharacters(in: " \t")
+            }
+            return nil
         }
-        // The exposition reads the coordinators (actors): wait for it here, on this thread.
-        let done = DispatchSemaphore(value: 0)
-        let text = SynchronizedBox("")
-        Task {
-            text.value = await render(openMetrics)
-            done.signal()
+        let openMetrics = header("accept")?.lowercased().contains("application/openmetrics-text") == true
+        switch authorization.view(peer: peer, authorization: header("authorization")) {
+        case .full: return .render(openMetrics: openMetrics, full: true, head: words[0] == "HEAD")
+        case .daemonOnly: return .render(openMetrics: openMetrics, full: false, head: words[0] == "HEAD")
+        case .forbidden: return .answer(response(403, "forbidden: per-session metrics are for admins and MetricsGroup=\n"), refusal: "forbidden")
+        case .unauthorized:
+            return .answer(response(401, "a bearer token is needed\n", extra: "WWW-Authenticate: Bearer realm=\"tokenbroker\"\r\n"), refusal: "unauthorized")
         }
-        guard done.wait(timeout: .now() + 5) == .success else { return respond(client, 503, "the daemon did not answer in time\n") }
-        let type = openMetrics ? "application/openmetrics-text; version=1.0.0; charset=utf-8" : "text/plain; version=0.0.4; charset=utf-8"
-        respond(client, 200, words[0] == "HEAD" ? "" : text.value, type: type, length: text.value.utf8.count)
     }
 
-    private static func respond(_ client: Int32, _ status: Int, _ body: String, type: String = "text/plain; charset=utf-8", length: Int? = nil) {
-        let reason = [200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 431: "Request Header Fields Too Large",
-                      503: "Service Unavailable"][status] ?? "Error"
-        var answer = Array("HTTP/1.1 \(status) \(reason)\r\nContent-Type: \(type)\r\nContent-Length: \(length ?? body.utf8.count)\r\n".utf8)
-        answer += Array("Connection: close\r\n\r\n".utf8) + Array(body.utf8)
-        var sent = 0
-        while sent < answer.count {
-            let count = answer[sent...].withUnsafeBytes { send(client, $0.baseAddress, $0.count, Int32(MSG_NOSIGNAL)) }
-            guard count > 0 else { return }
-            sent += count
-        }
+    private static func response(_ status: Int, _ body: String, type: String = "text/plain; charset=utf-8", length: Int? = nil,
+                                 extra: String = "") -> [UInt8] {
+        let reason = [200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+                      431: "Request Header Fields Too Large", 503: "Service Unavailable"][status] ?? "Error"
+        return Array("HTTP/1.1 \(status) \(reason)\r\nContent-Type: \(type)\r\nContent-Length: \(length ?? body.utf8.count)\r\n\(extra)".utf8)
+            + Array("Connection: close\r\n\r\n".utf8) + Array(body.utf8)
+    }
+}
+
+private extension Substring {
+    func trimmingCharacters(in set: String) -> String {
+        var text = self
+        while let first = text.first, set.contains(first) { text = text.dropFirst() }
+        while let last = text.last, set.contains(last) { text = text.dropLast() }
+        return String(text)
     }
 }
 

@@ -9,11 +9,12 @@ import Varlink
 /// checked with promtool, across a reload, and scraped by a real Prometheus.
 @Suite("Metrics", .serialized)
 struct MetricsTests {
-    static func config(_ issuer: DevIssuer, port: Int, refreshAhead: String = "60s") -> String {
+    static func config(_ issuer: DevIssuer, port: Int, refreshAhead: String = "60s", bearer: Bool = true) -> String {
         """
         [Broker]
         SocketMode=0666
         MetricsListen=127.0.0.1:\(port)
+        \(bearer ? "MetricsBearerTokenFile=@DIR@/metrics-token" : "")
 
         [Session]
         Name=api
@@ -26,12 +27,12 @@ struct MetricsTests {
     }
 
     /// `GET /metrics` on the listener (nil when nothing answers).
-    static func scrape(_ port: Int, accept: String? = nil) -> (head: String, body: String)? {
-        get(port, "/metrics", accept: accept)
+    static func scrape(_ port: Int, accept: String? = nil, bearer: String? = Broker.metricsToken) -> (head: String, body: String)? {
+        get(port, "/metrics", accept: accept, bearer: bearer)
     }
 
     /// One HTTP/1.1 GET to 127.0.0.1:`port` (the connection closed after it).
-    static func get(_ port: Int, _ target: String, accept: String? = nil) -> (head: String, body: String)? {
+    static func get(_ port: Int, _ target: String, accept: String? = nil, bearer: String? = nil) -> (head: String, body: String)? {
         let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
         guard fd >= 0 else { return nil }
         defer { close(fd) }
@@ -43,7 +44,8 @@ struct MetricsTests {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
         }
         guard connected else { return nil }
-        let request = "GET \(target) HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + (accept.map { "Accept: \($0)\r\n" } ?? "") + "\r\n"
+        let request = "GET \(target) HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + (accept.map { "Accept: \($0)\r\n" } ?? "")
+            + (bearer.map { "Authorization: Bearer \($0)\r\n" } ?? "") + "\r\n"
         _ = request.withCString { send(fd, $0, strlen($0), 0) }
         var answer: [UInt8] = []
         var buffer = [UInt8](repeating: 0, count: 65_536)
@@ -195,6 +197,8 @@ struct MetricsTests {
                   scrape_interval: 1s
                 scrape_configs:
                   - job_name: tokenbroker
+                    authorization:
+                      credentials_file: \(broker.directory)/metrics-token
                     static_configs:
                       - targets: ['127.0.0.1:\(port)']
                 """.write(toFile: broker.directory + "/prometheus.yml", atomically: true, encoding: .utf8)
@@ -203,10 +207,11 @@ struct MetricsTests {
                                                           "--log.level=warn"], directory: broker.directory)
             let answer = Mutex("")
             do {
-                try await eventually("Prometheus has scraped tokenbroker_build_info", timeout: .seconds(30)) {
-                    let body = Self.get(web, "/api/v1/query?query=tokenbroker_build_info")?.body ?? ""
+                // A per-session series: Prometheus authenticated with credentials_file.
+                try await eventually("Prometheus has scraped tokenbroker_session_state of session api", timeout: .seconds(30)) {
+                    let body = Self.get(web, "/api/v1/query?query=tokenbroker_session_state%7Bsession%3D%22api%22%7D")?.body ?? ""
                     answer.withLock { $0 = body }
-                    return answer.withLock { $0 }.contains(#""job":"tokenbroker""#)
+                    return answer.withLock { $0 }.contains(#""job":"tokenbroker""#) && answer.withLock { $0 }.contains(#""session":"api""#)
                 }
             } catch {
                 server.terminate()
@@ -216,6 +221,124 @@ struct MetricsTests {
             #expect(answer.withLock { $0 }.contains(#""status":"success""#))
             server.terminate()
             _ = await server.wait(timeout: 20)
+        }
+    }
+
+    @Test("over TCP: with no bearer token configured, a scrape names no session and shows no calls; with one, a scrape without it or with a wrong one gets 401 (counted), with it everything")
+    func tcpAccess() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let port = try EtcdCluster.freePort()
+        try await withBroker(config: Self.config(issuer, port: port, bearer: false)) { broker in
+            #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+            _ = try broker.call("GetToken", ["session": "api"])
+            let open = try #require(Self.scrape(port, bearer: nil))
+            #expect(open.head.hasPrefix("HTTP/1.1 200"))
+            #expect(!open.body.contains("session=") && !open.body.contains("tokenbroker_calls_total"), "\(open.body)")
+            #expect(open.body.contains("tokenbroker_build_info{") && open.body.contains("tokenbroker_connections_open "))
+            // A token presented where none is configured changes nothing.
+            #expect(!(try #require(Self.scrape(port, bearer: Broker.metricsToken)).body.contains("session=")))
+        }
+        let second = try EtcdCluster.freePort()
+        try await withBroker(config: Self.config(issuer, port: second)) { broker in
+            for bearer in [nil, "wrong-token-0123456789", Broker.metricsToken + "x", String(Broker.metricsToken.dropLast())] {
+                let refused = try #require(Self.scrape(second, bearer: bearer))
+                #expect(refused.head.hasPrefix("HTTP/1.1 401") && refused.head.contains("WWW-Authenticate: Bearer"), "\(refused.head)")
+                #expect(!refused.body.contains("session="))
+            }
+            let full = try #require(Self.scrape(second))
+            #expect(full.head.hasPrefix("HTTP/1.1 200") && full.body.contains(#"tokenbroker_session_state{session="api""#))
+            #expect(Self.value(full.body, #"tokenbroker_metrics_scrapes_refused_total{reason="unauthorized"}"#) == 4)
+        }
+    }
+
+    @Test("on a Unix socket: admins and members of MetricsGroup= read per-session series; any other uid that can connect (65534 included) gets 403, counted")
+    func unixAccess() async throws {
+        let issuer = try DevIssuer()
+        defer { issuer.stop() }
+        let config = Self.config(issuer, port: 0, bearer: false)
+            .replacingOccurrences(of: "MetricsListen=127.0.0.1:0", with: "MetricsListen=@DIR@/metrics.sock\nMetricsGroup=61043")
+        try await withBroker(config: config) { broker in
+            let script = broker.directory + "/scrape.py"
+            try """
+                import socket, sys
+                s = socket.socket(socket.AF_UNIX)
+                s.settimeout(10)
+                s.connect(sys.argv[1])
+                s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+                data = b""
+                while True:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                sys.stdout.write(data.decode())
+                """.write(toFile: script, atomically: true, encoding: .utf8)
+            chmod(script, 0o644)
+            func scrape(_ identity: [String]) async throws -> String {
+                let run = try await Child.run("/usr/bin/setpriv", identity + ["/usr/bin/python3", script, broker.directory + "/metrics.sock"])
+                #expect(run.code == 0, "\(run.stderr)")
+                return run.stdout
+            }
+            try await eventually("the metrics socket") { FileManager.default.fileExists(atPath: broker.directory + "/metrics.sock") }
+            // The socket is 0660 in the daemon's group (root here): these uids can connect.
+            for uid in ["61042", "65534"] {
+                let answer = try await scrape(["--reuid=\(uid)", "--regid=0", "--clear-groups"])
+                #expect(answer.hasPrefix("HTTP/1.1 403") && !answer.contains("session="), "uid \(uid): \(answer.prefix(200))")
+            }
+            let member = try await scrape(["--reuid=61042", "--regid=0", "--groups=61043"])
+            #expect(member.hasPrefix("HTTP/1.1 200") && member.contains(#"tokenbroker_session_state{session="api""#), "\(member.prefix(200))")
+            let admin = try await scrape([])
+            #expect(admin.hasPrefix("HTTP/1.1 200") && admin.contains(#"tokenbroker_metrics_scrapes_refused_total{reason="forbidden"} 2"#))
+        }
+    }
+
+    @Test("100 idle connections that reconnect as soon as they are cut off do not stop one scrape every 200 ms from being answered")
+    func idleConnectionsCannotStarveScrapes() async throws {
+        try await Self.withLoggedInBroker { _, _, port, _ in
+            let stop = Atomic<Bool>(false)
+            let reconnects = Atomic<Int>(0)
+            @Sendable func connectIdle() -> Int32 {
+                let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+                var address = sockaddr_in()
+                address.sin_family = sa_family_t(AF_INET)
+                address.sin_port = UInt16(port).bigEndian
+                address.sin_addr.s_addr = inet_addr("127.0.0.1")
+                _ = withUnsafePointer(to: &address) {
+                    $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
+                }
+                return fd
+            }
+            Foundation.Thread.detachNewThread {
+                var fds = (0..<100).map { _ in connectIdle() }
+                var buffer = [UInt8](repeating: 0, count: 64)
+                while !stop.load(ordering: .acquiring) {
+                    var polled = fds.map { pollfd(fd: $0, events: Int16(POLLIN), revents: 0) }
+                    if poll(&polled, nfds_t(polled.count), 50) < 0 {
+                        if errno == EINTR { continue }
+                        break
+                    }
+                    for (index, entry) in polled.enumerated() where entry.revents != 0 {
+                        if read(entry.fd, &buffer, buffer.count) <= 0 {
+                            close(entry.fd)
+                            fds[index] = connectIdle()
+                            reconnects.add(1, ordering: .relaxed)
+                        }
+                    }
+                }
+                for fd in fds { close(fd) }
+            }
+            defer { stop.store(true, ordering: .releasing) }
+            var answered = 0, asked = 0
+            let end = ContinuousClock.now + .seconds(4)
+            while ContinuousClock.now < end {
+                asked += 1
+                if let scrape = Self.scrape(port), scrape.head.hasPrefix("HTTP/1.1 200"), scrape.body.contains("session=\"api\"") { answered += 1 }
+                try await Task.sleep(for: .milliseconds(200))
+            }
+            print("metrics: \(answered) of \(asked) scrapes answered beside 100 idle connections (\(reconnects.load(ordering: .relaxed)) reconnects)")
+            #expect(answered == asked, "\(answered) of \(asked) scrapes answered")
+            #expect(reconnects.load(ordering: .relaxed) >= 50, "the idle connections were cut off after their first-byte deadline: \(reconnects.load(ordering: .relaxed))")
         }
     }
 }

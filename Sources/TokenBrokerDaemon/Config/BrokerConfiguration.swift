@@ -36,6 +36,13 @@ public struct BrokerConfiguration: Sendable, Equatable {
     /// Where Prometheus scrapes `GET /metrics` (`MetricsListen=`): a loopback `host:port` or a
     /// Unix socket path; off when nil. Read at start only.
     public var metricsListen: MetricsAddress?
+    /// Members may read the per-session series on a Unix `MetricsListen=` (`MetricsGroup=`), as
+    /// admins may. Read at start only.
+    public var metricsGroup: UInt32?
+    /// The bearer token a scraper presents for the per-session series
+    /// (`MetricsBearerTokenFile=`, `MetricsBearerTokenCredential=`); without it, TCP serves no
+    /// session names. Read at start only.
+    public var metricsBearerToken: Secret?
     /// The `[Fleet]` section: how this broker reaches etcd, for sessions with `Fleet=yes`.
     public var fleet: FleetSettings?
     /// Unknown keys and other non-fatal findings, each at `file:line`.

@@ -241,6 +241,22 @@ public enum ConfigLoader {
                 throw fail("MetricsListen= needs a loopback address and port (127.0.0.1:9464, [::1]:9464) or an absolute socket path")
             }
             configuration.metricsListen = address
+        case "MetricsGroup":
+            configuration.metricsGroup = entry.value.isEmpty ? nil : try group(entry)
+            if configuration.metricsGroup == ProcessDefences.overflowGID { configuration.warnings.append(fail(overflowWarning(entry.key, entry.value))) }
+        case "MetricsBearerTokenFile", "MetricsBearerTokenCredential":
+            guard !entry.value.isEmpty else {
+                configuration.metricsBearerToken = nil
+                return
+            }
+            var warnings: [ConfigError] = []
+            let token = try readSecret(entry, warnings: &warnings)
+            // What Prometheus sends as `credentials`: one line of visible ASCII, long enough.
+            guard token.reveal.utf8.count >= 16, token.reveal.utf8.count <= 4096,
+                  token.reveal.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
+                throw fail("\(entry.key)=: the token must be 16 to 4096 visible ASCII characters (e.g. openssl rand -hex 32)")
+            }
+            configuration.metricsBearerToken = token
         case "StateKeyFile", "StateKeyCredential":
             guard !entry.value.isEmpty else {
                 configuration.stateKey = nil
@@ -383,14 +399,14 @@ public enum ConfigLoader {
                                  + "use ClientSecretFile= or ClientSecretCredential= (LoadCredential=) instead"))
             guard !entry.value.isEmpty else { throw fail("ClientSecret= is empty") }
             return Secret(entry.value)
-        case "ClientSecretCredential":
+        case "ClientSecretCredential", "MetricsBearerTokenCredential":
             guard let directory = getenv("CREDENTIALS_DIRECTORY").map({ String(cString: $0) }) else {
-                throw fail("ClientSecretCredential=: $CREDENTIALS_DIRECTORY is not set (use LoadCredential= in the unit)")
+                throw fail("\(entry.key)=: $CREDENTIALS_DIRECTORY is not set (use LoadCredential= in the unit)")
             }
-            guard !entry.value.isEmpty, !entry.value.contains("/") else { throw fail("ClientSecretCredential= needs a credential name") }
+            guard !entry.value.isEmpty, !entry.value.contains("/") else { throw fail("\(entry.key)= needs a credential name") }
             path = directory + "/" + entry.value
         default:
-            guard entry.value.hasPrefix("/") else { throw fail("ClientSecretFile= needs an absolute path") }
+            guard entry.value.hasPrefix("/") else { throw fail("\(entry.key)= needs an absolute path") }
             path = entry.value
         }
         switch FileSystem.readText(path) {

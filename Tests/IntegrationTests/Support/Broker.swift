@@ -14,6 +14,8 @@ final class Broker: @unchecked Sendable {
     /// A worker's uid for the permission tests: an ordinary id with no passwd entry (never the
     /// overflow id 65534, which stands for any unmapped peer and matches no allow list).
     static let workerUID: UInt32 = 61042
+    /// The bearer token in `@DIR@/metrics-token` (`MetricsBearerTokenFile=`), a test value.
+    static let metricsToken = "metrics-test-bearer-0123456789abcdef"
 
     static let defaultConfig = """
         [Broker]
@@ -40,6 +42,7 @@ final class Broker: @unchecked Sendable {
         configPath = directory + "/tokenbroker.conf"
         // `@DIR@` in the configuration stands for this broker's directory (for secret files).
         try "dev-secret\n".write(toFile: directory + "/client-secret", atomically: true, encoding: .utf8)
+        try (Broker.metricsToken + "\n").write(toFile: directory + "/metrics-token", atomically: true, encoding: .utf8)
         try config.replacingOccurrences(of: "@DIR@", with: directory).write(toFile: configPath, atomically: true, encoding: .utf8)
         child = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"]
                           + extraArguments, environment: environment, directory: directory)
