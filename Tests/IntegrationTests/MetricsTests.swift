@@ -55,6 +55,19 @@ struct MetricsTests {
         return (String(text[..<split.lowerBound]), String(text[split.upperBound...]))
     }
 
+    /// A TCP connection to 127.0.0.1:`port` that sends nothing (yet).
+    static func connectTCP(_ port: Int) -> Int32 {
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_port = UInt16(port).bigEndian
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        _ = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
+        }
+        return fd
+    }
+
     /// The value of the sample `line` starts with (`name{labels}`), if present.
     static func value(_ body: String, _ sample: String) -> Double? {
         body.split(separator: "\n").first { $0.hasPrefix(sample + " ") }.flatMap { Double($0.split(separator: " ").last ?? "") }
@@ -149,19 +162,8 @@ struct MetricsTests {
     func slowClients() async throws {
         try await Self.withLoggedInBroker { _, _, port, _ in
             // A client sending one byte every 300 ms, and one that sends nothing.
-            let connect = { () -> Int32 in
-                let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-                var address = sockaddr_in()
-                address.sin_family = sa_family_t(AF_INET)
-                address.sin_port = UInt16(port).bigEndian
-                address.sin_addr.s_addr = inet_addr("127.0.0.1")
-                _ = withUnsafePointer(to: &address) {
-                    $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
-                }
-                return fd
-            }
-            let trickler = connect()
-            let idle = connect()
+            let trickler = Self.connectTCP(port)
+            let idle = Self.connectTCP(port)
             defer {
                 close(trickler)
                 close(idle)
@@ -298,19 +300,8 @@ struct MetricsTests {
         try await Self.withLoggedInBroker { _, _, port, _ in
             let stop = Atomic<Bool>(false)
             let reconnects = Atomic<Int>(0)
-            @Sendable func connectIdle() -> Int32 {
-                let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-                var address = sockaddr_in()
-                address.sin_family = sa_family_t(AF_INET)
-                address.sin_port = UInt16(port).bigEndian
-                address.sin_addr.s_addr = inet_addr("127.0.0.1")
-                _ = withUnsafePointer(to: &address) {
-                    $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
-                }
-                return fd
-            }
             Foundation.Thread.detachNewThread {
-                var fds = (0..<100).map { _ in connectIdle() }
+                var fds = (0..<100).map { _ in Self.connectTCP(port) }
                 var buffer = [UInt8](repeating: 0, count: 64)
                 while !stop.load(ordering: .acquiring) {
                     var polled = fds.map { pollfd(fd: $0, events: Int16(POLLIN), revents: 0) }
@@ -321,7 +312,7 @@ struct MetricsTests {
                     for (index, entry) in polled.enumerated() where entry.revents != 0 {
                         if read(entry.fd, &buffer, buffer.count) <= 0 {
                             close(entry.fd)
-                            fds[index] = connectIdle()
+                            fds[index] = Self.connectTCP(port)
                             reconnects.add(1, ordering: .relaxed)
                         }
                     }
