@@ -182,7 +182,6 @@ public final class Daemon: Sendable {
             return ExitCode.failure
         }
         connectionCount.value = { [server] in server.connectionCount }
-        server.start()
         var metricsServer: MetricsServer?
         if let address = configuration.metricsListen {
             do {
@@ -201,6 +200,8 @@ public final class Daemon: Sendable {
                 logger.error("cannot serve metrics on \(address): \(error)")
             }
         }
+        // (Metrics first: once the socket answers, so does MetricsListen=.)
+        server.start()
         logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
         if let development, let demo = table.snapshot.sessions[development.sessionName] {
             await development.logIn(demo.coordinator)

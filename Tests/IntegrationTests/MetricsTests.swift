@@ -90,6 +90,7 @@ struct MetricsTests {
         try await withBroker(config: Self.config(issuer, port: port)) { broker in
             #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
             let first = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            try await eventually("the metrics listener") { Self.scrape(port) != nil }
             try await body(issuer, broker, port, first)
         }
     }
@@ -234,6 +235,7 @@ struct MetricsTests {
         try await withBroker(config: Self.config(issuer, port: port, bearer: false)) { broker in
             #expect(try broker.call("Login", ["session": "api", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
             _ = try broker.call("GetToken", ["session": "api"])
+            try await eventually("the metrics listener") { Self.scrape(port, bearer: nil) != nil }
             let open = try #require(Self.scrape(port, bearer: nil))
             #expect(open.head.hasPrefix("HTTP/1.1 200"))
             #expect(!open.body.contains("session=") && !open.body.contains("tokenbroker_calls_total"), "\(open.body)")
@@ -243,6 +245,8 @@ struct MetricsTests {
         }
         let second = try EtcdCluster.freePort()
         try await withBroker(config: Self.config(issuer, port: second)) { broker in
+            // (The varlink socket accepts connections before the daemon has opened MetricsListen=.)
+            try await eventually("the metrics listener") { Self.scrape(second, bearer: nil) != nil }
             for bearer in [nil, "wrong-token-0123456789", Broker.metricsToken + "x", String(Broker.metricsToken.dropLast())] {
                 let refused = try #require(Self.scrape(second, bearer: bearer))
                 #expect(refused.head.hasPrefix("HTTP/1.1 401") && refused.head.contains("WWW-Authenticate: Bearer"), "\(refused.head)")
@@ -250,7 +254,7 @@ struct MetricsTests {
             }
             let full = try #require(Self.scrape(second))
             #expect(full.head.hasPrefix("HTTP/1.1 200") && full.body.contains(#"tokenbroker_session_state{session="api""#))
-            #expect(Self.value(full.body, #"tokenbroker_metrics_scrapes_refused_total{reason="unauthorized"}"#) == 4)
+            #expect(Self.value(full.body, #"tokenbroker_metrics_scrapes_refused_total{reason="unauthorized"}"#) == 5)
         }
     }
 
