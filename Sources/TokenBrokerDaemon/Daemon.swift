@@ -506,7 +506,9 @@ public final class Daemon: Sendable {
         case let .oauth(settings):
             let http = HTTPTokenSource(grant: settings.grant, configuration: settings.client.configuration,
                                        endpoints: settings.endpoints, issuer: settings.issuer)
-            http.whenAbandoned(abandonedRequestRevocation(session, http))
+            // (Not for fleet sessions: a holder whose lease runs out abandons its request so that
+            // another broker may take over, and that request must not go on.)
+            if session.fleet == nil { http.whenAbandoned(abandonedRequestRevocation(session, http)) }
             source = http
             upstream = http
         }

@@ -72,6 +72,9 @@ public final class HTTPTokenSource: TokenSource {
     /// rotated already would otherwise leave the new refresh token alive, known to nobody, and
     /// revoking the old one changes nothing at many servers.
     public func fetch(_ request: FetchRequest) async throws -> FetchedToken {
+        // Without a handler (a fleet session: its holder abandons a request when its lease runs
+        // out, and cutting the transfer off is the best it can do), cancelling ends the transfer.
+        guard abandoned.withLock({ $0 != nil }) else { return try await fetchNow(request) }
         try Task.checkCancellation()   // nothing sent yet: nothing to abandon
         let race = AbandonableResult<FetchedToken>()
         Task { [self] in
