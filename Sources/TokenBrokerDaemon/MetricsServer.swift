@@ -144,6 +144,7 @@ final class MetricsServer: Sendable {
     static let firstByteDeadline = Duration.seconds(1)
     static let requestDeadline = Duration.seconds(2)
     static let answerDeadline = Duration.seconds(5)
+    static let renderDeadline = Duration.seconds(5)
 
     private struct Connection {
         var fd: Int32
@@ -154,11 +155,15 @@ final class MetricsServer: Sendable {
         var answer: [UInt8]?
         var sent = 0
         var answerStarted: ContinuousClock.Instant?
+        /// While a render task works on it: since when, and its serial (a descriptor number is
+        /// reused once closed; an answer goes only to the connection it was made for).
         var rendering = false
+        var renderStarted: ContinuousClock.Instant?
+        var serial: UInt64 = 0
     }
 
     /// Answers handed back by render tasks, for the loop to send.
-    private let finished = Mutex<[(Int32, [UInt8])]>([])
+    private let finished = Mutex<[(Int32, UInt64, [UInt8])]>([])
 
     /// Serves until `stop()`. `render(openMetrics, full)` builds the exposition; `refused(reason)`
     /// counts scrapes not answered in full (forbidden, unauthorized, busy, timeout, full).
@@ -191,14 +196,15 @@ final class MetricsServer: Sendable {
                       _ refused: @escaping @Sendable (String) -> Void) {
         var connections: [Int32: Connection] = [:]
         var acceptPausedUntil: ContinuousClock.Instant?
+        var serials: UInt64 = 0
         func drop(_ fd: Int32) {
             connections[fd] = nil
             close(fd)
         }
         while !stopped.load(ordering: .acquiring) {
             // Answers that are ready.
-            for (client, answer) in finished.withLock({ list in defer { list = [] }; return list }) {
-                guard connections[client] != nil else { continue }
+            for (client, serial, answer) in finished.withLock({ list in defer { list = [] }; return list }) {
+                guard connections[client]?.serial == serial, connections[client]?.rendering == true else { continue }
                 connections[client]?.answer = answer
                 connections[client]?.answerStarted = .now
                 connections[client]?.rendering = false
@@ -210,9 +216,19 @@ final class MetricsServer: Sendable {
                           pollfd(fd: wakeRead, events: Int16(POLLIN), revents: 0)]
             var nextDeadline = acceptPausedUntil ?? now + .seconds(1)
             for (client, connection) in connections {
-                if connection.rendering { continue }
                 let deadline: ContinuousClock.Instant
-                if connection.answer != nil {
+                if connection.rendering {
+                    // The daemon did not answer in time: 503, and the render's answer is dropped.
+                    let limit = (connection.renderStarted ?? now) + Self.renderDeadline
+                    if limit <= now {
+                        refused("busy")
+                        connections[client]?.rendering = false
+                        connections[client]?.answer = Self.response(503, "the daemon did not answer in time\n")
+                        connections[client]?.answerStarted = now
+                    }
+                    nextDeadline = min(nextDeadline, limit)
+                    continue
+                } else if connection.answer != nil {
                     deadline = (connection.answerStarted ?? now) + Self.answerDeadline
                 } else {
                     deadline = connection.accepted + (connection.request.isEmpty ? Self.firstByteDeadline : Self.requestDeadline)
@@ -274,14 +290,18 @@ final class MetricsServer: Sendable {
                         connections[entry.fd]?.answerStarted = .now
                         continue
                     }
+                    serials += 1
                     connections[entry.fd]?.rendering = true
+                    connections[entry.fd]?.renderStarted = .now
+                    connections[entry.fd]?.serial = serials
                     let client = entry.fd
+                    let serial = serials
                     Task { [self] in
                         let text = await render(openMetrics, full)
                         let type = openMetrics ? "application/openmetrics-text; version=1.0.0; charset=utf-8" : "text/plain; version=0.0.4; charset=utf-8"
                         let answer = Self.response(200, head ? "" : text, type: type, length: text.utf8.count)
                         rendering.subtract(1, ordering: .relaxed)
-                        finished.withLock { $0.append((client, answer)) }
+                        finished.withLock { $0.append((client, serial, answer)) }
                         wake()
                     }
                 }
