@@ -185,7 +185,7 @@ public final class Daemon: Sendable {
         var metricsServer: MetricsServer?
         if let address = configuration.metricsListen {
             do {
-                let listener = try MetricsServer(address)
+                let listener = try MetricsServer(address, group: configuration.metricsGroup)
                 let metricsGroup = configuration.metricsGroup
                 let authorization = MetricsAuthorization(peerMayRead: { [table] peer in
                     table.snapshot.access.isAdmin(peer) || metricsGroup.map { $0 != ProcessDefences.overflowGID && peer.isMember(of: $0) } == true

@@ -71,8 +71,8 @@ struct MetricsAuthorization: Sendable {
 
 /// A minimal HTTP/1.1 server for `GET /metrics`, one thread with a poll loop: every connection
 /// is non-blocking, with 1 s for its first byte and 2 s for its whole request (8K at most);
-/// at most `maximumConnections` at once (when full, the oldest that has sent nothing makes
-/// room), `maximumPerUser` per uid on a Unix socket. Idle or slow clients cost a slot, never a
+/// at most `maximumConnections` at once (when full, the oldest that has not sent its whole
+/// request makes room), `maximumPerUser` per uid on a Unix socket. Idle or slow clients cost a slot, never a
 /// scraper's answer, and never a token call. Renders run as tasks, `concurrentRenders` at once.
 final class MetricsServer: Sendable {
     private let fd: Int32
@@ -80,12 +80,14 @@ final class MetricsServer: Sendable {
     private let wakeWrite: Int32
     let address: MetricsAddress
 
-    init(_ address: MetricsAddress) throws(SocketError) {
+    /// - Parameter group: the Unix socket's group (`MetricsGroup=`, so that its members can
+    ///   connect); the daemon's own when nil.
+    init(_ address: MetricsAddress, group: UInt32? = nil) throws(SocketError) {
         self.address = address
         switch address {
         case let .unix(path):
             do {
-                fd = try SocketPath.bind(path, mode: 0o660, group: nil).fd
+                fd = try SocketPath.bind(path, mode: 0o660, group: group).fd
             } catch {
                 throw SocketError("\(error)")
             }
@@ -172,10 +174,16 @@ final class MetricsServer: Sendable {
         spawnThread { [self] in
             loop(authorization, render, refused)
             close(fd)
-            close(wakeRead)
-            close(wakeWrite)
             if case let .unix(path) = address { unlink(path) }
         }
+    }
+
+    /// The wake pipe is closed only when nothing can write to it any more (render tasks and the
+    /// loop's thread hold the server): a descriptor number closed earlier could be reused by
+    /// another part of the daemon, and a wake-up byte would land there.
+    deinit {
+        close(wakeRead)
+        close(wakeWrite)
     }
 
     private let stopped = Atomic<Bool>(false)
@@ -200,6 +208,54 @@ final class MetricsServer: Sendable {
         func drop(_ fd: Int32) {
             connections[fd] = nil
             close(fd)
+        }
+        /// Reads what `client` has sent; once its request is whole, answers or starts its render.
+        func readRequest(_ client: Int32) {
+            guard var connection = connections[client] else { return }
+            var buffer = [UInt8](repeating: 0, count: 4096)
+            let count = read(client, &buffer, buffer.count)
+            if count == 0 || (count < 0 && errno != EAGAIN && errno != EINTR) {
+                drop(client)
+                return
+            }
+            guard count > 0 else { return }
+            connection.request += buffer[..<count]
+            connections[client] = connection
+            if connection.request.count > 8192 {
+                connections[client]?.answer = Self.response(431, "request header fields too large\n")
+                connections[client]?.answerStarted = .now
+                return
+            }
+            guard connection.request.contains(subsequence: [13, 10, 13, 10]) else { return }
+            let outcome = Self.parse(connection.request, peer: connection.peer, authorization)
+            switch outcome {
+            case let .answer(bytes, reason):
+                if let reason { refused(reason) }
+                connections[client]?.answer = bytes
+                connections[client]?.answerStarted = .now
+            case let .render(openMetrics, full, head):
+                guard rendering.add(1, ordering: .relaxed).newValue <= Self.concurrentRenders else {
+                    rendering.subtract(1, ordering: .relaxed)
+                    refused("busy")
+                    connections[client]?.answer = Self.response(503, "busy\n")
+                    connections[client]?.answerStarted = .now
+                    return
+                }
+                serials += 1
+                connections[client]?.rendering = true
+                connections[client]?.renderStarted = .now
+                connections[client]?.serial = serials
+                let client = client
+                let serial = serials
+                Task { [self] in
+                    let text = await render(openMetrics, full)
+                    let type = openMetrics ? "application/openmetrics-text; version=1.0.0; charset=utf-8" : "text/plain; version=0.0.4; charset=utf-8"
+                    let answer = Self.response(200, head ? "" : text, type: type, length: text.utf8.count)
+                    rendering.subtract(1, ordering: .relaxed)
+                    finished.withLock { $0.append((client, serial, answer)) }
+                    wake()
+                }
+            }
         }
         while !stopped.load(ordering: .acquiring) {
             // Answers that are ready.
@@ -254,57 +310,14 @@ final class MetricsServer: Sendable {
                     let left = connection.answer![connection.sent...]
                     let count = left.withUnsafeBytes { send(entry.fd, $0.baseAddress, $0.count, Int32(MSG_NOSIGNAL)) }
                     if count > 0 { connection.sent += count }
-                    if count <= 0 && errno != EAGAIN || connection.sent >= connection.answer!.count {
+                    if count <= 0 && errno != EAGAIN && errno != EINTR || connection.sent >= connection.answer!.count {
                         drop(entry.fd)
                         continue
                     }
                     connections[entry.fd] = connection
                     continue
                 }
-                var buffer = [UInt8](repeating: 0, count: 4096)
-                let count = read(entry.fd, &buffer, buffer.count)
-                if count == 0 || (count < 0 && errno != EAGAIN && errno != EINTR) {
-                    drop(entry.fd)
-                    continue
-                }
-                guard count > 0 else { continue }
-                connection.request += buffer[..<count]
-                connections[entry.fd] = connection
-                if connection.request.count > 8192 && !connection.request.contains(subsequence: [13, 10, 13, 10]) {
-                    connections[entry.fd]?.answer = Self.response(431, "request header fields too large\n")
-                    connections[entry.fd]?.answerStarted = .now
-                    continue
-                }
-                guard connection.request.contains(subsequence: [13, 10, 13, 10]) else { continue }
-                let outcome = Self.parse(connection.request, peer: connection.peer, authorization)
-                switch outcome {
-                case let .answer(bytes, reason):
-                    if let reason { refused(reason) }
-                    connections[entry.fd]?.answer = bytes
-                    connections[entry.fd]?.answerStarted = .now
-                case let .render(openMetrics, full, head):
-                    guard rendering.add(1, ordering: .relaxed).newValue <= Self.concurrentRenders else {
-                        rendering.subtract(1, ordering: .relaxed)
-                        refused("busy")
-                        connections[entry.fd]?.answer = Self.response(503, "busy\n")
-                        connections[entry.fd]?.answerStarted = .now
-                        continue
-                    }
-                    serials += 1
-                    connections[entry.fd]?.rendering = true
-                    connections[entry.fd]?.renderStarted = .now
-                    connections[entry.fd]?.serial = serials
-                    let client = entry.fd
-                    let serial = serials
-                    Task { [self] in
-                        let text = await render(openMetrics, full)
-                        let type = openMetrics ? "application/openmetrics-text; version=1.0.0; charset=utf-8" : "text/plain; version=0.0.4; charset=utf-8"
-                        let answer = Self.response(200, head ? "" : text, type: type, length: text.utf8.count)
-                        rendering.subtract(1, ordering: .relaxed)
-                        finished.withLock { $0.append((client, serial, answer)) }
-                        wake()
-                    }
-                }
+                readRequest(entry.fd)
             }
             // New connections.
             if polled[0].revents != 0 {
@@ -330,7 +343,9 @@ final class MetricsServer: Sendable {
                     }
                     if connections.count >= Self.maximumConnections {
                         // The oldest connection that has sent nothing makes room.
-                        guard let idle = connections.values.filter({ $0.request.isEmpty && $0.answer == nil && !$0.rendering })
+                        // (Whatever it has sent: one byte must not make a connection unevictable.
+                        // A scraper sends its request within milliseconds of connecting.)
+                        guard let idle = connections.values.filter({ $0.answer == nil && !$0.rendering })
                             .min(by: { $0.accepted < $1.accepted }) else {
                             refused("full")
                             close(client)
@@ -340,6 +355,9 @@ final class MetricsServer: Sendable {
                         drop(idle.fd)
                     }
                     connections[client] = Connection(fd: client, peer: peer, accepted: .now)
+                    // A scraper's request is usually there already: read it now, so that no flood
+                    // of new connections can push it out before the next turn of the loop.
+                    readRequest(client)
                 }
             }
         }
@@ -361,6 +379,7 @@ final class MetricsServer: Sendable {
         guard words[1] == "/metrics" || words[1].hasPrefix("/metrics?") else { return .answer(response(404, "try /metrics\n"), refusal: nil) }
         func header(_ name: String) -> String? {
             for line in lines.dropFirst() {
+                if line.isEmpty { break }   // the end of the header: what follows is not one
                 guard let colon = line.firstIndex(of: ":"), line[..<colon].lowercased() == name else { continue }
                 return line[line.index(after: colon)...].trimmingCharacters(in: " \t")
             }

@@ -258,54 +258,74 @@ struct MetricsTests {
         }
     }
 
-    @Test("on a Unix socket: admins and members of MetricsGroup= read per-session series; any other uid that can connect (65534 included) gets 403, counted")
+    @Test("on a Unix socket: admins and members of MetricsGroup= read per-session series; any other uid that can connect (65534 included) gets 403, counted; with MetricsGroup= the socket is in that group")
     func unixAccess() async throws {
         let issuer = try DevIssuer()
         defer { issuer.stop() }
-        let config = Self.config(issuer, port: 0, bearer: false)
-            .replacingOccurrences(of: "MetricsListen=127.0.0.1:0", with: "MetricsListen=@DIR@/metrics.sock\nMetricsGroup=61043")
-        try await withBroker(config: config) { broker in
-            let script = broker.directory + "/scrape.py"
-            try """
-                import socket, sys
-                s = socket.socket(socket.AF_UNIX)
-                s.settimeout(10)
+        let scratch = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: scratch) }
+        chmod(scratch, 0o755)
+        let script = scratch + "/scrape.py"
+        try """
+            import socket, sys
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(10)
+            try:
                 s.connect(sys.argv[1])
-                s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
-                data = b""
-                while True:
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        break
-                    data += chunk
-                sys.stdout.write(data.decode())
-                """.write(toFile: script, atomically: true, encoding: .utf8)
-            chmod(script, 0o644)
-            func scrape(_ identity: [String]) async throws -> String {
-                let run = try await Child.run("/usr/bin/setpriv", identity + ["/usr/bin/python3", script, broker.directory + "/metrics.sock"])
-                #expect(run.code == 0, "\(run.stderr)")
-                return run.stdout
-            }
+            except PermissionError:
+                sys.stdout.write("EACCES")
+                sys.exit(0)
+            s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+            data = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            sys.stdout.write(data.decode())
+            """.write(toFile: script, atomically: true, encoding: .utf8)
+        chmod(script, 0o644)
+        func scrape(_ broker: Broker, _ identity: [String]) async throws -> String {
             try await eventually("the metrics socket") { FileManager.default.fileExists(atPath: broker.directory + "/metrics.sock") }
-            // The socket is 0660 in the daemon's group (root here): these uids can connect.
+            let run = try await Child.run("/usr/bin/setpriv", identity + ["/usr/bin/python3", script, broker.directory + "/metrics.sock"])
+            #expect(run.code == 0, "\(run.stderr)")
+            return run.stdout
+        }
+        let base = Self.config(issuer, port: 0, bearer: false)
+        // The socket in the daemon's group (root here), which workers are in: they can connect.
+        try await withBroker(config: base.replacingOccurrences(of: "MetricsListen=127.0.0.1:0", with: "MetricsListen=@DIR@/metrics.sock")) { broker in
             for uid in ["61042", "65534"] {
-                let answer = try await scrape(["--reuid=\(uid)", "--regid=0", "--clear-groups"])
+                let answer = try await scrape(broker, ["--reuid=\(uid)", "--regid=0", "--clear-groups"])
                 #expect(answer.hasPrefix("HTTP/1.1 403") && !answer.contains("session="), "uid \(uid): \(answer.prefix(200))")
             }
-            let member = try await scrape(["--reuid=61042", "--regid=0", "--groups=61043"])
+            let admin = try await scrape(broker, [])
+            #expect(admin.hasPrefix("HTTP/1.1 200") && admin.contains(#"tokenbroker_session_state{session="api""#))
+            #expect(admin.contains(#"tokenbroker_metrics_scrapes_refused_total{reason="forbidden"} 2"#))
+        }
+        // MetricsGroup=: the socket is in that group; its members read everything, others cannot connect.
+        let grouped = base.replacingOccurrences(of: "MetricsListen=127.0.0.1:0", with: "MetricsListen=@DIR@/metrics.sock\nMetricsGroup=61043")
+        try await withBroker(config: grouped) { broker in
+            let member = try await scrape(broker, ["--reuid=61042", "--regid=61042", "--groups=61043"])
             #expect(member.hasPrefix("HTTP/1.1 200") && member.contains(#"tokenbroker_session_state{session="api""#), "\(member.prefix(200))")
-            let admin = try await scrape([])
-            #expect(admin.hasPrefix("HTTP/1.1 200") && admin.contains(#"tokenbroker_metrics_scrapes_refused_total{reason="forbidden"} 2"#))
+            #expect(try await scrape(broker, ["--reuid=61042", "--regid=0", "--clear-groups"]) == "EACCES")
         }
     }
 
-    @Test("100 idle connections that reconnect as soon as they are cut off do not stop one scrape every 200 ms from being answered")
+    static let idleConnections = 100
+
+    @Test("100 idle connections (half of them sent one byte) that reconnect as soon as they are cut off do not stop one scrape every 200 ms from being answered")
     func idleConnectionsCannotStarveScrapes() async throws {
         try await Self.withLoggedInBroker { _, _, port, _ in
             let stop = Atomic<Bool>(false)
             let reconnects = Atomic<Int>(0)
+            // Every other one sends a byte at once and nothing more (it must still be evictable).
+            @Sendable func open(_ index: Int) -> Int32 {
+                let fd = Self.connectTCP(port)
+                if index % 2 == 1 { _ = send(fd, "G", 1, Int32(MSG_NOSIGNAL)) }
+                return fd
+            }
             Foundation.Thread.detachNewThread {
-                var fds = (0..<100).map { _ in Self.connectTCP(port) }
+                var fds = (0..<Self.idleConnections).map { open($0) }
                 var buffer = [UInt8](repeating: 0, count: 64)
                 while !stop.load(ordering: .acquiring) {
                     var polled = fds.map { pollfd(fd: $0, events: Int16(POLLIN), revents: 0) }
@@ -316,7 +336,7 @@ struct MetricsTests {
                     for (index, entry) in polled.enumerated() where entry.revents != 0 {
                         if read(entry.fd, &buffer, buffer.count) <= 0 {
                             close(entry.fd)
-                            fds[index] = Self.connectTCP(port)
+                            fds[index] = open(index)
                             reconnects.add(1, ordering: .relaxed)
                         }
                     }
@@ -331,7 +351,7 @@ struct MetricsTests {
                 if let scrape = Self.scrape(port), scrape.head.hasPrefix("HTTP/1.1 200"), scrape.body.contains("session=\"api\"") { answered += 1 }
                 try await Task.sleep(for: .milliseconds(200))
             }
-            print("metrics: \(answered) of \(asked) scrapes answered beside 100 idle connections (\(reconnects.load(ordering: .relaxed)) reconnects)")
+            print("metrics: \(answered) of \(asked) scrapes answered beside \(Self.idleConnections) idle connections (\(reconnects.load(ordering: .relaxed)) reconnects)")
             #expect(answered == asked, "\(answered) of \(asked) scrapes answered")
             #expect(reconnects.load(ordering: .relaxed) >= 50, "the idle connections were cut off after their first-byte deadline: \(reconnects.load(ordering: .relaxed))")
         }
