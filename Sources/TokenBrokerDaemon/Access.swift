@@ -28,7 +28,8 @@ struct Access: Sendable, Equatable {
             || session.allowGroups.contains { isMember(peer, of: $0) }
     }
 
-    private func isMember(_ peer: PeerCredentials, of gid: UInt32) -> Bool {
+    /// Whether `peer` is in group `gid` (primary or supplementary); the overflow gid never is.
+    func isMember(_ peer: PeerCredentials, of gid: UInt32) -> Bool {
         gid != overflowGID && peer.isMember(of: gid)
     }
 }

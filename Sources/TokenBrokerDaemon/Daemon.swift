@@ -188,7 +188,8 @@ public final class Daemon: Sendable {
                 let listener = try MetricsServer(address, group: configuration.metricsGroup)
                 let metricsGroup = configuration.metricsGroup
                 let authorization = MetricsAuthorization(peerMayRead: { [table] peer in
-                    table.snapshot.access.isAdmin(peer) || metricsGroup.map { $0 != ProcessDefences.overflowGID && peer.isMember(of: $0) } == true
+                    let access = table.snapshot.access
+                    return access.isAdmin(peer) || metricsGroup.map { access.isMember(peer, of: $0) } == true
                 }, bearerToken: configuration.metricsBearerToken)
                 listener.start(authorization: authorization,
                                render: { [self] openMetrics, full in await self.metricsText(openMetrics: openMetrics, full: full) },

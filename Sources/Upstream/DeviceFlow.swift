@@ -73,10 +73,12 @@ extension DeviceAuthorization {
 
     /// Printable, single-line, not empty, at most `limit` bytes.
     static func isDisplayable(_ text: String, _ limit: Int) -> Bool {
-        !text.isEmpty && text.utf8.count <= limit
-            && text.unicodeScalars.allSatisfy {
-                $0.value >= 0x20 && $0.value != 0x7F && !(0x80...0x9F).contains($0.value) && $0.value != 0x2028 && $0.value != 0x2029
-            }
+        !text.isEmpty && text.utf8.count <= limit && text.unicodeScalars.allSatisfy(isSingleLine)
+    }
+
+    /// Not a control character (C0, DEL, C1) nor a line or paragraph separator.
+    static func isSingleLine(_ scalar: Unicode.Scalar) -> Bool {
+        scalar.value >= 0x20 && scalar.value != 0x7F && !(0x80...0x9F).contains(scalar.value) && scalar.value != 0x2028 && scalar.value != 0x2029
     }
 }
 

@@ -205,8 +205,7 @@ public struct OAuthClient: Sendable {
         var line = ""
         var count = 0
         for scalar in text.unicodeScalars {
-            let printable = scalar.value >= 0x20 && scalar.value != 0x7F && !(0x80...0x9F).contains(scalar.value)
-                && scalar.value != 0x2028 && scalar.value != 0x2029 && !(0x202A...0x202E).contains(scalar.value)
+            let printable = DeviceAuthorization.isSingleLine(scalar) && !(0x202A...0x202E).contains(scalar.value)
                 && !(0x2066...0x2069).contains(scalar.value) && scalar.properties.generalCategory != .format
                 && scalar.properties.generalCategory != .unassigned && scalar.properties.generalCategory != .surrogate
             let next: Unicode.Scalar = printable ? scalar : " "

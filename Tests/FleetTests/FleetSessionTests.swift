@@ -178,69 +178,32 @@ struct FleetSessionTests {
 
 /// A loopback TCP proxy that hands each request to etcd, waits until etcd starts answering
 /// (the request has been applied), then drops the connection: an answer lost on the way back.
-final class AnswerDroppingProxy: @unchecked Sendable {
-    // @unchecked: `listener` is set once; `count` is atomic.
-    let port: Int
-    private let listener: Int32
-    private let count = Atomic<Int>(0)
+final class AnswerDroppingProxy: Sendable {
+    private let listener: LoopbackListener
+    private let count: Locked<Int>
 
-    var forwarded: Int { count.load(ordering: .acquiring) }
+    var port: Int { listener.port }
+    var forwarded: Int { count.value }
 
     init(forwardingTo target: Int) throws {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-        listener = fd
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
-        let listening = withUnsafeMutablePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) {
-                bind(fd, $0, length) == 0 && listen(fd, 16) == 0 && getsockname(fd, $0, &length) == 0
-            }
-        }
-        guard listening else { throw POSIXError(.EADDRINUSE) }
-        port = Int(UInt16(bigEndian: address.sin_port))
-        Thread { [self] in
-            while case let client = accept(listener, nil, nil), client >= 0 {
-                Thread { [self] in relay(client, to: target) }.start()
-            }
-        }.start()
+        let count = Locked(0)
+        self.count = count
+        listener = try LoopbackListener(backlog: 16) { client in Self.relay(client, to: target, count: count) }
     }
 
-    func stop() {
-        shutdown(listener, Int32(SHUT_RDWR))
-        close(listener)
-    }
+    func stop() { listener.stop() }
 
-    private func relay(_ client: Int32, to target: Int) {
+    private static func relay(_ client: Int32, to target: Int, count: Locked<Int>) {
         defer { close(client) }
-        var request: [UInt8] = []
-        var buffer = [UInt8](repeating: 0, count: 65_536)
-        // The head, then as many body bytes as Content-Length says.
-        while true {
-            let n = read(client, &buffer, buffer.count)
-            guard n > 0 else { return }
-            request += buffer[..<n]
-            let text = String(decoding: request, as: UTF8.self)
-            guard let end = text.range(of: "\r\n\r\n") else { continue }
-            let head = text[..<end.lowerBound].lowercased()
-            let length = head.split(separator: "\r\n").first { $0.hasPrefix("content-length:") }
-                .flatMap { Int($0.dropFirst("content-length:".count).trimmingCharacters(in: .whitespaces)) } ?? 0
-            if request.count >= text.utf8.distance(from: text.utf8.startIndex, to: end.upperBound) + length { break }
-        }
-        let upstream = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        guard let (_, request) = LoopbackTCP.readRequest(client) else { return }
+        let upstream = LoopbackTCP.connect(target)
+        guard upstream >= 0 else { return }
         defer { close(upstream) }
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        address.sin_port = UInt16(target).bigEndian
-        let connected = withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(upstream, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
-        }
-        guard connected, request.withUnsafeBytes({ write(upstream, $0.baseAddress, $0.count) }) == request.count else { return }
+        var buffer = [UInt8](repeating: 0, count: 1)
+        guard request.withUnsafeBytes({ write(upstream, $0.baseAddress, $0.count) }) == request.count else { return }
         // The first byte of the answer: etcd has done it. The client never hears.
         guard read(upstream, &buffer, 1) == 1 else { return }
-        count.add(1, ordering: .acquiringAndReleasing)
+        count.withLock { $0 += 1 }
         var linger = linger(l_onoff: 1, l_linger: 0)
         setsockopt(client, SOL_SOCKET, SO_LINGER, &linger, socklen_t(MemoryLayout<linger>.size))
     }

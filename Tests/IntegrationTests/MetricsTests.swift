@@ -33,17 +33,9 @@ struct MetricsTests {
 
     /// One HTTP/1.1 GET to 127.0.0.1:`port` (the connection closed after it).
     static func get(_ port: Int, _ target: String, accept: String? = nil, bearer: String? = nil) -> (head: String, body: String)? {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        let fd = LoopbackTCP.connect(port)
         guard fd >= 0 else { return nil }
         defer { close(fd) }
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_port = UInt16(port).bigEndian
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        let connected = withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
-        }
-        guard connected else { return nil }
         let request = "GET \(target) HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + (accept.map { "Accept: \($0)\r\n" } ?? "")
             + (bearer.map { "Authorization: Bearer \($0)\r\n" } ?? "") + "\r\n"
         _ = request.withCString { send(fd, $0, strlen($0), 0) }
@@ -53,19 +45,6 @@ struct MetricsTests {
         let text = String(decoding: answer, as: UTF8.self)
         guard let split = text.range(of: "\r\n\r\n") else { return nil }
         return (String(text[..<split.lowerBound]), String(text[split.upperBound...]))
-    }
-
-    /// A TCP connection to 127.0.0.1:`port` that sends nothing (yet).
-    static func connectTCP(_ port: Int) -> Int32 {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_port = UInt16(port).bigEndian
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        _ = withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
-        }
-        return fd
     }
 
     /// The value of the sample `line` starts with (`name{labels}`), if present.
@@ -163,8 +142,8 @@ struct MetricsTests {
     func slowClients() async throws {
         try await Self.withLoggedInBroker { _, _, port, _ in
             // A client sending one byte every 300 ms, and one that sends nothing.
-            let trickler = Self.connectTCP(port)
-            let idle = Self.connectTCP(port)
+            let trickler = LoopbackTCP.connect(port)
+            let idle = LoopbackTCP.connect(port)
             defer {
                 close(trickler)
                 close(idle)
@@ -320,7 +299,7 @@ struct MetricsTests {
             let reconnects = Atomic<Int>(0)
             // Every other one sends a byte at once and nothing more (it must still be evictable).
             @Sendable func open(_ index: Int) -> Int32 {
-                let fd = Self.connectTCP(port)
+                let fd = LoopbackTCP.connect(port)
                 if index % 2 == 1 { _ = send(fd, "G", 1, Int32(MSG_NOSIGNAL)) }
                 return fd
             }
