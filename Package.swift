@@ -64,8 +64,11 @@ var package = Package(
         .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "Varlink"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve,
         // check-config.
-        .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "TokenBrokerCLI", "TokenBrokerCore",
+        .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "TokenBrokerCore",
                                                          "Varlink", "Upstream", "Sealing", "SQLiteStore", "CSystemd"]),
+        // `tokenbroker-daemon`'s command line: `serve` and `check-config` parsed and run, every
+        // other subcommand handed to the CLI's. (The daemon itself knows nothing of the CLI.)
+        .target(name: "TokenBrokerDaemonCommand", dependencies: ["Basics", "TokenBrokerCLI", "TokenBrokerDaemon"]),
         // `serve --dev`: the development issuer beside the daemon. Only the executable links it.
         .target(name: "TokenBrokerDevelopment", dependencies: ["DevIssuer", "TokenBrokerCore", "TokenBrokerDaemon", "Upstream"]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the
@@ -85,7 +88,7 @@ var package = Package(
         // `tokenbroker-daemon`: serve and check-config (and the rest of the command line too).
         // Packed relative relocations (DT_RELR, glibc 2.36): the loader reads 5 KB instead of
         // 640 KB of them at each start.
-        .executableTarget(name: "tokenbroker-daemon", dependencies: ["TokenBrokerDaemon", "TokenBrokerDevelopment"],
+        .executableTarget(name: "tokenbroker-daemon", dependencies: ["TokenBrokerDaemonCommand", "TokenBrokerDevelopment"],
                           linkerSettings: [.unsafeFlags(["-use-ld=lld", "-Xlinker", "-z", "-Xlinker", "pack-relative-relocs"])]),
         // The development issuer as a process of its own, for the real-systemd test (not installed).
         .executableTarget(name: "dev-issuer", dependencies: ["Basics", "DevIssuer"]),
@@ -101,7 +104,7 @@ var package = Package(
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "Sealing", "TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "FleetTests", dependencies: ["Fleet", "Sealing", "TokenBrokerCore", "TestSupport", "Upstream"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
-        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerCLI", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
+        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerCLI", "Basics", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
         // Spawns the real binaries; depends on the daemon's so `swift test` builds it first (not on the
         // static `tokenbroker`, whose link flags would apply to the test bundle: `swift test` builds
         // every product anyway).

@@ -4,6 +4,7 @@ import Glibc
 import Basics
 import CSQLite
 import Sealing
+import Synchronization
 import TokenBrokerCore
 
 /// A failure of the state database. Messages name files and SQLite errors, never a value.
@@ -34,11 +35,42 @@ public final class SQLiteSessionStore: SessionStore {
     public static let schemaVersion: Int32 = 3
 
     private final class Connection: @unchecked Sendable {
-        // @unchecked: the handle is used only on the store's serial thread.
+        // @unchecked: the handle and the statement cache are used only on the store's serial
+        // thread.
         let db: OpaquePointer
+        /// Prepared once, reset for each use: a start-up with thousands of sessions parses each
+        /// statement once, not once per session.
+        private var statements: [String: Statement] = [:]
+
         init(_ db: OpaquePointer) { self.db = db }
-        deinit { sqlite3_close_v2(db) }
+
+        deinit {
+            statements.removeAll()
+            sqlite3_close_v2(db)
+        }
+
+        /// `sql`, prepared (once) and reset, its bindings cleared.
+        func prepare(_ sql: String) throws -> Statement {
+            if let statement = statements[sql] {
+                statement.reset()
+                return statement
+            }
+            let statement = try Statement(db, sql)
+            statements[sql] = statement
+            return statement
+        }
     }
+
+    /// Writes waiting for the store's thread: whoever finds the queue empty schedules a commit
+    /// of everything queued by the time it runs (a group commit: at start-up, thousands of
+    /// sessions' first writes share a few transactions, each fsynced once).
+    private final class WriteQueue: Sendable {
+        let entries = Mutex<[(write: StoreWrite, continuation: CheckedContinuation<Bool, any Error>)]>([])
+    }
+
+    private let queue = WriteQueue()
+    /// The most writes one transaction takes (the rest go in the next).
+    static let batchLimit = 1024
 
     private let connection: Connection
     private let thread = SerialThread()
@@ -249,22 +281,83 @@ public final class SQLiteSessionStore: SessionStore {
 
     public func load(_ session: String) async throws -> SessionRecord? {
         let (connection, cipher) = (self.connection, self.cipher)
-        return try await thread.run { try Self.select(connection.db, name: session, cipher: cipher).first }
+        return try await thread.run { try Self.select(connection, name: session, cipher: cipher).first }
     }
 
     /// Every stored session, by name.
     public func loadAll() async throws -> [SessionRecord] {
         let (connection, cipher) = (self.connection, self.cipher)
-        return try await thread.run { try Self.select(connection.db, name: nil, cipher: cipher) }
+        return try await thread.run { try Self.select(connection, name: nil, cipher: cipher) }
     }
 
+    /// Durable when it returns (the commit's WAL frames fsynced). Writes that come while the
+    /// thread is busy are committed together, each under its own savepoint: one that fails
+    /// fails alone, and each answers whether its guard held, as it would have on its own.
     public func write(_ write: StoreWrite) async throws -> Bool {
-        let (connection, cipher) = (self.connection, self.cipher)
-        return try await thread.run {
-            let (applied, erased) = try Self.apply(connection.db, write, cipher: cipher)
-            if erased { try Self.checkpoint(connection.db) }
-            return applied
+        try await withCheckedThrowingContinuation { continuation in
+            let first = queue.entries.withLock { entries in
+                entries.append((write, continuation))
+                return entries.count == 1
+            }
+            if first { scheduleCommit() }
         }
+    }
+
+    private func scheduleCommit() {
+        let (connection, cipher, queue) = (self.connection, self.cipher, self.queue)
+        // (`self` is held until the job has run: its callers are awaiting it.)
+        thread.submit { [self] in
+            let batch = queue.entries.withLock { entries in
+                let batch = Array(entries.prefix(Self.batchLimit))
+                entries.removeFirst(batch.count)
+                return (batch, more: !entries.isEmpty)
+            }
+            let results = Self.commit(connection, batch.0.map(\.write), cipher: cipher)
+            for (entry, result) in zip(batch.0, results) { entry.continuation.resume(with: result) }
+            if batch.more { scheduleCommit() }
+        }
+    }
+
+    /// Applies `writes` in one transaction (one alone: in its own statement's).
+    private static func commit(_ connection: Connection, _ writes: [StoreWrite], cipher: TokenCipher?) -> [Result<Bool, any Error>] {
+        let db = connection.db
+        if writes.count == 1 {
+            return [Result {
+                let (applied, erased) = try apply(connection, writes[0], cipher: cipher)
+                if erased { try checkpoint(db) }
+                return applied
+            }]
+        }
+        var results: [Result<Bool, any Error>] = []
+        var erased = false
+        do {
+            try execute(db, "BEGIN IMMEDIATE")
+            for write in writes {
+                try execute(db, "SAVEPOINT one")
+                do {
+                    let outcome = try apply(connection, write, cipher: cipher)
+                    erased = erased || outcome.erased
+                    results.append(.success(outcome.applied))
+                    try execute(db, "RELEASE one")
+                } catch {
+                    try execute(db, "ROLLBACK TO one")
+                    try execute(db, "RELEASE one")
+                    results.append(.failure(error))
+                }
+            }
+            try execute(db, "COMMIT")
+        } catch {
+            try? execute(db, "ROLLBACK")
+            return writes.map { _ in .failure(error) }
+        }
+        if erased {
+            do {
+                try checkpoint(db)
+            } catch {
+                return results.map { result in result.flatMap { _ in .failure(error) } }
+            }
+        }
+        return results
     }
 
     /// A position in a fleet's history: its generation and serial.
@@ -287,8 +380,8 @@ public final class SQLiteSessionStore: SessionStore {
             let applied: Bool
             let erased: Bool
             do {
-                (applied, erased) = try Self.apply(db, write, cipher: cipher)
-                let upsert = try Statement(db, """
+                (applied, erased) = try Self.apply(connection, write, cipher: cipher)
+                let upsert = try connection.prepare("""
                     INSERT INTO fleet_marks (session, prefix, generation, serial) VALUES (?1, ?2, ?3, ?4)
                     ON CONFLICT (session, prefix) DO UPDATE SET generation = excluded.generation, serial = excluded.serial
                     WHERE (excluded.generation, excluded.serial) > (fleet_marks.generation, fleet_marks.serial)
@@ -327,7 +420,7 @@ public final class SQLiteSessionStore: SessionStore {
         let connection = self.connection
         try await thread.run {
             if let pending {
-                let statement = try Statement(connection.db, """
+                let statement = try connection.prepare("""
                     INSERT OR REPLACE INTO fleet_pending (session, prefix, value, place_value, create_revision, mod_revision, version,
                                                           local_generation) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
                     """)
@@ -341,7 +434,7 @@ public final class SQLiteSessionStore: SessionStore {
                 statement.bind(8, pending.generation)
                 try statement.run()
             } else {
-                let statement = try Statement(connection.db, "DELETE FROM fleet_pending WHERE session = ?1 AND prefix = ?2")
+                let statement = try connection.prepare("DELETE FROM fleet_pending WHERE session = ?1 AND prefix = ?2")
                 statement.bind(1, session)
                 statement.bind(2, prefix)
                 try statement.run()
@@ -353,7 +446,7 @@ public final class SQLiteSessionStore: SessionStore {
     public func pendingFleetCommit(_ session: String, prefix: String) async throws -> PendingFleetCommit? {
         let connection = self.connection
         return try await thread.run {
-            let statement = try Statement(connection.db, """
+            let statement = try connection.prepare("""
                 SELECT value, place_value, create_revision, mod_revision, version, local_generation FROM fleet_pending
                 WHERE session = ?1 AND prefix = ?2
                 """)
@@ -370,7 +463,7 @@ public final class SQLiteSessionStore: SessionStore {
     public func mark(_ session: String, prefix: String) async throws -> HistoryMark? {
         let connection = self.connection
         return try await thread.run {
-            let statement = try Statement(connection.db, "SELECT generation, serial FROM fleet_marks WHERE session = ?1 AND prefix = ?2")
+            let statement = try connection.prepare("SELECT generation, serial FROM fleet_marks WHERE session = ?1 AND prefix = ?2")
             statement.bind(1, session)
             statement.bind(2, prefix)
             guard try statement.step(), let generation = statement.int(0), let serial = statement.int(1) else { return nil }
@@ -382,12 +475,12 @@ public final class SQLiteSessionStore: SessionStore {
     public func forget(_ session: String) async throws -> Bool {
         let connection = self.connection
         return try await thread.run {
-            let statement = try Statement(connection.db, "DELETE FROM sessions WHERE name = ?1")
+            let statement = try connection.prepare("DELETE FROM sessions WHERE name = ?1")
             statement.bind(1, session)
             try statement.run()
             let removed = sqlite3_changes(connection.db) > 0
             for table in ["fleet_marks", "fleet_pending"] {
-                let statement = try Statement(connection.db, "DELETE FROM \(table) WHERE session = ?1")
+                let statement = try connection.prepare("DELETE FROM \(table) WHERE session = ?1")
                 statement.bind(1, session)
                 try statement.run()
             }
@@ -398,7 +491,8 @@ public final class SQLiteSessionStore: SessionStore {
 
     /// Runs the write's statement; returns whether it applied, and whether it erased tokens (the
     /// caller then checkpoints, outside any transaction).
-    private static func apply(_ db: OpaquePointer, _ write: StoreWrite, cipher: TokenCipher?) throws -> (applied: Bool, erased: Bool) {
+    private static func apply(_ connection: Connection, _ write: StoreWrite, cipher: TokenCipher?) throws -> (applied: Bool, erased: Bool) {
+        let db = connection.db
         let record = write.record
         let sql: String
         switch write.guardedBy {
@@ -421,7 +515,7 @@ public final class SQLiteSessionStore: SessionStore {
                 WHERE sessions.generation < excluded.generation
                 """
         }
-        let statement = try Statement(db, sql)
+        let statement = try connection.prepare(sql)
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
         statement.bind(1, record.name)
@@ -451,8 +545,8 @@ public final class SQLiteSessionStore: SessionStore {
         try execute(db, "PRAGMA wal_checkpoint(TRUNCATE)")
     }
 
-    private static func select(_ db: OpaquePointer, name: String?, cipher: TokenCipher?) throws -> [SessionRecord] {
-        let statement = try Statement(db, """
+    private static func select(_ connection: Connection, name: String?, cipher: TokenCipher?) throws -> [SessionRecord] {
+        let statement = try connection.prepare("""
             SELECT name, generation, state, refresh_token, access_token, token_type, expires_at, last_refresh,
                    token_serial, end_reason
             FROM sessions \(name == nil ? "" : "WHERE name = ?1") ORDER BY name
@@ -504,6 +598,12 @@ public final class SQLiteSessionStore: SessionStore {
         }
 
         deinit { sqlite3_finalize(handle) }
+
+        /// Ready to run again, with no value bound.
+        func reset() {
+            sqlite3_reset(handle)
+            sqlite3_clear_bindings(handle)
+        }
 
         func bind(_ index: Int32, _ value: String?) {
             if let value { tb_sqlite3_bind_text_transient(handle, index, value) } else { sqlite3_bind_null(handle, index) }

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Basics
 
 /// The `tokenbroker` command line: argv in, exit code out.
 ///
@@ -10,7 +11,7 @@ import Glibc
 /// libsystemd: `tokenbroker` replaces itself (exec, same pid) with `tokenbroker-daemon`, which
 /// runs them.
 public enum Command {
-    public static let version = "0.1.0"
+    public static let version = Product.version
 
     /// The subcommands only `tokenbroker-daemon` runs.
     public static let daemonSubcommands: Set<String> = ["serve", "check-config"]

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Basics
 
 /// `tokenbroker-daemon`, found beside the running executable: in the same directory (a build
 /// tree) or in `../libexec/tokenbroker/` (an installation: /usr/bin → /usr/libexec).

@@ -57,13 +57,14 @@ public enum Help {
     public static let checkConfig = """
         OVERVIEW: Validate the configuration.
 
-        Prints the sessions it defines and any warnings; an error reads `file:line: message`
-        and exits 78.
+        Prints how many sessions it defines (the first few by name) and any warnings; an error
+        reads `file:line: message` and exits 78.
 
-        USAGE: tokenbroker check-config [--config <path>]
+        USAGE: tokenbroker check-config [--config <path>] [--verbose]
 
         OPTIONS:
           --config <path>         Configuration file (default /etc/tokenbroker/tokenbroker.conf).
+          -v, --verbose           Name every session, one per line.
           -h, --help              Show this help.
 
         EXAMPLE:

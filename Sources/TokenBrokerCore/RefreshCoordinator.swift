@@ -39,12 +39,44 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     private let outcomes: @Sendable (RefreshOutcome) -> Void
     private nonisolated let epoch: C.Instant
 
-    private var machine: RefreshStateMachine
+    /// Every change is observed (`observe()`): the status snapshot and the summary follow it.
+    private var machine: RefreshStateMachine {
+        didSet { observe() }
+    }
     private var flightTask: (id: FlightID, task: Task<Void, Never>)?
     private var nextWaiter: UInt64 = 0
     private let waiters = WaiterTable()
-    private let watchers = WatcherList()
+    private let watchers: WatcherList
     private nonisolated let published = Mutex<Published?>(nil)
+    private nonisolated let observation: Observation
+
+    /// The session as `status()` would answer it, kept current at every change of the state
+    /// machine, so that a daemon with thousands of sessions reads them without entering each
+    /// actor; and the summary its observer is told of.
+    private final class Observation: Sendable {
+        struct State {
+            var status: SessionStatus
+            var backoffUntil: Duration?
+            var summary: SessionSummary
+        }
+
+        let state: Mutex<State>
+        let observer: @Sendable (SessionSummary) -> Void
+
+        init(_ initial: State, observer: @escaping @Sendable (SessionSummary) -> Void) {
+            state = Mutex(initial)
+            self.observer = observer
+        }
+
+        /// Applies `change`; tells the observer, under the lock (so in order), when the summary changed.
+        func update(_ change: (inout State) -> Void) {
+            state.withLock { state in
+                let before = state.summary
+                change(&state)
+                if state.summary != before { observer(state.summary) }
+            }
+        }
+    }
 
     /// The hot path's copy of the current token.
     private struct Published: Sendable {
@@ -62,12 +94,15 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     ///     nobody will ever use it.
     ///   - outcomes: told what became of each refresh (for the log); called on the actor, so it
     ///     must not block.
+    ///   - summaries: told the session's summary each time it changes, in order, under a lock:
+    ///     it must not block nor call back into the coordinator.
     public init(session: String, policy: RefreshPolicy = RefreshPolicy(), source: any TokenSource,
                 store: any SessionStore, restored: SessionRecord? = nil, pendingWrite: StoreWrite? = nil,
                 counters: SessionCounters = SessionCounters(), clock: C, wall: any WallClock,
                 randomUnit: @escaping @Sendable () -> Double = { Double.random(in: 0..<1) },
                 discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in },
-                outcomes: @escaping @Sendable (RefreshOutcome) -> Void = { _ in }) {
+                outcomes: @escaping @Sendable (RefreshOutcome) -> Void = { _ in },
+                summaries: @escaping @Sendable (SessionSummary) -> Void = { _ in }) {
         self.session = session
         self.source = source
         self.store = store
@@ -81,7 +116,27 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         let machine = RefreshStateMachine(session: session, policy: policy, restored: restored, pendingWrite: pendingWrite,
                                           counters: counters, now: .zero, unixNow: wall.unixTime())
         self.machine = machine
+        let observation = Observation(Self.observed(machine, watched: false), observer: summaries)
+        self.observation = observation
+        watchers = WatcherList(countChanged: { count in observation.update { $0.summary.watched = count > 0 } })
         published.withLock { $0 = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil) } }
+    }
+
+    private static func observed(_ machine: RefreshStateMachine, watched: Bool) -> Observation.State {
+        var status = machine.status(now: .zero)
+        status.backoffRemaining = nil
+        return Observation.State(status: status, backoffUntil: machine.backoffUntil,
+                                 summary: SessionSummary(state: status.state, degraded: status.degraded, lastRefresh: status.lastRefresh,
+                                                         watched: watched))
+    }
+
+    private func observe() {
+        let next = Self.observed(machine, watched: false)
+        observation.update { state in
+            let watched = state.summary.watched
+            state = next
+            state.summary.watched = watched
+        }
     }
 
     private nonisolated func now() -> Duration { epoch.duration(to: clock.now) }
@@ -428,6 +483,19 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     public func status() -> SessionStatus {
         machine.status(now: now())
     }
+
+    /// What `status()` answers, read without entering the actor (Status, metrics and systemd's
+    /// STATUS= line of a daemon with many sessions).
+    public nonisolated func statusSnapshot() -> SessionStatus {
+        let (status, until) = observation.state.withLock { ($0.status, $0.backoffUntil) }
+        var snapshot = status
+        let now = now()
+        snapshot.backoffRemaining = until.flatMap { $0 > now ? $0 - now : nil }
+        return snapshot
+    }
+
+    /// The session's summary as last told to the observer.
+    public nonisolated var summary: SessionSummary { observation.state.withLock { $0.summary } }
 
     /// The session's events: first the current state (its token, or `signedOut` when it has
     /// none to give), then every new token and every logout. A slow subscriber keeps only the

@@ -214,6 +214,9 @@ public struct RefreshStateMachine: Sendable {
                              endReason: endReason)
     }
 
+    /// When the backoff after a failure ends (monotonic offset), if one is in force.
+    public var backoffUntil: Duration? { backoff?.until }
+
     public func status(now: Duration) -> SessionStatus {
         let state = phase.state
         let remaining = backoff.flatMap { $0.until > now ? $0.until - now : nil }

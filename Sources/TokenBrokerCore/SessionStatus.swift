@@ -63,3 +63,17 @@ public enum SessionEvent: Sendable, Equatable {
     /// The session was logged out or ended; carries the new generation.
     case signedOut(generation: Int)
 }
+
+/// What a daemon counts of a session without asking it: its state, whether a write is pending,
+/// its last refresh, and whether anyone watches it. Told by the coordinator at each change.
+public struct SessionSummary: Sendable, Equatable {
+    public var state: SessionState
+    public var degraded: Bool
+    public var lastRefresh: Int64?
+    /// At least one `watch()` stream is open.
+    public var watched: Bool
+
+    public init(state: SessionState, degraded: Bool, lastRefresh: Int64?, watched: Bool) {
+        (self.state, self.degraded, self.lastRefresh, self.watched) = (state, degraded, lastRefresh, watched)
+    }
+}

@@ -91,15 +91,25 @@ final class WatcherList: Sendable {
     }
 
     private let state = Mutex(State())
+    /// Told the number of subscribers after each change, under the list's lock (so in order).
+    private let countChanged: @Sendable (Int) -> Void
+
+    init(countChanged: @escaping @Sendable (Int) -> Void = { _ in }) {
+        self.countChanged = countChanged
+    }
 
     func add(_ continuation: AsyncStream<SessionEvent>.Continuation) {
         let id = state.withLock { state in
             state.next += 1
             state.continuations[state.next] = continuation
+            countChanged(state.continuations.count)
             return state.next
         }
         continuation.onTermination = { [weak self] _ in
-            _ = self?.state.withLock { $0.continuations.removeValue(forKey: id) }
+            guard let self else { return }
+            state.withLock { state in
+                if state.continuations.removeValue(forKey: id) != nil { countChanged(state.continuations.count) }
+            }
         }
     }
 
@@ -109,7 +119,10 @@ final class WatcherList: Sendable {
 
     func finishAll() {
         for continuation in state.withLock({ state in
-            defer { state.continuations.removeAll() }
+            defer {
+                if !state.continuations.isEmpty { countChanged(0) }
+                state.continuations.removeAll()
+            }
             return Array(state.continuations.values)
         }) { continuation.finish() }
     }

@@ -229,7 +229,7 @@ final class BrokerService: VarlinkHandler {
         let inert = snapshot.access.isAdmin(peer) ? snapshot.inert : []
         return .async { sink in
             var entries: [JSON] = []
-            for session in visible { entries.append(Self.statusEntry(await session.coordinator.status(), fleet: session.fleet?.status)) }
+            for session in visible { entries.append(Self.statusEntry(session.coordinator.statusSnapshot(), fleet: session.fleet?.status)) }
             entries += inert.map(Self.statusEntry)
             sink.send(VarlinkReply(parameters: ["sessions": .array(entries)]))
         }

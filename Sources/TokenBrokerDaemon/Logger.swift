@@ -43,6 +43,9 @@ public final class Logger: Sendable {
         set { minimum.withLock { $0 = newValue } }
     }
 
+    /// Whether a message at `level` would be written (to skip building one that would not).
+    public func enabled(_ level: LogLevel) -> Bool { level <= self.level }
+
     public func log(_ level: LogLevel, _ message: String, session: String? = nil, generation: Int? = nil, tokenSerial: UInt64? = nil) {
         guard level <= self.level else { return }
         let flat = Self.printable(message)

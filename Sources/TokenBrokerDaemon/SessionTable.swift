@@ -14,26 +14,31 @@ final class SessionTable: Sendable {
     final class Session: Sendable {
         let configuration: SessionConfiguration
         let coordinator: Coordinator
+        /// The coordinator's place in the daemon's census.
+        let slot: SessionCensus.Slot
         /// The OAuth source of an `oauth` session (for revocation, device logins, discovery).
         let upstream: HTTPTokenSource?
         /// The GetToken reply for the current token, encoded once.
         let replies = TokenReplyCache()
-        /// A session shared with a fleet (`Fleet=yes`): its etcd side, and the task following it.
+        /// A session shared with a fleet (`Fleet=yes`): its etcd side, and the task following it
+        /// (in the factory's pool of follow loops).
         let fleet: DaemonFleetSession?
         private let following: Task<Void, Never>?
 
-        init(configuration: SessionConfiguration, coordinator: Coordinator, upstream: HTTPTokenSource? = nil,
-             fleet: (session: DaemonFleetSession, following: Task<Void, Never>)? = nil) {
+        init(configuration: SessionConfiguration, coordinator: Coordinator, slot: SessionCensus.Slot, upstream: HTTPTokenSource? = nil,
+             fleet: (session: DaemonFleetSession, following: Task<Void, Never>?)? = nil) {
             self.configuration = configuration
             self.coordinator = coordinator
+            self.slot = slot
             self.upstream = upstream
             self.fleet = fleet?.session
             self.following = fleet?.following
         }
 
-        var fleetPart: (session: DaemonFleetSession, following: Task<Void, Never>)? {
-            guard let fleet, let following else { return nil }
-            return (fleet, following)
+        /// The same served session under a configuration whose changes keep the coordinator.
+        func reconfigured(_ configuration: SessionConfiguration) -> Session {
+            Session(configuration: configuration, coordinator: coordinator, slot: slot, upstream: upstream,
+                    fleet: fleet.map { ($0, following) })
         }
 
         /// Stops following the fleet (the coordinator is retired or handed over), and returns

@@ -12,10 +12,10 @@ import Dispatch
 /// stream exists stays pending — neither killing the process with the default action nor being
 /// lost — until the stream's signalfd reads it. (Their disposition is left alone: setting
 /// `SIG_IGN` would discard one already pending.)
-enum Signals {
+public enum Signals {
     static let handled: [Int32] = [SIGTERM, SIGINT, SIGHUP]
 
-    static func block() {
+    public static func block() {
         var set = sigset_t()
         sigemptyset(&set)
         for number in handled { sigaddset(&set, number) }

@@ -41,10 +41,17 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
         _ = try? await coordinator.login(refreshToken: Secret(issuer.issueRefreshToken(clientID: Self.clientID)))
     }
 
+    /// The command users type: `tokenbroker` beside this executable (a build directory, where
+    /// `tokenbroker-daemon` is what runs now), else the installed one on `PATH`.
+    static var command: String {
+        guard let executable = CommandLine.arguments.first, let slash = executable.lastIndex(of: "/") else { return "tokenbroker" }
+        let sibling = String(executable[...slash]) + "tokenbroker"
+        return access(sibling, X_OK) == 0 ? sibling : "tokenbroker"
+    }
+
     /// What to try next, printed at start.
     public func guide(socket: String) -> String {
-        let binary = CommandLine.arguments.first ?? "tokenbroker"
-        let ctl = "\(binary) ctl --socket \(socket)"
+        let ctl = "\(Self.command) ctl --socket \(socket)"
         return """
             tokenbroker is running in development mode.
               issuer   \(issuer.baseURL)  (development OAuth server, in this process)

@@ -1,3 +1,4 @@
+import Basics
 import Synchronization
 import TokenBrokerCore
 
@@ -19,15 +20,22 @@ public final class HTTPTokenSource: TokenSource {
     private let issuer: String?
     private let cachedMetadata = Mutex<AuthorizationServerMetadata?>(nil)
     private let loop: CurlLoop
+    /// Where a token request runs when its caller may abandon it (`nil`: a task of its own).
+    private let tasks: TaskPool?
 
     /// - Parameters:
     ///   - endpoints: explicit endpoints; `token` may be empty when `issuer` supplies it.
-    public init(grant: OAuthGrant, configuration: OAuthClientConfiguration, endpoints: OAuthEndpoints?, issuer: String?, loop: CurlLoop = .shared) {
+    ///   - tasks: the owner of token requests that go on after their caller was cancelled (the
+    ///     daemon's, awaited at stop). When it is full or closed, a cancelled caller's request
+    ///     is cut off instead.
+    public init(grant: OAuthGrant, configuration: OAuthClientConfiguration, endpoints: OAuthEndpoints?, issuer: String?, loop: CurlLoop = .shared,
+                tasks: TaskPool? = nil) {
         self.grant = grant
         self.configuration = configuration
         self.explicit = endpoints
         self.issuer = issuer
         self.loop = loop
+        self.tasks = tasks
     }
 
     /// The endpoints in force: explicit ones, completed from the (cached) metadata.
@@ -77,10 +85,15 @@ public final class HTTPTokenSource: TokenSource {
         guard abandoned.withLock({ $0 != nil }) else { return try await fetchNow(request) }
         try Task.checkCancellation()   // nothing sent yet: nothing to abandon
         let race = AbandonableResult<FetchedToken>()
-        Task { [self] in
+        let transfer: @Sendable () async -> Void = { [self] in
             let result: Result<FetchedToken, any Error>
             do { result = .success(try await fetchNow(request)) } catch { result = .failure(error) }
             if !race.deliver(result) { abandoned.withLock { $0 }?(request, result) }
+        }
+        if let tasks {
+            guard tasks.spawn(transfer) != nil else { return try await fetchNow(request) }
+        } else {
+            Task { await transfer() }
         }
         return try await race.value()
     }

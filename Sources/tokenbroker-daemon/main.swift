@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import TokenBrokerDaemon
+import TokenBrokerDaemonCommand
 import TokenBrokerDevelopment
 
 // Synchronous on purpose: see TokenBrokerCommand.main.

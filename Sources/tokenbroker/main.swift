@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Basics
 import TokenBrokerCLI
 
 // The small, static `tokenbroker`: help, --version and ctl here; serve and check-config in

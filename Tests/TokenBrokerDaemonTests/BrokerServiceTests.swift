@@ -23,8 +23,10 @@ struct BrokerServiceTests {
                                                         allowGroups: [], policy: RefreshPolicy(), origin: "test")
         let privateCoordinator = Coordinator(session: "private", source: TestTokenSource(lifetime: .seconds(3600)),
                                              store: InMemorySessionStore(), clock: ContinuousClock(), wall: SystemWallClock())
-        table.replace(SessionTable.Snapshot(sessions: ["api": .init(configuration: configuration, coordinator: coordinator),
-                                                       "private": .init(configuration: privateConfiguration, coordinator: privateCoordinator)],
+        let census = SessionCensus()
+        table.replace(SessionTable.Snapshot(sessions: ["api": .init(configuration: configuration, coordinator: coordinator, slot: census.enrol("api")),
+                                                       "private": .init(configuration: privateConfiguration, coordinator: privateCoordinator,
+                                                                        slot: census.enrol("private"))],
                                             order: ["api", "private"], access: Access(daemonUID: 0, adminGroup: 3000)))
         return BrokerService(sessions: table, logger: Logger(level: .emergency), reload: { nil })
     }

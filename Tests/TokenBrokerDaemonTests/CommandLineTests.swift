@@ -1,6 +1,7 @@
 import Testing
 import TokenBrokerCLI
 @testable import TokenBrokerDaemon
+@testable import TokenBrokerDaemonCommand
 
 /// The command line in memory: help texts, usage errors and exit codes.
 @Suite("Command line")
@@ -63,6 +64,12 @@ struct CommandLineTests {
         let good = try ConfigFixture(main: "[Session]\nName=api\nUpstream=test\n")
         let ok = Self.run("check-config", "--config", good.main)
         #expect(ok.code == 0 && ok.out == "\(good.main): OK, 1 session(s): api\n")
+        // Many sessions: a count and the first few, every one with --verbose.
+        let many = try ConfigFixture(main: (1...7).map { "[Session]\nName=s\($0)\nUpstream=test\n" }.joined())
+        let short = Self.run("check-config", "--config", many.main)
+        #expect(short.code == 0 && short.out == "\(many.main): OK, 7 session(s): s1, s2, s3, s4, s5, … (--verbose lists all)\n")
+        let verbose = Self.run("check-config", "--config", many.main, "--verbose")
+        #expect(verbose.code == 0 && verbose.out == "\(many.main): OK, 7 session(s):\n" + (1...7).map { "  s\($0)\n" }.joined())
         let bad = try ConfigFixture(main: "[Session]\nName=api\nUpstream=test\nRefreshAhead=never\n")
         let failed = Self.run("check-config", "--config", bad.main)
         #expect(failed.code == 78 && failed.err.hasPrefix("Error: \(bad.main):4: RefreshAhead="))

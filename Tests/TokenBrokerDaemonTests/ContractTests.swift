@@ -1,3 +1,4 @@
+import Basics
 import BrokerContract
 import Testing
 @testable import TokenBrokerCLI

@@ -37,6 +37,7 @@ public enum ConfigLoader {
     static func build(_ sections: [INISection]) throws(ConfigError) -> BrokerConfiguration {
         var configuration = BrokerConfiguration()
         var sessionEntries: [(name: String, origin: INISection, entries: [INIEntry])] = []
+        var sessionIndex: [String: Int] = [:]
         for section in sections {
             switch section.name {
             case "Broker":
@@ -51,9 +52,10 @@ public enum ConfigLoader {
                     throw ConfigError(file: nameEntry.file, line: nameEntry.line,
                                       "invalid session name '\(nameEntry.value)' (1-64 of A-Z a-z 0-9 - _ .)")
                 }
-                if let index = sessionEntries.firstIndex(where: { $0.name == nameEntry.value }) {
+                if let index = sessionIndex[nameEntry.value] {
                     sessionEntries[index].entries += section.entries
                 } else {
+                    sessionIndex[nameEntry.value] = sessionEntries.count
                     sessionEntries.append((nameEntry.value, section, section.entries))
                 }
             default:

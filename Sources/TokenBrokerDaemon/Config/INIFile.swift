@@ -32,45 +32,61 @@ public struct INISection: Sendable, Equatable {
 /// systemd-style INI: `[Section]` headers, `Key=Value` lines, `#` and `;` comments, a trailing
 /// backslash continues a line. Keys are UpperCamel; whitespace around `=` is ignored.
 public enum INIFile {
+    /// Parses `text` byte by byte (a configuration of thousands of sessions is read at each
+    /// reload); names that are not ASCII are checked as characters.
     public static func parse(_ text: String, file: String) throws(ConfigError) -> [INISection] {
+        let bytes = Array(text.utf8)
         var sections: [INISection] = []
-        var pending = ""
+        var pending: [UInt8] = []
+        var continued = false
         var pendingLine = 0
         var number = 0
-        for rawLine in text.split(separator: "\n", omittingEmptySubsequences: false) {
+        var start = 0
+        while start <= bytes.count {
+            var end = start
+            while end < bytes.count, bytes[end] != UInt8(ascii: "\n") { end += 1 }
+            defer { start = end + 1 }
             number += 1
-            var line = Substring(rawLine)
-            if line.hasSuffix("\r") { line = line.dropLast() }
-            if pending.isEmpty {
-                let trimmed = line.trimmingSpaces
-                if trimmed.isEmpty || trimmed.hasPrefix("#") || trimmed.hasPrefix(";") { continue }
+            var line = bytes[start..<end]
+            if line.last == UInt8(ascii: "\r") { line = line.dropLast() }
+            if !continued {
+                let trimmed = trim(line)
+                if trimmed.isEmpty || trimmed.first == UInt8(ascii: "#") || trimmed.first == UInt8(ascii: ";") { continue }
                 pendingLine = number
             }
             // A continued line joins the next one with a single space.
-            if line.hasSuffix("\\") {
-                pending += line.dropLast().trimmingSpaces + " "
+            if line.last == UInt8(ascii: "\\") {
+                pending += trim(line.dropLast())
+                pending.append(UInt8(ascii: " "))
+                continued = true
                 continue
             }
-            let logical = (pending + line.trimmingSpaces).trimmingSpaces
-            pending = ""
-            if logical.hasPrefix("[") {
-                guard logical.hasSuffix("]"), logical.count > 2 else {
+            let logical: ArraySlice<UInt8>
+            if continued {
+                logical = trim((pending + trim(line))[...])
+            } else {
+                logical = trim(line)
+            }
+            pending = []
+            continued = false
+            if logical.first == UInt8(ascii: "[") {
+                guard logical.last == UInt8(ascii: "]"), logical.count > 2 else {
                     throw ConfigError(file: file, line: pendingLine, "malformed section header (expected '[Name]')")
                 }
-                let name = String(logical.dropFirst().dropLast()).trimmingSpaces
-                guard !name.isEmpty, name.allSatisfy({ $0.isLetter || $0.isNumber }) else {
+                let name = string(trim(logical.dropFirst().dropLast()))
+                guard isName(name) else {
                     throw ConfigError(file: file, line: pendingLine, "invalid section name '\(name)'")
                 }
                 sections.append(INISection(name: name, file: file, line: pendingLine, entries: []))
                 continue
             }
-            guard let equals = logical.firstIndex(of: "=") else {
+            guard let equals = logical.firstIndex(of: UInt8(ascii: "=")) else {
                 // The line is not quoted: it might be a secret pasted in the wrong place.
                 throw ConfigError(file: file, line: pendingLine, "expected 'Key=Value' or '[Section]'")
             }
-            let key = String(logical[..<equals]).trimmingSpaces
-            let value = String(logical[logical.index(after: equals)...]).trimmingSpaces
-            guard !key.isEmpty, key.allSatisfy({ $0.isLetter || $0.isNumber }) else {
+            let key = string(trim(logical[..<equals]))
+            let value = string(trim(logical[(equals + 1)...]))
+            guard isName(key) else {
                 throw ConfigError(file: file, line: pendingLine, "invalid key '\(key)'")
             }
             guard !sections.isEmpty else {
@@ -78,10 +94,31 @@ public enum INIFile {
             }
             sections[sections.count - 1].entries.append(INIEntry(key: key, value: value, file: file, line: pendingLine))
         }
-        if !pending.isEmpty {
+        if continued {
             throw ConfigError(file: file, line: pendingLine, "the file ends inside a continued line")
         }
         return sections
+    }
+
+    /// Without the spaces and tabs around it.
+    private static func trim(_ bytes: ArraySlice<UInt8>) -> ArraySlice<UInt8> {
+        var slice = bytes
+        while let first = slice.first, first == UInt8(ascii: " ") || first == UInt8(ascii: "\t") { slice = slice.dropFirst() }
+        while let last = slice.last, last == UInt8(ascii: " ") || last == UInt8(ascii: "\t") { slice = slice.dropLast() }
+        return slice
+    }
+
+    private static func string(_ bytes: ArraySlice<UInt8>) -> String {
+        String(decoding: bytes, as: UTF8.self)
+    }
+
+    /// A section or key name: letters and digits.
+    private static func isName(_ name: String) -> Bool {
+        guard !name.isEmpty else { return false }
+        if name.utf8.allSatisfy({ $0 < 0x80 }) {
+            return name.utf8.allSatisfy { (0x30...0x39).contains($0) || (0x41...0x5A).contains($0) || (0x61...0x7A).contains($0) }
+        }
+        return name.allSatisfy { $0.isLetter || $0.isNumber }
     }
 }
 

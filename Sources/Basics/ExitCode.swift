@@ -1,4 +1,4 @@
-/// Exit codes (sysexits).
+/// Exit codes (sysexits), shared by the command line and the daemon.
 public enum ExitCode {
     public static let ok: Int32 = 0
     public static let failure: Int32 = 1

@@ -1,6 +1,8 @@
 import Dispatch
 import Synchronization
+import Basics
 import TokenBrokerCLI
+import TokenBrokerDaemon
 
 /// The `tokenbroker` command line: parses argv, runs a subcommand, returns the exit code.
 public enum TokenBrokerCommand {
@@ -107,14 +109,28 @@ public enum TokenBrokerCommand {
         return .exit(ExitCode.usage)
     }
 
+    /// How many sessions, and the first few by name (every one, a line each, with `verbose`):
+    /// a host with thousands of sessions gets one short line.
+    static func sessionList(_ names: [String], verbose: Bool) -> String {
+        let count = "\(names.count) session(s)"
+        if names.isEmpty { return count + "\n" }
+        if verbose { return count + ":\n" + names.map { "  \($0)\n" }.joined() }
+        let shown = 5
+        guard names.count > shown else { return count + ": " + names.joined(separator: ", ") + "\n" }
+        return count + ": " + names.prefix(shown).joined(separator: ", ") + ", … (--verbose lists all)\n"
+    }
+
     static func checkConfig(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
         var path = BrokerConfiguration.defaultPath
+        var verbose = false
         var index = 0
         while index < arguments.count {
             switch arguments[index] {
             case "-h", "--help":
                 output.write(Help.checkConfig)
                 return ExitCode.ok
+            case "-v", "--verbose":
+                verbose = true
             case "--config":
                 guard index + 1 < arguments.count else {
                     errors.write("Error: --config needs a path\n\n" + Help.checkConfig)
@@ -135,11 +151,11 @@ public enum TokenBrokerCommand {
         do {
             let configuration = try ConfigLoader.load(path: path)
             for warning in configuration.warnings { errors.write("warning: \(warning)\n") }
-            output.write("\(path): OK, \(configuration.sessions.count) session(s): \(configuration.sessions.map(\.name).joined(separator: ", "))\n")
+            output.write("\(path): OK, \(sessionList(configuration.sessions.map(\.name), verbose: verbose))")
             if let fleet = configuration.fleet {
                 let shared = configuration.sessions.filter { $0.fleet != nil }.map(\.name)
                 output.write("fleet: member \(fleet.member), prefix \(fleet.prefix), \(fleet.endpoints.count) etcd endpoint(s), flight lease "
-                             + "\(fleet.flightLease.components.seconds)s; shared session(s): \(shared.isEmpty ? "none" : shared.joined(separator: ", "))\n")
+                             + "\(fleet.flightLease.components.seconds)s; shared: \(shared.isEmpty ? "no sessions\n" : sessionList(shared, verbose: verbose))")
             }
             return ExitCode.ok
         } catch {

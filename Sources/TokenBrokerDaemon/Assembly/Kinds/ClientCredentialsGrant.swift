@@ -1,0 +1,15 @@
+import TokenBrokerCore
+import Upstream
+
+/// `Grant=client_credentials`: each refresh is a new grant request with the client's own
+/// credentials; no refresh token. Needs no login: it starts logged in.
+struct ClientCredentialsGrant: SessionKind {
+    let settings: SessionConfiguration.OAuthSettings
+
+    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, upstream: HTTPTokenSource?) {
+        let http = factory.httpSource(session, settings, grant: .clientCredentials)
+        return (http, http)
+    }
+
+    var logsInAtStart: Bool { true }
+}

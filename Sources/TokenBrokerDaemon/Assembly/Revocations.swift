@@ -1,0 +1,66 @@
+import Basics
+import TokenBrokerCore
+import Upstream
+
+/// Refresh tokens nobody will use, revoked upstream, best effort, in the factory's task pool
+/// (bounded, awaited at stop): when the pool is full or the daemon stops, the revocation is
+/// skipped, and said.
+extension SessionFactory {
+    /// What happens to an upstream answer that arrived after a logout (or login) had ended its
+    /// generation: its refresh token is revoked, like the one the logout retired.
+    func discardedTokenRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource?) -> @Sendable (FetchedToken) -> Void {
+        guard let upstream, case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return { _ in } }
+        let (logger, tasks, name) = (self.logger, upstreamTasks, session.name)
+        return { fetched in
+            guard let refreshToken = fetched.refreshToken else { return }
+            let started = tasks.spawn {
+                if case let .failed(problem) = await upstream.revoke(refreshToken) {
+                    logger.warning("revoking the refresh token of a discarded answer of session \(name) failed: \(problem)", session: name)
+                }
+            }
+            if started == nil { Self.skipped(logger, name, tasks) }
+        }
+    }
+
+    /// What happens to a token request whose flight a logout, login or stop ended before the
+    /// issuer answered: it goes on to its deadline, and a refresh token it brings (the issuer
+    /// rotated already) is revoked, so that the logout leaves nothing usable upstream. What
+    /// cannot be revoked is said.
+    func abandonedRequestRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource)
+        -> @Sendable (FetchRequest, Result<FetchedToken, any Error>) -> Void {
+        guard case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return { _, _ in } }
+        let (logger, tasks, name) = (self.logger, upstreamTasks, session.name)
+        return { request, result in
+            switch result {
+            case let .success(fetched):
+                guard let refreshToken = fetched.refreshToken else { return }
+                let started = tasks.spawn {
+                    switch await upstream.revoke(refreshToken) {
+                    case .revoked:
+                        logger.log(.info, "session \(name): a refresh answer that came after the logout (or login) had ended its request "
+                                   + "brought a new refresh token; it is revoked upstream", session: name, generation: request.generation)
+                    case .noEndpoint:
+                        logger.log(.warning, "session \(name): a refresh answer that came after the logout brought a new refresh token, "
+                                   + "and there is no revocation endpoint: it stays valid upstream", session: name, generation: request.generation)
+                    case let .failed(problem):
+                        logger.log(.warning, "session \(name): revoking the refresh token that came after the logout failed (\(problem)): "
+                                   + "it stays valid upstream", session: name, generation: request.generation)
+                    }
+                }
+                if started == nil { Self.skipped(logger, name, tasks) }
+            case let .failure(error):
+                // No answer: if the issuer rotated, the new refresh token is known to nobody and
+                // cannot be revoked here; the logout revoked the one it knew.
+                guard let failure = error as? FetchFailure, case .transient = failure.kind, request.refreshToken != nil else { return }
+                logger.log(.notice, "session \(name): the refresh under way at the logout got no answer (\(failure.reason)): if the issuer "
+                           + "rotated the refresh token, the new one cannot be revoked from here", session: name, generation: request.generation)
+            }
+        }
+    }
+
+    private static func skipped(_ logger: Logger, _ name: String, _ tasks: TaskPool) {
+        logger.limited(.warning, key: "revocation-skipped",
+                       "session \(name): a refresh token nobody will use is not revoked upstream: the daemon is stopping, "
+                       + "or \(tasks.limit) upstream requests are under way already")
+    }
+}

@@ -1,0 +1,177 @@
+import Basics
+import Fleet
+import TokenBrokerCore
+import Upstream
+
+/// Turns a configured session into a served one: its token source (chosen by its kind, one
+/// case below), its store, its coordinator and, for `Fleet=yes`, its fleet part. A new grant
+/// or upstream kind is one case in `kind(of:)` and a `SessionKind` in a file of its own.
+struct SessionFactory: Sendable {
+    let logger: Logger
+    let metrics: Metrics
+    let state: StateStore
+    let census: SessionCensus
+    /// Revocations and token requests that outlive their callers: bounded, awaited at stop.
+    let upstreamTasks: TaskPool
+    /// The fleet sessions' follow loops: awaited at stop.
+    let followLoops: TaskPool
+    /// Fleet marks and kept commits of sessions without a state database (development mode).
+    let fleetMarks = SynchronizedBox<[String: FleetPosition]>([:])
+    let fleetPending = SynchronizedBox<[String: FleetPendingCommit]>([:])
+
+    /// The one place that chooses a session's kind.
+    static func kind(of session: SessionConfiguration) -> any SessionKind {
+        switch session.upstream {
+        case let .test(lifetime):
+            return TestUpstream(lifetime: lifetime)
+        case let .oauth(settings):
+            switch settings.grant {
+            case .refreshToken: return RefreshTokenGrant(settings: settings)
+            case .clientCredentials: return ClientCredentialsGrant(settings: settings)
+            }
+        }
+    }
+
+    /// What a new coordinator starts from.
+    enum Origin {
+        /// What the store holds (read once for all sessions at start, one by one at a reload).
+        case stored(SessionRecord?)
+        /// A predecessor's whole state (a reload that changes the session's settings).
+        case handedOver(record: SessionRecord, pendingWrite: StoreWrite?, counters: SessionCounters)
+    }
+
+    /// A served session, and whether it still has to log in (a kind that starts logged in,
+    /// with nothing stored): the caller does that, many sessions at once.
+    func make(_ session: SessionConfiguration, from origin: Origin) async -> (session: SessionTable.Session, logIn: Bool) {
+        var restored: SessionRecord?
+        var handedOver: (pendingWrite: StoreWrite?, counters: SessionCounters)?
+        switch origin {
+        case let .handedOver(record, pendingWrite, counters):
+            restored = record
+            handedOver = (pendingWrite, counters)
+        case let .stored(record):
+            restored = record
+            if session.fleet != nil, restored?.state == .active {
+                // The fleet decides: until its state has been read, this host's copy (from before
+                // a restart, during which the fleet may have logged out) hands out nothing.
+                restored?.state = .signedOut
+                restored?.refreshToken = nil
+                restored?.accessToken = nil
+            }
+        }
+        let kind = Self.kind(of: session)
+        let (source, upstream) = kind.source(for: session, in: self)
+        let fleet = session.fleet == nil ? nil : await fleetPart(session, source: source, upstream: upstream)
+        let slot = census.enrol(session.name)
+        let coordinator = Coordinator(session: session.name, policy: session.policy, source: fleet ?? source,
+                                      store: fleet ?? MeasuredStore(inner: state.sessions, metrics: metrics), restored: restored,
+                                      pendingWrite: handedOver?.pendingWrite, counters: handedOver?.counters ?? SessionCounters(),
+                                      clock: ContinuousClock(), wall: SystemWallClock(),
+                                      discarded: discardedTokenRevocation(session, upstream),
+                                      outcomes: { [log = RefreshLog(logger: logger, policy: session.policy), metrics] outcome in
+                                          log.record(outcome)
+                                          metrics.record(outcome)
+                                      },
+                                      summaries: { [census] summary in census.tell(slot, summary) })
+        census.begin(slot, coordinator.summary)
+        if let fleet {
+            // The sync loop's first read of etcd logs the session in or out here as the fleet has it.
+            await fleet.attach(coordinator)
+            let following = followLoops.spawn { await fleet.run() }
+            if following == nil { logger.error("session \(session.name): the daemon is stopping; it does not follow the fleet", session: session.name) }
+            logger.log(.info, "session \(session.name): shared with the fleet (\(fleet.settings.prefix) on \(fleet.settings.endpoints.count) "
+                       + "etcd endpoint(s)); it follows the fleet's state", session: session.name)
+            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, upstream: upstream,
+                                         fleet: (fleet, following)), false)
+        }
+        if let restored {
+            if logger.enabled(.info) {
+                logger.log(.info, "session \(session.name): restored \(restored.state.rawValue) at generation \(restored.generation)"
+                           + (restored.accessToken == nil ? "" : ", token #\(restored.tokenSerial)"),
+                           session: session.name, generation: restored.generation,
+                           tokenSerial: restored.accessToken == nil ? nil : restored.tokenSerial)
+            }
+            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, upstream: upstream), false)
+        }
+        return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, upstream: upstream), kind.logsInAtStart)
+    }
+
+    /// The OAuth source of a session, with what becomes of requests its callers abandon.
+    func httpSource(_ session: SessionConfiguration, _ settings: SessionConfiguration.OAuthSettings, grant: OAuthGrant) -> HTTPTokenSource {
+        let http = HTTPTokenSource(grant: grant, configuration: settings.client.configuration, endpoints: settings.endpoints,
+                                   issuer: settings.issuer, tasks: upstreamTasks)
+        // (Not for fleet sessions: a holder whose lease runs out abandons its request so that
+        // another broker may take over, and that request must not go on.)
+        if session.fleet == nil { http.whenAbandoned(abandonedRequestRevocation(session, http)) }
+        return http
+    }
+
+    /// A fleet session's etcd side, from the position this broker has reached in the fleet.
+    private func fleetPart(_ session: SessionConfiguration, source: any TokenSource, upstream: HTTPTokenSource?) async -> DaemonFleetSession? {
+        guard let settings = session.fleet else { return nil }
+        let local = FleetStateStore(state: state, prefix: settings.prefix, metrics: metrics, memory: state.database == nil ? fleetMarks : nil,
+                                    pendingMemory: state.database == nil ? fleetPending : nil)
+        var floor: FleetPosition?
+        var pending: FleetPendingCommit?
+        do {
+            floor = try await local.mark(session.name)
+            pending = try await local.pendingCommit(session.name)
+        } catch {
+            logger.error("session \(session.name): cannot read the position this broker has reached in the fleet: \(error); "
+                         + "until a write succeeds, an older history in etcd would not be recognised", session: session.name)
+        }
+        do {
+            return try DaemonFleetSession(
+                name: session.name, settings: settings,
+                backend: EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout),
+                upstream: source, local: local, floor: floor, pending: pending, clock: ContinuousClock(), wall: SystemWallClock(),
+                pendingLogoutFile: state.directory.map { "\($0)/fleet-logout-\(session.name)" },
+                discarded: discardedTokenRevocation(session, upstream), report: fleetReport(session.name))
+        } catch {
+            // The key was checked when the configuration was read.
+            logger.error("session \(session.name): the fleet key cannot be used: \(error)", session: session.name)
+            return nil
+        }
+    }
+
+    /// A fleet session's events, to the journal at their level (the noisy kinds rate-limited).
+    private func fleetReport(_ name: String) -> @Sendable (FleetEvent) -> Void {
+        let logger = self.logger
+        return { event in
+            let level: LogLevel
+            switch event.level {
+            case .error: level = .error
+            case .warning: level = .warning
+            case .notice: level = .notice
+            case .info: level = .info
+            }
+            if let key = event.limitKey {
+                logger.limited(level, key: name + ":" + key, "session \(name): \(event.message)")
+            } else {
+                logger.log(level, "session \(name): \(event.message)", session: name)
+            }
+        }
+    }
+}
+
+/// A store whose writes are timed (and failures counted) for the metrics.
+struct MeasuredStore: SessionStore {
+    let inner: any SessionStore
+    let metrics: Metrics
+
+    func load(_ session: String) async throws -> SessionRecord? {
+        try await inner.load(session)
+    }
+
+    func write(_ write: StoreWrite) async throws -> Bool {
+        let started = ContinuousClock.now
+        do {
+            let applied = try await inner.write(write)
+            metrics.storeWrite(seconds: started.duration(to: .now).seconds, failed: false)
+            return applied
+        } catch {
+            metrics.storeWrite(seconds: started.duration(to: .now).seconds, failed: true)
+            throw error
+        }
+    }
+}
