@@ -50,16 +50,14 @@ public struct BrokerConfiguration: Sendable, Equatable {
 
     public init() {}
 
+    /// The session called `name` (a linear search: for tools and tests).
     public func session(named name: String) -> SessionConfiguration? {
         sessions.first { $0.name == name }
     }
 
+    /// Equal when every key of `ConfigSchema.broker` agrees and the sessions and the fleet do.
     public static func == (lhs: BrokerConfiguration, rhs: BrokerConfiguration) -> Bool {
-        lhs.socketPath == rhs.socketPath && lhs.socketMode == rhs.socketMode && lhs.socketGroup == rhs.socketGroup
-            && lhs.adminGroup == rhs.adminGroup && lhs.maxConnections == rhs.maxConnections
-            && lhs.maxConnectionsPerUser == rhs.maxConnectionsPerUser && lhs.maxMessageSize == rhs.maxMessageSize
-            && lhs.maxObjectMembers == rhs.maxObjectMembers && lhs.messageTimeout == rhs.messageTimeout
-            && lhs.maxQueuedOutput == rhs.maxQueuedOutput && lhs.sessions == rhs.sessions && lhs.fleet == rhs.fleet
+        ConfigSchema.broker.allSatisfy { $0.same(lhs, rhs) } && lhs.sessions == rhs.sessions && lhs.fleet == rhs.fleet
     }
 }
 
@@ -110,36 +108,72 @@ public struct SessionConfiguration: Sendable, Equatable {
         }
     }
 
-    public var name: String
-    public var upstream: Upstream
-    /// Users (uids) who may use the session (`AllowUsers=`).
-    public var allowUsers: [UInt32]
-    /// Groups whose members may use it (`AllowGroups=`; supplementary groups count).
-    public var allowGroups: [UInt32]
-    public var policy: RefreshPolicy
+    /// The session as its keys set it (`ConfigSchema.session`).
+    public var settings: SessionSettings
     /// Shared with the other brokers of a fleet through etcd (`Fleet=yes`): the `[Fleet]`
     /// settings; `nil` for a session of this host alone.
     public var fleet: FleetSettings?
     /// Where the section was first written, for messages.
     public var origin: String
 
+    public var name: String {
+        get { settings.name }
+        set { settings.name = newValue }
+    }
+
+    public var upstream: Upstream {
+        get { settings.kind == .test ? .test(lifetime: settings.testTokenLifetime) : .oauth(settings.oauth) }
+        set {
+            switch newValue {
+            case let .test(lifetime):
+                settings.kind = .test
+                settings.testTokenLifetime = lifetime
+            case let .oauth(oauth):
+                settings.kind = .oauth
+                settings.oauth = oauth
+            }
+        }
+    }
+
+    /// Users (uids) who may use the session (`AllowUsers=`).
+    public var allowUsers: [UInt32] {
+        get { settings.allowUsers }
+        set { settings.allowUsers = newValue }
+    }
+
+    /// Groups whose members may use it (`AllowGroups=`; supplementary groups count).
+    public var allowGroups: [UInt32] {
+        get { settings.allowGroups }
+        set { settings.allowGroups = newValue }
+    }
+
+    public var policy: RefreshPolicy {
+        get { settings.policy }
+        set { settings.policy = newValue }
+    }
+
+    public init(settings: SessionSettings, origin: String) {
+        self.settings = settings
+        self.origin = origin
+    }
+
     public init(name: String, upstream: Upstream, allowUsers: [UInt32], allowGroups: [UInt32], policy: RefreshPolicy, origin: String) {
-        self.name = name
+        self.init(settings: SessionSettings(name: name), origin: origin)
         self.upstream = upstream
         self.allowUsers = allowUsers
         self.allowGroups = allowGroups
         self.policy = policy
-        self.origin = origin
     }
 
+    /// Equal when every key of `ConfigSchema.session` agrees, and the fleet does.
     public static func == (lhs: SessionConfiguration, rhs: SessionConfiguration) -> Bool {
-        lhs.name == rhs.name && lhs.upstream == rhs.upstream && lhs.allowUsers == rhs.allowUsers
-            && lhs.allowGroups == rhs.allowGroups && lhs.policy == rhs.policy && lhs.fleet == rhs.fleet
+        ConfigSchema.session.allSatisfy { $0.same(lhs.settings, rhs.settings) } && lhs.fleet == rhs.fleet
     }
 
-    /// Whether the settings that shape the coordinator differ (a reload then rebuilds it);
-    /// access lists can change without touching tokens.
+    /// Whether a key that shapes the coordinator differs (`ConfigChange.rebuildsSession`: a
+    /// reload then rebuilds it), or the fleet does; access lists can change without touching
+    /// tokens.
     public func needsNewCoordinator(comparedTo other: SessionConfiguration) -> Bool {
-        upstream != other.upstream || policy != other.policy || fleet != other.fleet
+        fleet != other.fleet || ConfigSchema.session.contains { $0.change == .rebuildsSession && !$0.same(settings, other.settings) }
     }
 }

@@ -1,0 +1,264 @@
+import Fleet
+import TokenBrokerCore
+import Upstream
+
+/// Every configuration key, section by section: the one list that parsing (`ConfigLoader`),
+/// reload equality (`SessionConfiguration.needsNewCoordinator`, `==`), `check-config --keys`
+/// and the documentation test (`config/*.conf`, the man page, doc/configuration.md) follow.
+public enum ConfigSchema {
+    public static let broker: [ConfigKey<BrokerConfiguration>] = [
+        ConfigKey("Socket", takes: "an absolute path", default: BrokerConfiguration.defaultSocket, change: .atStart,
+                  "where the varlink socket is bound (serve --socket overrides it)",
+                  same: { $0.socketPath == $1.socketPath }) { settings, entry, _ throws(ConfigError) in
+            guard entry.value.hasPrefix("/") else { throw fail(entry, "Socket= needs an absolute path") }
+            settings.socketPath = entry.value
+        },
+        ConfigKey("SocketMode", takes: "an octal mode", default: "0660", change: .atStart, "mode of the socket file",
+                  same: { $0.socketMode == $1.socketMode }) { settings, entry, _ throws(ConfigError) in
+            guard let mode = ConfigValue.mode(entry.value) else { throw fail(entry, "SocketMode= needs an octal mode such as 0660") }
+            settings.socketMode = mode
+        },
+        ConfigKey("SocketGroup", \.socketGroup, .group, change: .atStart, "group owning the socket file (the daemon's when empty)"),
+        ConfigKey("AdminGroup", \.adminGroup, .group, change: .atReload,
+                  "members may log sessions in and out, reload, and see every session"),
+        ConfigKey("MaxConnections", \.maxConnections, .count(1...1_000_000), default: "4096", change: .atStart,
+                  "connections served at once (the last 1/32, at most 128, kept for admins)"),
+        ConfigKey("MaxConnectionsPerUser", \.maxConnectionsPerUser, .count(1...1_000_000), default: "256", change: .atStart,
+                  "connections one user that is not an admin may hold"),
+        // At most 1M: parsing is linear, but one message is parsed in one go on the I/O thread
+        // (the worst 1M message costs other clients ~45 ms; the default 64K, ~3 ms).
+        ConfigKey("MaxMessageSize", \.maxMessageSize, .size(1024...(1 << 20), "1K to 1M"), default: "64K", change: .atStart,
+                  "largest varlink message accepted"),
+        ConfigKey("MaxObjectMembers", \.maxObjectMembers, .count(16...1_000_000), default: "1024", change: .atStart,
+                  "most members in one JSON object of a message"),
+        ConfigKey("MessageTimeout", \.messageTimeout,
+                  .duration(.milliseconds(100)...Duration.seconds(3600), message: "MessageTimeout= needs a time span between 0.1s and 3600s, e.g. 10s"),
+                  default: "10s", change: .atStart, "a message must be complete this long after its first byte"),
+        ConfigKey("MaxQueuedOutput", \.maxQueuedOutput, .size(64 << 10...(4 << 30), "64K to 4G"), default: "32M", change: .atStart,
+                  "replies queued for all clients together"),
+        ConfigKey("MetricsListen", takes: "a loopback host:port or an absolute socket path", change: .atStart,
+                  "serve Prometheus metrics (GET /metrics) there; off when empty",
+                  same: { $0.metricsListen == $1.metricsListen }) { settings, entry, _ throws(ConfigError) in
+            guard !entry.value.isEmpty else {
+                settings.metricsListen = nil
+                return
+            }
+            guard let address = MetricsAddress(entry.value) else {
+                throw fail(entry, "MetricsListen= needs a loopback address and port (127.0.0.1:9464, [::1]:9464) or an absolute socket path")
+            }
+            settings.metricsListen = address
+        },
+        ConfigKey("MetricsGroup", \.metricsGroup, .group, change: .atStart,
+                  "members may read the per-session series on a Unix MetricsListen="),
+        metricsBearerToken("MetricsBearerTokenFile"),
+        metricsBearerToken("MetricsBearerTokenCredential"),
+        ConfigKey("StateKeyCredential", \.stateKey, .key, change: .atStart, "encrypt the tokens in the state database with this key"),
+        ConfigKey("StateKeyFile", \.stateKey, .key, change: .atStart, "the state key from a file instead of a credential"),
+    ]
+
+    private static func metricsBearerToken(_ name: String) -> ConfigKey<BrokerConfiguration> {
+        ConfigKey(name, takes: "16 to 4096 visible ASCII characters, from a file or credential", change: .atStart,
+                  "the bearer token a scraper sends for the per-session series",
+                  same: { $0.metricsBearerToken == $1.metricsBearerToken }) { settings, entry, context throws(ConfigError) in
+            guard !entry.value.isEmpty else {
+                settings.metricsBearerToken = nil
+                return
+            }
+            let token = try ConfigParsing.readSecret(entry, &context)
+            // What Prometheus sends as `credentials`: one line of visible ASCII, long enough.
+            guard token.reveal.utf8.count >= 16, token.reveal.utf8.count <= 4096,
+                  token.reveal.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
+                throw fail(entry, "\(entry.key)=: the token must be 16 to 4096 visible ASCII characters (e.g. openssl rand -hex 32)")
+            }
+            settings.metricsBearerToken = token
+        }
+    }
+
+    public static let session: [ConfigKey<SessionSettings>] = [
+        ConfigKey("Name", takes: "1-64 of A-Z a-z 0-9 - _ .", change: .keepsSession, "the session's name, as workers ask for it (required)",
+                  same: { $0.name == $1.name }) { _, _, _ throws(ConfigError) in },
+        ConfigKey("Fleet", \.fleet, .bool, default: "no", change: .rebuildsSession, "share the session with the brokers of a fleet"),
+        ConfigKey("Upstream", \.kind, .oneOf(SessionSettings.Kind.self, [.oauth, .test], message: "Upstream= must be 'oauth' or 'test'"),
+                  default: "oauth", change: .rebuildsSession, "where tokens come from: an OAuth server, or minted here for tests"),
+        ConfigKey("TestTokenLifetime", \.testTokenLifetime, .duration(.seconds(1)...Duration.seconds(86400 * 30)), default: "1h",
+                  change: .rebuildsSession, "lifetime of the tokens the test upstream mints"),
+        ConfigKey("Grant", \.oauth.grant,
+                  .oneOf(OAuthGrant.self, [.refreshToken, .clientCredentials], message: "Grant= must be refresh_token or client_credentials"),
+                  default: "refresh_token", change: .rebuildsSession, "the OAuth grant"),
+        ConfigKey("Issuer", \.oauth.issuer, .url, change: .rebuildsSession, "the issuer, for RFC 8414 discovery of the endpoints"),
+        ConfigKey("TokenEndpoint", \.oauth.tokenEndpoint, .url, change: .rebuildsSession, "the token endpoint (wins over discovery)"),
+        ConfigKey("RevocationEndpoint", \.oauth.revocationEndpoint, .url, change: .rebuildsSession, "the RFC 7009 revocation endpoint"),
+        ConfigKey("DeviceAuthorizationEndpoint", \.oauth.deviceAuthorizationEndpoint, .url, change: .rebuildsSession,
+                  "the RFC 8628 device authorization endpoint"),
+        ConfigKey("ClientID", takes: "text", change: .rebuildsSession, "the client registration's id",
+                  same: { $0.oauth.client.clientID == $1.oauth.client.clientID }) { settings, entry, _ throws(ConfigError) in
+            settings.oauth.client.clientID = entry.value
+        },
+        clientSecret("ClientSecretFile", takes: "an absolute path", "the client secret, from a file"),
+        clientSecret("ClientSecretCredential", takes: "a credential name", "the client secret, from a systemd credential"),
+        clientSecret("ClientSecret", takes: "text (warns: prefer a file or credential)", "the client secret itself"),
+        ConfigKey("ClientAuthentication", \.oauth.client.authentication,
+                  .oneOf(ClientAuthentication.self, [.basic, .post, .none],
+                         message: "ClientAuthentication= must be client_secret_basic, client_secret_post or none"),
+                  default: "client_secret_basic", change: .rebuildsSession, "how the client authenticates"),
+        ConfigKey("Scope", \.oauth.client.scope, .text, change: .rebuildsSession, "scope for client_credentials and device logins"),
+        ConfigKey("CAFile", \.oauth.client.tls.caFile, .file, change: .rebuildsSession, "trust only this CA (PEM) for the authorization server"),
+        ConfigKey("ClientCertificate", \.oauth.client.tls.clientCertificate, .file, change: .rebuildsSession,
+                  "a client certificate (PEM) for mutual TLS"),
+        ConfigKey("ClientKey", \.oauth.client.tls.clientKey, .file, change: .rebuildsSession, "its key (PEM)"),
+        ConfigKey("ConnectTimeout", \.oauth.client.connectTimeout, .duration(.milliseconds(100)...Duration.seconds(300)), default: "5s",
+                  change: .rebuildsSession, "connect timeout of each request"),
+        ConfigKey("RequestTimeout", \.oauth.client.timeout, .duration(.milliseconds(100)...Duration.seconds(600)), default: "30s",
+                  change: .rebuildsSession, "total deadline of each request"),
+        ConfigKey("RevokeOnLogout", \.oauth.revokeOnLogout, .bool, default: "yes", change: .rebuildsSession,
+                  "revoke the refresh token upstream at logout"),
+        allowList("AllowUsers", \.allowUsers, "users (names or uids) who may use the session",
+                  lookup: { context, name in context.userID(name) }, overflow: ProcessDefences.overflowUID),
+        allowList("AllowGroups", \.allowGroups, "groups whose members may use the session",
+                  lookup: { context, name in context.groupID(name) }, overflow: ProcessDefences.overflowGID),
+        ConfigKey("RefreshAhead", \.policy.refreshAhead, .duration(.zero...Duration.seconds(86400)), default: "60s", change: .rebuildsSession,
+                  "refresh in the background this long before expiry (0: off)"),
+        ConfigKey("RefreshLimitBurst", \.policy.guardLimit, .count(1...10_000), default: "10", change: .rebuildsSession,
+                  "upstream requests the refresh guard allows on top of what the lifetime needs"),
+        ConfigKey("RefreshLimitInterval", \.policy.guardWindow, .duration(.seconds(1)...Duration.seconds(86400)), default: "60s",
+                  change: .rebuildsSession, "the refresh guard's sliding window"),
+        ConfigKey("BackoffInitial", \.policy.backoff.initial, .duration(.milliseconds(10)...Duration.seconds(3600)), default: "1s",
+                  change: .rebuildsSession, "first backoff after a transient failure"),
+        ConfigKey("BackoffMax", \.policy.backoff.maximum, .duration(.milliseconds(10)...Duration.seconds(86400)), default: "5min",
+                  change: .rebuildsSession, "longest backoff"),
+    ]
+
+    /// The three ways to give the client secret: the last one written wins, and it is read when
+    /// the session is complete (a drop-in may replace a file the main configuration names).
+    private static func clientSecret(_ name: String, takes: String, _ summary: String) -> ConfigKey<SessionSettings> {
+        ConfigKey(name, takes: takes, change: .rebuildsSession, summary,
+                  same: { $0.oauth.client.clientSecret == $1.oauth.client.clientSecret }) { settings, entry, _ throws(ConfigError) in
+            settings.secretSource = entry
+        }
+    }
+
+    /// An allow list: an empty value clears it, each word adds a name or a number.
+    private static func allowList(_ name: String, _ path: any WritableKeyPath<SessionSettings, [UInt32]> & Sendable, _ summary: String,
+                                  lookup: @escaping @Sendable (inout ConfigContext, String) -> UInt32?, overflow: UInt32)
+        -> ConfigKey<SessionSettings> {
+        ConfigKey(name, takes: "names or numbers, space-separated (empty clears)", change: .keepsSession, summary,
+                  same: { $0[keyPath: path] == $1[keyPath: path] }) { settings, entry, context throws(ConfigError) in
+            if entry.value.isEmpty { settings[keyPath: path] = [] }
+            for word in ConfigValue.list(entry.value) {
+                let id = try resolve(word, entry) { lookup(&context, $0) }
+                if id == overflow { context.warn(entry, overflowWarning(entry.key, word)) }
+                settings[keyPath: path].append(id)
+            }
+        }
+    }
+
+    public static let fleet: [ConfigKey<FleetDraft>] = [
+        ConfigKey("Endpoints", takes: "etcd client URLs, space-separated (empty clears)", change: .rebuildsSession,
+                  "the etcd members, tried in order (required)", same: { $0.endpoints == $1.endpoints }) { settings, entry, _ throws(ConfigError) in
+            if entry.value.isEmpty { settings.endpoints = [] }
+            for word in ConfigValue.list(entry.value) {
+                var url = word
+                while url.hasSuffix("/") { url.removeLast() }
+                if let problem = EndpointPolicy.problemBeforeLibcurl(with: url) { throw fail(entry, "Endpoints=: \(problem)") }
+                settings.endpoints.append(url)
+            }
+        },
+        ConfigKey("Prefix", takes: "a key prefix such as /tokenbroker", default: "/tokenbroker", change: .rebuildsSession,
+                  "where the fleet's keys live in etcd", same: { $0.prefix == $1.prefix }) { settings, entry, _ throws(ConfigError) in
+            let bytes = Array(entry.value.utf8)
+            guard entry.value.hasPrefix("/"), !entry.value.hasSuffix("/"), (2...128).contains(bytes.count),
+                  bytes.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
+                throw fail(entry, "Prefix= needs a key prefix such as /tokenbroker (2-128 printable characters, starting with / and not ending with one)")
+            }
+            settings.prefix = entry.value
+        },
+        ConfigKey("CAFile", \.tls.caFile, .file, change: .rebuildsSession, "trust only this CA (PEM) for etcd"),
+        ConfigKey("ClientCertificate", \.tls.clientCertificate, .file, change: .rebuildsSession, "a client certificate (PEM) for etcd"),
+        ConfigKey("ClientKey", \.tls.clientKey, .file, change: .rebuildsSession, "its key (PEM)"),
+        ConfigKey("KeyCredential", \.key, .key, change: .rebuildsSession, "the fleet key, sealing every value in etcd (required)"),
+        ConfigKey("KeyFile", \.key, .key, change: .rebuildsSession, "the fleet key from a file instead of a credential"),
+        ConfigKey("FlightLease", \.flightLease, .duration(.seconds(5)...Duration.seconds(3600)), default: "60s", change: .rebuildsSession,
+                  "how long a vanished flight holder keeps the others from refreshing"),
+        ConfigKey("RequestTimeout", \.requestTimeout, .duration(.milliseconds(100)...Duration.seconds(60)), default: "2s",
+                  change: .rebuildsSession, "the deadline of one request to one etcd member"),
+        ConfigKey("Name", takes: "1-64 printable characters without spaces", default: "the host name", change: .rebuildsSession,
+                  "this broker's name in flight records and status", same: { $0.member == $1.member }) { settings, entry, _ throws(ConfigError) in
+            guard !entry.value.isEmpty, entry.value.utf8.count <= 64, entry.value.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
+                throw fail(entry, "Name= needs 1-64 printable characters without spaces")
+            }
+            settings.member = entry.value
+        },
+    ]
+
+    static let brokerKeys = index(broker)
+    static let sessionKeys = index(session)
+    static let fleetKeys = index(fleet)
+
+    private static func index<Settings>(_ keys: [ConfigKey<Settings>]) -> [String: ConfigKey<Settings>] {
+        Dictionary(keys.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+    }
+
+    /// The sections and their keys, for documentation: (section, name, takes, default, summary, change).
+    public static var reference: [(section: String, keys: [(name: String, takes: String, defaultValue: String, summary: String, change: ConfigChange)])] {
+        func rows<Settings>(_ keys: [ConfigKey<Settings>]) -> [(name: String, takes: String, defaultValue: String, summary: String, change: ConfigChange)] {
+            keys.map { ($0.name, $0.takes, $0.defaultValue, $0.summary, $0.change) }
+        }
+        return [("Broker", rows(broker)), ("Session", rows(session)), ("Fleet", rows(fleet))]
+    }
+
+    /// A known key of `keys` that `name` is probably a misspelling of.
+    static func suggestion<Settings>(for name: String, in keys: [ConfigKey<Settings>]) -> String? {
+        let lower = Array(name.lowercased().utf8)
+        return keys.first { key in
+            let candidate = Array(key.name.lowercased().utf8)
+            return candidate == lower || (abs(candidate.count - lower.count) <= 2 && editDistance(candidate, lower, within: 2))
+        }?.name
+    }
+
+    /// Whether `a` and `b` are at most `limit` single-byte edits apart.
+    private static func editDistance(_ a: [UInt8], _ b: [UInt8], within limit: Int) -> Bool {
+        guard a.count <= 64, b.count <= 64 else { return false }
+        var previous = Array(0...b.count)
+        for i in 1...max(a.count, 1) where !a.isEmpty {
+            var current = [i] + Array(repeating: 0, count: b.count)
+            for j in stride(from: 1, through: b.count, by: 1) {
+                current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1))
+            }
+            previous = current
+        }
+        return previous[b.count] <= limit
+    }
+}
+
+/// A `[Session]` as its keys set it, before it is checked as a whole.
+public struct SessionSettings: Sendable {
+    public enum Kind: String, Sendable, Equatable {
+        case oauth
+        case test
+    }
+
+    public var name: String
+    public var fleet = false
+    public var kind = Kind.oauth
+    public var testTokenLifetime = Duration.seconds(3600)
+    public var oauth = SessionConfiguration.OAuthSettings(client: SessionConfiguration.OAuthClientSettings())
+    /// The last of ClientSecretFile=, ClientSecretCredential=, ClientSecret= (read when the
+    /// session is complete).
+    var secretSource: INIEntry?
+    public var allowUsers: [UInt32] = []
+    public var allowGroups: [UInt32] = []
+    public var policy = RefreshPolicy()
+
+    public init(name: String) { self.name = name }
+}
+
+/// A `[Fleet]` section as its keys set it, before it is checked as a whole.
+public struct FleetDraft: Sendable {
+    var endpoints: [String] = []
+    var prefix = "/tokenbroker"
+    var tls = TLSOptions()
+    var key: Secret?
+    var flightLease = Duration.seconds(60)
+    var requestTimeout = Duration.seconds(2)
+    var member = ProcessDefences.hostName()
+}
