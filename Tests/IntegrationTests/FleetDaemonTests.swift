@@ -433,7 +433,7 @@ extension FleetDaemonTests {
                 #expect(lag < .seconds(3), "run \(run + 1): B followed only \(lag) after it resumed")
                 // No broker presented a spent token. (B's own request, held at the issuer since
                 // before it was stopped, is released only now: an issuer that processes a
-                // request that late sees a replay, whatever B does — README, the death window.
+                // request that late sees a replay, whatever B does — doc/fleet.md, the death window.
                 // Counting after the release raced the issuer's thread.)
                 #expect(fleet.issuer.counters.replays == 0)
                 fleet.issuer.releaseHeld()
