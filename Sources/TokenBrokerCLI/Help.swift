@@ -61,10 +61,13 @@ public enum Help {
         reads `file:line: message` and exits 78.
 
         USAGE: tokenbroker check-config [--config <path>] [--verbose]
+               tokenbroker check-config --keys
 
         OPTIONS:
           --config <path>         Configuration file (default /etc/tokenbroker/tokenbroker.conf).
           -v, --verbose           Name every session, one per line.
+          --keys                  List every key by section: what it takes, its default, and
+                                  what a change does at a reload.
           -h, --help              Show this help.
 
         EXAMPLE:

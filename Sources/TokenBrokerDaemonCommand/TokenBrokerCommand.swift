@@ -120,6 +120,20 @@ public enum TokenBrokerCommand {
         return count + ": " + names.prefix(shown).joined(separator: ", ") + ", … (--verbose lists all)\n"
     }
 
+    /// Every configuration key, from `ConfigSchema`: what it takes, its default, what a change
+    /// does at a reload, and one line on what it is for.
+    static func keyReference() -> String {
+        var text = ""
+        for (section, keys) in ConfigSchema.reference {
+            text += "[\(section)]\n"
+            for key in keys {
+                let defaultValue = key.defaultValue.isEmpty ? "" : "; default \(key.defaultValue)"
+                text += "  \(key.name)=  \(key.takes)\(defaultValue); \(key.change)\n      \(key.summary)\n"
+            }
+        }
+        return text
+    }
+
     static func checkConfig(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
         var path = BrokerConfiguration.defaultPath
         var verbose = false
@@ -131,6 +145,9 @@ public enum TokenBrokerCommand {
                 return ExitCode.ok
             case "-v", "--verbose":
                 verbose = true
+            case "--keys":
+                output.write(keyReference())
+                return ExitCode.ok
             case "--config":
                 guard index + 1 < arguments.count else {
                     errors.write("Error: --config needs a path\n\n" + Help.checkConfig)
