@@ -9,7 +9,12 @@ public enum BrokerContract {
     public static let name = "io.tokenbroker.Broker"
     /// The text of `io.tokenbroker.Broker.varlink`, embedded at build time.
     public static let text = String(decoding: PackageResources.io_tokenbroker_Broker_varlink, as: UTF8.self)
-    public static let interface = VarlinkInterface(description: text)
+    public static let interface = VarlinkInterface(description: text, secretMembers: secretMembers)
+    /// The members whose values are credentials (a token, a refresh token, a rejected token):
+    /// descriptions of calls and replies never show them (`VarlinkRedaction`).
+    public static let secretMembers: Set<String> = ["token", "refreshToken", "rejected"]
+    /// Registers `secretMembers` once, at the first request a client or the daemon makes or reads.
+    static let secretsRegistered: Void = VarlinkRedaction.register(secretMembers)
     /// Where the broker listens unless configured otherwise (`Socket=`, `$TOKENBROKER_SOCKET`).
     public static let defaultSocket = "/run/tokenbroker/io.tokenbroker.Broker"
 }
@@ -67,6 +72,7 @@ public enum BrokerRequest: Sendable, Equatable {
 
     /// Decodes `method`'s parameters.
     public init(_ method: BrokerMethod, _ object: JSONObject) throws(ParameterError) {
+        BrokerContract.secretsRegistered
         let parameters = Parameters(object)
         func session(_ others: Set<String> = []) throws(ParameterError) -> String {
             try parameters.only(others.union(["session"]))
@@ -99,6 +105,7 @@ public enum BrokerRequest: Sendable, Equatable {
 
     /// The parameters to send.
     public var parameters: JSONObject {
+        BrokerContract.secretsRegistered
         switch self {
         case let .getToken(session), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
              let .forget(session):
@@ -142,6 +149,83 @@ public struct TokenReply: Sendable, Equatable {
         parameters["generation"] = .int(Int64(generation))
         return parameters
     }
+}
+
+/// The reply of `Login`, and the last reply of `DeviceLogin`: the generation the login began.
+public struct LoginReply: Sendable, Equatable {
+    public var generation: Int
+
+    public init(generation: Int) { self.generation = generation }
+
+    public init(_ parameters: JSONObject) {
+        self.init(generation: Int(clamping: parameters["generation"]?.intValue ?? 0))
+    }
+
+    public var parameters: JSONObject { ["generation": .int(Int64(generation))] }
+}
+
+/// The reply of `Refresh`: the new token's generation, serial and expiry (never the token).
+public struct RefreshReply: Sendable, Equatable {
+    public var generation: Int
+    public var tokenSerial: UInt64
+    public var expiresAt: Int64?
+
+    public init(generation: Int, tokenSerial: UInt64, expiresAt: Int64?) {
+        (self.generation, self.tokenSerial, self.expiresAt) = (generation, tokenSerial, expiresAt)
+    }
+
+    public init(_ parameters: JSONObject) {
+        self.init(generation: Int(clamping: parameters["generation"]?.intValue ?? 0),
+                  tokenSerial: parameters["tokenSerial"]?.intValue.flatMap { UInt64(exactly: $0) } ?? 0,
+                  expiresAt: parameters["expiresAt"]?.intValue)
+    }
+
+    public var parameters: JSONObject {
+        var parameters: JSONObject = ["generation": .int(Int64(generation)), "tokenSerial": .int(Int64(clamping: tokenSerial))]
+        if let expiresAt { parameters["expiresAt"] = .int(expiresAt) }
+        return parameters
+    }
+}
+
+/// One reply of `DeviceLogin`: what to show the user, then the login's end.
+public enum DeviceLoginEvent: Sendable, Equatable {
+    /// Open `verificationUri` and enter `userCode` within `expiresIn` seconds
+    /// (`verificationUriComplete` carries the code already, when the server gives one).
+    case prompt(verificationUri: String, userCode: String, expiresIn: Int64, verificationUriComplete: String?)
+    case done(LoginReply)
+
+    public init(_ parameters: JSONObject) {
+        if parameters["event"] == "prompt" {
+            self = .prompt(verificationUri: parameters["verificationUri"]?.stringValue ?? "?", userCode: parameters["userCode"]?.stringValue ?? "?",
+                           expiresIn: parameters["expiresIn"]?.intValue ?? 0,
+                           verificationUriComplete: parameters["verificationUriComplete"]?.stringValue)
+        } else {
+            self = .done(LoginReply(parameters))
+        }
+    }
+
+    public var parameters: JSONObject {
+        switch self {
+        case let .prompt(uri, code, expiresIn, complete):
+            var parameters: JSONObject = ["event": "prompt", "verificationUri": .string(uri), "userCode": .string(code),
+                                          "expiresIn": .int(expiresIn)]
+            if let complete { parameters["verificationUriComplete"] = .string(complete) }
+            return parameters
+        case let .done(login):
+            return ["event": "done", "generation": .int(Int64(login.generation))]
+        }
+    }
+}
+
+/// The reply of `Metrics`: the exposition in the Prometheus text format.
+public struct MetricsReply: Sendable, Equatable {
+    public var text: String
+
+    public init(text: String) { self.text = text }
+
+    public init(_ parameters: JSONObject) { self.init(text: parameters["text"]?.stringValue ?? "") }
+
+    public var parameters: JSONObject { ["text": .string(text)] }
 }
 
 /// One reply of a `Watch` stream.
@@ -237,25 +321,26 @@ public struct StatusEntry: Sendable, Equatable {
     }
 
     public var parameters: JSONObject {
-        var entry: JSONObject = ["name": .string(name), "state": .string(state), "generation": .int(Int64(generation))]
-        if let tokenSerial { entry["tokenSerial"] = .int(Int64(clamping: tokenSerial)) }
-        if let expiresAt { entry["expiresAt"] = .int(expiresAt) }
-        if let lastRefresh { entry["lastRefresh"] = .int(lastRefresh) }
-        entry["refreshing"] = .bool(refreshing)
-        if let backoffRemaining { entry["backoffRemaining"] = .double(backoffRemaining) }
-        if let lastError { entry["lastError"] = .string(lastError) }
-        entry["degraded"] = .bool(degraded)
-        for (key, count) in [("fetches", counters.fetches), ("joinedWaiters", counters.joinedWaiters), ("failures", counters.failures),
-                             ("staleRejections", counters.staleRejections), ("throttled", counters.throttled),
-                             ("droppedResults", counters.droppedResults)] {
-            entry[key] = .int(Int64(count))
-        }
-        if inert { entry["inert"] = true }
-        if let fleetHealth { entry["fleetHealth"] = .string(fleetHealth) }
-        if let fleetGeneration { entry["fleetGeneration"] = .int(fleetGeneration) }
-        if let fleetRevision { entry["fleetRevision"] = .int(fleetRevision) }
-        if let flightHolder { entry["flightHolder"] = .string(flightHolder) }
-        return entry
+        // Appended in order (no lookups): Status lists thousands of these.
+        var entry: [(key: String, value: JSON)] = []
+        entry.reserveCapacity(20)
+        entry += [("name", .string(name)), ("state", .string(state)), ("generation", .int(Int64(generation)))]
+        if let tokenSerial { entry.append(("tokenSerial", .int(Int64(clamping: tokenSerial)))) }
+        if let expiresAt { entry.append(("expiresAt", .int(expiresAt))) }
+        if let lastRefresh { entry.append(("lastRefresh", .int(lastRefresh))) }
+        entry.append(("refreshing", .bool(refreshing)))
+        if let backoffRemaining { entry.append(("backoffRemaining", .double(backoffRemaining))) }
+        if let lastError { entry.append(("lastError", .string(lastError))) }
+        entry.append(("degraded", .bool(degraded)))
+        entry += [("fetches", .int(Int64(counters.fetches))), ("joinedWaiters", .int(Int64(counters.joinedWaiters))),
+                  ("failures", .int(Int64(counters.failures))), ("staleRejections", .int(Int64(counters.staleRejections))),
+                  ("throttled", .int(Int64(counters.throttled))), ("droppedResults", .int(Int64(counters.droppedResults)))]
+        if inert { entry.append(("inert", true)) }
+        if let fleetHealth { entry.append(("fleetHealth", .string(fleetHealth))) }
+        if let fleetGeneration { entry.append(("fleetGeneration", .int(fleetGeneration))) }
+        if let fleetRevision { entry.append(("fleetRevision", .int(fleetRevision))) }
+        if let flightHolder { entry.append(("flightHolder", .string(flightHolder))) }
+        return JSONObject(entry)
     }
 
     /// The entries of a `Status` reply.
@@ -283,27 +368,50 @@ public enum BrokerError: Error, Sendable, Equatable {
     /// `io.tokenbroker.Broker.ProtocolError`, which the varlink layer sends by name.
     public static let protocolErrorName = BrokerContract.name + ".ProtocolError"
 
-    public var reply: VarlinkReply {
-        func error(_ member: String, _ parameters: JSONObject = [:]) -> VarlinkReply {
-            .error(BrokerContract.name + "." + member, parameters)
-        }
+    /// The error's name in the interface (`RefreshFailed`): the reply's error is the interface's
+    /// name, a dot, and this; the metrics count calls by it.
+    public var name: String {
         switch self {
-        case let .noSuchSession(session): return error("NoSuchSession", ["session": .string(session)])
-        case let .signedOut(session): return error("SignedOut", ["session": .string(session)])
-        case .permissionDenied: return error("PermissionDenied")
-        case let .refreshFailed(session, reason, retryable, retryAfter):
-            var parameters: JSONObject = ["session": .string(session), "reason": .string(reason), "retryable": .bool(retryable)]
-            if let retryAfter { parameters["retryAfter"] = .double(retryAfter) }
-            return error("RefreshFailed", parameters)
-        case let .throttled(session, retryAfter): return error("Throttled", ["session": .string(session), "retryAfter": .double(retryAfter)])
-        case let .storeFailed(session, reason): return error("StoreFailed", ["session": .string(session), "reason": .string(reason)])
-        case let .configurationError(reason): return error("ConfigurationError", ["reason": .string(reason)])
-        case let .loginFailed(session, reason): return error("LoginFailed", ["session": .string(session), "reason": .string(reason)])
-        case let .sessionConfigured(session): return error("SessionConfigured", ["session": .string(session)])
-        case .shuttingDown: return error("ShuttingDown")
-        case .internalError: return error("InternalError")
-        case let .protocolError(reason): return error("ProtocolError", ["reason": .string(reason)])
+        case .noSuchSession: "NoSuchSession"
+        case .signedOut: "SignedOut"
+        case .permissionDenied: "PermissionDenied"
+        case .refreshFailed: "RefreshFailed"
+        case .throttled: "Throttled"
+        case .storeFailed: "StoreFailed"
+        case .configurationError: "ConfigurationError"
+        case .loginFailed: "LoginFailed"
+        case .sessionConfigured: "SessionConfigured"
+        case .shuttingDown: "ShuttingDown"
+        case .internalError: "InternalError"
+        case .protocolError: "ProtocolError"
         }
+    }
+
+    /// The errors `GetToken` and `Recover` can answer (the metrics' `result` label values).
+    public static let tokenCallErrors: [BrokerError] = [
+        .signedOut(session: ""), .refreshFailed(session: "", reason: "", retryable: false, retryAfter: nil), .throttled(session: "", retryAfter: 0),
+        .permissionDenied, .noSuchSession(session: ""), .storeFailed(session: "", reason: ""), .shuttingDown, .internalError,
+    ]
+
+    public var reply: VarlinkReply {
+        let parameters: JSONObject
+        switch self {
+        case let .noSuchSession(session), let .signedOut(session), let .sessionConfigured(session):
+            parameters = ["session": .string(session)]
+        case .permissionDenied, .shuttingDown, .internalError:
+            parameters = [:]
+        case let .refreshFailed(session, reason, retryable, retryAfter):
+            var failed: JSONObject = ["session": .string(session), "reason": .string(reason), "retryable": .bool(retryable)]
+            if let retryAfter { failed["retryAfter"] = .double(retryAfter) }
+            parameters = failed
+        case let .throttled(session, retryAfter):
+            parameters = ["session": .string(session), "retryAfter": .double(retryAfter)]
+        case let .storeFailed(session, reason), let .loginFailed(session, reason):
+            parameters = ["session": .string(session), "reason": .string(reason)]
+        case let .configurationError(reason), let .protocolError(reason):
+            parameters = ["reason": .string(reason)]
+        }
+        return .error(BrokerContract.name + "." + name, parameters)
     }
 
     /// The contract error a reply carries; `nil` for a reply without an error or with an error

@@ -90,7 +90,7 @@ public enum Ctl {
                     let token = readStandardInput()
                     guard !token.isEmpty else { return usage("--refresh-token-stdin: standard input is empty", &errors) }
                     let reply = try call(address, .login(session: operands[0], refreshToken: token))
-                    output.write("logged in \(operands[0]) (generation \(reply.parameters["generation"]?.intValue ?? 0))\n")
+                    output.write("logged in \(operands[0]) (generation \(LoginReply(reply.parameters).generation))\n")
                 } else {
                     try deviceLogin(address, operands[0], output: &output)
                 }
@@ -100,9 +100,9 @@ public enum Ctl {
                 if json {
                     output.write(JSON.object(reply.parameters).text + "\n")
                 } else {
-                    let expiry = reply.parameters["expiresAt"]?.intValue.map { ", expires \(UTCTime.timestamp($0))" } ?? ""
-                    output.write("refreshed \(operands[0]): token #\(reply.parameters["tokenSerial"]?.intValue ?? 0), "
-                                 + "generation \(reply.parameters["generation"]?.intValue ?? 0)\(expiry)\n")
+                    let refreshed = RefreshReply(reply.parameters)
+                    let expiry = refreshed.expiresAt.map { ", expires \(UTCTime.timestamp($0))" } ?? ""
+                    output.write("refreshed \(operands[0]): token #\(refreshed.tokenSerial), generation \(refreshed.generation)\(expiry)\n")
                 }
             case "watch":
                 guard operands.count == 1 else { return usage("watch needs exactly one SESSION", &errors) }
@@ -110,7 +110,7 @@ public enum Ctl {
             case "metrics":
                 guard operands.isEmpty else { return usage("metrics takes no operand", &errors) }
                 let reply = try call(address, .metrics)
-                output.write(reply.parameters["text"]?.stringValue ?? "")
+                output.write(MetricsReply(reply.parameters).text)
             case "reload":
                 guard operands.isEmpty else { return usage("reload takes no operand", &errors) }
                 _ = try call(address, .reload)
@@ -153,17 +153,15 @@ public enum Ctl {
         var reply = try exchange(address, .deviceLogin(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
             try client.call(call)
         }
-        if reply.parameters["event"] == "prompt" {
-            let uri = reply.parameters["verificationUri"]?.stringValue ?? "?"
-            let code = reply.parameters["userCode"]?.stringValue ?? "?"
+        if case let .prompt(uri, code, _, complete) = DeviceLoginEvent(reply.parameters) {
             output.write("To log in '\(session)', open \(uri) and enter the code \(code)\n")
-            if let complete = reply.parameters["verificationUriComplete"]?.stringValue { output.write("(or open \(complete))\n") }
+            if let complete { output.write("(or open \(complete))\n") }
             output.write("Waiting for approval…\n")
             reply = try exchange(address, .deviceLogin(session: session)) { (_) throws(VarlinkClientError) -> VarlinkReply in
                 try client.nextReply()
             }
         }
-        output.write("logged in \(session) (generation \(reply.parameters["generation"]?.intValue ?? 0))\n")
+        output.write("logged in \(session) (generation \(LoginReply(reply.parameters).generation))\n")
     }
 
     /// Watch: one line per event until the session signs out (or the broker goes away).

@@ -83,7 +83,7 @@ final class BrokerService: VarlinkHandler {
         .forget: Method(access: .admin, handler: .other { service, request, peer in try service.forget(request.session ?? "", by: peer) }),
         .reload: Method(access: .admin, handler: .other { service, _, peer in service.reload(by: peer) }),
         .metrics: Method(access: .admin, handler: .other { service, _, _ in
-            .async { sink in sink.send(VarlinkReply(parameters: ["text": .string(await service.metricsText())])) }
+            .async { sink in sink.send(VarlinkReply(parameters: MetricsReply(text: await service.metricsText()).parameters)) }
         }),
     ]
 
@@ -200,7 +200,7 @@ final class BrokerService: VarlinkHandler {
             try await boundary(name) { session in
                 let generation = try await session.coordinator.login(refreshToken: refreshToken)
                 logger.log(.notice, "login of session \(name) by \(peer)", session: name, generation: generation)
-                return VarlinkReply(parameters: ["generation": .int(Int64(generation))])
+                return VarlinkReply(parameters: LoginReply(generation: generation).parameters)
             }
         }
     }
@@ -209,9 +209,7 @@ final class BrokerService: VarlinkHandler {
         logger.notice("forced refresh of session \(session.configuration.name) by \(peer)", session: session.configuration.name)
         return asyncReply(session.configuration.name) {
             let token = try await session.coordinator.refresh()
-            var parameters: JSONObject = ["generation": .int(Int64(token.generation)), "tokenSerial": .int(Int64(token.serial))]
-            if let expiresAt = token.expiresAt { parameters["expiresAt"] = .int(expiresAt) }
-            return VarlinkReply(parameters: parameters)
+            return VarlinkReply(parameters: RefreshReply(generation: token.generation, tokenSerial: token.serial, expiresAt: token.expiresAt).parameters)
         }
     }
 
@@ -327,11 +325,10 @@ final class BrokerService: VarlinkHandler {
         } catch {
             return failed(error.description)
         }
-        var prompt: JSONObject = ["event": "prompt", "verificationUri": .string(authorization.verificationURI),
-                                  "userCode": .string(authorization.userCode),
-                                  "expiresIn": .int(Int64(authorization.expiresIn.seconds))]
-        if let complete = authorization.verificationURIComplete { prompt["verificationUriComplete"] = .string(complete) }
-        sink.send(VarlinkReply(parameters: prompt, continues: true))
+        let prompt = DeviceLoginEvent.prompt(verificationUri: authorization.verificationURI, userCode: authorization.userCode,
+                                             expiresIn: Int64(authorization.expiresIn.seconds),
+                                             verificationUriComplete: authorization.verificationURIComplete)
+        sink.send(VarlinkReply(parameters: prompt.parameters, continues: true))
         let token: FetchedToken
         do {
             token = try await client.completeDeviceLogin(authorization, clock: ContinuousClock())
@@ -351,7 +348,7 @@ final class BrokerService: VarlinkHandler {
                 }
                 let generation = try await session.coordinator.login(refreshToken: token.refreshToken, initial: token)
                 logger.log(.notice, "device login of session \(name) done: generation \(generation)", session: name, generation: generation)
-                return VarlinkReply(parameters: ["event": "done", "generation": .int(Int64(generation))])
+                return VarlinkReply(parameters: DeviceLoginEvent.done(LoginReply(generation: generation)).parameters)
             })
         } catch {
             sink.send(reply(for: error, session: name))

@@ -21,8 +21,7 @@ final class Metrics: Sendable {
 
     /// The results a GetToken or Recover call can have: `ok`, `cancelled` (the caller went away
     /// before the answer), or the contract error's name.
-    static let callResults = ["ok", "cancelled", "SignedOut", "RefreshFailed", "Throttled", "PermissionDenied", "NoSuchSession", "StoreFailed",
-                              "ShuttingDown", "InvalidParameter", "InternalError", "other"]
+    static let callResults = ["ok", "cancelled"] + BrokerError.tokenCallErrors.map(\.name) + ["InvalidParameter", "other"]
 
     /// GetToken and Recover by result; the dictionaries are built once and only read after.
     private let getToken: [String: Counter]
@@ -87,17 +86,9 @@ final class Metrics: Sendable {
     }
 
     func record(_ outcome: RefreshOutcome) {
-        let label: String
+        let label = outcome.result.label
         var timed = true
-        switch outcome.result {
-        case .refreshed: label = "ok"
-        case let .failed(_, refused, _): label = refused ? "refused" : "transient"
-        case .ended: label = "terminal"
-        case .dropped: label = "dropped"
-        case .throttled:
-            label = "throttled"
-            timed = false
-        }
+        if case .throttled = outcome.result { timed = false }
         let seconds = outcome.duration.seconds
         rare.withLock { rare in
             rare.sessions[outcome.session, default: SessionFigures()].refreshes[label, default: 0] += 1
@@ -161,7 +152,7 @@ final class Metrics: Sendable {
         out.family("tokenbroker_refreshes", "counter", "Upstream refreshes by session and outcome.")
         for name in names {
             let counts = rare.sessions[name]?.refreshes ?? [:]
-            for outcome in ["ok", "transient", "refused", "terminal", "throttled", "dropped"] {
+            for outcome in RefreshOutcome.Result.labels {
                 out.sample("tokenbroker_refreshes_total", ["session": name, "outcome": outcome], Double(counts[outcome] ?? 0))
             }
         }
@@ -302,5 +293,21 @@ struct Exposition {
             }
         }
         return escaped
+    }
+}
+
+extension RefreshOutcome.Result {
+    /// Every value of the `outcome` label of `tokenbroker_refreshes_total`, in order.
+    static let labels = ["ok", "transient", "refused", "terminal", "throttled", "dropped"]
+
+    /// This outcome's label (one of `labels`).
+    var label: String {
+        switch self {
+        case .refreshed: "ok"
+        case let .failed(_, refused, _): refused ? "refused" : "transient"
+        case .ended: "terminal"
+        case .throttled: "throttled"
+        case .dropped: "dropped"
+        }
     }
 }

@@ -1,3 +1,6 @@
+import Synchronization
+import WireJSON
+
 /// A message that is not a valid varlink call: the connection has no valid reply and closes.
 public struct VarlinkProtocolError: Error, Sendable, Equatable, CustomStringConvertible {
     public var reason: String
@@ -204,16 +207,25 @@ public enum VarlinkServiceError {
     public static let expectedMore = "org.varlink.service.ExpectedMore"
 }
 
-/// Descriptions of calls and replies hide the values of members whose names mark a credential
-/// (`token`, `…Token`, `…secret…`, `…password…`, `rejected`), at any depth, so that a call or
-/// reply printed by mistake (a log line, a failed test's report) shows no secret. Encoding is
-/// not affected.
-enum Redaction {
-    static func isSensitive(_ key: String) -> Bool {
-        let lower = key.lowercased()
-        return lower.contains("token") && !lower.hasSuffix("type") && !lower.hasSuffix("serial")
-            || lower.contains("secret") || lower.contains("password") || lower == "rejected"
+/// Descriptions of calls and replies hide the values of the members an interface declares
+/// secret (`VarlinkInterface.secretMembers`, registered here when the interface is made), at any
+/// depth, so that a call or reply printed by mistake (a log line, a failed test's report) shows
+/// no secret. Encoding is not affected. The varlink layer knows no member names of its own.
+public enum VarlinkRedaction {
+    private static let names = Mutex<Set<String>>([])
+
+    /// Hides `members` in every description from now on.
+    public static func register(_ members: Set<String>) {
+        names.withLock { $0.formUnion(members) }
     }
+
+    static func isSensitive(_ key: String) -> Bool {
+        names.withLock { $0.contains(key) }
+    }
+}
+
+enum Redaction {
+    static func isSensitive(_ key: String) -> Bool { VarlinkRedaction.isSensitive(key) }
 
     static func redacted(_ object: JSONObject) -> String {
         JSON.object(redact(object)).text

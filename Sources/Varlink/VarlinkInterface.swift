@@ -4,11 +4,16 @@ public struct VarlinkInterface: Sendable {
     public let name: String
     public let description: String
     public let methods: Set<String>
+    /// Members whose values are credentials: descriptions of calls and replies hide them
+    /// (`VarlinkRedaction`).
+    public let secretMembers: Set<String>
 
     /// Reads the name and the method names from the IDL text. Comments are skipped; the
-    /// text is kept as it is.
-    public init(description: String) {
+    /// text is kept as it is. `secretMembers` are registered for redaction.
+    public init(description: String, secretMembers: Set<String> = []) {
         self.description = description
+        self.secretMembers = secretMembers
+        VarlinkRedaction.register(secretMembers)
         var name = ""
         var methods: Set<String> = []
         for line in description.split(separator: "\n", omittingEmptySubsequences: true) {

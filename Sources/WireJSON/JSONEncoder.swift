@@ -4,7 +4,7 @@ extension JSON {
         switch self {
         case .null: output.append(contentsOf: "null".utf8)
         case let .bool(value): output.append(contentsOf: (value ? "true" : "false").utf8)
-        case let .int(value): output.append(contentsOf: String(value).utf8)
+        case let .int(value): JSON.encodeInteger(value, into: &output)
         case let .double(value):
             // NaN and infinities have no JSON form; varlink forbids them.
             guard value.isFinite else { output.append(contentsOf: "null".utf8); return }
@@ -35,6 +35,27 @@ extension JSON {
 
     /// Compact JSON text.
     public var text: String { String(decoding: encoded, as: UTF8.self) }
+
+    /// The decimal digits of `value` (no String made: replies carry many numbers).
+    public static func encodeInteger(_ value: Int64, into output: inout [UInt8]) {
+        if value < 0 { output.append(UInt8(ascii: "-")) }
+        // (The magnitude as unsigned: Int64.min has no positive counterpart.)
+        var magnitude = value.magnitude
+        guard magnitude >= 10 else {
+            output.append(UInt8(ascii: "0") + UInt8(magnitude))
+            return
+        }
+        var digits: (UInt64, UInt64, UInt64) = (0, 0, 0)   // 19 digits at most, in 24 bytes
+        var count = 0
+        withUnsafeMutableBytes(of: &digits) { buffer in
+            while magnitude > 0 {
+                buffer[count] = UInt8(ascii: "0") + UInt8(magnitude % 10)
+                magnitude /= 10
+                count += 1
+            }
+            for index in stride(from: count - 1, through: 0, by: -1) { output.append(buffer[index]) }
+        }
+    }
 
     /// A JSON string literal for `value`: quotes, backslashes and control characters escaped,
     /// everything else as UTF-8. Runs without escapes (a token: all of it) are copied whole.

@@ -69,6 +69,16 @@ struct ConfigFuzzTests {
         print("config fuzz: \(loaded) of \(iterations) texts loaded")
     }
 
+    @Test("time spans read byte by byte read as character by character")
+    func durations() {
+        var random = SeededRandom(seed: SeededRandom.seed())
+        let pieces = ["0", "1", "9", "12", ".", "5.5", " ", "  ", "\t", "s", "ms", "min", "m", "h", "hr", "d", "days", "usec", "x", "S", "-", "1e3"]
+        for _ in 0..<SeededRandom.iterations(default: 20_000) {
+            let text = (0..<(1 + Int(random.next() % 6))).map { _ in random.pick(pieces) }.joined()
+            #expect(ConfigValue.duration(text) == ConfigValue.characterDuration(text), "\(text)")
+        }
+    }
+
     @Test("the values that crashed the daemon are errors at file:line")
     func crashers() throws {
         for (text, message) in [("MaxMessageSize=1ß", "MaxMessageSize= needs a size"), ("MaxMessageSize=99999999999999G", "MaxMessageSize= needs a size")] {

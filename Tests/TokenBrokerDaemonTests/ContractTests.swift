@@ -104,4 +104,60 @@ import WireJSON
             #expect(WatchEvent(event.parameters) == event)
         }
     }
+
+    /// The output members the interface declares for `method`.
+    func declaredOutput(_ method: String) throws -> Set<String> {
+        let start = try #require(text.range(of: "method \(method)("))
+        let arrow = try #require(text[start.upperBound...].range(of: ") -> ("))
+        let end = try #require(text[arrow.upperBound...].range(of: "\n)"))
+        return Set(text[arrow.upperBound..<end.lowerBound].split(separator: "\n").compactMap { line -> String? in
+            let line = line.drop { $0 == " " }
+            guard !line.hasPrefix("#"), let colon = line.firstIndex(of: ":") else { return nil }
+            return String(line[..<colon])
+        })
+    }
+
+    @Test("Login, Refresh, DeviceLogin and Metrics replies round-trip and send exactly the members the interface declares")
+    func typedRepliesMatchTheInterface() throws {
+        let (loginFields, refreshFields) = (try declaredOutput("Login"), try declaredOutput("Refresh"))
+        let (deviceFields, metricsFields) = (try declaredOutput("DeviceLogin"), try declaredOutput("Metrics"))
+        let login = LoginReply(generation: 4)
+        #expect(LoginReply(login.parameters) == login && Set(login.parameters.keys) == loginFields)
+        let refresh = RefreshReply(generation: 2, tokenSerial: 9, expiresAt: 1_800_000_000)
+        #expect(RefreshReply(refresh.parameters) == refresh && Set(refresh.parameters.keys) == refreshFields)
+        let prompt = DeviceLoginEvent.prompt(verificationUri: "https://as/device", userCode: "ABCD", expiresIn: 600,
+                                             verificationUriComplete: "https://as/device?c=ABCD")
+        let done = DeviceLoginEvent.done(LoginReply(generation: 5))
+        #expect(DeviceLoginEvent(prompt.parameters) == prompt && DeviceLoginEvent(done.parameters) == done)
+        #expect(Set(prompt.parameters.keys).union(done.parameters.keys) == deviceFields)
+        let metrics = MetricsReply(text: "# HELP x\n")
+        #expect(MetricsReply(metrics.parameters) == metrics && Set(metrics.parameters.keys) == metricsFields)
+    }
+
+    @Test("the errors a token call counts by are the contract's, by their names")
+    func tokenCallErrorNames() {
+        #expect(BrokerError.tokenCallErrors.map(\.name) == ["SignedOut", "RefreshFailed", "Throttled", "PermissionDenied", "NoSuchSession",
+                                                             "StoreFailed", "ShuttingDown", "InternalError"])
+        for error in Self.errors { #expect(error.reply.error == BrokerContract.name + "." + error.name) }
+    }
+
+    @Test("every member of the interface that carries a credential is declared secret, and only those")
+    func secretMembersAreTheCredentials() {
+        // Every member name of the IDL, and those that name a token or a rejected one.
+        let members = Set(text.split(separator: "\n").compactMap { line -> String? in
+            let line = line.drop { $0 == " " }
+            guard !line.hasPrefix("#"), let colon = line.firstIndex(of: ":"), !line.hasPrefix("method"), !line.hasPrefix("type") else { return nil }
+            return String(line[..<colon])
+        })
+        let credentials = members.filter { name in
+            let lower = name.lowercased()
+            return lower.contains("token") && !lower.hasSuffix("type") && !lower.hasSuffix("serial") || lower == "rejected"
+        }
+        #expect(credentials == BrokerContract.secretMembers)
+        let call = VarlinkCall(method: "io.tokenbroker.Broker.Recover",
+                               parameters: BrokerRequest.recover(session: "a", rejected: "hunter5").parameters)
+        #expect(!"\(call)".contains("hunter5"))
+        #expect(!"\(VarlinkReply(parameters: TokenReply(token: "hunter6", tokenType: "Bearer", expiresAt: nil, generation: 1).parameters))"
+            .contains("hunter6"))
+    }
 }

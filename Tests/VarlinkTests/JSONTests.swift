@@ -4,6 +4,18 @@ import Varlink
 
 @Suite("JSON")
 struct JSONTests {
+    @Test("integers are written as their decimal text, the extremes included")
+    func integers() {
+        var random = SeededRandom(seed: 23)
+        var values: [Int64] = [0, 1, 9, 10, 99, 100, -1, -9, -10, 1_000_000_007, Int64.max, Int64.min, Int64.max - 1, Int64.min + 1]
+        for _ in 0..<2000 { values.append(Int64(bitPattern: random.next()) >> Int64(random.next() % 63)) }
+        for value in values {
+            var bytes: [UInt8] = []
+            JSON.int(value).encode(into: &bytes)
+            #expect(String(decoding: bytes, as: UTF8.self) == String(value))
+        }
+    }
+
     @Test("round trip of every kind of value, compact and in member order")
     func goldenEncoding() throws {
         let value: JSON = [
@@ -155,8 +167,10 @@ struct FramingTests {
         #expect(try VarlinkReply.decode(ArraySlice(#"{"parameters":null,"error":"a.B"}"#.utf8)).error == "a.B")
     }
 
-    @Test("descriptions of calls and replies hide credential-like members at any depth")
+    @Test("descriptions of calls and replies hide the members an interface declares secret, at any depth")
     func redaction() {
+        _ = VarlinkInterface(description: "interface a.b\nmethod Recover(rejected: string) -> (token: string)",
+                             secretMembers: ["token", "refreshToken", "client_secret", "rejected"])
         let reply = VarlinkReply(parameters: ["token": "hunter2", "tokenType": "Bearer", "tokenSerial": 3,
                                               "nested": ["refreshToken": "hunter3", "client_secret": "hunter4"]])
         let call = VarlinkCall(method: "a.b.Recover", parameters: ["session": "api", "rejected": "hunter5"])

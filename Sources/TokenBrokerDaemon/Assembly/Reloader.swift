@@ -97,13 +97,20 @@ final class Reloader: Sendable {
     ///   their own.
     private func apply(_ configuration: BrokerConfiguration, stored: [String: SessionRecord]?) async {
         let previous = table.snapshot
-        var byName: [String: SessionConfiguration] = [:]
-        byName.reserveCapacity(configuration.sessions.count)
-        for session in configuration.sessions { byName[session.name] = session }
-        let wanted = byName
-        let leaving = previous.sessions.filter { name, existing in
-            wanted[name].map { $0.needsNewCoordinator(comparedTo: existing.configuration) } ?? true
+        // One pass over the new sessions, one over the old: which leave (removed, or rebuilt
+        // because a key that shapes the coordinator changed) and which merely change.
+        var names = Set<String>(minimumCapacity: configuration.sessions.count)
+        var leavingSessions: [String: SessionTable.Session] = [:]
+        var changedSessions: Set<String> = []
+        for session in configuration.sessions {
+            names.insert(session.name)
+            guard let existing = previous.sessions[session.name],
+                  existing.configuration != session || existing.configuration.origin != session.origin else { continue }
+            changedSessions.insert(session.name)
+            if existing.configuration.needsNewCoordinator(comparedTo: session) { leavingSessions[session.name] = existing }
         }
+        for (name, existing) in previous.sessions where !names.contains(name) { leavingSessions[name] = existing }
+        let (configured, leaving, changed) = (names, leavingSessions, changedSessions)
         await withTaskGroup(of: Void.self) { group in
             for (name, existing) in leaving {
                 group.addTask { [logger] in
@@ -125,7 +132,7 @@ final class Reloader: Sendable {
                 if let existing = previous.sessions[session.name], leaving[session.name] == nil {
                     // Same upstream and policy: keep tokens and flights; re-read discovery metadata.
                     existing.upstream?.resetDiscovery()
-                    made = (existing.configuration == session ? existing : existing.reconfigured(session), false)
+                    made = (changed.contains(session.name) ? existing.reconfigured(session) : existing, false)
                 } else if let existing = leaving[session.name] {
                     let handedOver = await existing.coordinator.handOver()
                     await existing.stopFollowing()
@@ -149,7 +156,7 @@ final class Reloader: Sendable {
             }
             await logIn(logins)
             var removed: [String] = []
-            for (name, session) in leaving where wanted[name] == nil {
+            for (name, session) in leaving where !configured.contains(name) {
                 removed.append(name)
                 await session.coordinator.shutdown()
                 await session.stopFollowing()
@@ -159,7 +166,7 @@ final class Reloader: Sendable {
                     unflushed.withLock { $0.append(session.coordinator) }
                 }
             }
-            snapshot.inert = await inertSessions(previous: previous.inert, stored: stored, removed: removed, configured: wanted)
+            snapshot.inert = await inertSessions(previous: previous.inert, stored: stored, removed: removed, configured: configured)
             table.replace(snapshot)
             current.value = configuration
         }
@@ -195,12 +202,12 @@ final class Reloader: Sendable {
     /// At start, from what was read; at a reload, the earlier list with the sessions it
     /// removed (read one by one) and without those it configures again.
     private func inertSessions(previous: [InertSession], stored: [String: SessionRecord]?, removed: [String],
-                               configured: [String: SessionConfiguration]) async -> [InertSession] {
+                               configured: Set<String>) async -> [InertSession] {
         guard let database = state.database else { return [] }
         if let stored {
-            return stored.values.filter { configured[$0.name] == nil }.sorted { $0.name < $1.name }.map(InertSession.init)
+            return stored.values.filter { !configured.contains($0.name) }.sorted { $0.name < $1.name }.map(InertSession.init)
         }
-        var inert = previous.filter { configured[$0.name] == nil }
+        var inert = previous.filter { !configured.contains($0.name) }
         for name in removed {
             do {
                 if let record = try await database.load(name) { inert.append(InertSession(record)) }
@@ -276,10 +283,7 @@ final class Reloader: Sendable {
     /// session needs HTTP, so that the first refresh finds it loaded and a missing library is
     /// said at once. A configuration with no `oauth` session never maps it.
     func prepareHTTP(for configuration: BrokerConfiguration) {
-        let needsHTTP = configuration.sessions.contains { session in
-            if case .oauth = session.upstream { return true }
-            return false
-        }
+        let needsHTTP = configuration.sessions.contains { $0.settings.kind == .oauth }
         guard needsHTTP, let problem = CurlLoop.shared.problem else { return }
         logger.error("upstream requests will fail: \(problem)")
     }

@@ -165,15 +165,19 @@ public struct SessionConfiguration: Sendable, Equatable {
         self.policy = policy
     }
 
-    /// Equal when every key of `ConfigSchema.session` agrees, and the fleet does.
+    /// Equal when every key of `ConfigSchema.session` agrees (every field of the settings, which
+    /// the keys set), and the fleet does.
     public static func == (lhs: SessionConfiguration, rhs: SessionConfiguration) -> Bool {
-        ConfigSchema.session.allSatisfy { $0.same(lhs.settings, rhs.settings) } && lhs.fleet == rhs.fleet
+        lhs.settings == rhs.settings && lhs.fleet == rhs.fleet
     }
 
     /// Whether a key that shapes the coordinator differs (`ConfigChange.rebuildsSession`: a
     /// reload then rebuilds it), or the fleet does; access lists can change without touching
-    /// tokens.
+    /// tokens. (A session none of whose settings changed is told at once: a reload of
+    /// thousands of sessions compares each key only for the few that changed.)
     public func needsNewCoordinator(comparedTo other: SessionConfiguration) -> Bool {
-        fleet != other.fleet || ConfigSchema.session.contains { $0.change == .rebuildsSession && !$0.same(settings, other.settings) }
+        if fleet != other.fleet { return true }
+        if settings == other.settings { return false }
+        return ConfigSchema.session.contains { $0.change == .rebuildsSession && !$0.same(settings, other.settings) }
     }
 }

@@ -54,8 +54,11 @@ public struct ConfigKey<Settings: Sendable>: Sendable {
     }
 
     /// A key whose value, read by `parse`, is stored at `path`.
-    init<Value: Equatable & Sendable>(_ name: String, _ path: any WritableKeyPath<Settings, Value> & Sendable, _ parse: ConfigParser<Value>,
+    init<Value: Equatable & Sendable>(_ name: String, _ keyPath: WritableKeyPath<Settings, Value>, _ parse: ConfigParser<Value>,
                                       default defaultValue: String = "", change: ConfigChange, _ summary: String) {
+        // A key path is immutable once made, so sharing it between threads is safe; held as
+        // its concrete type (not an existential), applying it costs no metadata lookups.
+        nonisolated(unsafe) let path = keyPath
         self.init(name, takes: parse.takes, default: defaultValue, change: change, summary,
                   same: { $0[keyPath: path] == $1[keyPath: path] },
                   apply: { (settings: inout Settings, entry: INIEntry, context: inout ConfigContext) throws(ConfigError) in

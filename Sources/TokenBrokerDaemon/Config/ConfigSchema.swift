@@ -230,8 +230,9 @@ public enum ConfigSchema {
     }
 }
 
-/// A `[Session]` as its keys set it, before it is checked as a whole.
-public struct SessionSettings: Sendable {
+/// A `[Session]` as its keys set it, before it is checked as a whole. Equal when every field
+/// is (a fast check that nothing differs; what a difference does is the table's to say).
+public struct SessionSettings: Sendable, Equatable {
     public enum Kind: String, Sendable, Equatable {
         case oauth
         case test

@@ -3,6 +3,63 @@ enum ConfigValue {
     /// A systemd-style time span: `90`, `90s`, `5min`, `1h 30min`, `250ms`; at most 100 years
     /// (anything longer is a typo, and would not fit in the arithmetic).
     static func duration(_ text: String) -> Duration? {
+        if text.utf8.allSatisfy({ $0 < 0x80 }) { return asciiDuration(Array(text.utf8)) }
+        return characterDuration(text)
+    }
+
+    private static let units: [(String, Double)] = [
+        ("usec", 1e-6), ("us", 1e-6), ("msec", 1e-3), ("ms", 1e-3), ("seconds", 1), ("second", 1), ("sec", 1), ("s", 1),
+        ("minutes", 60), ("minute", 60), ("min", 60), ("m", 60), ("hours", 3600), ("hour", 3600), ("hr", 3600), ("h", 3600),
+        ("days", 86400), ("day", 86400), ("d", 86400),
+    ]
+
+    /// `duration` of ASCII text, byte by byte (thousands of sessions each have a few): the same
+    /// reading as `characterDuration`, which any other text gets.
+    private static func asciiDuration(_ bytes: [UInt8]) -> Duration? {
+        func isSpace(_ byte: UInt8) -> Bool { byte == UInt8(ascii: " ") || byte == UInt8(ascii: "\t") }
+        var start = 0, end = bytes.count
+        while start < end, isSpace(bytes[start]) { start += 1 }
+        while end > start, isSpace(bytes[end - 1]) { end -= 1 }
+        guard start < end else { return nil }
+        var total = 0.0
+        var index = start
+        while index < end {
+            let numberStart = index
+            while index < end, (0x30...0x39).contains(bytes[index]) || bytes[index] == UInt8(ascii: ".") { index += 1 }
+            guard index > numberStart, let value = number(bytes[numberStart..<index]) else { return nil }
+            while index < end, bytes[index] == UInt8(ascii: " ") { index += 1 }
+            let unitStart = index
+            while index < end, (0x41...0x5A).contains(bytes[index]) || (0x61...0x7A).contains(bytes[index]) { index += 1 }
+            let unit = bytes[unitStart..<index]
+            while index < end, bytes[index] == UInt8(ascii: " ") { index += 1 }
+            if unit.isEmpty {
+                total += value
+            } else if let match = units.first(where: { $0.0.utf8.elementsEqual(unit) }) {
+                total += value * match.1
+            } else {
+                return nil
+            }
+        }
+        return bounded(total)
+    }
+
+    /// Digits (and dots) as a number: whole numbers of up to 15 digits directly, any other as
+    /// `Double` reads its text.
+    private static func number(_ bytes: ArraySlice<UInt8>) -> Double? {
+        if bytes.count <= 15, !bytes.contains(UInt8(ascii: ".")) {
+            return Double(bytes.reduce(Int64(0)) { $0 * 10 + Int64($1 - UInt8(ascii: "0")) })
+        }
+        return Double(String(decoding: bytes, as: UTF8.self))
+    }
+
+    private static func bounded(_ total: Double) -> Duration? {
+        let milliseconds = (total * 1000).rounded()
+        guard milliseconds.isFinite, milliseconds <= 100 * 366 * 86_400_000 else { return nil }
+        return .milliseconds(Int64(milliseconds))
+    }
+
+    /// `duration` read character by character (any text; the reference the ASCII reading is tested against).
+    static func characterDuration(_ text: String) -> Duration? {
         let units: [(String, Double)] = [("usec", 1e-6), ("us", 1e-6), ("msec", 1e-3), ("ms", 1e-3), ("seconds", 1), ("second", 1),
                                          ("sec", 1), ("s", 1), ("minutes", 60), ("minute", 60), ("min", 60), ("m", 60),
                                          ("hours", 3600), ("hour", 3600), ("hr", 3600), ("h", 3600), ("days", 86400), ("day", 86400), ("d", 86400)]
@@ -60,6 +117,10 @@ enum ConfigValue {
 
     /// A session name: letters, digits, `-`, `_`, `.`; 1 to 64 characters.
     static func isSessionName(_ text: String) -> Bool {
-        (1...64).contains(text.count) && text.allSatisfy { $0.isASCII && ($0.isLetter || $0.isNumber || "-_.".contains($0)) }
+        // ASCII only, so bytes are characters.
+        (1...64).contains(text.utf8.count) && text.utf8.allSatisfy { byte in
+            (0x30...0x39).contains(byte) || (0x41...0x5A).contains(byte) || (0x61...0x7A).contains(byte)
+                || byte == UInt8(ascii: "-") || byte == UInt8(ascii: "_") || byte == UInt8(ascii: ".")
+        }
     }
 }
