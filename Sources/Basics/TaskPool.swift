@@ -59,16 +59,23 @@ public final class TaskPool: Sendable {
         if empty { drained.fire() }
     }
 
-    /// Refuses new work from now on and returns once every task has ended; tasks still running
-    /// after `deadline` are cancelled (and then awaited).
-    public func close(within deadline: Duration) async {
+    /// Refuses new work from now on and returns once every task has ended. Tasks still running
+    /// after `deadline` are cancelled, again each second (one whose handle was being recorded
+    /// is caught by the next pass), for at most `grace`; a task that ignores cancellation longer
+    /// is left to the process's exit. Returns whether every task ended.
+    @discardableResult
+    public func close(within deadline: Duration, grace: Duration = .seconds(5)) async -> Bool {
         let empty = state.withLock { state in
             state.closed = true
             return state.active == 0
         }
         if empty { drained.fire() }
-        if await drained.wait(upTo: deadline) { return }
-        for task in state.withLock({ Array($0.handles.values) }) { task.cancel() }
-        await drained.wait()
+        if await drained.wait(upTo: deadline) { return true }
+        let end = ContinuousClock.now + grace
+        repeat {
+            for task in state.withLock({ Array($0.handles.values) }) { task.cancel() }
+            if await drained.wait(upTo: min(.seconds(1), max(end - .now, .zero))) { return true }
+        } while ContinuousClock.now < end
+        return false
     }
 }

@@ -139,11 +139,13 @@ public struct TokenReply: Sendable, Equatable {
     }
 
     public init(_ parameters: JSONObject) {
+        BrokerContract.secretsRegistered
         self.init(token: parameters["token"]?.stringValue ?? "", tokenType: parameters["tokenType"]?.stringValue ?? "Bearer",
                   expiresAt: parameters["expiresAt"]?.intValue, generation: Int(parameters["generation"]?.intValue ?? 0))
     }
 
     public var parameters: JSONObject {
+        BrokerContract.secretsRegistered
         var parameters: JSONObject = ["token": .string(token), "tokenType": .string(tokenType)]
         if let expiresAt { parameters["expiresAt"] = .int(expiresAt) }
         parameters["generation"] = .int(Int64(generation))

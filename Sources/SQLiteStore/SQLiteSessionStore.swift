@@ -65,7 +65,7 @@ public final class SQLiteSessionStore: SessionStore {
     /// of everything queued by the time it runs (a group commit: at start-up, thousands of
     /// sessions' first writes share a few transactions, each fsynced once).
     private final class WriteQueue: Sendable {
-        let entries = Mutex<[(write: StoreWrite, continuation: CheckedContinuation<Bool, any Error>)]>([])
+        let entries = Mutex<[(write: QueuedWrite, continuation: CheckedContinuation<Bool, any Error>)]>([])
     }
 
     private let queue = WriteQueue()
@@ -294,6 +294,10 @@ public final class SQLiteSessionStore: SessionStore {
     /// thread is busy are committed together, each under its own savepoint: one that fails
     /// fails alone, and each answers whether its guard held, as it would have on its own.
     public func write(_ write: StoreWrite) async throws -> Bool {
+        try await enqueue(QueuedWrite(write: write, mark: nil))
+    }
+
+    private func enqueue(_ write: QueuedWrite) async throws -> Bool {
         try await withCheckedThrowingContinuation { continuation in
             let first = queue.entries.withLock { entries in
                 entries.append((write, continuation))
@@ -318,46 +322,51 @@ public final class SQLiteSessionStore: SessionStore {
         }
     }
 
-    /// Applies `writes` in one transaction (one alone: in its own statement's).
-    private static func commit(_ connection: Connection, _ writes: [StoreWrite], cipher: TokenCipher?) -> [Result<Bool, any Error>] {
+    /// Applies `writes` in one transaction (one alone: in its own), each under a savepoint of its
+    /// own; returns each one's result, in order.
+    private static func commit(_ connection: Connection, _ writes: [QueuedWrite], cipher: TokenCipher?) -> [Result<Bool, any Error>] {
         let db = connection.db
-        if writes.count == 1 {
-            return [Result {
-                let (applied, erased) = try apply(connection, writes[0], cipher: cipher)
-                if erased { try checkpoint(db) }
-                return applied
-            }]
-        }
-        var results: [Result<Bool, any Error>] = []
-        var erased = false
+        var outcomes: [(result: Result<Bool, any Error>, erased: Bool)] = []
+        outcomes.reserveCapacity(writes.count)
         do {
             try execute(db, "BEGIN IMMEDIATE")
             for write in writes {
                 try execute(db, "SAVEPOINT one")
+                let outcome: (applied: Bool, erased: Bool)
                 do {
-                    let outcome = try apply(connection, write, cipher: cipher)
-                    erased = erased || outcome.erased
-                    results.append(.success(outcome.applied))
-                    try execute(db, "RELEASE one")
+                    outcome = try apply(connection, write, cipher: cipher)
                 } catch {
                     try execute(db, "ROLLBACK TO one")
                     try execute(db, "RELEASE one")
-                    results.append(.failure(error))
+                    outcomes.append((.failure(error), false))
+                    continue
                 }
+                // (Counted only once released: a failed release fails the whole batch below.)
+                try execute(db, "RELEASE one")
+                outcomes.append((.success(outcome.applied), outcome.erased))
             }
             try execute(db, "COMMIT")
         } catch {
             try? execute(db, "ROLLBACK")
             return writes.map { _ in .failure(error) }
         }
-        if erased {
+        // Tokens were erased: the WAL's older page versions still hold them. A checkpoint that
+        // fails fails the writes that erased (they are retried, and checkpoint again); the
+        // others are durable and say so.
+        if outcomes.contains(where: \.erased) {
             do {
                 try checkpoint(db)
             } catch {
-                return results.map { result in result.flatMap { _ in .failure(error) } }
+                return outcomes.map { $0.erased ? .failure(error) : $0.result }
             }
         }
-        return results
+        return outcomes.map(\.result)
+    }
+
+    /// A write waiting for the store's thread, with the fleet mark it raises, if any.
+    private struct QueuedWrite: Sendable {
+        var write: StoreWrite
+        var mark: (mark: HistoryMark, prefix: String)?
     }
 
     /// A position in a fleet's history: its generation and serial.
@@ -371,34 +380,28 @@ public final class SQLiteSessionStore: SessionStore {
     }
 
     /// Performs `write` (if its guard holds) and raises the session's mark under `prefix` to
-    /// `mark` (never lowers it), in one transaction: both are durable, or neither.
+    /// `mark` (never lowers it), in one transaction: both are durable, or neither. (Queued with
+    /// the plain writes, in order.)
     public func write(_ write: StoreWrite, mark: HistoryMark, prefix: String) async throws -> Bool {
-        let (connection, cipher) = (self.connection, self.cipher)
-        return try await thread.run {
-            let db = connection.db
-            try Self.execute(db, "BEGIN IMMEDIATE")
-            let applied: Bool
-            let erased: Bool
-            do {
-                (applied, erased) = try Self.apply(connection, write, cipher: cipher)
-                let upsert = try connection.prepare("""
-                    INSERT INTO fleet_marks (session, prefix, generation, serial) VALUES (?1, ?2, ?3, ?4)
-                    ON CONFLICT (session, prefix) DO UPDATE SET generation = excluded.generation, serial = excluded.serial
-                    WHERE (excluded.generation, excluded.serial) > (fleet_marks.generation, fleet_marks.serial)
-                    """)
-                upsert.bind(1, write.record.name)
-                upsert.bind(2, prefix)
-                upsert.bind(3, mark.generation)
-                upsert.bind(4, mark.serial)
-                try upsert.run()
-                try Self.execute(db, "COMMIT")
-            } catch {
-                try? Self.execute(db, "ROLLBACK")
-                throw error
-            }
-            if erased { try Self.checkpoint(db) }
-            return applied
-        }
+        try await enqueue(QueuedWrite(write: write, mark: (mark, prefix)))
+    }
+
+    /// One queued write's statements (inside the caller's transaction or savepoint).
+    private static func apply(_ connection: Connection, _ queued: QueuedWrite, cipher: TokenCipher?) throws -> (applied: Bool, erased: Bool) {
+        let outcome = try apply(connection, queued.write, cipher: cipher)
+        guard let (mark, prefix) = queued.mark else { return outcome }
+        let upsert = try connection.prepare("""
+            INSERT INTO fleet_marks (session, prefix, generation, serial) VALUES (?1, ?2, ?3, ?4)
+            ON CONFLICT (session, prefix) DO UPDATE SET generation = excluded.generation, serial = excluded.serial
+            WHERE (excluded.generation, excluded.serial) > (fleet_marks.generation, fleet_marks.serial)
+            """)
+        defer { upsert.reset() }
+        upsert.bind(1, queued.write.record.name)
+        upsert.bind(2, prefix)
+        upsert.bind(3, mark.generation)
+        upsert.bind(4, mark.serial)
+        try upsert.run()
+        return outcome
     }
 
     /// A fleet's commit still owed, as kept: its sealed values, revisions and local generation.
@@ -424,6 +427,7 @@ public final class SQLiteSessionStore: SessionStore {
                     INSERT OR REPLACE INTO fleet_pending (session, prefix, value, place_value, create_revision, mod_revision, version,
                                                           local_generation) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
                     """)
+                defer { statement.reset() }
                 statement.bind(1, session)
                 statement.bind(2, prefix)
                 statement.bind(3, pending.value)
@@ -435,6 +439,7 @@ public final class SQLiteSessionStore: SessionStore {
                 try statement.run()
             } else {
                 let statement = try connection.prepare("DELETE FROM fleet_pending WHERE session = ?1 AND prefix = ?2")
+                defer { statement.reset() }
                 statement.bind(1, session)
                 statement.bind(2, prefix)
                 try statement.run()
@@ -450,6 +455,7 @@ public final class SQLiteSessionStore: SessionStore {
                 SELECT value, place_value, create_revision, mod_revision, version, local_generation FROM fleet_pending
                 WHERE session = ?1 AND prefix = ?2
                 """)
+            defer { statement.reset() }
             statement.bind(1, session)
             statement.bind(2, prefix)
             guard try statement.step(), let value = statement.text(0), let place = statement.text(1), let created = statement.int(2),
@@ -464,6 +470,7 @@ public final class SQLiteSessionStore: SessionStore {
         let connection = self.connection
         return try await thread.run {
             let statement = try connection.prepare("SELECT generation, serial FROM fleet_marks WHERE session = ?1 AND prefix = ?2")
+            defer { statement.reset() }
             statement.bind(1, session)
             statement.bind(2, prefix)
             guard try statement.step(), let generation = statement.int(0), let serial = statement.int(1) else { return nil }
@@ -476,11 +483,13 @@ public final class SQLiteSessionStore: SessionStore {
         let connection = self.connection
         return try await thread.run {
             let statement = try connection.prepare("DELETE FROM sessions WHERE name = ?1")
+            defer { statement.reset() }
             statement.bind(1, session)
             try statement.run()
             let removed = sqlite3_changes(connection.db) > 0
             for table in ["fleet_marks", "fleet_pending"] {
                 let statement = try connection.prepare("DELETE FROM \(table) WHERE session = ?1")
+                defer { statement.reset() }
                 statement.bind(1, session)
                 try statement.run()
             }
@@ -516,6 +525,7 @@ public final class SQLiteSessionStore: SessionStore {
                 """
         }
         let statement = try connection.prepare(sql)
+        defer { statement.reset() }
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
         statement.bind(1, record.name)
@@ -551,6 +561,7 @@ public final class SQLiteSessionStore: SessionStore {
                    token_serial, end_reason
             FROM sessions \(name == nil ? "" : "WHERE name = ?1") ORDER BY name
             """)
+        defer { statement.reset() }
         if let name { statement.bind(1, name) }
         var records: [SessionRecord] = []
         while try statement.step() {

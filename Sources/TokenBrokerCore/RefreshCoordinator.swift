@@ -58,6 +58,8 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
             var status: SessionStatus
             var backoffUntil: Duration?
             var summary: SessionSummary
+            /// Counts the changes of `status` (a cache of what was made of it knows when it is stale).
+            var version: UInt64 = 0
         }
 
         let state: Mutex<State>
@@ -133,9 +135,10 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     private func observe() {
         let next = Self.observed(machine, watched: false)
         observation.update { state in
-            let watched = state.summary.watched
+            let (watched, version) = (state.summary.watched, state.version)
             state = next
             state.summary.watched = watched
+            state.version = version &+ 1
         }
     }
 
@@ -492,6 +495,14 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         let now = now()
         snapshot.backoffRemaining = until.flatMap { $0 > now ? $0 - now : nil }
         return snapshot
+    }
+
+    /// A number that changes with every change of `statusSnapshot()`, while the snapshot does
+    /// not change by itself (`nil` during a backoff, whose time left does).
+    public nonisolated var steadyStatusVersion: UInt64? {
+        let (version, until) = observation.state.withLock { ($0.version, $0.backoffUntil) }
+        if let until, until > now() { return nil }
+        return version
     }
 
     /// The session's summary as last told to the observer.

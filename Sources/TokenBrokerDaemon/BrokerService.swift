@@ -226,10 +226,31 @@ final class BrokerService: VarlinkHandler {
         let visible = snapshot.order.compactMap { snapshot.sessions[$0] }.filter { snapshot.access.mayUse($0.configuration, peer) }
         let inert = snapshot.access.isAdmin(peer) ? snapshot.inert : []
         return .async { sink in
-            var entries: [JSON] = []
-            for session in visible { entries.append(Self.statusEntry(session.coordinator.statusSnapshot(), fleet: session.fleet?.status)) }
-            entries += inert.map(Self.statusEntry)
-            sink.send(VarlinkReply(parameters: ["sessions": .array(entries)]))
+            // Each entry encoded once per change of its session (a host's thousands of idle
+            // sessions cost a copy each); a fleet session's, or one in backoff (its time left
+            // changes by itself), each time.
+            var entries: [[UInt8]] = []
+            entries.reserveCapacity(visible.count + inert.count)
+            for session in visible {
+                let fresh = { () -> [UInt8] in
+                    Self.statusEntry(session.coordinator.statusSnapshot(), fleet: session.fleet?.status).encoded
+                }
+                if session.fleet == nil, let version = session.coordinator.steadyStatusVersion {
+                    entries.append(session.statusEntry.bytes(version: version, fresh))
+                } else {
+                    entries.append(fresh())
+                }
+            }
+            entries += inert.map { Self.statusEntry($0).encoded }
+            var parameters: [UInt8] = []
+            parameters.reserveCapacity(entries.reduce(16) { $0 + $1.count + 1 })
+            parameters += #"{"sessions":["#.utf8
+            for (index, entry) in entries.enumerated() {
+                if index > 0 { parameters.append(UInt8(ascii: ",")) }
+                parameters += entry
+            }
+            parameters += "]}".utf8
+            sink.send(VarlinkReply(encodedParameters: parameters))
         }
     }
 

@@ -44,9 +44,11 @@ public final class Daemon: Sendable {
     private let state: StateStore
     private let metrics = Metrics(version: Daemon.version)
     private let census = SessionCensus()
-    /// Revocations and token requests that outlive their callers (stopped after the sessions,
-    /// before the HTTP loop).
-    private let upstreamTasks = TaskPool(limit: 256)
+    /// Token requests that outlive their callers, and revocations (stopped after the sessions,
+    /// before the HTTP loop). Beyond their limits, a request a logout overtakes is cut off, and
+    /// a revocation skipped (and said).
+    private let transfers = TaskPool(limit: 4096)
+    private let revocations = TaskPool(limit: 256)
     /// The fleet sessions' follow loops (stopped with the sessions).
     private let followLoops = TaskPool(limit: 1 << 20)
     private let reloader: Reloader
@@ -61,8 +63,8 @@ public final class Daemon: Sendable {
         self.state = state
         let table = SessionTable(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
         self.table = table
-        let factory = SessionFactory(logger: logger, metrics: metrics, state: state, census: census, upstreamTasks: upstreamTasks,
-                                     followLoops: followLoops)
+        let factory = SessionFactory(logger: logger, metrics: metrics, state: state, census: census, transfers: transfers,
+                                     revocations: revocations, followLoops: followLoops)
         reloader = Reloader(table: table, factory: factory, logger: logger, metrics: metrics, state: state, configuration: configuration,
                             read: { [options] in
                                 try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
@@ -232,19 +234,22 @@ public final class Daemon: Sendable {
                 // progress: TimeoutStopSec= must never SIGKILL a rotation. For as long as the
                 // slowest refresh may take.
                 await shutdown.wait()
-                await extendStopTimeout(for: options.drainTimeout + longestFlight(), until: stop)
+                // (The drain timeout twice: the calls drain, then the upstream tasks do.)
+                await extendStopTimeout(for: options.drainTimeout * 2 + longestFlight(), until: stop)
             },
             DaemonPart("HTTP loop") { [reloader] stop in
                 reloader.prepareHTTP(for: configuration)
                 await stop.wait()
                 CurlLoop.stopShared()
             },
-            DaemonPart("upstream tasks") { [upstreamTasks, options] stop in
-                // Revocations and abandoned token requests: each has its own deadline; at the
-                // drain timeout the rest are cancelled. (After the sessions: their retirement
-                // may start one.)
+            DaemonPart("upstream tasks") { [transfers, revocations, options, logger] stop in
+                // Abandoned token requests (each revokes what it brings) and revocations: each
+                // has its own deadline; at the drain timeout the rest are cancelled. (After the
+                // sessions: their retirement may start one.)
                 await stop.wait()
-                await upstreamTasks.close(within: options.drainTimeout)
+                async let requests = transfers.close(within: options.drainTimeout)
+                let revoked = await revocations.close(within: options.drainTimeout)
+                if !(await requests) || !revoked { logger.warning("upstream requests still running at the stop's deadline were left behind") }
             },
             DaemonPart("connections") { stop in
                 await stop.wait()

@@ -20,6 +20,8 @@ final class SessionTable: Sendable {
         let upstream: HTTPTokenSource?
         /// The GetToken reply for the current token, encoded once.
         let replies = TokenReplyCache()
+        /// The session's Status entry, encoded once per change of its status.
+        let statusEntry = EncodedCache()
         /// A session shared with a fleet (`Fleet=yes`): its etcd side, and the task following it
         /// (in the factory's pool of follow loops).
         let fleet: DaemonFleetSession?
@@ -126,5 +128,18 @@ final class TokenReplyCache: Sendable {
 
     func clear() {
         cached.withLock { $0 = nil }
+    }
+}
+
+/// Bytes made of a value that changes rarely, kept with the version they were made from.
+final class EncodedCache: Sendable {
+    private let cached = Mutex<(version: UInt64, bytes: [UInt8])?>(nil)
+
+    /// The bytes for `version`, made by `make` unless those kept are of that version.
+    func bytes(version: UInt64, _ make: () -> [UInt8]) -> [UInt8] {
+        if let hit = cached.withLock({ $0.flatMap { $0.version == version ? $0.bytes : nil } }) { return hit }
+        let bytes = make()
+        cached.withLock { $0 = (version, bytes) }
+        return bytes
     }
 }

@@ -88,7 +88,7 @@ public final class HTTPTokenSource: TokenSource {
         let transfer: @Sendable () async -> Void = { [self] in
             let result: Result<FetchedToken, any Error>
             do { result = .success(try await fetchNow(request)) } catch { result = .failure(error) }
-            if !race.deliver(result) { abandoned.withLock { $0 }?(request, result) }
+            if !race.deliver(result), let handler = abandoned.withLock({ $0 }) { await handler(request, result) }
         }
         if let tasks {
             guard tasks.spawn(transfer) != nil else { return try await fetchNow(request) }
@@ -98,12 +98,13 @@ public final class HTTPTokenSource: TokenSource {
         return try await race.value()
     }
 
-    /// Receives the outcome of a token request whose caller was cancelled before it came.
-    public func whenAbandoned(_ handler: @escaping @Sendable (FetchRequest, Result<FetchedToken, any Error>) -> Void) {
+    /// Receives the outcome of a token request whose caller was cancelled before it came, in the
+    /// request's own task (so that what it does — a revocation — is awaited with it).
+    public func whenAbandoned(_ handler: @escaping @Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void) {
         abandoned.withLock { $0 = handler }
     }
 
-    private let abandoned = Mutex<(@Sendable (FetchRequest, Result<FetchedToken, any Error>) -> Void)?>(nil)
+    private let abandoned = Mutex<(@Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)?>(nil)
 
     private func fetchNow(_ request: FetchRequest) async throws -> FetchedToken {
         let client = try await client()

@@ -116,20 +116,44 @@ public struct VarlinkCall: Sendable, Equatable {
 
 /// A reply (service → client): parameters, or an error with its parameters.
 public struct VarlinkReply: Sendable, Equatable {
+    /// The reply's parameters. A reply made from encoded parameters (`init(encodedParameters:)`)
+    /// reads them back from its bytes.
     public var parameters: JSONObject {
-        didSet { encodedParameters = nil }
+        get {
+            if let storedParameters { return storedParameters }
+            guard let encodedParameters, case let .object(object)? = try? JSONParser.parse(encodedParameters[...], limits: Self.readBack) else {
+                return [:]
+            }
+            return object
+        }
+        set {
+            storedParameters = newValue
+            encodedParameters = nil
+        }
     }
-    /// `parameters` as JSON, when the same reply goes out many times (`preencoded()`).
+    private var storedParameters: JSONObject?
+    /// `parameters` as JSON, when the same reply goes out many times (`preencoded()`), or when
+    /// the reply was made of its bytes.
     private var encodedParameters: [UInt8]?
+    /// Encoded parameters are the service's own: read back without the limits a peer's get.
+    private static let readBack = JSONLimits(maximumDepth: 64, maximumMembers: Int.max)
     /// More replies follow (only for calls with `more`).
     public var continues: Bool
     /// A fully qualified error name.
     public var error: String?
 
     public init(parameters: JSONObject = [:], continues: Bool = false, error: String? = nil) {
-        self.parameters = parameters
+        storedParameters = parameters
         self.continues = continues
         self.error = error
+    }
+
+    /// A reply whose parameters are already encoded (one JSON object, compact): a large reply
+    /// assembled from pieces encoded earlier (Status of thousands of sessions) is sent as it is.
+    public init(encodedParameters: [UInt8], continues: Bool = false) {
+        self.encodedParameters = encodedParameters
+        self.continues = continues
+        error = nil
     }
 
     public static func error(_ name: String, _ parameters: JSONObject = [:]) -> VarlinkReply {

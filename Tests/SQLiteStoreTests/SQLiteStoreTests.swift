@@ -115,6 +115,53 @@ struct SQLiteStoreTests {
         #expect(try !EncryptionTests.fileContains(directory, "GONE"))
     }
 
+    @Test("a fleet mark read (and a pending commit read) leave nothing open: a logout after them still erases its tokens from the files")
+    func readsLeaveNoTransactionOpen() async throws {
+        let directory = Self.directory()
+        let store = try SQLiteSessionStore(directory: directory)
+        let mark = SQLiteSessionStore.HistoryMark(generation: 5, serial: 1)
+        #expect(try await store.write(StoreWrite(Self.record(1, .active, refresh: "refresh-GONE", access: "access-GONE"), guardedBy: .newerGeneration),
+                                      mark: mark, prefix: "/p"))
+        try await store.keepPendingFleetCommit("api", prefix: "/p", .init(value: "v", placeValue: "p", createRevision: 1, modRevision: 2,
+                                                                          version: 1, generation: 1))
+        #expect(try await store.mark("api", prefix: "/p") == mark)
+        #expect(try await store.pendingFleetCommit("api", prefix: "/p") != nil)
+        #expect(try await store.write(StoreWrite(Self.record(2, .signedOut), guardedBy: .newerGeneration)))
+        #expect(try !EncryptionTests.fileContains(directory, "GONE"))
+    }
+
+    @Test("writes that come together are committed together, and each learns whether its own guard held")
+    func groupCommit() async throws {
+        let store = try SQLiteSessionStore(directory: Self.directory())
+        func record(_ name: String, _ generation: Int) -> SessionRecord {
+            SessionRecord(name: name, generation: generation, state: .active, refreshToken: Secret("r-\(name)"), tokenSerial: 1)
+        }
+        // Sessions s0..s199 exist at generation 1; then, at once: a refresh of each even one at
+        // generation 1 (applies), of each odd one at generation 7 (does not), and a login of
+        // n0..n199 (applies).
+        await withTaskGroup(of: Void.self) { group in
+            for index in 0..<200 { group.addTask { _ = try? await store.write(StoreWrite(record("s\(index)", 1), guardedBy: .newerGeneration)) } }
+        }
+        let results = await withTaskGroup(of: (String, Bool?).self) { group in
+            for index in 0..<200 {
+                var refresh = record("s\(index)", index % 2 == 0 ? 1 : 7)
+                refresh.tokenSerial = 2
+                group.addTask { ("s\(index)", try? await store.write(StoreWrite(refresh, guardedBy: .sameGeneration))) }
+                group.addTask { ("n\(index)", try? await store.write(StoreWrite(record("n\(index)", 1), guardedBy: .newerGeneration))) }
+            }
+            var results: [String: Bool?] = [:]
+            for await (name, applied) in group { results[name] = applied }
+            return results
+        }
+        for index in 0..<200 {
+            #expect(results["s\(index)"] == .some(index % 2 == 0), "s\(index)")
+            #expect(results["n\(index)"] == .some(true), "n\(index)")
+        }
+        let stored = try await store.loadAll()
+        #expect(stored.count == 400)
+        #expect(stored.filter { $0.name.hasPrefix("s") && $0.tokenSerial == 2 }.count == 100)
+    }
+
     @Test("forget removes a row")
     func forget() async throws {
         let store = try SQLiteSessionStore(directory: Self.directory())

@@ -34,12 +34,16 @@ struct BrokerServiceTests {
     /// Runs a call to completion and returns its replies.
     static func call(_ service: BrokerService, _ method: String, _ parameters: JSONObject = [:], more: Bool = false,
                      from peer: PeerCredentials = admin) async -> [VarlinkReply] {
+        // Each reply as a client reads it: encoded, then decoded.
+        @Sendable func wire(_ reply: VarlinkReply) -> VarlinkReply {
+            (try? VarlinkReply.decode(reply.encoded().dropLast())) ?? VarlinkReply.error("undecodable")
+        }
         switch service.handle(VarlinkCall(method: "io.tokenbroker.Broker." + method, parameters: parameters, more: more), from: peer) {
         case let .reply(reply):
-            return [reply]
+            return [wire(reply)]
         case let .async(body):
             let replies = Mutex<[VarlinkReply]>([])
-            await body(VarlinkReplySink { reply in if let reply { replies.withLock { $0.append(reply) } } })
+            await body(VarlinkReplySink { reply in if let reply { replies.withLock { $0.append(wire(reply)) } } })
             return replies.withLock { $0 }
         }
     }
@@ -139,6 +143,13 @@ struct BrokerServiceTests {
         #expect(entry["name"] == "api" && entry["staleRejections"] == 1 && entry["fetches"] == 1 && entry["state"] == "active")
         #expect(!JSON.object(entry).text.contains(first.stringValue!))
         #expect(await Self.call(service, "Status", from: Self.stranger) == [VarlinkReply(parameters: ["sessions": []])])
+        // Entries are encoded once per change of their session: each change shows at the next Status.
+        _ = await Self.call(service, "Recover", ["session": "api", "rejected": "not-the-current-one"], from: Self.worker)
+        let again = await Self.call(service, "Status", from: Self.worker)
+        #expect(again.first?.parameters["sessions"]?.arrayValue?.first?.objectValue?["staleRejections"] == 2)
+        _ = await Self.call(service, "Logout", ["session": "api"])
+        let out = await Self.call(service, "Status", from: Self.worker)
+        #expect(out.first?.parameters["sessions"]?.arrayValue?.first?.objectValue?["state"] == "signedOut")
     }
 
     @Test("Watch: the current token at once, then signedOut as the final reply")

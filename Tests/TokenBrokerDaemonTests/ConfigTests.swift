@@ -79,6 +79,14 @@ struct ConfigTests {
         #expect(configuration.warnings.isEmpty)
     }
 
+    @Test("CRLF line ends read as LF ones (before, \\r\\n was one character and no line ended)")
+    func crlf() throws {
+        let text = "[Broker]\r\nMaxConnections=7\r\n\r\n# a comment\r\n[Session]\r\nName=api\r\nUpstream=test\r\nRefreshAhead=1min \\\r\n 30s\r\n"
+        let configuration = try ConfigLoader.build(INIFile.parse(text, file: "f"))
+        #expect(configuration.maxConnections == 7 && configuration.warnings.isEmpty)
+        #expect(configuration.sessions.first?.policy.refreshAhead == .seconds(90))
+    }
+
     @Test("unknown keys and sections warn with file:line")
     func warnings() throws {
         let fixture = try ConfigFixture(main: "[Broker]\nColour=blue\n[Extra]\n[Session]\nName=a\nUpstream=test\nFlavour=x\n")

@@ -27,6 +27,9 @@ final class Reloader: Sendable {
     /// Coordinators of removed sessions whose last write has not reached the store yet:
     /// retried by maintenance and at exit.
     private let unflushed = Mutex<[Coordinator]>([])
+    /// The start could not read every stored session at once: the inert list is read whole at
+    /// the next reload.
+    private let inertUnknown = SynchronizedBox(false)
     /// How many sessions log in at once at start (their writes share transactions).
     static let concurrentLogins = 512
 
@@ -50,6 +53,7 @@ final class Reloader: Sendable {
             } catch {
                 // One by one, then: a row that cannot be read fails only its own session.
                 logger.error("cannot read the stored sessions at once: \(error); reading them one by one")
+                inertUnknown.value = true
             }
         }
         await apply(configuration, stored: stored)
@@ -166,7 +170,8 @@ final class Reloader: Sendable {
                     unflushed.withLock { $0.append(session.coordinator) }
                 }
             }
-            snapshot.inert = await inertSessions(previous: previous.inert, stored: stored, removed: removed, configured: configured)
+            // (The list as it stands now: a Forget since `previous` was read is not undone.)
+            snapshot.inert = await inertSessions(previous: table.snapshot.inert, stored: stored, removed: removed, configured: configured)
             table.replace(snapshot)
             current.value = configuration
         }
@@ -204,6 +209,16 @@ final class Reloader: Sendable {
     private func inertSessions(previous: [InertSession], stored: [String: SessionRecord]?, removed: [String],
                                configured: Set<String>) async -> [InertSession] {
         guard let database = state.database else { return [] }
+        if stored == nil, inertUnknown.value {
+            do {
+                let all = try await database.loadAll()
+                inertUnknown.value = false
+                return all.filter { !configured.contains($0.name) }.map(InertSession.init)
+            } catch {
+                logger.error("cannot list stored sessions: \(error)")
+                return []
+            }
+        }
         if let stored {
             return stored.values.filter { !configured.contains($0.name) }.sorted { $0.name < $1.name }.map(InertSession.init)
         }
@@ -233,6 +248,7 @@ final class Reloader: Sendable {
             if await coordinator.flushPendingWrite() {
                 unflushed.withLock { $0.removeAll { $0 === coordinator } }
                 logger.notice("session \(coordinator.session): the last write of the removed session has landed", session: coordinator.session)
+                await listInert(coordinator.session)
             } else {
                 allFlushed = false
             }
@@ -240,7 +256,23 @@ final class Reloader: Sendable {
         return allFlushed
     }
 
-    /// Removes a stored session the configuration no longer names.
+    /// A removed session whose last write has landed: Status lists it as stored (unless a
+    /// reload has configured it again meanwhile). Under the reload serializer.
+    private func listInert(_ name: String) async {
+        await reloads.run { [self] in
+            guard let database = state.database, table.snapshot.sessions[name] == nil,
+                  let record = try? await database.load(name) else { return }
+            table.modify { snapshot in
+                snapshot.inert.removeAll { $0.name == name }
+                snapshot.inert.append(InertSession(record))
+                snapshot.inert.sort { $0.name < $1.name }
+            }
+        }
+    }
+
+    /// Removes a stored session the configuration no longer names. (Under the boundary gate,
+    /// shared: a reload's swap, which rebuilds the inert list from the list as it then stands,
+    /// comes wholly before or after it.)
     func forget(_ name: String) async throws -> Bool {
         // A pending write of the removed session would bring the row back: it is dropped too.
         if takeUnflushed(name) != nil { logger.notice("session \(name): its unwritten state is discarded with it", session: name) }

@@ -2,15 +2,15 @@ import Basics
 import TokenBrokerCore
 import Upstream
 
-/// Refresh tokens nobody will use, revoked upstream, best effort, in the factory's task pool
-/// (bounded, awaited at stop): when the pool is full or the daemon stops, the revocation is
-/// skipped, and said.
+/// Refresh tokens nobody will use, revoked upstream, best effort: a discarded answer's in the
+/// factory's pool of revocations (bounded, awaited at stop: when it is full or the daemon
+/// stops, the revocation is skipped, and said), an abandoned request's in the request's own task.
 extension SessionFactory {
     /// What happens to an upstream answer that arrived after a logout (or login) had ended its
     /// generation: its refresh token is revoked, like the one the logout retired.
     func discardedTokenRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource?) -> @Sendable (FetchedToken) -> Void {
         guard let upstream, case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return { _ in } }
-        let (logger, tasks, name) = (self.logger, upstreamTasks, session.name)
+        let (logger, tasks, name) = (self.logger, revocations, session.name)
         return { fetched in
             guard let refreshToken = fetched.refreshToken else { return }
             let started = tasks.spawn {
@@ -23,31 +23,29 @@ extension SessionFactory {
     }
 
     /// What happens to a token request whose flight a logout, login or stop ended before the
-    /// issuer answered: it goes on to its deadline, and a refresh token it brings (the issuer
-    /// rotated already) is revoked, so that the logout leaves nothing usable upstream. What
-    /// cannot be revoked is said.
+    /// issuer answered (`nil`: it is cut off, as nothing would be revoked): it goes on to its
+    /// deadline, and a refresh token it brings (the issuer rotated already) is revoked, in the
+    /// request's own task, so that the logout leaves nothing usable upstream. What cannot be
+    /// revoked is said.
     func abandonedRequestRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource)
-        -> @Sendable (FetchRequest, Result<FetchedToken, any Error>) -> Void {
-        guard case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return { _, _ in } }
-        let (logger, tasks, name) = (self.logger, upstreamTasks, session.name)
+        -> (@Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)? {
+        guard case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return nil }
+        let (logger, name) = (self.logger, session.name)
         return { request, result in
             switch result {
             case let .success(fetched):
                 guard let refreshToken = fetched.refreshToken else { return }
-                let started = tasks.spawn {
-                    switch await upstream.revoke(refreshToken) {
-                    case .revoked:
-                        logger.log(.info, "session \(name): a refresh answer that came after the logout (or login) had ended its request "
-                                   + "brought a new refresh token; it is revoked upstream", session: name, generation: request.generation)
-                    case .noEndpoint:
-                        logger.log(.warning, "session \(name): a refresh answer that came after the logout brought a new refresh token, "
-                                   + "and there is no revocation endpoint: it stays valid upstream", session: name, generation: request.generation)
-                    case let .failed(problem):
-                        logger.log(.warning, "session \(name): revoking the refresh token that came after the logout failed (\(problem)): "
-                                   + "it stays valid upstream", session: name, generation: request.generation)
-                    }
+                switch await upstream.revoke(refreshToken) {
+                case .revoked:
+                    logger.log(.info, "session \(name): a refresh answer that came after the logout (or login) had ended its request "
+                               + "brought a new refresh token; it is revoked upstream", session: name, generation: request.generation)
+                case .noEndpoint:
+                    logger.log(.warning, "session \(name): a refresh answer that came after the logout brought a new refresh token, "
+                               + "and there is no revocation endpoint: it stays valid upstream", session: name, generation: request.generation)
+                case let .failed(problem):
+                    logger.log(.warning, "session \(name): revoking the refresh token that came after the logout failed (\(problem)): "
+                               + "it stays valid upstream", session: name, generation: request.generation)
                 }
-                if started == nil { Self.skipped(logger, name, tasks) }
             case let .failure(error):
                 // No answer: if the issuer rotated, the new refresh token is known to nobody and
                 // cannot be revoked here; the logout revoked the one it knew.
@@ -61,6 +59,6 @@ extension SessionFactory {
     private static func skipped(_ logger: Logger, _ name: String, _ tasks: TaskPool) {
         logger.limited(.warning, key: "revocation-skipped",
                        "session \(name): a refresh token nobody will use is not revoked upstream: the daemon is stopping, "
-                       + "or \(tasks.limit) upstream requests are under way already")
+                       + "or \(tasks.limit) revocations are under way already")
     }
 }

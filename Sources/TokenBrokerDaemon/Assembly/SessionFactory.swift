@@ -11,8 +11,10 @@ struct SessionFactory: Sendable {
     let metrics: Metrics
     let state: StateStore
     let census: SessionCensus
-    /// Revocations and token requests that outlive their callers: bounded, awaited at stop.
-    let upstreamTasks: TaskPool
+    /// Token requests that outlive their callers (a logout overtook them): bounded, awaited at stop.
+    let transfers: TaskPool
+    /// Revocations of refresh tokens nobody will use: bounded, awaited at stop.
+    let revocations: TaskPool
     /// The fleet sessions' follow loops: awaited at stop.
     let followLoops: TaskPool
     /// Fleet marks and kept commits of sessions without a state database (development mode).
@@ -99,10 +101,10 @@ struct SessionFactory: Sendable {
     /// The OAuth source of a session, with what becomes of requests its callers abandon.
     func httpSource(_ session: SessionConfiguration, _ settings: SessionConfiguration.OAuthSettings, grant: OAuthGrant) -> HTTPTokenSource {
         let http = HTTPTokenSource(grant: grant, configuration: settings.client.configuration, endpoints: settings.endpoints,
-                                   issuer: settings.issuer, tasks: upstreamTasks)
+                                   issuer: settings.issuer, tasks: transfers)
         // (Not for fleet sessions: a holder whose lease runs out abandons its request so that
         // another broker may take over, and that request must not go on.)
-        if session.fleet == nil { http.whenAbandoned(abandonedRequestRevocation(session, http)) }
+        if session.fleet == nil, let revocation = abandonedRequestRevocation(session, http) { http.whenAbandoned(revocation) }
         return http
     }
 

@@ -1,0 +1,64 @@
+import Basics
+import Synchronization
+import Testing
+
+/// The pool that owns the daemon's tasks that outlive their callers: bounded, closed at stop,
+/// every task awaited or cancelled. Driven by latches, not sleeps.
+@Suite("TaskPool")
+struct TaskPoolTests {
+    @Test("at most `limit` tasks run; a full or closed pool refuses; close waits for the running ones")
+    func boundedAndAwaited() async {
+        let pool = TaskPool(limit: 2)
+        let release = Latch()
+        let started = Mutex(0)
+        let ended = Mutex(0)
+        for _ in 0..<2 {
+            #expect(pool.spawn {
+                started.withLock { $0 += 1 }
+                await release.wait()
+                ended.withLock { $0 += 1 }
+            } != nil)
+        }
+        #expect(pool.spawn {} == nil, "a third task is refused while two run")
+        #expect(pool.count == 2)
+        let closed = Latch()
+        let closing = Task {
+            #expect(await pool.close(within: .seconds(60)))
+            closed.fire()
+        }
+        #expect(await closed.wait(upTo: .milliseconds(200)) == false, "close returned while tasks still ran")
+        #expect(pool.spawn {} == nil, "a closing pool refuses work")
+        release.fire()
+        #expect(await closed.wait(upTo: .seconds(10)), "close did not return once the tasks ended")
+        await closing.value
+        #expect(ended.withLock { $0 } == 2 && pool.count == 0)
+    }
+
+    @Test("tasks still running at the deadline are cancelled, and close returns once they end")
+    func cancelledAtTheDeadline() async {
+        let pool = TaskPool(limit: 4)
+        let sawCancellation = Mutex(false)
+        pool.spawn {
+            // Runs until cancelled (bounded: the test fails rather than hangs if it never is).
+            let never = Latch()
+            _ = await never.wait(upTo: .seconds(30))
+            sawCancellation.withLock { $0 = Task.isCancelled }
+        }
+        let start = ContinuousClock.now
+        #expect(await pool.close(within: .milliseconds(50)))
+        #expect(sawCancellation.withLock { $0 })
+        #expect(start.duration(to: .now) < .seconds(20))
+    }
+
+    @Test("a task that ignores cancellation is left behind after the grace, and close says so")
+    func ignoringCancellation() async {
+        let pool = TaskPool(limit: 1)
+        let release = Latch()
+        pool.spawn {
+            // Ignores cancellation: waits on a latch whose wait cannot be cancelled away early.
+            while !release.hasFired { _ = await release.wait(upTo: .milliseconds(20)) }
+        }
+        #expect(await pool.close(within: .milliseconds(10), grace: .milliseconds(100)) == false)
+        release.fire()
+    }
+}
