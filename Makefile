@@ -15,7 +15,7 @@ APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev lib
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
 
-.PHONY: all apt-install deps build release run test python-test system-test interop-test bench bench-fleet static install install-files deb clean
+.PHONY: all apt-install deps build release run test python-test system-test interop-test bench bench-fleet bench-scale static install install-files deb clean
 
 all: build
 
@@ -107,6 +107,12 @@ bench: deps static
 bench-fleet: deps static
 	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product dev-issuer
 	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/fleet.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
+
+# What many sessions cost (`Tests/Bench/scale.py`): for 1, 1,000 and 10,000 `Upstream=test`
+# sessions, exec -> READY=1 cold and warm, one Status call, a reload that changes or adds one
+# session, memory per session and idle CPU. Knobs in the script's header (SCALE_SESSIONS=…).
+bench-scale: deps static
+	python3 Tests/Bench/scale.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
 
 # Installation: `tokenbroker` (the command, one static executable) in BINDIR, the daemon
 # `tokenbroker-daemon` (Swift standard library linked in) in LIBEXECDIR/tokenbroker, units, sysusers/tmpfiles
