@@ -1,3 +1,4 @@
+import Basics
 import BrokerContract
 import Fleet
 import Synchronization
@@ -22,10 +23,13 @@ final class BrokerService: VarlinkHandler {
     let metrics: Metrics
     /// The metrics exposition (the Metrics method).
     let metricsText: @Sendable () async -> String
+    /// Where a logout's revocation runs (the daemon's pool, awaited at stop).
+    let revocations: TaskPool
 
     init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
          forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }, metrics: Metrics = Metrics(version: "test"),
-         metricsText: @escaping @Sendable () async -> String = { "" }) {
+         metricsText: @escaping @Sendable () async -> String = { "" }, revocations: TaskPool = TaskPool(limit: 256)) {
+        self.revocations = revocations
         self.sessions = sessions
         self.logger = logger
         self.reload = reload
@@ -305,15 +309,15 @@ final class BrokerService: VarlinkHandler {
     }
 
     /// What a logout does with the refresh token it retires: revoke it upstream (RFC 7009),
-    /// best effort, in the background, so the logout is not delayed.
+    /// best effort, in the background (the revocations pool), so the logout is not delayed.
     private func revocation(for session: SessionTable.Session) -> @Sendable (Secret) -> Void {
         guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream, settings.revokeOnLogout else {
             return { _ in }
         }
-        let logger = self.logger
+        let (logger, revocations) = (self.logger, self.revocations)
         let name = session.configuration.name
         return { refreshToken in
-            Task {
+            let started = revocations.spawn {
                 switch await upstream.revoke(refreshToken) {
                 case .revoked:
                     logger.info("session \(name): the refresh token retired by the logout is revoked upstream", session: name)
@@ -322,6 +326,10 @@ final class BrokerService: VarlinkHandler {
                 case let .failed(problem):
                     logger.warning("revocation at logout of session \(name) failed: \(problem)", session: name)
                 }
+            }
+            if started == nil {
+                logger.warning("session \(name): the refresh token retired by the logout is not revoked upstream: the daemon is stopping, "
+                               + "or \(revocations.limit) revocations are under way already", session: name)
             }
         }
     }

@@ -146,7 +146,7 @@ public final class Daemon: Sendable {
         }
         let service = BrokerService(sessions: table, logger: logger, reload: { [reloader] in await reloader.reload() },
                                     forget: { [reloader] name in try await reloader.forget(name) }, metrics: metrics,
-                                    metricsText: { [self] in await self.metricsText() })
+                                    metricsText: { [self] in await self.metricsText() }, revocations: revocations)
         let server: VarlinkServer
         do {
             let logger = self.logger
