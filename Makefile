@@ -139,6 +139,8 @@ install: deps static install-files
 
 install-files:
 	install -Dm755 "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)/tokenbroker" "$(DESTDIR)$(BINDIR)/tokenbroker"
+	for helper in git-credential-tokenbroker docker-credential-tokenbroker terraform-credentials-tokenbroker bazel-credential-tokenbroker; do \
+	  ln -sf tokenbroker "$(DESTDIR)$(BINDIR)/$$helper"; done
 	install -Dm755 "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)/tokenbroker-daemon" "$(DESTDIR)$(LIBEXECDIR)/tokenbroker/tokenbroker-daemon"
 	install -d "$(DESTDIR)$(UNITDIR)"
 	sed 's|/usr/local/libexec/tokenbroker/|$(LIBEXECDIR)/tokenbroker/|' systemd/tokenbroker.service > "$(DESTDIR)$(UNITDIR)/tokenbroker.service"

@@ -23,7 +23,7 @@ public enum BrokerContract {
 public enum BrokerMethod: String, Sendable, CaseIterable {
     case getToken = "GetToken", recover = "Recover", watch = "Watch", logout = "Logout", login = "Login"
     case status = "Status", reload = "Reload", refresh = "Refresh", deviceLogin = "DeviceLogin", forget = "Forget"
-    case metrics = "Metrics"
+    case metrics = "Metrics", credential = "Credential"
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
@@ -42,6 +42,8 @@ public enum BrokerRequest: Sendable, Equatable {
     case deviceLogin(session: String)
     case forget(session: String)
     case metrics
+    /// The token for `url`, for credential helpers; with `rejected`, as Recover answers.
+    case credential(url: String, rejected: String?)
 
     public var method: BrokerMethod {
         switch self {
@@ -56,6 +58,7 @@ public enum BrokerRequest: Sendable, Equatable {
         case .deviceLogin: return .deviceLogin
         case .forget: return .forget
         case .metrics: return .metrics
+        case .credential: return .credential
         }
     }
 
@@ -65,7 +68,7 @@ public enum BrokerRequest: Sendable, Equatable {
         case let .getToken(session), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
              let .refresh(session), let .deviceLogin(session), let .forget(session):
             return session
-        case .status, .reload, .metrics:
+        case .status, .reload, .metrics, .credential:
             return nil
         }
     }
@@ -100,6 +103,13 @@ public enum BrokerRequest: Sendable, Equatable {
         case .metrics:
             try parameters.only([])
             self = .metrics
+        case .credential:
+            try parameters.only(["url", "rejected"])
+            let url = try parameters.string("url")
+            guard !url.isEmpty, url.utf8.count <= 2048 else { throw ParameterError(name: "url") }
+            let rejected = try parameters.optionalString("rejected")
+            if let rejected, rejected.isEmpty { throw ParameterError(name: "rejected") }
+            self = .credential(url: url, rejected: rejected)
         }
     }
 
@@ -113,6 +123,10 @@ public enum BrokerRequest: Sendable, Equatable {
         case let .recover(session, rejected): return ["session": .string(session), "rejected": .string(rejected)]
         case let .login(session, refreshToken): return ["session": .string(session), "refreshToken": .string(refreshToken)]
         case .status, .reload, .metrics: return [:]
+        case let .credential(url, rejected):
+            var parameters: JSONObject = ["url": .string(url)]
+            if let rejected { parameters["rejected"] = .string(rejected) }
+            return parameters
         }
     }
 
@@ -228,6 +242,27 @@ public struct MetricsReply: Sendable, Equatable {
     public init(_ parameters: JSONObject) { self.init(text: parameters["text"]?.stringValue ?? "") }
 
     public var parameters: JSONObject { ["text": .string(text)] }
+}
+
+/// The reply of `Credential`: the session that serves the URL, and its token.
+public struct CredentialReply: Sendable, Equatable {
+    public var session: String
+    public var token: TokenReply
+
+    public init(session: String, token: TokenReply) {
+        self.session = session
+        self.token = token
+    }
+
+    public init(_ parameters: JSONObject) {
+        self.init(session: parameters["session"]?.stringValue ?? "", token: TokenReply(parameters))
+    }
+
+    public var parameters: JSONObject {
+        var parameters = token.parameters
+        parameters["session"] = .string(session)
+        return parameters
+    }
 }
 
 /// One reply of a `Watch` stream.

@@ -13,6 +13,19 @@ import Basics
 public enum Command {
     public static let version = Product.version
 
+    /// The names tools run a credential helper by (links to `tokenbroker` the package
+    /// installs), and the protocol each speaks: `docker-credential-tokenbroker get` is
+    /// `tokenbroker credential docker get`.
+    public static let helperNames = ["git-credential-tokenbroker": "git", "docker-credential-tokenbroker": "docker",
+                                     "terraform-credentials-tokenbroker": "terraform", "bazel-credential-tokenbroker": "bazel"]
+
+    /// The arguments to run, given the name the process was started by (`argv[0]`).
+    public static func arguments(invokedAs name: String, _ arguments: [String]) -> [String] {
+        let base = name.split(separator: "/").last.map(String.init) ?? name
+        guard let protocolName = helperNames[base] else { return arguments }
+        return ["credential", protocolName] + arguments
+    }
+
     /// The subcommands only `tokenbroker-daemon` runs.
     public static let daemonSubcommands: Set<String> = ["serve", "check-config"]
 
@@ -31,6 +44,7 @@ public enum Command {
         }
         if daemonSubcommands.contains(first) { return .daemon(first, Array(arguments.dropFirst())) }
         if first == "ctl" { return Ctl.run(Array(arguments.dropFirst()), output: &output, errors: &errors) }
+        if first == "credential" { return .exit(CredentialHelper.run(Array(arguments.dropFirst()), output: &output, errors: &errors)) }
         return .exit(runHere(first, Array(arguments.dropFirst()), output: &output, errors: &errors))
     }
 

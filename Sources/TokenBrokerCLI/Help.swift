@@ -18,10 +18,49 @@ public enum Help {
           serve                   Run the daemon.
           ctl <verb>              Talk to the running daemon (status, token, login, logout).
           check-config            Validate the configuration and exit.
+          credential <protocol>   Be git's, kubectl's, docker's, Terraform's or Bazel's credential helper.
           help [<subcommand>]     Show help for a subcommand, e.g. `tokenbroker help ctl token`.
 
         Exit codes: 0 ok, 1 failure, 64 usage, 69 broker unreachable or stopping, 77 permission denied,
         78 configuration error.
+
+        """
+
+    public static let credential = """
+        OVERVIEW: Hand the broker's tokens to tools, in their credential-helper protocols.
+
+        Each call asks the broker for the token of the session that serves the URL (Serves= in
+        the daemon's configuration; among the sessions this user may use). It never refreshes by
+        itself: every process shares the session's one refresh. A URL no session serves gets the
+        protocol's "not found", so the tool asks its next helper.
+
+        USAGE: tokenbroker credential git [--username <name>] get|store|erase
+               tokenbroker credential kubectl [--url <url> | --session <name>]
+               tokenbroker credential docker [--username <name>] get|store|erase|list
+               tokenbroker credential terraform get|store|forget <host>
+               tokenbroker credential bazel get
+
+        OPTIONS:
+          --username <name>       The user name git or a registry is given (default oauth2;
+                                  some servers want x-access-token).
+          --url <url>             kubectl: the URL to find the session by (else the cluster's
+                                  server, with provideClusterInfo: true).
+          --session <name>        kubectl: the session itself.
+          --socket <path>         The broker's socket (default $TOKENBROKER_SOCKET, else
+                                  /run/tokenbroker/io.tokenbroker.Broker).
+          -h, --help              Show this help.
+
+        CONFIGURATION:
+          git        git config --global credential.https://git.example.com.helper \
+                       '/usr/bin/tokenbroker credential git'
+          kubectl    users: [{name: n, user: {exec: {apiVersion: client.authentication.k8s.io/v1beta1,
+                       command: tokenbroker, args: [credential, kubectl, --url, https://k8s.example.com:6443]}}}]
+          docker     "credHelpers": {"registry.example.com": "tokenbroker"} (runs docker-credential-tokenbroker)
+          terraform  credentials_helper "tokenbroker" {} (runs terraform-credentials-tokenbroker)
+          bazel      --credential_helper=*.example.com=/usr/bin/bazel-credential-tokenbroker
+
+        The package installs git-credential-tokenbroker, docker-credential-tokenbroker,
+        terraform-credentials-tokenbroker and bazel-credential-tokenbroker as links to tokenbroker.
 
         """
 
@@ -301,6 +340,7 @@ public enum Help {
         switch words.first {
         case "serve": return words.count == 1 ? serve : nil
         case "check-config": return words.count == 1 ? checkConfig : nil
+        case "credential": return words.count == 1 ? credential : nil
         case "help": return words.count == 1 ? main : nil
         case "ctl":
             if words.count == 1 { return ctl }

@@ -86,6 +86,10 @@ final class BrokerService: VarlinkHandler {
         .status: Method(access: .anyone, handler: .other { service, _, peer in service.status(for: peer) }),
         .forget: Method(access: .admin, handler: .other { service, request, peer in try service.forget(request.session ?? "", by: peer) }),
         .reload: Method(access: .admin, handler: .other { service, _, peer in service.reload(by: peer) }),
+        .credential: Method(access: .anyone, handler: .other { service, request, peer in
+            guard case let .credential(url, rejected) = request else { throw BrokerError.internalError }
+            return service.credential(url, rejected: rejected.map(Secret.init), for: peer)
+        }),
         .metrics: Method(access: .admin, handler: .other { service, _, _ in
             .async { sink in sink.send(VarlinkReply(parameters: MetricsReply(text: await service.metricsText()).parameters)) }
         }),
@@ -183,6 +187,24 @@ final class BrokerService: VarlinkHandler {
 
     private func recover(_ session: SessionTable.Session, rejected: Secret) -> VarlinkHandling {
         asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.recover(rejected: rejected)) }
+    }
+
+    /// Credential: the token of the session that serves `url` for `peer`, as GetToken (or, with
+    /// `rejected`, Recover) answers it, with the session's name. No session: NoSuchSession with
+    /// no name, the same for a URL nobody serves and one only another user's session serves.
+    private func credential(_ url: String, rejected: Secret?, for peer: PeerCredentials) -> VarlinkHandling {
+        guard let served = ServedURL(url), let session = sessions.serving(served, for: peer) else {
+            return .reply(BrokerError.noSuchSession(session: "").reply)
+        }
+        let name = session.configuration.name
+        @Sendable func reply(_ token: IssuedToken) -> VarlinkReply {
+            VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters)
+        }
+        if rejected == nil, let token = session.coordinator.freshToken() { return .reply(reply(token)) }
+        return asyncReply(name) {
+            if let rejected { return reply(try await session.coordinator.recover(rejected: rejected)) }
+            return reply(try await session.coordinator.token())
+        }
     }
 
     private func logout(_ name: String, by peer: PeerCredentials) -> VarlinkHandling {

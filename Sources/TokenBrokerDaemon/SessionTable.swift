@@ -59,6 +59,8 @@ final class SessionTable: Sendable {
         var access: Access
         /// Stored sessions no longer configured.
         var inert: [InertSession] = []
+        /// Which sessions serve which hosts (`Serves=`), for `Credential`.
+        var serving = ServingIndex()
     }
 
     private let state: Mutex<Snapshot>
@@ -107,6 +109,21 @@ final class SessionTable: Sendable {
         }
     }
 
+    /// The session that serves `url` for `peer`: the most specific `Serves=` entry among the
+    /// sessions `peer` may use (the first configured on a tie). Another user's session is
+    /// never an answer, nor a hint.
+    func serving(_ url: ServedURL, for peer: PeerCredentials) -> Session? {
+        state.withLock { state in
+            var best: (session: Session, specificity: Int)?
+            for candidate in state.serving.candidates(url.host) {
+                guard let specificity = candidate.entry.specificity(for: url), specificity > (best?.specificity ?? -1),
+                      let session = state.sessions[candidate.session], state.access.mayUse(session.configuration, peer) else { continue }
+                best = (session, specificity)
+            }
+            return best?.session
+        }
+    }
+
     func isAdmin(_ peer: PeerCredentials) -> Bool {
         state.withLock { $0.access.isAdmin(peer) }
     }
@@ -142,4 +159,19 @@ final class EncodedCache: Sendable {
         cached.withLock { $0 = (version, bytes) }
         return bytes
     }
+}
+
+/// `Serves=` entries by host, in configuration order.
+struct ServingIndex: Sendable {
+    private var byHost: [String: [(entry: ServedURL, session: String)]] = [:]
+
+    init() {}
+
+    init(_ sessions: [SessionConfiguration]) {
+        for session in sessions {
+            for entry in session.settings.serves { byHost[entry.host, default: []].append((entry, session.name)) }
+        }
+    }
+
+    func candidates(_ host: String) -> [(entry: ServedURL, session: String)] { byHost[host] ?? [] }
 }

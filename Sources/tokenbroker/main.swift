@@ -8,7 +8,9 @@ import TokenBrokerCLI
 // tokenbroker-daemon, which this process becomes (see Command).
 var output = FileOutput.standardOutput
 var errors = FileOutput.standardError
-switch Command.run(Array(CommandLine.arguments.dropFirst()), output: &output, errors: &errors) {
+// (Started as `docker-credential-tokenbroker` and the like: that helper.)
+let arguments = Command.arguments(invokedAs: CommandLine.arguments.first ?? "", Array(CommandLine.arguments.dropFirst()))
+switch Command.run(arguments, output: &output, errors: &errors) {
 case let .exit(code):
     exit(code)
 case let .daemon(subcommand, arguments):

@@ -128,6 +128,7 @@ final class Reloader: Sendable {
         }
         await table.gate.exclusive { [self] in
             var snapshot = SessionTable.Snapshot(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
+            snapshot.serving = ServingIndex(configuration.sessions)
             snapshot.sessions.reserveCapacity(configuration.sessions.count)
             snapshot.order.reserveCapacity(configuration.sessions.count)
             var logins: [Coordinator] = []

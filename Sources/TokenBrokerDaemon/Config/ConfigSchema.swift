@@ -116,6 +116,18 @@ public enum ConfigSchema {
                   lookup: { context, name in context.userID(name) }, overflow: ProcessDefences.overflowUID),
         allowList("AllowGroups", \.allowGroups, "groups whose members may use the session",
                   lookup: { context, name in context.groupID(name) }, overflow: ProcessDefences.overflowGID),
+        ConfigKey("Serves", takes: "URLs or hosts, space-separated (empty clears)", change: .keepsSession,
+                  "the URLs credential helpers (git, kubectl, registries) get this session's token for",
+                  same: { $0.serves == $1.serves }) { settings, entry, _ throws(ConfigError) in
+            if entry.value.isEmpty { settings.serves = [] }
+            for word in ConfigValue.list(entry.value) {
+                guard let served = ServedURL(word) else {
+                    throw fail(entry, "Serves=: '\(word)' is not a URL or host (e.g. https://git.example.com/org or registry.example.com:5000)")
+                }
+                settings.serves.append(served)
+            }
+            guard settings.serves.count <= 64 else { throw fail(entry, "Serves= lists more than 64 URLs") }
+        },
         ConfigKey("RefreshAhead", \.policy.refreshAhead, .duration(.zero...Duration.seconds(86400)), default: "60s", change: .rebuildsSession,
                   "refresh in the background this long before expiry (0: off)"),
         ConfigKey("RefreshLimitBurst", \.policy.guardLimit, .count(1...10_000), default: "10", change: .rebuildsSession,
@@ -249,6 +261,8 @@ public struct SessionSettings: Sendable, Equatable {
     public var allowUsers: [UInt32] = []
     public var allowGroups: [UInt32] = []
     public var policy = RefreshPolicy()
+    /// What credential helpers get this session's token for (`Serves=`).
+    public var serves: [ServedURL] = []
 
     public init(name: String) { self.name = name }
 }
