@@ -146,6 +146,7 @@ public struct TokenReply: Sendable, Equatable {
     public var generation: Int
 
     public init(token: String, tokenType: String, expiresAt: Int64?, generation: Int) {
+        BrokerContract.secretsRegistered
         self.token = token
         self.tokenType = tokenType
         self.expiresAt = expiresAt
@@ -283,6 +284,7 @@ public enum WatchEvent: Sendable, Equatable {
     }
 
     public var parameters: JSONObject {
+        BrokerContract.secretsRegistered
         switch self {
         case let .token(token, serial):
             var parameters: JSONObject = ["event": "token", "generation": .int(Int64(token.generation))]

@@ -41,6 +41,9 @@ public final class SQLiteSessionStore: SessionStore {
         /// Prepared once, reset for each use: a start-up with thousands of sessions parses each
         /// statement once, not once per session.
         private var statements: [String: Statement] = [:]
+        /// A checkpoint that erases tokens failed: the next commit job tries it again (until then
+        /// the WAL may still hold them).
+        var checkpointOwed = false
 
         init(_ db: OpaquePointer) { self.db = db }
 
@@ -336,6 +339,9 @@ public final class SQLiteSessionStore: SessionStore {
                 do {
                     outcome = try apply(connection, write, cipher: cipher)
                 } catch {
+                    // Some errors (a full disk) roll the whole transaction back at once: then the
+                    // batch fails with that error, not with the missing savepoint's.
+                    if sqlite3_get_autocommit(db) != 0 { throw error }
                     try execute(db, "ROLLBACK TO one")
                     try execute(db, "RELEASE one")
                     outcomes.append((.failure(error), false))
@@ -353,10 +359,12 @@ public final class SQLiteSessionStore: SessionStore {
         // Tokens were erased: the WAL's older page versions still hold them. A checkpoint that
         // fails fails the writes that erased (they are retried, and checkpoint again); the
         // others are durable and say so.
-        if outcomes.contains(where: \.erased) {
+        if connection.checkpointOwed || outcomes.contains(where: \.erased) {
             do {
                 try checkpoint(db)
+                connection.checkpointOwed = false
             } catch {
+                connection.checkpointOwed = true
                 return outcomes.map { $0.erased ? .failure(error) : $0.result }
             }
         }
@@ -493,7 +501,10 @@ public final class SQLiteSessionStore: SessionStore {
                 statement.bind(1, session)
                 try statement.run()
             }
-            if removed { try Self.execute(connection.db, "PRAGMA wal_checkpoint(TRUNCATE)") }
+            // (The row is gone: a checkpoint that fails now is owed, and tried again at the next commit.)
+            if removed {
+                do { try Self.checkpoint(connection.db) } catch { connection.checkpointOwed = true }
+            }
             return removed
         }
     }
@@ -552,7 +563,10 @@ public final class SQLiteSessionStore: SessionStore {
     /// Tokens were erased (logout, end): moves the WAL's older page versions, which still hold
     /// them, into the main file and empties the WAL.
     private static func checkpoint(_ db: OpaquePointer) throws {
-        try execute(db, "PRAGMA wal_checkpoint(TRUNCATE)")
+        // A checkpoint another reader blocks does not fail: it answers busy (its first column).
+        let statement = try Statement(db, "PRAGMA wal_checkpoint(TRUNCATE)")
+        guard try statement.step() else { return }
+        if statement.int(0) != 0 { throw StoreError("SQLite: the checkpoint that erases old tokens from the WAL was blocked by a reader") }
     }
 
     private static func select(_ connection: Connection, name: String?, cipher: TokenCipher?) throws -> [SessionRecord] {

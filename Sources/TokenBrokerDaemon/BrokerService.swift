@@ -28,7 +28,7 @@ final class BrokerService: VarlinkHandler {
 
     init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
          forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }, metrics: Metrics = Metrics(version: "test"),
-         metricsText: @escaping @Sendable () async -> String = { "" }, revocations: TaskPool = TaskPool(limit: 256)) {
+         metricsText: @escaping @Sendable () async -> String = { "" }, revocations: TaskPool = TaskPool(limit: 256, backlog: 1 << 16)) {
         self.revocations = revocations
         self.sessions = sessions
         self.logger = logger
@@ -339,7 +339,7 @@ final class BrokerService: VarlinkHandler {
         let (logger, revocations) = (self.logger, self.revocations)
         let name = session.configuration.name
         return { refreshToken in
-            let started = revocations.spawn {
+            let started = revocations.enqueue {
                 switch await upstream.revoke(refreshToken) {
                 case .revoked:
                     logger.info("session \(name): the refresh token retired by the logout is revoked upstream", session: name)
@@ -349,9 +349,9 @@ final class BrokerService: VarlinkHandler {
                     logger.warning("revocation at logout of session \(name) failed: \(problem)", session: name)
                 }
             }
-            if started == nil {
+            if !started {
                 logger.warning("session \(name): the refresh token retired by the logout is not revoked upstream: the daemon is stopping, "
-                               + "or \(revocations.limit) revocations are under way already", session: name)
+                               + "or \(revocations.backlogLimit) revocations are waiting already", session: name)
             }
         }
     }

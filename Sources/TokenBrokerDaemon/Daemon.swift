@@ -47,8 +47,9 @@ public final class Daemon: Sendable {
     /// Token requests that outlive their callers, and revocations (stopped after the sessions,
     /// before the HTTP loop). Beyond their limits, a request a logout overtakes is cut off, and
     /// a revocation skipped (and said).
-    private let transfers = TaskPool(limit: 4096)
-    private let revocations = TaskPool(limit: 256)
+    private let transfers = TaskPool(limit: 1 << 16)
+    /// (256 at once, the rest in turn: a logout of thousands of sessions revokes every one.)
+    private let revocations = TaskPool(limit: 256, backlog: 1 << 16)
     /// The fleet sessions' follow loops (stopped with the sessions).
     private let followLoops = TaskPool(limit: 1 << 20)
     private let reloader: Reloader

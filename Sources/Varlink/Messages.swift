@@ -151,6 +151,7 @@ public struct VarlinkReply: Sendable, Equatable {
     /// A reply whose parameters are already encoded (one JSON object, compact): a large reply
     /// assembled from pieces encoded earlier (Status of thousands of sessions) is sent as it is.
     public init(encodedParameters: [UInt8], continues: Bool = false) {
+        assert((try? JSONParser.parse(encodedParameters[...], limits: Self.readBack))?.objectValue != nil, "not one JSON object")
         self.encodedParameters = encodedParameters
         self.continues = continues
         error = nil
@@ -243,8 +244,9 @@ public enum VarlinkRedaction {
         names.withLock { $0.formUnion(members) }
     }
 
+    /// Before any interface has said which members are secret, every string is (fail closed).
     static func isSensitive(_ key: String) -> Bool {
-        names.withLock { $0.contains(key) }
+        names.withLock { $0.isEmpty || $0.contains(key) }
     }
 }
 

@@ -124,3 +124,229 @@ struct CredentialHelperTests {
         }
     }
 }
+
+/// git's smart HTTP on loopback: `git http-backend` (CGI) behind a server that accepts a
+/// request only with a live access token of the issuer as its Basic password.
+final class GitHTTPServer: Sendable {
+    let root: String
+    private let listener: LoopbackListener
+    let refused = Locked(0)
+    var port: Int { listener.port }
+
+    init(root: String, accepts: @escaping @Sendable (String) -> Bool) throws {
+        self.root = root
+        let refused = self.refused
+        listener = try LoopbackListener { fd in
+            defer { close(fd) }
+            guard let request = GitHTTPServer.read(fd) else { return }
+            let answer: [UInt8]
+            if let password = request.password, accepts(password) {
+                answer = GitHTTPServer.backend(request, root: root)
+            } else {
+                refused.withLock { $0 += 1 }
+                answer = Array("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Basic realm=\"git\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".utf8)
+            }
+            var sent = 0
+            while sent < answer.count {
+                let n = answer[sent...].withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
+                if n <= 0 { return }
+                sent += n
+            }
+        }
+    }
+
+    func stop() { listener.stop() }
+
+    struct Request {
+        var method: String
+        var path: String
+        var query: String
+        var headers: [String: String]
+        var body: [UInt8]
+
+        /// The Basic password (a test's own server: the value is compared, never printed).
+        var password: String? {
+            guard let value = headers["authorization"], value.hasPrefix("Basic "),
+                  let decoded = Data(base64Encoded: String(value.dropFirst(6))), let text = String(data: decoded, encoding: .utf8),
+                  let colon = text.firstIndex(of: ":") else { return nil }
+            return String(text[text.index(after: colon)...])
+        }
+    }
+
+    /// One request, bytes throughout (pack data is binary); chunked bodies are joined.
+    static func read(_ fd: Int32) -> Request? {
+        var bytes: [UInt8] = []
+        var buffer = [UInt8](repeating: 0, count: 65_536)
+        func fill() -> Bool {
+            let n = Glibc.read(fd, &buffer, buffer.count)
+            guard n > 0 else { return false }
+            bytes += buffer[..<n]
+            return true
+        }
+        var headEnd: Int?
+        while headEnd == nil {
+            guard fill(), bytes.count < 1 << 20 else { return nil }
+            headEnd = bytes.indices.dropLast(3).first { bytes[$0] == 13 && bytes[$0 + 1] == 10 && bytes[$0 + 2] == 13 && bytes[$0 + 3] == 10 }
+        }
+        let head = String(decoding: bytes[..<headEnd!], as: UTF8.self).split(separator: "\r\n")
+        let requestLine = head.first?.split(separator: " ") ?? []
+        guard requestLine.count >= 2 else { return nil }
+        var headers: [String: String] = [:]
+        for line in head.dropFirst() {
+            guard let colon = line.firstIndex(of: ":") else { continue }
+            headers[line[..<colon].lowercased()] = line[line.index(after: colon)...].trimmingCharacters(in: .whitespaces)
+        }
+        var body = Array(bytes[(headEnd! + 4)...])
+        if headers["transfer-encoding"]?.lowercased() == "chunked" {
+            var decoded: [UInt8] = []
+            var offset = 0
+            while true {
+                while !body[offset...].starts(with: [13, 10]), body[offset...].firstIndex(of: 10) == nil {
+                    guard fill() else { return nil }
+                    body = Array(bytes[(headEnd! + 4)...])
+                }
+                guard let lineEnd = body[offset...].firstIndex(of: 10) else { return nil }
+                let sizeText = String(decoding: body[offset..<lineEnd], as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
+                guard let size = Int(sizeText.split(separator: ";").first ?? "", radix: 16) else { return nil }
+                let start = lineEnd + 1
+                while body.count < start + size + 2 {
+                    guard fill() else { return nil }
+                    body = Array(bytes[(headEnd! + 4)...])
+                }
+                if size == 0 { break }
+                decoded += body[start..<(start + size)]
+                offset = start + size + 2
+            }
+            body = decoded
+        } else {
+            let length = Int(headers["content-length"] ?? "0") ?? 0
+            while body.count < length {
+                guard fill() else { return nil }
+                body = Array(bytes[(headEnd! + 4)...])
+            }
+        }
+        let target = String(requestLine[1])
+        let question = target.firstIndex(of: "?")
+        return Request(method: String(requestLine[0]), path: String(target[..<(question ?? target.endIndex)]),
+                       query: question.map { String(target[target.index(after: $0)...]) } ?? "", headers: headers, body: body)
+    }
+
+    /// The request through `git http-backend`, its CGI answer as an HTTP response.
+    static func backend(_ request: Request, root: String) -> [UInt8] {
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: "/usr/lib/git-core/git-http-backend")
+        var environment = ["GIT_PROJECT_ROOT": root, "GIT_HTTP_EXPORT_ALL": "1", "REQUEST_METHOD": request.method, "PATH_INFO": request.path,
+                           "QUERY_STRING": request.query, "CONTENT_TYPE": request.headers["content-type"] ?? "",
+                           "CONTENT_LENGTH": String(request.body.count), "REMOTE_USER": "oauth2", "REMOTE_ADDR": "127.0.0.1",
+                           "PATH": "/usr/bin:/bin"]
+        if let protocolHeader = request.headers["git-protocol"] { environment["GIT_PROTOCOL"] = protocolHeader }
+        process.environment = environment
+        let input = Pipe(), output = Pipe()
+        process.standardInput = input
+        process.standardOutput = output
+        process.standardError = FileHandle.nullDevice
+        do { try process.run() } catch { return Array("HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n".utf8) }
+        let body = Data(request.body)
+        let writer = Thread {
+            input.fileHandleForWriting.write(body)
+            try? input.fileHandleForWriting.close()
+        }
+        writer.start()
+        let answer = [UInt8](output.fileHandleForReading.readDataToEndOfFile())
+        process.waitUntilExit()
+        guard let split = answer.indices.dropLast(3).first(where: { answer[$0] == 13 && answer[$0 + 1] == 10 && answer[$0 + 2] == 13 && answer[$0 + 3] == 10 })
+                ?? answer.indices.dropLast(1).first(where: { answer[$0] == 10 && answer[$0 + 1] == 10 }).map({ $0 - 2 }) else {
+            return Array("HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n".utf8)
+        }
+        let headerBytes = answer[..<max(split, 0)]
+        let bodyStart = answer[split] == 13 ? split + 4 : split + 4
+        var status = "200 OK"
+        var headers: [String] = []
+        for line in String(decoding: headerBytes, as: UTF8.self).split(whereSeparator: { $0 == "\n" || $0 == "\r\n" }) {
+            let line = line.trimmingCharacters(in: .whitespacesAndNewlines)
+            if line.lowercased().hasPrefix("status:") { status = line.dropFirst(7).trimmingCharacters(in: .whitespaces) } else if !line.isEmpty { headers.append(line) }
+        }
+        let content = answer[min(bodyStart, answer.count)...]
+        var response = Array("HTTP/1.1 \(status)\r\n".utf8)
+        for header in headers { response += Array((header + "\r\n").utf8) }
+        response += Array("Content-Length: \(content.count)\r\nConnection: close\r\n\r\n".utf8)
+        return response + content
+    }
+}
+
+extension CredentialHelperTests {
+    /// Runs git with the broker as its only credential helper, in a home of its own.
+    static func git(_ arguments: [String], in directory: String, broker: Broker, home: String) async throws -> (code: Int32, err: String) {
+        var environment = ProcessInfo.processInfo.environment
+        environment["HOME"] = home
+        environment["GIT_CONFIG_NOSYSTEM"] = "1"
+        environment["GIT_TERMINAL_PROMPT"] = "0"
+        environment["TOKENBROKER_SOCKET"] = broker.socket
+        environment["GIT_ASKPASS"] = "/bin/false"
+        let run = try Child("/usr/bin/git", ["-c", "credential.helper=", "-c", "credential.helper=\(Paths.tokenbroker) credential git",
+                                             "-c", "user.name=t", "-c", "user.email=t@example.test"] + arguments,
+                            environment: environment, directory: directory)
+        let code = await run.wait(timeout: 120)
+        return (code, run.stderr)
+    }
+
+    @Test("real git: clone, push and fetch over smart HTTP with the broker's token; a rejected token is erased, recovered with one refresh, and the next fetch works; 16 parallel fetches after an expiry cost one refresh")
+    func realGit() async throws {
+        var options = DevIssuer.Options()
+        options.accessTokenLifetime = .seconds(3600)
+        let issuer = try DevIssuer(options: options)
+        defer { issuer.stop() }
+        let directory = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        let root = directory + "/repos", home = directory + "/home"
+        for path in [root, home] { try FileManager.default.createDirectory(atPath: path, withIntermediateDirectories: true) }
+        let setup = try Child("/usr/bin/git", ["init", "--bare", "-q", root + "/project.git"], directory: directory)
+        #expect(await setup.wait() == 0)
+        let server = try GitHTTPServer(root: root) { issuer.isValidAccessToken($0) }
+        defer { server.stop() }
+        let url = "http://127.0.0.1:\(server.port)/project.git"
+        let config = Broker.oauthSession(issuer.tokenEndpoint, name: "git") + "RefreshAhead=0\nServes=http://127.0.0.1:\(server.port)/\n"
+        let broker = try await Broker(config: "[Broker]\nSocketMode=0666\n\n" + config)
+        defer { try? FileManager.default.removeItem(atPath: broker.directory) }
+        #expect(try broker.call("Login", ["session": "git", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+
+        // Clone (empty), commit, push, clone again.
+        var result = try await Self.git(["clone", "-q", url, directory + "/work"], in: directory, broker: broker, home: home)
+        #expect(result.code == 0, "clone: \(result.err)")
+        try "hello\n".write(toFile: directory + "/work/README", atomically: true, encoding: .utf8)
+        result = try await Self.git(["-C", directory + "/work", "add", "README"], in: directory, broker: broker, home: home)
+        result = try await Self.git(["-C", directory + "/work", "commit", "-q", "-m", "first"], in: directory, broker: broker, home: home)
+        #expect(result.code == 0, "commit: \(result.err)")
+        result = try await Self.git(["-C", directory + "/work", "push", "-q", "origin", "HEAD:main"], in: directory, broker: broker, home: home)
+        #expect(result.code == 0, "push: \(result.err)")
+        result = try await Self.git(["clone", "-q", "-b", "main", url, directory + "/copy"], in: directory, broker: broker, home: home)
+        #expect(result.code == 0 && FileManager.default.fileExists(atPath: directory + "/copy/README"), "second clone: \(result.err)")
+
+        // The issuer revokes the token: the fetch fails, git erases it, the broker refreshes once.
+        let before = issuer.counters.refreshGrants
+        let current = try Self.token(broker, "git")
+        issuer.revokeAccessToken(current)
+        result = try await Self.git(["-C", directory + "/copy", "fetch", "-q"], in: directory, broker: broker, home: home)
+        #expect(result.code != 0, "a fetch with a revoked token must fail")
+        #expect(issuer.counters.refreshGrants == before + 1, "git's erase recovers with one refresh")
+        result = try await Self.git(["-C", directory + "/copy", "fetch", "-q"], in: directory, broker: broker, home: home)
+        #expect(result.code == 0, "the next fetch works: \(result.err)")
+        #expect(issuer.counters.refreshGrants == before + 1)
+
+        // 16 fetches at once after the token is refused: one refresh for all of them.
+        let refused = try Self.token(broker, "git")
+        issuer.revokeAccessToken(refused)
+        let second = issuer.counters.refreshGrants
+        let codes = try await withThrowingTaskGroup(of: Int32.self) { group in
+            for _ in 0..<16 {
+                group.addTask { try await Self.git(["-C", directory + "/copy", "fetch", "-q"], in: directory, broker: broker, home: home).code }
+            }
+            return try await group.reduce(into: []) { $0.append($1) }
+        }
+        #expect(codes.count == 16)
+        #expect(issuer.counters.refreshGrants == second + 1, "16 erases of one refused token cost one refresh, not \(issuer.counters.refreshGrants - second)")
+        result = try await Self.git(["-C", directory + "/copy", "fetch", "-q"], in: directory, broker: broker, home: home)
+        #expect(result.code == 0, "after the refresh, fetches work: \(result.err)")
+        _ = await broker.stop()
+    }
+}

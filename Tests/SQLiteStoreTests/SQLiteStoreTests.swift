@@ -130,6 +130,37 @@ struct SQLiteStoreTests {
         #expect(try !EncryptionTests.fileContains(directory, "GONE"))
     }
 
+    @Test("a checkpoint another reader blocks fails the logout's write (its tokens are still in the WAL) and is owed: the next commit erases them")
+    func blockedCheckpoint() async throws {
+        let directory = Self.directory()
+        let store = try SQLiteSessionStore(directory: directory)
+        #expect(try await store.write(StoreWrite(Self.record(1, .active, refresh: "refresh-GONE", access: "access-GONE"), guardedBy: .newerGeneration)))
+        // An outside reader (a backup tool, the sqlite3 shell) holds a read transaction.
+        let reader = Process()
+        reader.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
+        reader.arguments = ["-c", """
+            import sqlite3, sys
+            c = sqlite3.connect(sys.argv[1], isolation_level=None)
+            c.execute("BEGIN"); c.execute("SELECT count(*) FROM sessions").fetchall()
+            print("reading", flush=True); sys.stdin.read()
+            """, directory + "/state.db"]
+        let input = Pipe(), output = Pipe()
+        reader.standardInput = input
+        reader.standardOutput = output
+        try reader.run()
+        defer { if reader.isRunning { reader.terminate() } }
+        let ready = output.fileHandleForReading.availableData
+        #expect(String(decoding: ready, as: UTF8.self).hasPrefix("reading"))
+        await #expect(throws: StoreError.self) { try await store.write(StoreWrite(Self.record(2, .signedOut), guardedBy: .newerGeneration)) }
+        try input.fileHandleForWriting.close()
+        reader.waitUntilExit()
+        // Any later commit pays the checkpoint owed.
+        var other = Self.record(1, .active, refresh: "r")
+        other.name = "other"
+        #expect(try await store.write(StoreWrite(other, guardedBy: .newerGeneration)))
+        #expect(try !EncryptionTests.fileContains(directory, "GONE"))
+    }
+
     @Test("writes that come together are committed together, and each learns whether its own guard held")
     func groupCommit() async throws {
         let store = try SQLiteSessionStore(directory: Self.directory())

@@ -61,4 +61,19 @@ struct TaskPoolTests {
         #expect(await pool.close(within: .milliseconds(10), grace: .milliseconds(100)) == false)
         release.fire()
     }
+
+    @Test("enqueued work waits its turn, oldest first, and close drains the backlog before it returns")
+    func backlog() async {
+        let pool = TaskPool(limit: 1, backlog: 3)
+        let release = Latch()
+        let order = Mutex<[Int]>([])
+        #expect(pool.enqueue { await release.wait(); order.withLock { $0.append(0) } })
+        for index in 1...3 { #expect(pool.enqueue { order.withLock { $0.append(index) } }) }
+        #expect(!pool.enqueue {}, "the backlog holds three")
+        #expect(order.withLock { $0 }.isEmpty && pool.count == 1)
+        release.fire()
+        #expect(await pool.close(within: .seconds(10)))
+        #expect(order.withLock { $0 } == [0, 1, 2, 3])
+        #expect(!pool.enqueue {}, "a closed pool takes nothing")
+    }
 }

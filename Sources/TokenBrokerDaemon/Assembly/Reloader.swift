@@ -258,14 +258,15 @@ final class Reloader: Sendable {
     }
 
     /// A removed session whose last write has landed: Status lists it as stored (unless a
-    /// reload has configured it again meanwhile). Under the reload serializer.
+    /// reload has configured it again meanwhile). With the boundary gate held alone, briefly: no
+    /// Forget nor a reload's swap comes between the read and the change.
     private func listInert(_ name: String) async {
-        await reloads.run { [self] in
-            guard let database = state.database, table.snapshot.sessions[name] == nil,
-                  let record = try? await database.load(name) else { return }
+        await table.gate.exclusive { [self] in
+            guard let database = state.database, table.snapshot.sessions[name] == nil else { return }
+            let record = try? await database.load(name)
             table.modify { snapshot in
                 snapshot.inert.removeAll { $0.name == name }
-                snapshot.inert.append(InertSession(record))
+                if let record { snapshot.inert.append(InertSession(record)) }
                 snapshot.inert.sort { $0.name < $1.name }
             }
         }

@@ -13,12 +13,12 @@ extension SessionFactory {
         let (logger, tasks, name) = (self.logger, revocations, session.name)
         return { fetched in
             guard let refreshToken = fetched.refreshToken else { return }
-            let started = tasks.spawn {
+            let started = tasks.enqueue {
                 if case let .failed(problem) = await upstream.revoke(refreshToken) {
                     logger.warning("revoking the refresh token of a discarded answer of session \(name) failed: \(problem)", session: name)
                 }
             }
-            if started == nil { Self.skipped(logger, name, tasks) }
+            if !started { Self.skipped(logger, name, tasks) }
         }
     }
 
@@ -59,6 +59,6 @@ extension SessionFactory {
     private static func skipped(_ logger: Logger, _ name: String, _ tasks: TaskPool) {
         logger.limited(.warning, key: "revocation-skipped",
                        "session \(name): a refresh token nobody will use is not revoked upstream: the daemon is stopping, "
-                       + "or \(tasks.limit) revocations are under way already")
+                       + "or \(tasks.backlogLimit) revocations are waiting already")
     }
 }
