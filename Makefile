@@ -9,8 +9,9 @@ SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
 # systemd-socket-activate), setpriv, kill (procps) and openssl for the tests, and the
 # independent varlink implementation the conformance tests run against (Go), and etcd (the fleet
 # tests start their own etcd clusters on loopback ports; where systemd runs, the package also
-# starts its own etcd service on localhost:2379, which the tests do not use).
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus
+# starts its own etcd service on localhost:2379, which the tests do not use), and git (its real
+# clients are the credential-helper tests' own).
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus git
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
@@ -39,6 +40,9 @@ apt-install:
 
 deps:
 	@$(MAKE) --no-print-directory apt-install PACKAGES="$(APT_PACKAGES)"
+	@# kubectl for the credential-helper tests: Debian's, unless one is installed already (another
+	@# package's kubectl would conflict with it).
+	@command -v kubectl >/dev/null || $(MAKE) --no-print-directory apt-install PACKAGES="kubernetes-client"
 	@[ -x $(VENV)/bin/python ] && $(VENV)/bin/python -c "import varlink" 2>/dev/null || { \
 	  echo "make deps: creating $(VENV) with $(PY_VARLINK)"; \
 	  python3 -m venv $(VENV) && $(VENV)/bin/pip install -q $(PY_VARLINK); }

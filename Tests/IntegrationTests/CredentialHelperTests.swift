@@ -350,3 +350,123 @@ extension CredentialHelperTests {
         _ = await broker.stop()
     }
 }
+
+extension CredentialHelperTests {
+    static var kubectl: String? {
+        ["/usr/bin/kubectl", "/usr/local/bin/kubectl"].first { FileManager.default.isExecutableFile(atPath: $0) }
+    }
+
+    @Test("real kubectl: its exec plugin gets the broker's token, and 64 parallel kubectl runs after the token expired cost one refresh",
+          .enabled(if: CredentialHelperTests.kubectl != nil, "no kubectl here (Debian: kubernetes-client)"))
+    func realKubectl() async throws {
+        let kubectl = try #require(Self.kubectl)
+        var options = DevIssuer.Options()
+        options.accessTokenLifetime = .seconds(3)
+        let issuer = try DevIssuer(options: options)
+        defer { issuer.stop() }
+        // The API server, on TLS (client-go sends an exec plugin's token over TLS only): pods
+        // for a bearer token the issuer's protected resource accepts, 401 otherwise.
+        let certificates = try await TestCertificates.make()
+        defer { try? FileManager.default.removeItem(atPath: certificates) }
+        let script = certificates + "/kube_api.py"
+        try Self.kubeAPIScript.write(toFile: script, atomically: true, encoding: .utf8)
+        let api = Process()
+        api.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
+        api.arguments = [script, issuer.resourceURL, certificates]
+        let portPipe = Pipe()
+        api.standardOutput = portPipe
+        api.standardError = FileHandle.nullDevice
+        try api.run()
+        defer { api.terminate() }
+        let portLine = String(decoding: portPipe.fileHandleForReading.availableData, as: UTF8.self)
+        let port = try #require(Int(portLine.trimmingCharacters(in: .whitespacesAndNewlines)), "the API server did not start")
+        let server = "https://127.0.0.1:\(port)"
+        let broker = try await Broker(config: "[Broker]\nSocketMode=0666\n\n" + Broker.oauthSession(issuer.tokenEndpoint, name: "cluster")
+                                      + "RefreshAhead=0\nServes=\(server)\n")
+        defer { try? FileManager.default.removeItem(atPath: broker.directory) }
+        #expect(try broker.call("Login", ["session": "cluster", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+        let kubeconfig = broker.directory + "/kubeconfig"
+        try """
+            apiVersion: v1
+            kind: Config
+            clusters:
+            - name: test
+              cluster:
+                server: \(server)
+                certificate-authority: \(certificates)/ca.pem
+            contexts:
+            - name: test
+              context: {cluster: test, user: broker}
+            current-context: test
+            users:
+            - name: broker
+              user:
+                exec:
+                  apiVersion: client.authentication.k8s.io/v1beta1
+                  command: \(Paths.tokenbroker)
+                  args: [credential, kubectl, --url, "\(server)"]
+                  env: [{name: TOKENBROKER_SOCKET, value: "\(broker.socket)"}]
+                  interactiveMode: Never
+
+            """.write(toFile: kubeconfig, atomically: true, encoding: .utf8)
+        func run() async throws -> (code: Int32, out: String, err: String) {
+            var environment = ProcessInfo.processInfo.environment
+            environment["HOME"] = broker.directory
+            environment["KUBECONFIG"] = kubeconfig
+            let child = try Child(kubectl, ["get", "--raw", "/api/v1/namespaces/default/pods"], environment: environment, directory: broker.directory)
+            let code = await child.wait(timeout: 120)
+            return (code, child.stdout, child.stderr)
+        }
+        let first = try await run()
+        #expect(first.code == 0 && first.out.contains("PodList"), "kubectl: \(first.err)")
+        let served = issuer.counters.resourceRequests
+        #expect(served >= 1, "the API server asked the issuer about the token")
+
+        // Wait for the token to expire (it lives 3 s; the session refreshes only on demand).
+        let expiresAt = try #require(try broker.status("cluster")?["expiresAt"]?.intValue)
+        let deadline = ContinuousClock.now + .seconds(20)
+        while Int64(Date().timeIntervalSince1970) <= expiresAt, ContinuousClock.now < deadline { try await Task.sleep(for: .milliseconds(100)) }
+        let before = issuer.counters.refreshGrants
+        let runs = try await withThrowingTaskGroup(of: Int32.self) { group in
+            for _ in 0..<64 { group.addTask { try await run().code } }
+            return try await group.reduce(into: []) { $0.append($1) }
+        }
+        #expect(runs.count == 64 && runs.allSatisfy { $0 == 0 }, "kubectl runs failed: \(runs.filter { $0 != 0 }.count)")
+        #expect(issuer.counters.refreshGrants == before + 1, "64 kubectl runs after the expiry cost \(issuer.counters.refreshGrants - before) refreshes")
+        _ = await broker.stop()
+    }
+
+    /// A Kubernetes API endpoint on TLS for one resource: the pods of `default`, for a bearer
+    /// token the issuer's protected resource (argv[1]) accepts.
+    static let kubeAPIScript = #"""
+        import http.server, socketserver, ssl, sys, urllib.request, urllib.error
+        resource, certificates = sys.argv[1], sys.argv[2]
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            def do_GET(self):
+                authorization = self.headers.get("Authorization", "")
+                ok = False
+                if authorization.startswith("Bearer ") and self.path == "/api/v1/namespaces/default/pods":
+                    try:
+                        ok = urllib.request.urlopen(urllib.request.Request(resource, headers={"Authorization": authorization}), timeout=10).status == 200
+                    except urllib.error.URLError:
+                        ok = False
+                body = (b'{"kind":"PodList","apiVersion":"v1","metadata":{"resourceVersion":"1"},"items":[]}' if ok else
+                        b'{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"Unauthorized","code":401}')
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            def log_message(self, *arguments):
+                pass
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+        server = Server(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(certificates + "/server.pem", certificates + "/server.key")
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        print(server.server_address[1], flush=True)
+        server.serve_forever()
+        """#
+}
