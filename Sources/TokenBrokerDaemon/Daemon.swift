@@ -131,87 +131,9 @@ public final class Daemon: Sendable {
             }
         }
 
-        // The socket systemd passed (socket activation), else our own, bound here.
-        let socket: (fd: Int32, inode: ino_t?)
-        do {
-            if let fd = try Systemd.activatedListener() {
-                socket = (fd, nil)
-                logger.info("using the socket passed by systemd")
-            } else {
-                let bound = try SocketPath.bind(configuration.socketPath, mode: configuration.socketMode, group: configuration.socketGroup)
-                socket = (bound.fd, bound.inode)
-            }
-        } catch {
-            logger.error("cannot listen: \(error)")
-            return ExitCode.failure
-        }
-        let service = BrokerService(sessions: table, logger: logger, reload: { [reloader] in await reloader.reload() },
-                                    forget: { [reloader] name in try await reloader.forget(name) }, metrics: metrics,
-                                    metricsText: { [self] in await self.metricsText() }, revocations: revocations)
-        let server: VarlinkServer
-        do {
-            let logger = self.logger
-            server = try VarlinkServer(
-                listening: socket.fd,
-                info: VarlinkServiceInfo(vendor: "tokenbroker", product: "tokenbroker", version: Self.version, url: Product.url),
-                interfaces: [BrokerContract.interface], handler: service,
-                configuration: VarlinkServerConfiguration(
-                    maximumMessageSize: configuration.maxMessageSize,
-                    jsonLimits: JSONLimits(maximumMembers: configuration.maxObjectMembers),
-                    maximumConnections: configuration.maxConnections,
-                    maximumConnectionsPerUser: configuration.maxConnectionsPerUser,
-                    // Admins (root, the daemon's user, AdminGroup=) may always reach the daemon.
-                    isPrivileged: { [table] peer in table.isAdmin(peer) },
-                    messageTimeout: configuration.messageTimeout,
-                    maximumQueuedOutput: configuration.maxQueuedOutput,
-                    protocolErrorName: BrokerError.protocolErrorName,
-                    heartbeat: Systemd.watchdogInterval().map { ($0, { Systemd.watchdog() }) }),
-                onEvent: { [metrics] event in
-                    switch event {
-                    case let .connectionRefused(peer, refusal):
-                        let why: String
-                        switch refusal {
-                        case .serverFull:
-                            why = "MaxConnections= reached"
-                            metrics.refusedConnection("server_full")
-                        case .userLimit:
-                            why = "MaxConnectionsPerUser= reached"
-                            metrics.refusedConnection("user_limit")
-                        case .descriptors:
-                            why = "out of file descriptors"
-                            metrics.refusedConnection("descriptors")
-                        }
-                        logger.limited(.warning, key: "refused:\(peer.map { "\($0.uid)" } ?? "-")",
-                                       "connection refused (\(why)): \(peer.map { "\($0)" } ?? "a client")")
-                    case let .protocolError(peer, reason):
-                        logger.limited(.notice, key: "protocol:\(peer.uid)", "protocol error from \(peer): \(reason)")
-                    }
-                })
-        } catch {
-            logger.error("cannot serve: \(error)")
-            close(socket.fd)
-            return ExitCode.failure
-        }
+        guard let socket = listen(configuration), let server = makeServer(configuration, listening: socket.fd) else { return ExitCode.failure }
         connectionCount.value = { [server] in server.connectionCount }
-        var metricsServer: MetricsServer?
-        if let address = configuration.metricsListen {
-            do {
-                let listener = try MetricsServer(address, group: configuration.metricsGroup)
-                let metricsGroup = configuration.metricsGroup
-                let authorization = MetricsAuthorization(peerMayRead: { [table] peer in
-                    let access = table.snapshot.access
-                    return access.isAdmin(peer) || metricsGroup.map { access.isMember(peer, of: $0) } == true
-                }, bearerToken: configuration.metricsBearerToken)
-                listener.start(authorization: authorization,
-                               render: { [self] openMetrics, full in await self.metricsText(openMetrics: openMetrics, full: full) },
-                               refused: { [metrics] reason in metrics.refusedScrape(reason) })
-                metricsServer = listener
-                logger.info("metrics on \(address)/metrics")
-            } catch {
-                // Tokens come first: the daemon serves them without metrics.
-                logger.error("cannot serve metrics on \(address): \(error)")
-            }
-        }
+        let metricsServer = startMetrics(configuration)
         // (Metrics first: once the socket answers, so does MetricsListen=.)
         server.start()
         logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
@@ -282,6 +204,94 @@ public final class Daemon: Sendable {
         development?.stop()
         logger.info("stopped")
         return failed.isEmpty ? ExitCode.ok : ExitCode.failure
+    }
+
+    /// The socket systemd passed (socket activation), else our own, bound here.
+    private func listen(_ configuration: BrokerConfiguration) -> (fd: Int32, inode: ino_t?)? {
+        do {
+            if let fd = try Systemd.activatedListener() {
+                logger.info("using the socket passed by systemd")
+                return (fd, nil)
+            }
+            let bound = try SocketPath.bind(configuration.socketPath, mode: configuration.socketMode, group: configuration.socketGroup)
+            return (bound.fd, bound.inode)
+        } catch {
+            logger.error("cannot listen: \(error)")
+            return nil
+        }
+    }
+
+    /// The varlink server of io.tokenbroker.Broker on `fd`, with the configuration's limits (not
+    /// started yet).
+    private func makeServer(_ configuration: BrokerConfiguration, listening fd: Int32) -> VarlinkServer? {
+        let service = BrokerService(sessions: table, logger: logger, reload: { [reloader] in await reloader.reload() },
+                                    forget: { [reloader] name in try await reloader.forget(name) }, metrics: metrics,
+                                    metricsText: { [self] in await self.metricsText() }, revocations: revocations)
+        let (logger, metrics) = (self.logger, self.metrics)
+        do {
+            return try VarlinkServer(
+                listening: fd,
+                info: VarlinkServiceInfo(vendor: "tokenbroker", product: "tokenbroker", version: Self.version, url: Product.url),
+                interfaces: [BrokerContract.interface], handler: service,
+                configuration: VarlinkServerConfiguration(
+                    maximumMessageSize: configuration.maxMessageSize,
+                    jsonLimits: JSONLimits(maximumMembers: configuration.maxObjectMembers),
+                    maximumConnections: configuration.maxConnections,
+                    maximumConnectionsPerUser: configuration.maxConnectionsPerUser,
+                    // Admins (root, the daemon's user, AdminGroup=) may always reach the daemon.
+                    isPrivileged: { [table] peer in table.isAdmin(peer) },
+                    messageTimeout: configuration.messageTimeout,
+                    maximumQueuedOutput: configuration.maxQueuedOutput,
+                    protocolErrorName: BrokerError.protocolErrorName,
+                    heartbeat: Systemd.watchdogInterval().map { ($0, { Systemd.watchdog() }) }),
+                onEvent: { event in
+                    switch event {
+                    case let .connectionRefused(peer, refusal):
+                        let why: String
+                        switch refusal {
+                        case .serverFull:
+                            why = "MaxConnections= reached"
+                            metrics.refusedConnection("server_full")
+                        case .userLimit:
+                            why = "MaxConnectionsPerUser= reached"
+                            metrics.refusedConnection("user_limit")
+                        case .descriptors:
+                            why = "out of file descriptors"
+                            metrics.refusedConnection("descriptors")
+                        }
+                        logger.limited(.warning, key: "refused:\(peer.map { "\($0.uid)" } ?? "-")",
+                                       "connection refused (\(why)): \(peer.map { "\($0)" } ?? "a client")")
+                    case let .protocolError(peer, reason):
+                        logger.limited(.notice, key: "protocol:\(peer.uid)", "protocol error from \(peer): \(reason)")
+                    }
+                })
+        } catch {
+            logger.error("cannot serve: \(error)")
+            close(fd)
+            return nil
+        }
+    }
+
+    /// `MetricsListen=`, when configured and it can be opened (tokens come first: the daemon
+    /// serves them without metrics).
+    private func startMetrics(_ configuration: BrokerConfiguration) -> MetricsServer? {
+        guard let address = configuration.metricsListen else { return nil }
+        do {
+            let listener = try MetricsServer(address, group: configuration.metricsGroup)
+            let metricsGroup = configuration.metricsGroup
+            let authorization = MetricsAuthorization(peerMayRead: { [table] peer in
+                let access = table.snapshot.access
+                return access.isAdmin(peer) || metricsGroup.map { access.isMember(peer, of: $0) } == true
+            }, bearerToken: configuration.metricsBearerToken)
+            listener.start(authorization: authorization,
+                           render: { [self] openMetrics, full in await self.metricsText(openMetrics: openMetrics, full: full) },
+                           refused: { [metrics] reason in metrics.refusedScrape(reason) })
+            logger.info("metrics on \(address)/metrics")
+            return listener
+        } catch {
+            logger.error("cannot serve metrics on \(address): \(error)")
+            return nil
+        }
     }
 
     /// SIGHUP reloads; SIGTERM and SIGINT start the graceful stop.
