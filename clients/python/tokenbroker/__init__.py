@@ -1,12 +1,12 @@
 """tokenbroker: current OAuth 2.0 access tokens from the local broker, for Python workers."""
 
 from .auth import BrokerAuth, HTTPXBrokerAuth, parse_challenges, should_retry
-from .client import DEFAULT_SOCKET, Broker, Event, Token
+from .client import DEFAULT_SOCKET, Broker, Credential, Event, Token
 from .errors import (BrokerError, ConfigurationError, ConnectionLost, InternalError, LoginFailed, NoSuchSession,
-                     PermissionDenied, ProtocolError, RefreshFailed, SessionConfigured, ShuttingDown, SignedOut,
+                     NotServed, PermissionDenied, ProtocolError, RefreshFailed, SessionConfigured, ShuttingDown, SignedOut,
                      StoreFailed, Throttled)
 
-__all__ = ["Broker", "Token", "Event", "DEFAULT_SOCKET", "BrokerAuth", "HTTPXBrokerAuth", "parse_challenges", "should_retry",
-           "BrokerError", "ConnectionLost", "NoSuchSession", "SignedOut", "PermissionDenied", "RefreshFailed", "Throttled",
+__all__ = ["Broker", "Token", "Credential", "Event", "DEFAULT_SOCKET", "BrokerAuth", "HTTPXBrokerAuth", "parse_challenges", "should_retry",
+           "BrokerError", "ConnectionLost", "NoSuchSession", "NotServed", "SignedOut", "PermissionDenied", "RefreshFailed", "Throttled",
            "SessionConfigured", "StoreFailed", "ConfigurationError", "LoginFailed", "ShuttingDown", "InternalError",
            "ProtocolError"]

@@ -8,12 +8,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
-from .errors import BrokerError, ConnectionLost, error_from_reply
+from .errors import BrokerError, ConnectionLost, NoSuchSession, NotServed, error_from_reply
 
 DEFAULT_SOCKET = "/run/tokenbroker/io.tokenbroker.Broker"
 INTERFACE = "io.tokenbroker.Broker"
 #: Largest reply accepted (a token reply is a few kilobytes; Status of many sessions more).
 MAX_REPLY = 16 << 20
+#: Longest URL Credential takes, in bytes (UTF-8), as the contract says.
+MAX_URL = 2048
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,15 @@ class Token:
     def from_parameters(cls, parameters: Dict[str, Any]) -> "Token":
         return cls(token=parameters["token"], token_type=parameters.get("tokenType", "Bearer"),
                    expires_at=parameters.get("expiresAt"), generation=parameters.get("generation", 0))
+
+
+@dataclass(frozen=True)
+class Credential:
+    """Credential's answer: the session that serves the URL, and its token (whose repr leaves
+    the token out)."""
+
+    session: str
+    token: Token
 
 
 @dataclass(frozen=True)
@@ -99,14 +110,15 @@ class Broker:
 
     Each thread gets a connection of its own (a Recover waiting for an upstream refresh never
     holds up another thread's GetToken), made again in a child after `fork()`. If the broker
-    has restarted, GetToken, Recover and Status are sent once more on a new connection — only
-    when the old one failed before the call was written, or turned out closed when the reply
-    was awaited (a broker restart); never after a timeout. Other calls are never re-sent.
+    has restarted, GetToken, Recover, Credential and Status are sent once more on a new
+    connection — only when the old one failed before the call was written, or turned out closed
+    when the reply was awaited (a broker restart); never after a timeout. Other calls are never
+    re-sent.
     """
 
-    #: Calls that may be sent twice: reads, and Recover (with the same rejected token, a second
-    #: Recover gets the current token back).
-    RESENDABLE = {"GetToken", "Recover", "Status"}
+    #: Calls that may be sent twice: reads, and Recover or Credential with a rejected token
+    #: (with the same rejected token, a second call gets the current token back).
+    RESENDABLE = {"GetToken", "Recover", "Credential", "Status"}
 
     def __init__(self, socket_path: Optional[str] = None, timeout: float = 45.0):
         self.path = socket_path or os.environ.get("TOKENBROKER_SOCKET") or DEFAULT_SOCKET
@@ -177,6 +189,31 @@ class Broker:
         with (the current one if `rejected` is stale, else the result of the one shared refresh)."""
         return Token.from_parameters(self.call("Recover", {"session": session, "rejected": rejected}))
 
+    def credential(self, url: str, rejected: Optional[str] = None) -> Credential:
+        """The token for `url` (or a host, `host:port`), for credential helpers: that of the
+        session whose `Serves=` entry matches it most specifically among the sessions this caller
+        may use. With `rejected` (the token a request to it was refused with), as `recover`.
+
+        Raises NotServed (a NoSuchSession) when no such session serves the URL, ValueError for an
+        empty URL or one longer than the contract's 2048 bytes, and the session's errors as
+        `token` does. Neither the URL nor a token goes into an error's message."""
+        if not isinstance(url, str):
+            raise TypeError("url must be a str")
+        if rejected is not None and not isinstance(rejected, str):
+            raise TypeError("rejected must be a str or None")
+        if not url or len(url.encode("utf-8", "surrogatepass")) > MAX_URL:
+            raise ValueError(f"a URL of 1 to {MAX_URL} bytes")
+        parameters: Dict[str, Any] = {"url": url}
+        if rejected is not None:
+            parameters["rejected"] = rejected
+        try:
+            reply = self.call("Credential", parameters)
+        except NoSuchSession as error:
+            if error.session:
+                raise
+            raise NotServed("NoSuchSession: no session this caller may use serves the URL", error.parameters) from None
+        return Credential(session=reply["session"], token=Token.from_parameters(reply))
+
     def status(self) -> List[Dict[str, Any]]:
         """The sessions this caller may use, as Status reports them (no tokens)."""
         return list(self.call("Status").get("sessions", []))
@@ -202,4 +239,4 @@ class Broker:
             connection.close()
 
 
-__all__ = ["Broker", "Token", "Event", "BrokerError", "DEFAULT_SOCKET"]
+__all__ = ["Broker", "Token", "Credential", "Event", "BrokerError", "DEFAULT_SOCKET"]

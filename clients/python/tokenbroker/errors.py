@@ -29,6 +29,12 @@ class NoSuchSession(BrokerError):
     name = "io.tokenbroker.Broker.NoSuchSession"
 
 
+class NotServed(NoSuchSession):
+    """Credential: no session this caller may use serves the URL (the broker's NoSuchSession
+    with an empty session; it says the same whether nobody serves it or another user's session
+    does)."""
+
+
 class SignedOut(BrokerError):
     name = "io.tokenbroker.Broker.SignedOut"
 
