@@ -9,9 +9,10 @@ SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
 # systemd-socket-activate), setpriv, kill (procps) and openssl for the tests, and the
 # independent varlink implementation the conformance tests run against (Go), and etcd (the fleet
 # tests start their own etcd clusters on loopback ports; where systemd runs, the package also
-# starts its own etcd service on localhost:2379, which the tests do not use), and git (its real
-# clients are the credential-helper tests' own).
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus git
+# starts its own etcd service on localhost:2379, which the tests do not use; the same for
+# docker-registry's on :5000), and git, skopeo and docker-registry (real clients and a real
+# registry for the credential-helper tests).
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus git skopeo docker-registry
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
@@ -31,7 +32,7 @@ apt-install:
 	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing && \
-	  for service in etcd prometheus; do \
+	  for service in etcd prometheus docker-registry; do \
 	    case " $$missing " in *" $$service "*|*" $$service-server "*) \
 	      [ -d /run/systemd/system ] && $$sudo systemctl disable --now $$service >/dev/null 2>&1 || true;; \
 	    esac; \

@@ -470,3 +470,213 @@ extension CredentialHelperTests {
         server.serve_forever()
         """#
 }
+
+extension CredentialHelperTests {
+    static var registryTools: Bool {
+        FileManager.default.isExecutableFile(atPath: "/usr/bin/skopeo") && FileManager.default.isExecutableFile(atPath: "/usr/bin/docker-registry")
+    }
+
+    @Test("real skopeo and docker-registry with token authentication: docker-credential-tokenbroker gives the broker's token, the registry's token service accepts it; push, inspect; 8 parallel inspects after the token expired cost one refresh",
+          .enabled(if: CredentialHelperTests.registryTools, "no skopeo or docker-registry here"))
+    func realRegistry() async throws {
+        var options = DevIssuer.Options()
+        options.accessTokenLifetime = .seconds(3)
+        let issuer = try DevIssuer(options: options)
+        defer { issuer.stop() }
+        let certificates = try await TestCertificates.make()
+        defer { try? FileManager.default.removeItem(atPath: certificates) }
+        let work = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: work) }
+        try Self.registryScript.write(toFile: work + "/registry_side.py", atomically: true, encoding: .utf8)
+        // The registry (docker-registry, token auth) and its token service, which grants a pull
+        // and push token for a Basic password the issuer's protected resource accepts.
+        let side = Process()
+        side.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
+        side.arguments = [work + "/registry_side.py", issuer.resourceURL, certificates, work]
+        let control = Pipe(), answers = Pipe()
+        side.standardInput = control
+        side.standardOutput = answers
+        side.standardError = FileHandle.nullDevice
+        try side.run()
+        defer {
+            try? control.fileHandleForWriting.close()
+            side.waitUntilExit()
+        }
+        let ports = try #require(try JSONParser.parse(ArraySlice(answers.fileHandleForReading.availableData)).objectValue)
+        let registry = try #require(ports["registry"]?.intValue)
+        let broker = try await Broker(config: "[Broker]\nSocketMode=0666\n\n" + Broker.oauthSession(issuer.tokenEndpoint, name: "images")
+                                      + "RefreshAhead=0\nServes=127.0.0.1:\(registry)\n")
+        defer { try? FileManager.default.removeItem(atPath: broker.directory) }
+        #expect(try broker.call("Login", ["session": "images", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
+        // docker-credential-tokenbroker on PATH, named in the auth file's credHelpers.
+        let bin = broker.directory + "/bin"
+        try FileManager.default.createDirectory(atPath: bin, withIntermediateDirectories: true)
+        try FileManager.default.createSymbolicLink(atPath: bin + "/docker-credential-tokenbroker", withDestinationPath: Paths.tokenbroker)
+        let authfile = broker.directory + "/auth.json"
+        try #"{"credHelpers": {"127.0.0.1:\#(registry)": "tokenbroker"}}"#.write(toFile: authfile, atomically: true, encoding: .utf8)
+        func skopeo(_ arguments: [String]) async throws -> (code: Int32, out: String, err: String) {
+            var environment = ProcessInfo.processInfo.environment
+            environment["PATH"] = bin + ":" + (environment["PATH"] ?? "/usr/bin:/bin")
+            environment["TOKENBROKER_SOCKET"] = broker.socket
+            environment["HOME"] = broker.directory
+            let child = try Child("/usr/bin/skopeo", ["--insecure-policy"] + arguments, environment: environment, directory: broker.directory)
+            let code = await child.wait(timeout: 120)
+            return (code, child.stdout, child.stderr)
+        }
+        let image = "docker://127.0.0.1:\(registry)/demo:1"
+        let push = try await skopeo(["copy", "--dest-tls-verify=false", "--authfile", authfile, "oci:\(work)/image:1", image])
+        #expect(push.code == 0, "skopeo copy: \(push.err)")
+        let inspect = try await skopeo(["inspect", "--tls-verify=false", "--authfile", authfile, image])
+        #expect(inspect.code == 0 && inspect.out.contains("\"Name\": \"127.0.0.1:\(registry)/demo\""), "skopeo inspect: \(inspect.err)")
+
+        // After the token expired: 8 inspects at once, one refresh.
+        let expiresAt = try #require(try broker.status("images")?["expiresAt"]?.intValue)
+        let deadline = ContinuousClock.now + .seconds(20)
+        while Int64(Date().timeIntervalSince1970) <= expiresAt, ContinuousClock.now < deadline { try await Task.sleep(for: .milliseconds(100)) }
+        let before = issuer.counters.refreshGrants
+        let codes = try await withThrowingTaskGroup(of: Int32.self) { group in
+            for _ in 0..<8 { group.addTask { try await skopeo(["inspect", "--tls-verify=false", "--authfile", authfile, image]).code } }
+            return try await group.reduce(into: []) { $0.append($1) }
+        }
+        #expect(codes.count == 8 && codes.allSatisfy { $0 == 0 }, "inspects failed: \(codes.filter { $0 != 0 }.count)")
+        #expect(issuer.counters.refreshGrants == before + 1, "8 inspects after the expiry cost \(issuer.counters.refreshGrants - before) refreshes")
+        // The token service never saw a password it refused.
+        control.fileHandleForWriting.write(Data("counts\n".utf8))
+        let counts = try #require(try JSONParser.parse(ArraySlice(answers.fileHandleForReading.availableData)).objectValue)
+        #expect(counts["refused"]?.intValue == 0 && (counts["granted"]?.intValue ?? 0) >= 10, "token service: \(counts)")
+        _ = await broker.stop()
+    }
+
+    /// The registry side: docker-registry with token authentication, its token service (JWTs
+    /// signed with the test server key, its certificate in x5c, the test CA as the registry's
+    /// root), and a one-layer OCI image to push. argv: the issuer's resource URL, the
+    /// certificates' directory, a work directory. Prints the ports; answers "counts".
+    static let registryScript = #"""
+        import base64, hashlib, http.server, io, json, os, socket, socketserver, subprocess, sys, tarfile, threading, time, urllib.request, urllib.error, uuid
+
+        check, certificates, work = sys.argv[1], sys.argv[2], sys.argv[3]
+
+        def valid(password):
+            if check.startswith("http"):
+                try:
+                    return urllib.request.urlopen(urllib.request.Request(check, headers={"Authorization": "Bearer " + password}), timeout=10).status == 200
+                except urllib.error.URLError:
+                    return False
+            return password == open(check).read().strip()
+
+        def free_port():
+            s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close(); return port
+
+        def b64url(data):
+            return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+        def der(pem_path):
+            text = open(pem_path).read()
+            body = text.split("-----BEGIN CERTIFICATE-----")[1].split("-----END CERTIFICATE-----")[0]
+            return "".join(body.split())
+
+        def jwt(scope, subject):
+            access = []
+            if scope:
+                kind, name, actions = scope.split(":", 2)
+                access.append({"type": kind, "name": name, "actions": actions.split(",")})
+            now = int(time.time())
+            header = {"alg": "RS256", "typ": "JWT", "x5c": [der(certificates + "/server.pem")]}
+            claims = {"iss": "tb-token-service", "sub": subject, "aud": "tb-registry", "exp": now + 300, "nbf": now - 10, "iat": now,
+                      "jti": uuid.uuid4().hex, "access": access}
+            signing = b64url(json.dumps(header).encode()) + "." + b64url(json.dumps(claims).encode())
+            signature = subprocess.run(["openssl", "dgst", "-sha256", "-sign", certificates + "/server.key"], input=signing.encode(),
+                                       capture_output=True, check=True).stdout
+            return signing + "." + b64url(signature)
+
+        granted = [0]
+        refused = [0]
+        class Token(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            def do_GET(self):
+                from urllib.parse import urlparse, parse_qs
+                query = parse_qs(urlparse(self.path).query)
+                auth = self.headers.get("Authorization", "")
+                ok = False
+                user = ""
+                if auth.startswith("Basic "):
+                    user, _, password = base64.b64decode(auth[6:]).decode().partition(":")
+                    ok = valid(password)
+                if not ok:
+                    refused[0] += 1
+                    body = b'{"errors":[{"code":"UNAUTHORIZED"}]}'
+                    self.send_response(401)
+                else:
+                    granted[0] += 1
+                    token = jwt(query.get("scope", [""])[0], user)
+                    body = json.dumps({"token": token, "access_token": token, "expires_in": 300}).encode()
+                    self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            def log_message(self, *a): pass
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+
+        token_server = Server(("127.0.0.1", 0), Token)
+        threading.Thread(target=token_server.serve_forever, daemon=True).start()
+        token_port = token_server.server_address[1]
+        registry_port = free_port()
+        config = f"""version: 0.1
+        storage:
+          filesystem:
+            rootdirectory: {work}/data
+        http:
+          addr: 127.0.0.1:{registry_port}
+        auth:
+          token:
+            realm: http://127.0.0.1:{token_port}/token
+            service: tb-registry
+            issuer: tb-token-service
+            rootcertbundle: {certificates}/ca.pem
+        """
+        open(work + "/registry.yml", "w").write(config)
+        registry = subprocess.Popen(["docker-registry", "serve", work + "/registry.yml"], stdout=subprocess.DEVNULL, stderr=open(work + "/registry.log", "w"))
+
+        # A one-layer OCI image in work/image.
+        def blob(data):
+            digest = hashlib.sha256(data).hexdigest()
+            os.makedirs(work + "/image/blobs/sha256", exist_ok=True)
+            open(f"{work}/image/blobs/sha256/{digest}", "wb").write(data)
+            return {"digest": "sha256:" + digest, "size": len(data)}
+        layer_bytes = io.BytesIO()
+        with tarfile.open(fileobj=layer_bytes, mode="w") as archive:
+            content = b"hello from tokenbroker\n"
+            info = tarfile.TarInfo("hello.txt"); info.size = len(content); info.mtime = 0
+            archive.addfile(info, io.BytesIO(content))
+        layer = blob(layer_bytes.getvalue())
+        layer["mediaType"] = "application/vnd.oci.image.layer.v1.tar"
+        diff_id = layer["digest"]
+        cfg = blob(json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": [diff_id]}, "config": {}}).encode())
+        cfg["mediaType"] = "application/vnd.oci.image.config.v1+json"
+        manifest = blob(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json", "config": cfg, "layers": [layer]}).encode())
+        manifest["mediaType"] = "application/vnd.oci.image.manifest.v1+json"
+        manifest["annotations"] = {"org.opencontainers.image.ref.name": "1"}
+        open(work + "/image/oci-layout", "w").write('{"imageLayoutVersion": "1.0.0"}')
+        open(work + "/image/index.json", "w").write(json.dumps({"schemaVersion": 2, "manifests": [manifest]}))
+
+        # Ready when the registry answers.
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{registry_port}/v2/", timeout=1)
+            except urllib.error.HTTPError:
+                break
+            except OSError:
+                time.sleep(0.05)
+        print(json.dumps({"registry": registry_port, "token": token_port}), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "counts":
+                print(json.dumps({"granted": granted[0], "refused": refused[0]}), flush=True)
+        registry.terminate()
+        registry.wait()
+
+        """#
+}
