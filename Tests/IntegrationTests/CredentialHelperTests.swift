@@ -352,6 +352,24 @@ extension CredentialHelperTests {
 }
 
 extension CredentialHelperTests {
+    /// A development issuer whose access tokens live 3 s.
+    static func shortLivedIssuer() throws -> DevIssuer {
+        var options = DevIssuer.Options()
+        options.accessTokenLifetime = .seconds(3)
+        return try DevIssuer(options: options)
+    }
+
+    /// Returns once the session's token has expired (a session with `RefreshAhead=0` then
+    /// refreshes only on the next demand); at most 20 s.
+    static func waitUntilExpired(_ broker: Broker, _ session: String) async throws {
+        let expiresAt = try #require(try broker.status(session)?["expiresAt"]?.intValue)
+        let deadline = ContinuousClock.now + .seconds(20)
+        while Int64(Date().timeIntervalSince1970) <= expiresAt {
+            try #require(ContinuousClock.now < deadline, "the token of \(session) did not expire")
+            try await Task.sleep(for: .milliseconds(100))
+        }
+    }
+
     static var kubectl: String? {
         ["/usr/bin/kubectl", "/usr/local/bin/kubectl"].first { FileManager.default.isExecutableFile(atPath: $0) }
     }
@@ -360,9 +378,7 @@ extension CredentialHelperTests {
           .enabled(if: CredentialHelperTests.kubectl != nil, "no kubectl here (Debian: kubernetes-client)"))
     func realKubectl() async throws {
         let kubectl = try #require(Self.kubectl)
-        var options = DevIssuer.Options()
-        options.accessTokenLifetime = .seconds(3)
-        let issuer = try DevIssuer(options: options)
+        let issuer = try Self.shortLivedIssuer()
         defer { issuer.stop() }
         // The API server, on TLS (client-go sends an exec plugin's token over TLS only): pods
         // for a bearer token the issuer's protected resource accepts, 401 otherwise.
@@ -422,10 +438,7 @@ extension CredentialHelperTests {
         let served = issuer.counters.resourceRequests
         #expect(served >= 1, "the API server asked the issuer about the token")
 
-        // Wait for the token to expire (it lives 3 s; the session refreshes only on demand).
-        let expiresAt = try #require(try broker.status("cluster")?["expiresAt"]?.intValue)
-        let deadline = ContinuousClock.now + .seconds(20)
-        while Int64(Date().timeIntervalSince1970) <= expiresAt, ContinuousClock.now < deadline { try await Task.sleep(for: .milliseconds(100)) }
+        try await Self.waitUntilExpired(broker, "cluster")
         let before = issuer.counters.refreshGrants
         let runs = try await withThrowingTaskGroup(of: Int32.self) { group in
             for _ in 0..<64 { group.addTask { try await run().code } }
@@ -479,9 +492,7 @@ extension CredentialHelperTests {
     @Test("real skopeo and docker-registry with token authentication: docker-credential-tokenbroker gives the broker's token, the registry's token service accepts it; push, inspect; 8 parallel inspects after the token expired cost one refresh",
           .enabled(if: CredentialHelperTests.registryTools, "no skopeo or docker-registry here"))
     func realRegistry() async throws {
-        var options = DevIssuer.Options()
-        options.accessTokenLifetime = .seconds(3)
-        let issuer = try DevIssuer(options: options)
+        let issuer = try Self.shortLivedIssuer()
         defer { issuer.stop() }
         let certificates = try await TestCertificates.make()
         defer { try? FileManager.default.removeItem(atPath: certificates) }
@@ -530,9 +541,7 @@ extension CredentialHelperTests {
         #expect(inspect.code == 0 && inspect.out.contains("\"Name\": \"127.0.0.1:\(registry)/demo\""), "skopeo inspect: \(inspect.err)")
 
         // After the token expired: 8 inspects at once, one refresh.
-        let expiresAt = try #require(try broker.status("images")?["expiresAt"]?.intValue)
-        let deadline = ContinuousClock.now + .seconds(20)
-        while Int64(Date().timeIntervalSince1970) <= expiresAt, ContinuousClock.now < deadline { try await Task.sleep(for: .milliseconds(100)) }
+        try await Self.waitUntilExpired(broker, "images")
         let before = issuer.counters.refreshGrants
         let codes = try await withThrowingTaskGroup(of: Int32.self) { group in
             for _ in 0..<8 { group.addTask { try await skopeo(["inspect", "--tls-verify=false", "--authfile", authfile, image]).code } }
