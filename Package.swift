@@ -54,6 +54,8 @@ var package = Package(
         // AES-256-GCM sealing under an operator's key (`TokenCipher`): the state database's token
         // columns and what a fleet shares through etcd.
         .target(name: "Sealing", dependencies: ["Basics", "CCrypto"]),
+        // DPoP (RFC 9449): a session's P-256 key (through libcrypto) and the proofs signed with it.
+        .target(name: "DPoP", dependencies: ["Basics", "CCrypto", "WireJSON"]),
         // The SQLite session store: generation-guarded writes, WAL + synchronous=FULL, migrations.
         .target(name: "SQLiteStore", dependencies: ["Basics", "CSQLite", "Sealing", "TokenBrokerCore"]),
         // The wire contract of io.tokenbroker.Broker — its text, methods, typed requests and replies,
@@ -102,6 +104,7 @@ var package = Package(
         .testTarget(name: "TokenBrokerCoreTests", dependencies: ["TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "Sealing", "TokenBrokerCore", "TestSupport"]),
+        .testTarget(name: "DPoPTests", dependencies: ["DPoP", "Basics", "WireJSON", "TestSupport"]),
         .testTarget(name: "FleetTests", dependencies: ["Fleet", "Sealing", "TokenBrokerCore", "TestSupport", "Upstream"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerCLI", "Basics", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),

@@ -20,6 +20,13 @@ public enum Base64 {
         return String(decoding: output, as: UTF8.self)
     }
 
+    /// base64url without padding (RFC 4648 §5; JOSE's encoding).
+    public static func urlEncode(_ bytes: [UInt8]) -> String {
+        var text = encode(bytes)
+        while text.hasSuffix("=") { text.removeLast() }
+        return String(text.map { $0 == "+" ? "-" : $0 == "/" ? "_" : $0 })
+    }
+
     public static func decode(_ text: String) -> [UInt8]? {
         var values: [UInt8] = []
         for byte in text.utf8 where byte != UInt8(ascii: "=") {

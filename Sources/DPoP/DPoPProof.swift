@@ -1,0 +1,47 @@
+import Basics
+import WireJSON
+
+/// DPoP proofs (RFC 9449 §4): a compact JWS, `typ` `dpop+jwt`, `alg` ES256, the public key in
+/// `jwk`; claims `jti` (unique), `htm`, `htu` (without query and fragment), `iat`, and, where
+/// they apply, the server's `nonce` and `ath` (the access token's SHA-256, for resource requests).
+public enum DPoPProof {
+    /// A proof for a request of `method` to `url`.
+    /// - Parameters:
+    ///   - jti: unique per proof (random by default).
+    ///   - accessToken: the token the request carries (a resource request): its hash goes in `ath`.
+    public static func make(key: DPoPKey, method: String, url: String, issuedAt: Int64, nonce: String? = nil,
+                            accessToken: String? = nil, jti: String = randomJTI()) throws(DPoPError) -> String {
+        guard let htu = target(url) else { throw DPoPError("not an http(s) URL") }
+        guard !method.isEmpty, method.utf8.allSatisfy({ (0x41...0x5A).contains($0) }) else { throw DPoPError("not an HTTP method") }
+        let jwk = JSONObject(key.jwk.map { (key: $0.name, value: JSON.string($0.value)) })
+        let header: JSONObject = ["typ": "dpop+jwt", "alg": "ES256", "jwk": .object(jwk)]
+        var claims: JSONObject = ["jti": .string(jti), "htm": .string(method), "htu": .string(htu), "iat": .int(issuedAt)]
+        if let nonce { claims["nonce"] = .string(nonce) }
+        if let accessToken { claims["ath"] = .string(Base64.urlEncode(DPoPKey.sha256(Array(accessToken.utf8)))) }
+        let signingInput = Base64.urlEncode(JSON.object(header).encoded) + "." + Base64.urlEncode(JSON.object(claims).encoded)
+        return signingInput + "." + Base64.urlEncode(try key.sign(Array(signingInput.utf8)))
+    }
+
+    /// `url` as `htu` says it: scheme and authority lower-cased, without query and fragment;
+    /// nil unless it is an http or https URL with a host.
+    public static func target(_ url: String) -> String? {
+        guard url.utf8.count <= 4096, url.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else { return nil }
+        var text = Substring(url)
+        if let cut = text.firstIndex(where: { $0 == "?" || $0 == "#" }) { text = text[..<cut] }
+        let lower = text.lowercased()
+        let scheme: String
+        if lower.hasPrefix("https://") { scheme = "https://" } else if lower.hasPrefix("http://") { scheme = "http://" } else { return nil }
+        let rest = text.dropFirst(scheme.count)
+        let authorityEnd = rest.firstIndex(of: "/") ?? rest.endIndex
+        let authority = rest[..<authorityEnd]
+        guard !authority.isEmpty, !authority.contains("@") else { return nil }
+        let path = rest[authorityEnd...]
+        return scheme + authority.lowercased() + (path.isEmpty ? "/" : String(path))
+    }
+
+    /// 16 random bytes, base64url.
+    public static func randomJTI() -> String {
+        var generator = SystemRandomNumberGenerator()
+        return Base64.urlEncode((0..<16).map { _ in UInt8.random(in: 0...255, using: &generator) })
+    }
+}
