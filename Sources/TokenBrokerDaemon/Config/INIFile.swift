@@ -115,10 +115,16 @@ public enum INIFile {
     /// A section or key name: letters and digits.
     private static func isName(_ name: String) -> Bool {
         guard !name.isEmpty else { return false }
-        if name.utf8.allSatisfy({ $0 < 0x80 }) {
-            return name.utf8.allSatisfy { (0x30...0x39).contains($0) || (0x41...0x5A).contains($0) || (0x61...0x7A).contains($0) }
+        var ascii = true
+        for byte in name.utf8 {
+            if byte >= 0x80 {
+                ascii = false
+                break
+            }
+            // Letters and digits: one comparison each after folding case.
+            guard (0x30...0x39).contains(byte) || (0x61...0x7A).contains(byte | 0x20) else { return false }
         }
-        return name.allSatisfy { $0.isLetter || $0.isNumber }
+        return ascii || name.allSatisfy { $0.isLetter || $0.isNumber }
     }
 }
 

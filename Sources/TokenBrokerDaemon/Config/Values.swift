@@ -13,6 +13,11 @@ enum ConfigValue {
         ("days", 86400), ("day", 86400), ("d", 86400),
     ]
 
+    /// The units by their letters packed in an integer (at most 8 of them), for the byte reading.
+    private static let packedUnits: [UInt64: Double] = Dictionary(uniqueKeysWithValues: units.map { unit in
+        (unit.0.utf8.reduce(UInt64(0)) { $0 << 8 | UInt64($1) }, unit.1)
+    })
+
     /// `duration` of ASCII text, byte by byte (thousands of sessions each have a few): the same
     /// reading as `characterDuration`, which any other text gets.
     private static func asciiDuration(_ bytes: [UInt8]) -> Duration? {
@@ -34,8 +39,8 @@ enum ConfigValue {
             while index < end, bytes[index] == UInt8(ascii: " ") { index += 1 }
             if unit.isEmpty {
                 total += value
-            } else if let match = units.first(where: { $0.0.utf8.elementsEqual(unit) }) {
-                total += value * match.1
+            } else if unit.count <= 8, let scale = packedUnits[unit.reduce(UInt64(0)) { $0 << 8 | UInt64($1) }] {
+                total += value * scale
             } else {
                 return nil
             }
