@@ -115,4 +115,38 @@ struct DPoPTests {
         #expect(throws: DPoPError.self) { try DPoPProof.make(key: key, method: "get", url: "https://a/", issuedAt: 1) }
         #expect(throws: DPoPError.self) { try DPoPProof.make(key: key, method: "GET", url: "mailto:x", issuedAt: 1) }
     }
+
+    @Test("the verifier accepts the proofs the broker makes, and refuses a forged signature, another key's header, another method, URL or token, a stale iat, and a private key in the header")
+    func verifier() throws {
+        let key = try DPoPKey()
+        let token = "access-token-1"
+        let proof = try DPoPProof.make(key: key, method: "GET", url: "https://rs.example/api?q=1", issuedAt: 1_000, nonce: "n", accessToken: token)
+        let verified = try DPoPVerifier.verify(proof, method: "GET", url: "https://rs.example/api", now: 1_010, accessToken: token)
+        #expect(verified.thumbprint == key.thumbprint && verified.nonce == "n" && verified.issuedAt == 1_000)
+        func refused(_ proof: String, method: String = "GET", url: String = "https://rs.example/api", now: Int64 = 1_010,
+                     accessToken: String? = token) -> Bool {
+            (try? DPoPVerifier.verify(proof, method: method, url: url, now: now, accessToken: accessToken)) == nil
+        }
+        #expect(refused(proof, method: "POST"))
+        #expect(refused(proof, url: "https://rs.example/other"))
+        #expect(refused(proof, url: "https://evil.example/api"))
+        #expect(refused(proof, accessToken: "another-token"))
+        #expect(refused(proof, now: 1_100))
+        #expect(refused(proof, now: 900))
+        // The signature of one proof under another key's header; a flipped signature byte.
+        let parts = proof.split(separator: ".").map(String.init)
+        let other = try DPoPProof.make(key: try DPoPKey(), method: "GET", url: "https://rs.example/api", issuedAt: 1_000, accessToken: token)
+        let otherParts = other.split(separator: ".").map(String.init)
+        #expect(refused(otherParts[0] + "." + parts[1] + "." + parts[2]))
+        var signature = try #require(Self.decode(Substring(parts[2])))
+        signature[10] ^= 0x01
+        #expect(refused(parts[0] + "." + parts[1] + "." + Base64.urlEncode(signature)))
+        // A header that carries a private key, or an algorithm other than ES256.
+        for header in [#"{"typ":"dpop+jwt","alg":"ES256","jwk":{"kty":"EC","crv":"P-256","x":"AA","y":"AA","d":"AA"}}"#,
+                       #"{"typ":"dpop+jwt","alg":"none","jwk":{}}"#, #"{"typ":"JWT","alg":"ES256"}"#] {
+            #expect(refused(Base64.urlEncode(Array(header.utf8)) + "." + parts[1] + "." + parts[2]))
+        }
+        #expect(refused("a.b"))
+        #expect(refused(String(repeating: "a", count: 9000)))
+    }
 }
