@@ -96,7 +96,15 @@ public enum CredentialHelper {
         let environment: Environment
 
         func lookup(_ url: String, rejected: String? = nil) -> Result<Lookup, Ctl.Failure> {
-            request(.credential(url: url, rejected: rejected))
+            // What the broker would refuse to read is nobody's: the tool asks its next helper.
+            guard !url.isEmpty, url.utf8.count <= 2048 else { return .success(.notFound) }
+            return request(.credential(url: url, rejected: rejected)).flatMap { lookup in
+                // A token the protocols could not carry as one field is not handed on.
+                if case let .found(reply) = lookup, !reply.token.token.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) {
+                    return .failure(Ctl.Failure(code: ExitCode.failure, message: "the broker's token is not visible ASCII"))
+                }
+                return .success(lookup)
+            }
         }
 
         func session(_ name: String) -> Result<Lookup, Ctl.Failure> {
@@ -199,7 +207,7 @@ public enum CredentialHelper {
         let url: String
         if let given = fields["url"] {
             url = given
-        } else if let host = fields["host"], !host.isEmpty {
+        } else if let host = fields["host"], !host.isEmpty, !host.contains("@") {
             url = (fields["protocol"].map { $0 + "://" } ?? "") + host + (fields["path"].map { "/" + $0 } ?? "")
         } else {
             return ExitCode.ok   // nothing to look up: git asks its next helper
@@ -214,7 +222,8 @@ public enum CredentialHelper {
         switch relay.lookup(url) {
         case let .success(.found(reply)):
             var answer = "username=\(username)\npassword=\(reply.token.token)\n"
-            if capabilities.contains("authtype") { answer += "capability[]=authtype\nauthtype=Bearer\ncredential=\(reply.token.token)\n" }
+            // (ephemeral: git must not hand the token to a storing helper, which would outlive a logout.)
+            if capabilities.contains("authtype") { answer += "capability[]=authtype\nauthtype=Bearer\ncredential=\(reply.token.token)\nephemeral=true\n" }
             if let expiresAt = reply.token.expiresAt { answer += "password_expiry_utc=\(expiresAt)\n" }
             output.write(answer)
             return ExitCode.ok
@@ -238,7 +247,8 @@ public enum CredentialHelper {
         var apiVersion = "client.authentication.k8s.io/v1beta1"
         var server: String?
         if let info = relay.environment.variable("KUBERNETES_EXEC_INFO") {
-            guard info.utf8.count <= inputLimit, case let .object(object)? = try? JSONParser.parse(ArraySlice(info.utf8)),
+            // (Up to 1 MiB: a kubeconfig may embed a CA bundle in the cluster info.)
+            guard info.utf8.count <= 1 << 20, case let .object(object)? = try? JSONParser.parse(ArraySlice(info.utf8)),
                   let version = object["apiVersion"]?.stringValue,
                   ["client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1"].contains(version) else {
                 errors.write("tokenbroker credential kubectl: KUBERNETES_EXEC_INFO is not an ExecCredential of client.authentication.k8s.io/v1 or v1beta1\n")

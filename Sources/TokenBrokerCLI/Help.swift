@@ -51,8 +51,11 @@ public enum Help {
           -h, --help              Show this help.
 
         CONFIGURATION:
-          git        git config --global credential.https://git.example.com.helper \
+          git        git config --global credential.https://git.example.com.helper ''
+                     git config --global --add credential.https://git.example.com.helper \
                        '/usr/bin/tokenbroker credential git'
+                     (the empty value first: no storing helper keeps the token; with a
+                     path in Serves=, also credential.useHttpPath true)
           kubectl    users: [{name: n, user: {exec: {apiVersion: client.authentication.k8s.io/v1beta1,
                        command: tokenbroker, args: [credential, kubectl, --url, https://k8s.example.com:6443]}}}]
           docker     "credHelpers": {"registry.example.com": "tokenbroker"} (runs docker-credential-tokenbroker)

@@ -192,18 +192,26 @@ final class BrokerService: VarlinkHandler {
     /// Credential: the token of the session that serves `url` for `peer`, as GetToken (or, with
     /// `rejected`, Recover) answers it, with the session's name. No session: NoSuchSession with
     /// no name, the same for a URL nobody serves and one only another user's session serves.
+    ///
+    /// Resolved in a task, never on the I/O thread: a host thousands of sessions serve costs
+    /// the caller its scan, and nobody else.
     private func credential(_ url: String, rejected: Secret?, for peer: PeerCredentials) -> VarlinkHandling {
-        guard let served = ServedURL(url), let session = sessions.serving(served, for: peer) else {
-            return .reply(BrokerError.noSuchSession(session: "").reply)
-        }
-        let name = session.configuration.name
-        @Sendable func reply(_ token: IssuedToken) -> VarlinkReply {
-            VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters)
-        }
-        if rejected == nil, let token = session.coordinator.freshToken() { return .reply(reply(token)) }
-        return asyncReply(name) {
-            if let rejected { return reply(try await session.coordinator.recover(rejected: rejected)) }
-            return reply(try await session.coordinator.token())
+        let sessions = self.sessions
+        return .async { [self] sink in
+            guard let served = ServedURL(url), let session = sessions.serving(served, for: peer) else {
+                sink.send(BrokerError.noSuchSession(session: "").reply)
+                return
+            }
+            let name = session.configuration.name
+            do {
+                let token: IssuedToken
+                if let rejected { token = try await session.coordinator.recover(rejected: rejected) } else { token = try await session.coordinator.token() }
+                sink.send(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
+            } catch is CancellationError {
+                // The client is gone; nobody to answer.
+            } catch {
+                sink.send(reply(for: error, session: name))
+            }
         }
     }
 

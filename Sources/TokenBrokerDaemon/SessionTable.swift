@@ -112,16 +112,18 @@ final class SessionTable: Sendable {
     /// The session that serves `url` for `peer`: the most specific `Serves=` entry among the
     /// sessions `peer` may use (the first configured on a tie). Another user's session is
     /// never an answer, nor a hint.
+    ///
+    /// (On a copy of the snapshot, outside the lock: a host many sessions serve costs its
+    /// caller, not the lookups of others.)
     func serving(_ url: ServedURL, for peer: PeerCredentials) -> Session? {
-        state.withLock { state in
-            var best: (session: Session, specificity: Int)?
-            for candidate in state.serving.candidates(url.host) {
-                guard let specificity = candidate.entry.specificity(for: url), specificity > (best?.specificity ?? -1),
-                      let session = state.sessions[candidate.session], state.access.mayUse(session.configuration, peer) else { continue }
-                best = (session, specificity)
-            }
-            return best?.session
+        let state = snapshot
+        var best: (session: Session, specificity: Int)?
+        for candidate in state.serving.candidates(url.host) {
+            guard let specificity = candidate.entry.specificity(for: url), specificity > (best?.specificity ?? -1),
+                  let session = state.sessions[candidate.session], state.access.mayUse(session.configuration, peer) else { continue }
+            best = (session, specificity)
         }
+        return best?.session
     }
 
     func isAdmin(_ peer: PeerCredentials) -> Bool {

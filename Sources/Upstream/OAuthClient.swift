@@ -140,6 +140,11 @@ public struct OAuthClient: Sendable {
         guard let accessToken = object["access_token"]?.stringValue, !accessToken.isEmpty else {
             throw .transient("malformed token response (no access_token)")
         }
+        // A token goes into headers and credential-helper answers: visible ASCII only (RFC 6750's
+        // b64token and more), bounded, never a line break a tool would read as another field.
+        guard accessToken.utf8.count <= 16_384, accessToken.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
+            throw .transient("malformed token response (access_token is not visible ASCII)")
+        }
         guard let type = object["token_type"]?.stringValue else {
             throw .transient("malformed token response (no token_type)")
         }

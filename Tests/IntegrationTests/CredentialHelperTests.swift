@@ -78,32 +78,52 @@ struct CredentialHelperTests {
             #expect(check3)
             // Nobody serves it: git asks its next helper.
             let none = try await Self.helper(broker, ["credential", "git", "get"], stdin: "protocol=https\nhost=elsewhere.test\n\n")
-            #expect(none.code == 0 && none.out.isEmpty)
+            let check101 = none.code == 0 && none.out.isEmpty
+            #expect(check101)
+            // A bare entry means https: a plain-http URL to the same host gets nothing (the token
+            // would cross the network in clear), on any port; nor does a host with a user part.
+            for stdin in ["protocol=http\nhost=git.example.test:9999\npath=org/a\n\n", "protocol=https\nhost=evil.test@git.example.test\n\n"] {
+                let plain = try await Self.helper(broker, ["credential", "git", "get"], stdin: stdin)
+                let empty = plain.code == 0 && plain.out.isEmpty
+                #expect(empty)
+            }
+            let httpBazel = try await Self.helper(broker, ["credential", "bazel", "get"], stdin: #"{"uri":"http://registry.example.test:8080/a"}"#)
+            let noHeader = httpBazel.code == 0 && httpBazel.out == "{}\n"
+            #expect(noHeader)
+            // A URL too long for the broker falls through to the tool's next helper.
+            let long = try await Self.helper(broker, ["get", "registry.example.test/" + String(repeating: "a", count: 3000)], as: "terraform-credentials-tokenbroker")
+            let fallsThrough = long.code == 0 && long.out == "{}\n"
+            #expect(fallsThrough)
             let worst = try await Self.helper(broker, ["credential", "git", "get"], stdin: String(repeating: "x", count: 70_000))
             let check4 = worst.code != 0 && worst.out.isEmpty && !worst.err.contains(repos)
             #expect(check4)
             #expect(try await Self.helper(broker, ["credential", "git", "store"], stdin: "host=git.example.test\npassword=p\n\n").code == 0)
             let unknown = try await Self.helper(broker, ["credential", "git", "frobnicate"])
-            #expect(unknown.code == 64 && unknown.out.isEmpty)
+            let check102 = unknown.code == 64 && unknown.out.isEmpty
+            #expect(check102)
 
             // docker-credential-tokenbroker, as docker runs it.
             let docker = try await Self.helper(broker, ["get"], stdin: "registry.example.test\n", as: "docker-credential-tokenbroker")
             let check5 = docker.code == 0 && docker.out == #"{"ServerURL":"registry.example.test","Username":"oauth2","Secret":"\#(repos)"}"# + "\n"
             #expect(check5, "\(fp(docker.out)) \(docker.err)")
             let missing = try await Self.helper(broker, ["get"], stdin: "other.test\n", as: "docker-credential-tokenbroker")
-            #expect(missing.code == 1 && missing.out == "credentials not found in native keychain\n")
-            #expect(try await Self.helper(broker, ["list"], as: "docker-credential-tokenbroker").out == "{}\n")
+            let check103 = missing.code == 1 && missing.out == "credentials not found in native keychain\n"
+            #expect(check103)
+            let check104 = try await Self.helper(broker, ["list"], as: "docker-credential-tokenbroker").out == "{}\n"
+            #expect(check104)
 
             // Terraform and Bazel.
             let terraform = try await Self.helper(broker, ["get", "app.terraform.test"], as: "terraform-credentials-tokenbroker")
             let check6 = terraform.code == 0 && terraform.out == #"{"token":"\#(repos)"}"# + "\n"
             #expect(check6)
-            #expect(try await Self.helper(broker, ["get", "nobody.test"], as: "terraform-credentials-tokenbroker").out == "{}\n")
+            let check105 = try await Self.helper(broker, ["get", "nobody.test"], as: "terraform-credentials-tokenbroker").out == "{}\n"
+            #expect(check105)
             let bazel = try await Self.helper(broker, ["credential", "bazel", "get"], stdin: #"{"uri":"https://git.example.test/org/a"}"#)
             let check7 = bazel.code == 0 && bazel.out.hasPrefix(#"{"headers":{"Authorization":["Bearer \#(repos)"]},"expires":""#)
             #expect(check7)
             let badBazel = try await Self.helper(broker, ["credential", "bazel", "get"], stdin: "{uri")
-            #expect(badBazel.code == 1 && badBazel.out.isEmpty)
+            let check106 = badBazel.code == 1 && badBazel.out.isEmpty
+            #expect(check106)
 
             // kubectl's exec plugin, both API versions.
             for version in ["client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1"] {
@@ -114,13 +134,15 @@ struct CredentialHelperTests {
             }
             let badInfo = try await Self.helper(broker, ["credential", "kubectl", "--url", "https://127.0.0.1:6443"],
                                                 environment: ["KUBERNETES_EXEC_INFO": #"{"apiVersion":"v0"}"#])
-            #expect(badInfo.code == 1 && badInfo.out.isEmpty)
+            let check107 = badInfo.code == 1 && badInfo.out.isEmpty
+            #expect(check107)
             // A worker asking for what only root's session serves learns nothing of it.
             let probe = try await Self.helper(broker, ["credential", "kubectl", "--url", "https://git.example.test/org/private"], worker: true)
             let check9 = probe.out.contains(repos) && !probe.out.contains(privateToken)
             #expect(check9)
             let stranger = try await Self.helper(broker, ["credential", "kubectl", "--url", "https://nobody.test"], worker: true)
-            #expect(stranger.code == 1 && stranger.out.isEmpty && stranger.err.contains("no session this user may use serves"))
+            let check108 = stranger.code == 1 && stranger.out.isEmpty && stranger.err.contains("no session this user may use serves")
+            #expect(check108)
         }
     }
 }
@@ -434,7 +456,8 @@ extension CredentialHelperTests {
             return (code, child.stdout, child.stderr)
         }
         let first = try await run()
-        #expect(first.code == 0 && first.out.contains("PodList"), "kubectl: \(first.err)")
+        let check109 = first.code == 0 && first.out.contains("PodList")
+        #expect(check109, "kubectl: \(first.err)")
         let served = issuer.counters.resourceRequests
         #expect(served >= 1, "the API server asked the issuer about the token")
 
@@ -538,7 +561,8 @@ extension CredentialHelperTests {
         let push = try await skopeo(["copy", "--dest-tls-verify=false", "--authfile", authfile, "oci:\(work)/image:1", image])
         #expect(push.code == 0, "skopeo copy: \(push.err)")
         let inspect = try await skopeo(["inspect", "--tls-verify=false", "--authfile", authfile, image])
-        #expect(inspect.code == 0 && inspect.out.contains("\"Name\": \"127.0.0.1:\(registry)/demo\""), "skopeo inspect: \(inspect.err)")
+        let check110 = inspect.code == 0 && inspect.out.contains("\"Name\": \"127.0.0.1:\(registry)/demo\"")
+        #expect(check110, "skopeo inspect: \(inspect.err)")
 
         // After the token expired: 8 inspects at once, one refresh.
         try await Self.waitUntilExpired(broker, "images")

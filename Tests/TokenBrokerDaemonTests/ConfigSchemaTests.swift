@@ -142,4 +142,22 @@ struct ConfigSchemaTests {
             "f:6: unknown key refreshahead= in [Session] a, ignored (did you mean RefreshAhead=?)",
         ])
     }
+
+    @Test("Serves= entries: a bare one means https on any port; http only when written; one user part at most; ports are digits; paths at segment boundaries")
+    func servedURLs() throws {
+        func matches(_ entry: String, _ url: String) throws -> Bool {
+            try #require(ServedURL(entry)).specificity(for: try #require(ServedURL(url))) != nil
+        }
+        #expect(try matches("git.example.test", "https://git.example.test:8443/a"))
+        #expect(try matches("git.example.test", "git.example.test"))
+        #expect(try !matches("git.example.test", "http://git.example.test/a"))
+        #expect(try matches("http://127.0.0.1:8080", "http://127.0.0.1:8080/x"))
+        #expect(try !matches("http://127.0.0.1:8080", "127.0.0.1:8080"))
+        #expect(try matches("https://h/org", "https://h/org/repo") && !matches("https://h/org", "https://h/organization"))
+        #expect(try matches("h:6443", "https://h:6443") && !matches("h:6443", "https://h"))
+        #expect(try matches("https://h", "https://user@h/x"))
+        for refused in ["https://a@b@h/", "h:+443", "h:0", "https://h/a/../b", "https://h/./a", "", "h h", "https://[zz]/"] {
+            #expect(ServedURL(refused) == nil, "\(refused)")
+        }
+    }
 }

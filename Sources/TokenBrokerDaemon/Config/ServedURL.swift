@@ -32,7 +32,11 @@ public struct ServedURL: Sendable, Equatable, CustomStringConvertible {
         let authorityEnd = rest.firstIndex(of: "/") ?? rest.endIndex
         var authority = rest[..<authorityEnd]
         var path = String(rest[authorityEnd...])
-        if let at = authority.lastIndex(of: "@") { authority = authority[authority.index(after: at)...] }
+        // One user part at most: parsers disagree on which `@` ends it (git takes the first).
+        if let at = authority.firstIndex(of: "@") {
+            guard authority.lastIndex(of: "@") == at else { return nil }
+            authority = authority[authority.index(after: at)...]
+        }
         var hostPart = authority
         var portText: Substring?
         if authority.hasPrefix("[") {
@@ -56,7 +60,7 @@ public struct ServedURL: Sendable, Equatable, CustomStringConvertible {
             guard !hostPart.isEmpty, hostPart.utf8.count <= 253, hostPart.utf8.allSatisfy(isHostByte) else { return nil }
         }
         if let portText {
-            guard let port = Int(portText), (1...65535).contains(port) else { return nil }
+            guard portText.utf8.allSatisfy({ (0x30...0x39).contains($0) }), let port = Int(portText), (1...65535).contains(port) else { return nil }
             self.port = port
         } else {
             port = nil
@@ -79,10 +83,13 @@ public struct ServedURL: Sendable, Equatable, CustomStringConvertible {
     }
 
     /// How specifically this entry (what a session serves) matches `url`: `nil` when it does
-    /// not; more when more of it is written (a longer path, a port, a scheme).
+    /// not; more when more of it is written (a longer path, a port, a scheme). An entry without a
+    /// scheme means https: it never answers a plain-http URL (the token would cross the network
+    /// in clear); `http://` must be written to serve one.
     public func specificity(for url: ServedURL) -> Int? {
         guard host == url.host else { return nil }
-        if let scheme, let asked = url.scheme, scheme != asked { return nil }
+        if let asked = url.scheme, asked != (scheme ?? "https") { return nil }
+        if let scheme, url.scheme == nil, scheme != "https" { return nil }
         if port != nil, let asked = url.effectivePort, asked != effectivePort { return nil }
         if port != nil, url.effectivePort == nil { return nil }
         guard path.isEmpty || url.path == path || url.path.hasPrefix(path + "/") else { return nil }
