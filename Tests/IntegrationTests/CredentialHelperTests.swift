@@ -527,16 +527,21 @@ extension CredentialHelperTests {
         let side = Process()
         side.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
         side.arguments = [work + "/registry_side.py", issuer.resourceURL, certificates, work]
-        let control = Pipe(), answers = Pipe()
+        let control = Pipe()
         side.standardInput = control
-        side.standardOutput = answers
+        side.standardOutput = FileHandle.nullDevice
         side.standardError = FileHandle.nullDevice
         try side.run()
         defer {
             try? control.fileHandleForWriting.close()
             side.waitUntilExit()
         }
-        let ports = try #require(try JSONParser.parse(ArraySlice(answers.fileHandleForReading.availableData)).objectValue)
+        // The side publishes its ports once the registry answers (a file: no pipe protocol to keep in step).
+        try await eventually("the registry side publishes its ports", timeout: .seconds(30)) {
+            FileManager.default.fileExists(atPath: work + "/ports.json")
+        }
+        let published = try #require(FileManager.default.contents(atPath: work + "/ports.json"))
+        let ports = try #require(try JSONParser.parse(ArraySlice(published)).objectValue)
         let registry = try #require(ports["registry"]?.intValue)
         let broker = try await Broker(config: "[Broker]\nSocketMode=0666\n\n" + Broker.oauthSession(issuer.tokenEndpoint, name: "images")
                                       + "RefreshAhead=0\nServes=127.0.0.1:\(registry)\n")
@@ -574,8 +579,8 @@ extension CredentialHelperTests {
         #expect(codes.count == 8 && codes.allSatisfy { $0 == 0 }, "inspects failed: \(codes.filter { $0 != 0 }.count)")
         #expect(issuer.counters.refreshGrants == before + 1, "8 inspects after the expiry cost \(issuer.counters.refreshGrants - before) refreshes")
         // The token service never saw a password it refused.
-        control.fileHandleForWriting.write(Data("counts\n".utf8))
-        let counts = try #require(try JSONParser.parse(ArraySlice(answers.fileHandleForReading.availableData)).objectValue)
+        let countsFile = try #require(FileManager.default.contents(atPath: work + "/counts.json"))
+        let counts = try #require(try JSONParser.parse(ArraySlice(countsFile)).objectValue)
         #expect(counts["refused"]?.intValue == 0 && (counts["granted"]?.intValue ?? 0) >= 10, "token service: \(counts)")
         _ = await broker.stop()
     }
@@ -583,7 +588,8 @@ extension CredentialHelperTests {
     /// The registry side: docker-registry with token authentication, its token service (JWTs
     /// signed with the test server key, its certificate in x5c, the test CA as the registry's
     /// root), and a one-layer OCI image to push. argv: the issuer's resource URL, the
-    /// certificates' directory, a work directory. Prints the ports; answers "counts".
+    /// certificates' directory, a work directory, where it writes ports.json when the registry
+    /// answers and counts.json at each token it grants or refuses; it ends at the end of its input.
     static let registryScript = #"""
         import base64, hashlib, http.server, io, json, os, socket, socketserver, subprocess, sys, tarfile, threading, time, urllib.request, urllib.error, uuid
 
@@ -624,6 +630,7 @@ extension CredentialHelperTests {
 
         granted = [0]
         refused = [0]
+        lock = threading.Lock()
         class Token(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             def do_GET(self):
@@ -644,6 +651,10 @@ extension CredentialHelperTests {
                     token = jwt(query.get("scope", [""])[0], user)
                     body = json.dumps({"token": token, "access_token": token, "expires_in": 300}).encode()
                     self.send_response(200)
+                with lock:
+                    with open(work + "/counts.tmp", "w") as f:
+                        json.dump({"granted": granted[0], "refused": refused[0]}, f)
+                    os.replace(work + "/counts.tmp", work + "/counts.json")
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -704,10 +715,12 @@ extension CredentialHelperTests {
                 break
             except OSError:
                 time.sleep(0.05)
-        print(json.dumps({"registry": registry_port, "token": token_port}), flush=True)
-        for line in sys.stdin:
-            if line.strip() == "counts":
-                print(json.dumps({"granted": granted[0], "refused": refused[0]}), flush=True)
+        def publish(name, value):
+            with open(work + "/" + name + ".tmp", "w") as f:
+                json.dump(value, f)
+            os.replace(work + "/" + name + ".tmp", work + "/" + name)
+        publish("ports.json", {"registry": registry_port, "token": token_port})
+        sys.stdin.read()
         registry.terminate()
         registry.wait()
 
