@@ -411,12 +411,15 @@ extension CredentialHelperTests {
         let api = Process()
         api.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
         api.arguments = [script, issuer.resourceURL, certificates]
-        let portPipe = Pipe()
-        api.standardOutput = portPipe
+        api.standardOutput = FileHandle.nullDevice
         api.standardError = FileHandle.nullDevice
         try api.run()
         defer { api.terminate() }
-        let portLine = String(decoding: portPipe.fileHandleForReading.availableData, as: UTF8.self)
+        // Its port, in a file it writes when it listens (a read of a pipe can come back empty
+        // when a child's exit interrupts it).
+        let portFile = certificates + "/port"
+        try await eventually("the API server listens", timeout: .seconds(30)) { FileManager.default.fileExists(atPath: portFile) }
+        let portLine = try String(contentsOfFile: portFile, encoding: .utf8)
         let port = try #require(Int(portLine.trimmingCharacters(in: .whitespacesAndNewlines)), "the API server did not start")
         let server = "https://127.0.0.1:\(port)"
         let broker = try await Broker(config: "[Broker]\nSocketMode=0666\n\n" + Broker.oauthSession(issuer.tokenEndpoint, name: "cluster")
@@ -473,7 +476,8 @@ extension CredentialHelperTests {
     }
 
     /// A Kubernetes API endpoint on TLS for one resource: the pods of `default`, for a bearer
-    /// token the issuer's protected resource (argv[1]) accepts.
+    /// token the issuer's protected resource (argv[1]) accepts. It writes its port to
+    /// `argv[2]/port` once it listens.
     static let kubeAPIScript = #"""
         import http.server, socketserver, ssl, sys, urllib.request, urllib.error
         resource, certificates = sys.argv[1], sys.argv[2]
@@ -502,7 +506,10 @@ extension CredentialHelperTests {
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(certificates + "/server.pem", certificates + "/server.key")
         server.socket = context.wrap_socket(server.socket, server_side=True)
-        print(server.server_address[1], flush=True)
+        with open(certificates + "/port.tmp", "w") as f:
+            f.write(str(server.server_address[1]))
+        import os
+        os.replace(certificates + "/port.tmp", certificates + "/port")
         server.serve_forever()
         """#
 }

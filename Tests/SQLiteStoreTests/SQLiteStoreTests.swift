@@ -149,7 +149,12 @@ struct SQLiteStoreTests {
         reader.standardOutput = output
         try reader.run()
         defer { if reader.isRunning { reader.terminate() } }
-        let ready = output.fileHandleForReading.availableData
+        // (Read until the line comes: a read of a pipe may come back empty when a signal interrupts it.)
+        var ready = Data()
+        let deadline = ContinuousClock.now + .seconds(20)
+        while !String(decoding: ready, as: UTF8.self).contains("reading"), reader.isRunning, ContinuousClock.now < deadline {
+            ready += output.fileHandleForReading.availableData
+        }
         #expect(String(decoding: ready, as: UTF8.self).hasPrefix("reading"))
         await #expect(throws: StoreError.self) { try await store.write(StoreWrite(Self.record(2, .signedOut), guardedBy: .newerGeneration)) }
         try input.fileHandleForWriting.close()

@@ -85,11 +85,11 @@ public struct ServedURL: Sendable, Equatable, CustomStringConvertible {
     /// How specifically this entry (what a session serves) matches `url`: `nil` when it does
     /// not; more when more of it is written (a longer path, a port, a scheme). An entry without a
     /// scheme means https: it never answers a plain-http URL (the token would cross the network
-    /// in clear); `http://` must be written to serve one.
+    /// in clear); `http://` must be written to serve one. A request without a scheme (a
+    /// registry's or Terraform's host) matches by host, port and path.
     public func specificity(for url: ServedURL) -> Int? {
         guard host == url.host else { return nil }
         if let asked = url.scheme, asked != (scheme ?? "https") { return nil }
-        if let scheme, url.scheme == nil, scheme != "https" { return nil }
         if port != nil, let asked = url.effectivePort, asked != effectivePort { return nil }
         if port != nil, url.effectivePort == nil { return nil }
         guard path.isEmpty || url.path == path || url.path.hasPrefix(path + "/") else { return nil }
