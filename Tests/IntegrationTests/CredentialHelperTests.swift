@@ -414,7 +414,11 @@ extension CredentialHelperTests {
         api.standardOutput = FileHandle.nullDevice
         api.standardError = FileHandle.nullDevice
         try api.run()
-        defer { api.terminate() }
+        // SIGKILL: the test process may hand its children a blocked SIGTERM.
+        defer {
+            kill(api.processIdentifier, SIGKILL)
+            api.waitUntilExit()
+        }
         // Its port, in a file it writes when it listens (a read of a pipe can come back empty
         // when a child's exit interrupts it).
         let portFile = certificates + "/port"
