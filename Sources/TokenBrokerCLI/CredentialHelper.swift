@@ -116,8 +116,7 @@ public enum CredentialHelper {
 
         private func request(_ request: BrokerRequest) -> Result<Lookup, Ctl.Failure> {
             let socket = environment.socket
-            let plainRelative = !socket.hasPrefix("/") && !socket.hasPrefix("@") && !socket.hasPrefix("unix:")
-            guard let address = VarlinkAddress(plainRelative ? CommandLinePath.absolute(socket) ?? "" : socket) else {
+            guard let address = Ctl.address(socket) else {
                 return .failure(Ctl.Failure(code: ExitCode.usage, message: "invalid socket address '\(socket)'"))
             }
             let reply: VarlinkReply

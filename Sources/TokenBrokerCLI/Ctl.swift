@@ -61,9 +61,7 @@ public enum Ctl {
         if refreshTokenFromStdin && verb != "login" { return usage("--refresh-token-stdin belongs to login", &errors) }
         if showToken && verb != "watch" { return usage("--show-token belongs to watch", &errors) }
         let operands = Array(words.dropFirst())
-        // A plain relative path is relative to the working directory, as for `serve --socket`.
-        let plainRelative = !socket.hasPrefix("/") && !socket.hasPrefix("@") && !socket.hasPrefix("unix:")
-        guard let address = VarlinkAddress(plainRelative ? CommandLinePath.absolute(socket) ?? "" : socket) else {
+        guard let address = address(socket) else {
             return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", &errors)
         }
         do {
@@ -204,6 +202,14 @@ public enum Ctl {
         }
         while let last = bytes.last, last == 0x0A || last == 0x0D { bytes.removeLast() }
         return String(decoding: bytes, as: UTF8.self)
+    }
+
+    /// The broker's address from `--socket` or `$TOKENBROKER_SOCKET`: a path, `@abstract` or
+    /// `unix:path`; a plain relative path is relative to the working directory, as for
+    /// `serve --socket`.
+    static func address(_ socket: String) -> VarlinkAddress? {
+        let plainRelative = !socket.hasPrefix("/") && !socket.hasPrefix("@") && !socket.hasPrefix("unix:")
+        return VarlinkAddress(plainRelative ? CommandLinePath.absolute(socket) ?? "" : socket)
     }
 
     /// One call to `io.tokenbroker.Broker`; errors become messages that say what to do next.

@@ -5,7 +5,6 @@ No token is printed: failures name tokens by a short fingerprint.
 """
 
 import base64
-import hashlib
 import http.server
 import json
 import multiprocessing
@@ -16,7 +15,6 @@ import socket
 import subprocess
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -26,21 +24,10 @@ import pytest
 import requests
 
 import tokenbroker
+from support import eventually, fingerprint
 from tokenbroker import Broker, BrokerAuth, HTTPXBrokerAuth, should_retry
 
 BIN = os.environ.get("TOKENBROKER_BIN", "")
-
-
-def fingerprint(token):
-    return hashlib.sha256(token.encode()).hexdigest()[:8] if token else "-"
-
-
-def eventually(what, check, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 class Stack:

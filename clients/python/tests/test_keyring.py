@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import zipfile
 
 import keyring
@@ -29,6 +28,7 @@ import keyring.errors
 import pytest
 
 import tokenbroker
+from support import eventually, fingerprint
 from tokenbroker import Broker
 from tokenbroker.keyring_backend import TokenBrokerKeyring
 
@@ -36,18 +36,6 @@ BIN = os.environ.get("TOKENBROKER_BIN", "")
 CLIENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = "tokenbroker.keyring_backend.TokenBrokerKeyring"
 WHEEL = "tbdemo-0.1-py3-none-any.whl"
-
-
-def fingerprint(secret):
-    return hashlib.sha256(secret.encode()).hexdigest()[:8] if secret else "-"
-
-
-def eventually(what, check, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def build_wheel():
