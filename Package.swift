@@ -39,12 +39,12 @@ var package = Package(
         .target(name: "CCurl"),
         // The OAuth 2.0 client: one libcurl loop thread, token requests and their classification,
         // discovery, revocation, the device flow.
-        .target(name: "Upstream", dependencies: ["Basics", "CCurl", "TokenBrokerCore", "WireJSON"]),
+        .target(name: "Upstream", dependencies: ["Basics", "CCurl", "DPoP", "TokenBrokerCore", "WireJSON"]),
         // Fleet mode: sessions shared by brokers on many hosts through etcd v3 (its JSON
         // gateway, over the libcurl loop).
         .target(name: "Fleet", dependencies: ["Basics", "Sealing", "TokenBrokerCore", "Upstream", "WireJSON"]),
         // A development OAuth 2.0 authorization server on loopback HTTP (`tokenbroker serve --dev`, tests).
-        .target(name: "DevIssuer", dependencies: ["Basics", "WireJSON"]),
+        .target(name: "DevIssuer", dependencies: ["Basics", "DPoP", "WireJSON"]),
         // libsystemd: sd_notify, socket activation, the watchdog, the journal.
         .systemLibrary(name: "CSystemd", pkgConfig: "libsystemd", providers: [.apt(["libsystemd-dev"])]),
         // libcrypto (OpenSSL), for AES-256-GCM of tokens at rest.
@@ -106,7 +106,7 @@ var package = Package(
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "Sealing", "TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "DPoPTests", dependencies: ["DPoP", "Basics", "WireJSON", "TestSupport"]),
         .testTarget(name: "FleetTests", dependencies: ["Fleet", "Sealing", "TokenBrokerCore", "TestSupport", "Upstream"]),
-        .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
+        .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "DPoP", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
         .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerCLI", "Basics", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
         // Spawns the real binaries; depends on the daemon's so `swift test` builds it first (not on the
         // static `tokenbroker`, whose link flags would apply to the test bundle: `swift test` builds
