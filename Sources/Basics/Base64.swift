@@ -27,6 +27,14 @@ public enum Base64 {
         return String(text.map { $0 == "+" ? "-" : $0 == "/" ? "_" : $0 })
     }
 
+    /// base64url without padding, strictly: nil for any other character, padding, or a length
+    /// no encoding has.
+    public static func urlDecode<S: StringProtocol>(_ text: S) -> [UInt8]? {
+        guard text.utf8.count % 4 != 1, text.utf8.allSatisfy({ (0x41...0x5A).contains($0) || (0x61...0x7A).contains($0) || (0x30...0x39).contains($0)
+                                                               || $0 == UInt8(ascii: "-") || $0 == UInt8(ascii: "_") }) else { return nil }
+        return decode(String(text.map { $0 == "-" ? "+" : $0 == "_" ? "/" : $0 }))
+    }
+
     public static func decode(_ text: String) -> [UInt8]? {
         var values: [UInt8] = []
         for byte in text.utf8 where byte != UInt8(ascii: "=") {

@@ -4,6 +4,13 @@ import Glibc
 
 /// Unix seconds as text, in UTC (for logs, status lines and `ctl` output).
 public enum UTCTime {
+    /// The wall clock, in Unix seconds.
+    public static func unixSeconds() -> Int64 {
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        return Int64(now.tv_sec)
+    }
+
     /// `2026-11-30T09:30:00Z`.
     public static func timestamp(_ seconds: Int64) -> String {
         let parts = broken(seconds)

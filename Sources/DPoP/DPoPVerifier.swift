@@ -48,13 +48,7 @@ public enum DPoPVerifier {
     }
 
     /// base64url without padding, strictly (nil for anything else).
-    static func decode(_ part: Substring) -> [UInt8]? {
-        guard part.utf8.allSatisfy({ (0x41...0x5A).contains($0) || (0x61...0x7A).contains($0) || (0x30...0x39).contains($0)
-                                     || $0 == UInt8(ascii: "-") || $0 == UInt8(ascii: "_") }), part.utf8.count % 4 != 1 else { return nil }
-        var text = String(part.map { $0 == "-" ? "+" : $0 == "_" ? "/" : $0 })
-        while text.utf8.count % 4 != 0 { text += "=" }
-        return Base64.decode(text)
-    }
+    static func decode(_ part: Substring) -> [UInt8]? { Base64.urlDecode(part) }
 
     /// A static string's bytes as a C string that lives as long as the program.
     private static func cString(_ text: StaticString) -> UnsafePointer<CChar> {

@@ -87,7 +87,13 @@ public protocol FleetFollower: AnyObject, Sendable {
     func currentToken() -> IssuedToken?
 }
 
-extension RefreshCoordinator: FleetFollower {}
+extension RefreshCoordinator: FleetFollower {
+    /// A fleet's sessions are bearer sessions (`DPoP=yes` with `Fleet=yes` is refused at
+    /// configuration): their logins carry no DPoP key.
+    public func login(refreshToken: Secret?, initial: FetchedToken?, replicated: Bool) async throws -> Int {
+        try await login(refreshToken: refreshToken, proofKey: nil, initial: initial, replicated: replicated)
+    }
+}
 
 /// A `FleetLocalStore` in memory (development mode, tests): marks are kept with the rows.
 public actor InMemoryFleetStore: FleetLocalStore {

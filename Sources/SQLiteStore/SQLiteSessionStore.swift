@@ -32,7 +32,7 @@ public struct StoreError: Error, Sendable, Equatable, CustomStringConvertible {
 /// All SQLite work runs on one dedicated thread, in order.
 public final class SQLiteSessionStore: SessionStore {
     /// The schema version this build writes; older databases are migrated forward.
-    public static let schemaVersion: Int32 = 3
+    public static let schemaVersion: Int32 = 4
 
     private final class Connection: @unchecked Sendable {
         // @unchecked: the handle and the statement cache are used only on the store's serial
@@ -102,24 +102,23 @@ public final class SQLiteSessionStore: SessionStore {
 
     /// Encrypts token values stored in clear (written before a key was configured).
     private static func sealPlaintextRows(_ db: OpaquePointer, _ cipher: TokenCipher) throws {
-        let rows = try Statement(db, "SELECT name, refresh_token, access_token FROM sessions")
-        var updates: [(String, String?, String?)] = []
+        let rows = try Statement(db, "SELECT name, refresh_token, access_token, proof_key FROM sessions")
+        var updates: [(name: String, values: [String?])] = []
         while try rows.step() {
             guard let name = rows.text(0) else { continue }
-            let refresh = rows.text(1)
-            let access = rows.text(2)
-            guard refresh.map({ !TokenCipher.isEncrypted($0) }) == true || access.map({ !TokenCipher.isEncrypted($0) }) == true else { continue }
-            updates.append((name, try refresh.map { try seal($0, cipher, name, "refresh_token") },
-                            try access.map { try seal($0, cipher, name, "access_token") }))
+            let values = [rows.text(1), rows.text(2), rows.text(3)]
+            guard values.contains(where: { $0.map { !TokenCipher.isEncrypted($0) } == true }) else { continue }
+            updates.append((name, try zip(values, ["refresh_token", "access_token", "proof_key"]).map { value, column in
+                try value.map { try seal($0, cipher, name, column) }
+            }))
         }
         guard !updates.isEmpty else { return }
         try execute(db, "BEGIN IMMEDIATE")
         do {
-            for (name, refresh, access) in updates {
-                let update = try Statement(db, "UPDATE sessions SET refresh_token = ?2, access_token = ?3 WHERE name = ?1")
+            for (name, values) in updates {
+                let update = try Statement(db, "UPDATE sessions SET refresh_token = ?2, access_token = ?3, proof_key = ?4 WHERE name = ?1")
                 update.bind(1, name)
-                update.bind(2, refresh)
-                update.bind(3, access)
+                for (index, value) in values.enumerated() { update.bind(Int32(index + 2), value) }
                 try update.run()
             }
             try execute(db, "COMMIT")
@@ -260,6 +259,8 @@ public final class SQLiteSessionStore: SessionStore {
             PRIMARY KEY (session, prefix)
         ) STRICT;
         """,
+        // 4: a DPoP session's private key (RFC 9449), sealed like the refresh token.
+        "ALTER TABLE sessions ADD COLUMN proof_key TEXT;",
     ]
 
     private static func migrate(_ db: OpaquePointer) throws {
@@ -519,19 +520,19 @@ public final class SQLiteSessionStore: SessionStore {
         case .sameGeneration:
             sql = """
                 UPDATE sessions SET state = ?3, refresh_token = ?4, access_token = ?5, token_type = ?6, expires_at = ?7,
-                    last_refresh = ?8, token_serial = ?9, end_reason = ?10, updated_at = ?11
+                    last_refresh = ?8, token_serial = ?9, end_reason = ?10, updated_at = ?11, proof_key = ?12
                 WHERE name = ?1 AND generation = ?2 AND (token_serial < ?9 OR (token_serial = ?9 AND state != 'ended'))
                 """
         case .newerGeneration:
             sql = """
                 INSERT INTO sessions (name, generation, state, refresh_token, access_token, token_type, expires_at,
-                                      last_refresh, token_serial, end_reason, updated_at)
-                VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+                                      last_refresh, token_serial, end_reason, updated_at, proof_key)
+                VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)
                 ON CONFLICT (name) DO UPDATE SET generation = excluded.generation, state = excluded.state,
                     refresh_token = excluded.refresh_token, access_token = excluded.access_token,
                     token_type = excluded.token_type, expires_at = excluded.expires_at,
                     last_refresh = excluded.last_refresh, token_serial = excluded.token_serial,
-                    end_reason = excluded.end_reason, updated_at = excluded.updated_at
+                    end_reason = excluded.end_reason, updated_at = excluded.updated_at, proof_key = excluded.proof_key
                 WHERE sessions.generation < excluded.generation
                 """
         }
@@ -545,9 +546,11 @@ public final class SQLiteSessionStore: SessionStore {
         if let cipher {
             statement.bind(4, try record.refreshToken.map { try seal($0.reveal, cipher, record.name, "refresh_token") })
             statement.bind(5, try record.accessToken.map { try seal($0.reveal, cipher, record.name, "access_token") })
+            statement.bind(12, try record.proofKey.map { try seal($0.reveal, cipher, record.name, "proof_key") })
         } else {
             statement.bind(4, record.refreshToken?.reveal)
             statement.bind(5, record.accessToken?.reveal)
+            statement.bind(12, record.proofKey?.reveal)
         }
         statement.bind(6, record.tokenType)
         statement.bind(7, record.expiresAt)
@@ -557,7 +560,7 @@ public final class SQLiteSessionStore: SessionStore {
         statement.bind(11, Int64(now.tv_sec))
         try statement.run()
         let applied = sqlite3_changes(db) == 1
-        return (applied, applied && record.refreshToken == nil && record.accessToken == nil)
+        return (applied, applied && record.refreshToken == nil && record.accessToken == nil && record.proofKey == nil)
     }
 
     /// Tokens were erased (logout, end): moves the WAL's older page versions, which still hold
@@ -572,7 +575,7 @@ public final class SQLiteSessionStore: SessionStore {
     private static func select(_ connection: Connection, name: String?, cipher: TokenCipher?) throws -> [SessionRecord] {
         let statement = try connection.prepare("""
             SELECT name, generation, state, refresh_token, access_token, token_type, expires_at, last_refresh,
-                   token_serial, end_reason
+                   token_serial, end_reason, proof_key
             FROM sessions \(name == nil ? "" : "WHERE name = ?1") ORDER BY name
             """)
         defer { statement.reset() }
@@ -585,6 +588,7 @@ public final class SQLiteSessionStore: SessionStore {
             records.append(SessionRecord(
                 name: name, generation: Int(statement.int(1) ?? 0), state: state,
                 refreshToken: try unseal(statement.text(3), cipher, name, "refresh_token"),
+                proofKey: try unseal(statement.text(10), cipher, name, "proof_key"),
                 accessToken: try unseal(statement.text(4), cipher, name, "access_token"),
                 tokenType: statement.text(5) ?? "Bearer", expiresAt: statement.int(6), lastRefresh: statement.int(7),
                 tokenSerial: UInt64(bitPattern: statement.int(8) ?? 0), endReason: statement.text(9)))

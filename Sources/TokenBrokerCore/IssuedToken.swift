@@ -10,13 +10,17 @@ public struct IssuedToken: Sendable, Equatable {
     public var generation: Int
     /// A per-session serial number: how logs, status and tests name a token (never by value).
     public var serial: UInt64
+    /// The key the token is bound to (DPoP sessions: proofs for it are signed with this key,
+    /// in the daemon; never handed out).
+    public var proofKey: Secret?
 
-    public init(token: Secret, tokenType: String, expiresAt: Int64?, generation: Int, serial: UInt64) {
+    public init(token: Secret, tokenType: String, expiresAt: Int64?, generation: Int, serial: UInt64, proofKey: Secret? = nil) {
         self.token = token
         self.tokenType = tokenType
         self.expiresAt = expiresAt
         self.generation = generation
         self.serial = serial
+        self.proofKey = proofKey
     }
 }
 

@@ -382,11 +382,12 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
 
     /// Installs a credential under a new generation (`nil` for grants without a refresh token,
     /// such as `client_credentials`) and returns that generation. `initial` is an access token
-    /// the login produced (the device grant answers one), installed with it. Any flight of an
+    /// the login produced (the device grant answers one), installed with it; `proofKey` the
+    /// generation's new DPoP key, for a session whose requests carry proofs. Any flight of an
     /// earlier generation is cancelled and can never install its token in the new one.
     @discardableResult
-    public func login(refreshToken: Secret?, initial: FetchedToken? = nil, replicated: Bool = false) async throws -> Int {
-        var boundary = machine.beginLogin(refreshToken: refreshToken, initial: initial, now: now(), unixNow: wall.unixTime())
+    public func login(refreshToken: Secret?, proofKey: Secret? = nil, initial: FetchedToken? = nil, replicated: Bool = false) async throws -> Int {
+        var boundary = machine.beginLogin(refreshToken: refreshToken, proofKey: proofKey, initial: initial, now: now(), unixNow: wall.unixTime())
         boundary.write?.replicated = replicated
         cross(boundary)
         guard let write = boundary.write else { throw SessionError.signedOut }

@@ -140,6 +140,9 @@ public struct RefreshStateMachine: Sendable {
     public private(set) var lastError: String?
 
     private var refreshToken: Secret?
+    /// The generation's DPoP key (`SessionRecord.proofKey`): set by the login, kept by every
+    /// refresh, dropped with the credentials.
+    private var proofKey: Secret?
     private var current: Current?
     private var flight: Flight?
     private var backoff: BackoffState?
@@ -180,6 +183,7 @@ public struct RefreshStateMachine: Sendable {
         case .active:
             phase = .active
             refreshToken = record.refreshToken
+            proofKey = record.proofKey
             if let token = record.accessToken {
                 // (A stored expiry is ours, but a damaged database must not trap: clamp to ±10 years.)
                 let deadline = record.expiresAt.map { now + .milliseconds(Int64(min(max(Double($0) - unixNow, -3e8), 3e8) * 1000)) }
@@ -209,7 +213,7 @@ public struct RefreshStateMachine: Sendable {
         var endReason: String?
         if case let .ended(reason) = phase { endReason = reason }
         return SessionRecord(name: session, generation: generation, state: phase.state, refreshToken: refreshToken,
-                             accessToken: current?.token, tokenType: current?.tokenType ?? "Bearer",
+                             proofKey: proofKey, accessToken: current?.token, tokenType: current?.tokenType ?? "Bearer",
                              expiresAt: current?.expiresAt, lastRefresh: lastRefresh, tokenSerial: lastSerial,
                              endReason: endReason)
     }
@@ -286,7 +290,7 @@ public struct RefreshStateMachine: Sendable {
         flight = Flight(id: id, generation: generation, refreshAhead: refreshAhead)
         refreshGuard.record(now: now)
         counters.fetches += 1
-        return (FetchRequest(session: session, generation: generation, refreshToken: refreshToken), id)
+        return (FetchRequest(session: session, generation: generation, refreshToken: refreshToken, proofKey: proofKey), id)
     }
 
     /// A token that arrives from elsewhere (another broker of a fleet refreshed the session):
@@ -411,16 +415,17 @@ public struct RefreshStateMachine: Sendable {
     }
 
     /// Login, first half: ends the current generation like a logout and returns the write that
-    /// installs `refreshToken` (and `initial`, an access token the login itself produced, such
-    /// as the device grant's) under the new one. The session stays signed out until
+    /// installs `refreshToken` and `proofKey` (and `initial`, an access token the login itself
+    /// produced, such as the device grant's) under the new one. The session stays signed out until
     /// `loginFinished` reports the write durable, so no token of the new generation exists
     /// before the store has it.
-    public mutating func beginLogin(refreshToken: Secret?, initial: FetchedToken? = nil, now: Duration = .zero,
+    public mutating func beginLogin(refreshToken: Secret?, proofKey: Secret? = nil, initial: FetchedToken? = nil, now: Duration = .zero,
                                     unixNow: Double = 0) -> Boundary {
         var boundary = endGeneration(error: .signedOut)
         var record = self.record
         record.state = .active
         record.refreshToken = refreshToken
+        record.proofKey = proofKey
         if let initial {
             let serial = lastSerial + 1
             pendingLogin = Current(token: initial.accessToken, tokenType: initial.tokenType,
@@ -448,6 +453,7 @@ public struct RefreshStateMachine: Sendable {
         case .applied:
             phase = .active
             refreshToken = write.record.refreshToken
+            proofKey = write.record.proofKey
             if let initial = pendingLogin {
                 current = initial
                 lastSerial = initial.serial
@@ -510,6 +516,7 @@ public struct RefreshStateMachine: Sendable {
 
     private mutating func clearCredentials() {
         refreshToken = nil
+        proofKey = nil
         current = nil
     }
 
@@ -531,6 +538,6 @@ public struct RefreshStateMachine: Sendable {
 
     private func issued(_ current: Current) -> IssuedToken {
         IssuedToken(token: current.token, tokenType: current.tokenType, expiresAt: current.expiresAt,
-                    generation: generation, serial: current.serial)
+                    generation: generation, serial: current.serial, proofKey: proofKey)
     }
 }

@@ -17,6 +17,10 @@ public struct SessionRecord: Sendable, Equatable {
     public var generation: Int
     public var state: State
     public var refreshToken: Secret?
+    /// The session's DPoP private key (RFC 9449), made at login and ended with the generation;
+    /// `nil` for bearer sessions. A credential like the refresh token: sealed at rest, never
+    /// handed out.
+    public var proofKey: Secret?
     public var accessToken: Secret?
     public var tokenType: String
     /// Access token expiry, Unix seconds.
@@ -28,13 +32,14 @@ public struct SessionRecord: Sendable, Equatable {
     /// Why the session ended, when `state == .ended`.
     public var endReason: String?
 
-    public init(name: String, generation: Int, state: State, refreshToken: Secret? = nil, accessToken: Secret? = nil,
+    public init(name: String, generation: Int, state: State, refreshToken: Secret? = nil, proofKey: Secret? = nil, accessToken: Secret? = nil,
                 tokenType: String = "Bearer", expiresAt: Int64? = nil, lastRefresh: Int64? = nil,
                 tokenSerial: UInt64 = 0, endReason: String? = nil) {
         self.name = name
         self.generation = generation
         self.state = state
         self.refreshToken = refreshToken
+        self.proofKey = proofKey
         self.accessToken = accessToken
         self.tokenType = tokenType
         self.expiresAt = expiresAt

@@ -20,11 +20,14 @@ public struct FetchRequest: Sendable, Equatable {
     public var generation: Int
     /// The refresh token to redeem, or `nil` for grants without one (`client_credentials`).
     public var refreshToken: Secret?
+    /// The session's DPoP key, when its requests carry proofs (`SessionRecord.proofKey`).
+    public var proofKey: Secret?
 
-    public init(session: String, generation: Int, refreshToken: Secret?) {
+    public init(session: String, generation: Int, refreshToken: Secret?, proofKey: Secret? = nil) {
         self.session = session
         self.generation = generation
         self.refreshToken = refreshToken
+        self.proofKey = proofKey
     }
 }
 

@@ -232,7 +232,12 @@ final class BrokerService: VarlinkHandler {
         let logger = self.logger
         return asyncReply(name) { [self] in
             try await boundary(name) { session in
-                let generation = try await session.coordinator.login(refreshToken: refreshToken)
+                // A DPoP session's new generation gets a new key (the old one ends with its generation).
+                let proofKey: Secret?
+                do throws(FetchFailure) { proofKey = try session.upstream?.newProofKey() } catch {
+                    throw BrokerError.loginFailed(session: name, reason: error.message)
+                }
+                let generation = try await session.coordinator.login(refreshToken: refreshToken, proofKey: proofKey)
                 logger.log(.notice, "login of session \(name) by \(peer)", session: name, generation: generation)
                 return VarlinkReply(parameters: LoginReply(generation: generation).parameters)
             }
@@ -372,9 +377,13 @@ final class BrokerService: VarlinkHandler {
             logger.warning("device login of session \(name) failed: \(reason)", session: name)
             sink.send(BrokerError.loginFailed(session: name, reason: reason).reply)
         }
+        // A DPoP session's login makes its key first: the grant's token request proves it, so
+        // the tokens it yields are bound to it.
         let client: OAuthClient
+        let proofKey: Secret?
         do {
-            client = try await upstream.client()
+            proofKey = try upstream.newProofKey()
+            client = try await upstream.client(proofKey: proofKey)
         } catch {
             return failed(error.message)
         }
@@ -405,7 +414,7 @@ final class BrokerService: VarlinkHandler {
                     logger.warning("device login of session \(name) failed: the session was reconfigured during the login", session: name)
                     return BrokerError.loginFailed(session: name, reason: "the session was reconfigured during the login; log in again").reply
                 }
-                let generation = try await session.coordinator.login(refreshToken: token.refreshToken, initial: token)
+                let generation = try await session.coordinator.login(refreshToken: token.refreshToken, proofKey: proofKey, initial: token)
                 logger.log(.notice, "device login of session \(name) done: generation \(generation)", session: name, generation: generation)
                 return VarlinkReply(parameters: DeviceLoginEvent.done(LoginReply(generation: generation)).parameters)
             })

@@ -101,15 +101,15 @@ extension OAuthClient {
             guard clock.now < deadline else { throw .expired }
             let response: HTTPResponse
             do {
-                response = try await post(endpoints.token, [("grant_type", "urn:ietf:params:oauth:grant-type:device_code"),
-                                                            ("device_code", authorization.deviceCode.reveal)], clientIDInBody: true)
+                response = try await tokenEndpointPost([("grant_type", "urn:ietf:params:oauth:grant-type:device_code"),
+                                                        ("device_code", authorization.deviceCode.reveal)], clientIDInBody: true)
             } catch {
                 if error.reason == "cancelled" { throw .failed(error) }
                 wait = min(wait * 2, .seconds(60))   // network trouble: back off
                 continue
             }
             if response.status == 200 {
-                do { return try Self.parseToken(response) } catch { throw .failed(error) }
+                do { return try Self.parseToken(response, dpop: dpop) } catch { throw .failed(error) }
             }
             switch Self.errorCode(response) {
             case "authorization_pending":

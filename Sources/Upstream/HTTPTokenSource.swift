@@ -1,4 +1,5 @@
 import Basics
+import DPoP
 import Synchronization
 import TokenBrokerCore
 
@@ -14,12 +15,17 @@ public enum OAuthGrant: String, Sendable, Equatable {
 /// the coordinator passes the refresh token in and commits what comes back.
 public final class HTTPTokenSource: TokenSource {
     public let grant: OAuthGrant
+    /// The session's tokens are DPoP-bound (`DPoP=yes`): its logins make keys, and a refresh
+    /// without one (a login from before the setting) is refused.
+    public let dpop: Bool
     private let configuration: OAuthClientConfiguration
     /// Endpoints given explicitly (they win over discovery).
     private let explicit: OAuthEndpoints?
     private let issuer: String?
     private let cachedMetadata = Mutex<AuthorizationServerMetadata?>(nil)
     private let loop: CurlLoop
+    /// The servers' DPoP nonces (shared by the daemon's sessions unless a test gives its own).
+    private let nonces: DPoPNonces
     /// Where a token request runs when its caller may abandon it (`nil`: a task of its own).
     private let tasks: TaskPool?
 
@@ -29,8 +35,10 @@ public final class HTTPTokenSource: TokenSource {
     ///     daemon's, awaited at stop). When it is full or closed, a cancelled caller's request
     ///     is cut off instead.
     public init(grant: OAuthGrant, configuration: OAuthClientConfiguration, endpoints: OAuthEndpoints?, issuer: String?, loop: CurlLoop = .shared,
-                tasks: TaskPool? = nil) {
+                tasks: TaskPool? = nil, dpop: Bool = false, nonces: DPoPNonces = .shared) {
         self.grant = grant
+        self.dpop = dpop
+        self.nonces = nonces
         self.configuration = configuration
         self.explicit = endpoints
         self.issuer = issuer
@@ -70,8 +78,26 @@ public final class HTTPTokenSource: TokenSource {
         cachedMetadata.withLock { $0 = nil }
     }
 
-    public func client() async throws(FetchFailure) -> OAuthClient {
-        OAuthClient(endpoints: try await endpoints(), configuration: configuration, loop: loop)
+    /// The client for a request; with `proofKey` (a DPoP session's generation key, as the
+    /// record keeps it) its token requests carry proofs.
+    public func client(proofKey: Secret? = nil) async throws(FetchFailure) -> OAuthClient {
+        let dpop = try proofKey.map { key throws(FetchFailure) in DPoPBinding(key: try openedKey(key), nonces: nonces) }
+        return OAuthClient(endpoints: try await endpoints(), configuration: configuration, dpop: dpop, loop: loop)
+    }
+
+    /// A new DPoP key for a login of this session; nil unless it uses DPoP.
+    public func newProofKey() throws(FetchFailure) -> Secret? {
+        dpop ? try DPoPBinding.newKey() : nil
+    }
+
+    /// The DPoP key last opened (a generation keeps one key: opened once, not per request).
+    private let lastKey = Mutex<(kept: Secret, key: DPoPKey)?>(nil)
+
+    private func openedKey(_ kept: Secret) throws(FetchFailure) -> DPoPKey {
+        if let last = lastKey.withLock({ $0 }), last.kept == kept { return last.key }
+        let key = try DPoPBinding.key(kept)
+        lastKey.withLock { $0 = (kept, key) }
+        return key
     }
 
     /// The token request, on a transfer of its own: cancelling the caller (a logout, a login,
@@ -107,7 +133,10 @@ public final class HTTPTokenSource: TokenSource {
     private let abandoned = Mutex<(@Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)?>(nil)
 
     private func fetchNow(_ request: FetchRequest) async throws -> FetchedToken {
-        let client = try await client()
+        if dpop, request.proofKey == nil {
+            throw FetchFailure.terminal("dpop: the session was logged in without a DPoP key (before DPoP=yes); log in again")
+        }
+        let client = try await client(proofKey: request.proofKey)
         switch grant {
         case .refreshToken:
             guard let refreshToken = request.refreshToken else { throw FetchFailure.terminal("no refresh token: log in first") }

@@ -64,11 +64,14 @@ public struct OAuthClientConfiguration: Sendable {
 public struct OAuthClient: Sendable {
     public var endpoints: OAuthEndpoints
     public var configuration: OAuthClientConfiguration
+    /// A DPoP session's key: every token request carries a proof signed with it.
+    public var dpop: DPoPBinding?
     private let loop: CurlLoop
 
-    public init(endpoints: OAuthEndpoints, configuration: OAuthClientConfiguration, loop: CurlLoop = .shared) {
+    public init(endpoints: OAuthEndpoints, configuration: OAuthClientConfiguration, dpop: DPoPBinding? = nil, loop: CurlLoop = .shared) {
         self.endpoints = endpoints
         self.configuration = configuration
+        self.dpop = dpop
         self.loop = loop
     }
 
@@ -89,22 +92,40 @@ public struct OAuthClient: Sendable {
 
     /// One token endpoint request with client authentication; the answer read per RFC 6749 §5.
     func tokenRequest(_ fields: [(String, String)]) async throws(FetchFailure) -> FetchedToken {
-        let response = try await post(endpoints.token, fields)
+        let response = try await tokenEndpointPost(fields)
         guard response.status == 200 else { throw Self.classify(response) }
-        return try Self.parseToken(response)
+        return try Self.parseToken(response, dpop: dpop)
+    }
+
+    /// POSTs to the token endpoint, with a DPoP proof when the session has a key. A server that
+    /// answers `use_dpop_nonce` with a nonce other than the one sent is asked once more with it
+    /// (RFC 9449 §8): at most one extra request per nonce change, inside the caller's one flight.
+    func tokenEndpointPost(_ fields: [(String, String)], clientIDInBody: Bool = false) async throws(FetchFailure) -> HTTPResponse {
+        guard let dpop else { return try await post(endpoints.token, fields, clientIDInBody: clientIDInBody) }
+        let url = endpoints.token
+        let (proof, sent) = try dpop.proof(method: "POST", url: url)
+        let response = try await post(url, fields, clientIDInBody: clientIDInBody, proof: proof)
+        let given = dpop.nonces.learn(response, from: url)
+        guard response.status == 400 || response.status == 401, Self.errorCode(response) == "use_dpop_nonce",
+              let given, given != sent else { return response }
+        let retry = try dpop.proof(method: "POST", url: url)
+        let second = try await post(url, fields, clientIDInBody: clientIDInBody, proof: retry.proof)
+        dpop.nonces.learn(second, from: url)
+        return second
     }
 
     /// POSTs a form with client authentication; transport failures are transient.
     /// `clientIDInBody`: `client_id` goes in the form with `client_secret_basic` too. RFC 8628
     /// §3.1 and §3.4 allow it always, and some servers (oauthlib: django-oauth-toolkit) require
     /// it for the device grant whatever the client authentication.
-    func post(_ url: String, _ fields: [(String, String)], clientIDInBody: Bool = false) async throws(FetchFailure) -> HTTPResponse {
+    func post(_ url: String, _ fields: [(String, String)], clientIDInBody: Bool = false, proof: String? = nil) async throws(FetchFailure) -> HTTPResponse {
         // The last line of defence: no credential leaves for an endpoint the policy refuses,
         // wherever its URL came from (checked at configuration and discovery already).
         if let problem = EndpointPolicy.problem(with: url) { throw .transient("refused endpoint: \(problem)") }
         var fields = fields
         var headers: [(name: String, value: String)] = [("Accept", "application/json"),
                                                          ("Content-Type", "application/x-www-form-urlencoded")]
+        if let proof { headers.append(("DPoP", proof)) }
         switch configuration.authentication {
         case .basic:
             let secret = configuration.clientSecret?.reveal ?? ""
@@ -133,7 +154,8 @@ public struct OAuthClient: Sendable {
     }
 
     /// Reads a successful token response.
-    static func parseToken(_ response: HTTPResponse) throws(FetchFailure) -> FetchedToken {
+    /// `dpop`: the key the request's proof was signed with; a `DPoP` token must be bound to it.
+    static func parseToken(_ response: HTTPResponse, dpop: DPoPBinding? = nil) throws(FetchFailure) -> FetchedToken {
         guard let json = try? JSONParser.parse(response.body), case let .object(object) = json else {
             throw .transient("malformed token response (HTTP 200, not a JSON object)")
         }
@@ -148,12 +170,26 @@ public struct OAuthClient: Sendable {
         guard let type = object["token_type"]?.stringValue else {
             throw .transient("malformed token response (no token_type)")
         }
-        // Only bearer tokens can be handed to workers as they are (DPoP or mTLS-bound types need
-        // the client's key at every request).
-        guard type.lowercased() == "bearer" else { throw .terminal("unsupported token_type \(type.prefix(20))") }
+        // Bearer tokens are handed to workers as they are; DPoP-bound ones only when this
+        // request proved a key of the session's (workers then get proofs signed with it).
+        // Other types (mTLS-bound, …) need a key the broker does not hold.
+        let tokenType: String
+        switch type.lowercased() {
+        case "bearer":
+            tokenType = "Bearer"
+        case "dpop" where dpop != nil:
+            tokenType = "DPoP"
+        default:
+            throw .terminal("unsupported token_type \(type.prefix(20))")
+        }
+        // A JWT access token names the key it is bound to: it must be ours (RFC 9449 §6.1). A
+        // server that bound it to another cannot be used with proofs of this session's key.
+        if let dpop, let bound = DPoPBinding.boundThumbprint(ofAccessToken: accessToken), bound != dpop.key.thumbprint {
+            throw .refused("dpop: the access token is bound to another key")
+        }
         let expiresIn = UpstreamNumbers.seconds(object["expires_in"], atMost: UpstreamNumbers.longestLifetime)
         let refreshToken = object["refresh_token"]?.stringValue.flatMap { $0.isEmpty ? nil : Secret($0) }
-        return FetchedToken(accessToken: Secret(accessToken), tokenType: "Bearer", expiresIn: expiresIn, refreshToken: refreshToken)
+        return FetchedToken(accessToken: Secret(accessToken), tokenType: tokenType, expiresIn: expiresIn, refreshToken: refreshToken)
     }
 
     /// A failed token response as a classified failure (see the type's documentation).
@@ -188,6 +224,12 @@ public struct OAuthClient: Sendable {
             return .terminal("client configuration: \(code)")
         case "server_error", "temporarily_unavailable":
             return .transient(code, retryAfter: retryAfter)
+        case "use_dpop_nonce":
+            // Asked again for a nonce right after the one it gave (rotating fast): later, with it.
+            return .transient(code, retryAfter: retryAfter)
+        case "invalid_dpop_proof":
+            // A clock far off, or a server that does not take our proofs: bounded, like a bare 400.
+            return .refused(code, retryAfter: retryAfter)
         default:
             return .terminal(code)
         }

@@ -131,7 +131,7 @@ final class Reloader: Sendable {
             snapshot.serving = ServingIndex(configuration.sessions)
             snapshot.sessions.reserveCapacity(configuration.sessions.count)
             snapshot.order.reserveCapacity(configuration.sessions.count)
-            var logins: [Coordinator] = []
+            var logins: [SessionTable.Session] = []
             for session in configuration.sessions {
                 let made: (session: SessionTable.Session, logIn: Bool)
                 if let existing = previous.sessions[session.name], leaving[session.name] == nil {
@@ -155,7 +155,7 @@ final class Reloader: Sendable {
                     if let stored { record = stored[session.name] } else { record = await load(session.name) }
                     made = await factory.make(session, from: .stored(record))
                 }
-                if made.logIn { logins.append(made.session.coordinator) }
+                if made.logIn { logins.append(made.session) }
                 snapshot.sessions[session.name] = made.session
                 snapshot.order.append(session.name)
             }
@@ -190,16 +190,23 @@ final class Reloader: Sendable {
 
     /// Sessions whose kind starts logged in, with nothing stored: logged in many at a time (the
     /// store commits their writes together).
-    private func logIn(_ coordinators: [Coordinator]) async {
+    private func logIn(_ sessions: [SessionTable.Session]) async {
         await withTaskGroup(of: Void.self) { group in
             var running = 0
-            for coordinator in coordinators {
+            for session in sessions {
+                let coordinator = session.coordinator
+                // A DPoP session's login makes its key (a failure to make one is the login's).
+                let proofKey: Secret?
+                do throws(FetchFailure) { proofKey = try session.upstream?.newProofKey() } catch {
+                    logger.error("session \(session.configuration.name): cannot log in: \(error.message)", session: session.configuration.name)
+                    continue
+                }
                 if running == Self.concurrentLogins {
                     await group.next()
                 } else {
                     running += 1
                 }
-                group.addTask { _ = try? await coordinator.login(refreshToken: nil) }
+                group.addTask { _ = try? await coordinator.login(refreshToken: nil, proofKey: proofKey) }
             }
         }
     }

@@ -101,7 +101,7 @@ struct SessionFactory: Sendable {
     /// The OAuth source of a session, with what becomes of requests its callers abandon.
     func httpSource(_ session: SessionConfiguration, _ settings: SessionConfiguration.OAuthSettings, grant: OAuthGrant) -> HTTPTokenSource {
         let http = HTTPTokenSource(grant: grant, configuration: settings.client.configuration, endpoints: settings.endpoints,
-                                   issuer: settings.issuer, tasks: transfers)
+                                   issuer: settings.issuer, tasks: transfers, dpop: settings.dpop)
         // (Not for fleet sessions: a holder whose lease runs out abandons its request so that
         // another broker may take over, and that request must not go on.)
         if session.fleet == nil, let revocation = abandonedRequestRevocation(session, http) { http.whenAbandoned(revocation) }

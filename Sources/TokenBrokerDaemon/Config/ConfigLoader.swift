@@ -71,6 +71,11 @@ public enum ConfigLoader {
                 guard case let .oauth(settings) = session.upstream, settings.grant == .refreshToken else {
                     throw fail(entry, "Fleet=yes needs an OAuth session with Grant=refresh_token (a refresh token family is what the fleet shares)")
                 }
+                // A DPoP key is one host's: sharing it would put a private key in etcd, and a
+                // token bound to it is useless to the other hosts' workers without it.
+                guard !settings.dpop else {
+                    throw fail(entry, "Fleet=yes cannot be used with DPoP=yes (a DPoP key never leaves its host; give each host a session of its own)")
+                }
                 // The flight's holder gives up its upstream request before its lease ends, leaving
                 // time for one commit to etcd: a request that may take longer would be cut short
                 // every time.
@@ -123,6 +128,9 @@ public enum ConfigLoader {
         }
         if settings.policy.backoff.maximum < settings.policy.backoff.initial, let entry = entries.last(where: { $0.key == "BackoffMax" }) {
             throw fail(entry, "BackoffMax= is shorter than BackoffInitial=")
+        }
+        if settings.kind == .test, settings.oauth.dpop, let entry = entries.last(where: { $0.key == "DPoP" }) {
+            throw fail(entry, "DPoP=yes needs Upstream=oauth (the test upstream mints bearer tokens)")
         }
         if settings.kind == .oauth {
             let oauth = settings.oauth

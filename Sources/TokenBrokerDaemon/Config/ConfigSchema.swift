@@ -112,6 +112,8 @@ public enum ConfigSchema {
                   change: .rebuildsSession, "total deadline of each request"),
         ConfigKey("RevokeOnLogout", \.oauth.revokeOnLogout, .bool, default: "yes", change: .rebuildsSession,
                   "revoke the refresh token upstream at logout"),
+        ConfigKey("DPoP", \.oauth.dpop, .bool, default: "no", change: .rebuildsSession,
+                  "bind the tokens to a key the daemon holds (RFC 9449): workers get proofs, never the key"),
         allowList("AllowUsers", \.allowUsers, "users (names or uids) who may use the session",
                   lookup: { context, name in context.userID(name) }, overflow: ProcessDefences.overflowUID),
         allowList("AllowGroups", \.allowGroups, "groups whose members may use the session",

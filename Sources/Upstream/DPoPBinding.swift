@@ -1,0 +1,94 @@
+import Basics
+import DPoP
+import Synchronization
+import TokenBrokerCore
+import WireJSON
+
+/// The DPoP side (RFC 9449) of a session's token requests: the generation's key, which signs a
+/// proof for each request, and the nonces servers asked for.
+public struct DPoPBinding: Sendable {
+    public let key: DPoPKey
+    public let nonces: DPoPNonces
+
+    public init(key: DPoPKey, nonces: DPoPNonces = .shared) {
+        self.key = key
+        self.nonces = nonces
+    }
+
+    /// A new key for a login, in the form the store keeps (`SessionRecord.proofKey`: the
+    /// PKCS #8 DER in base64, sealed by the store).
+    public static func newKey() throws(FetchFailure) -> Secret {
+        do { return Secret(Base64.encode(try DPoPKey().sealedForm)) } catch { throw .transient("dpop: \(error.description)") }
+    }
+
+    /// The key a record keeps.
+    public static func key(_ kept: Secret) throws(FetchFailure) -> DPoPKey {
+        guard let der = Base64.decode(kept.reveal) else { throw .terminal("dpop: the session's kept key is damaged; log in again") }
+        do { return try DPoPKey(der: der) } catch { throw .terminal("dpop: \(error.description); log in again") }
+    }
+
+    /// A proof for a `method` request to `url`, with the nonce that server asked for last.
+    func proof(method: String, url: String) throws(FetchFailure) -> (proof: String, nonce: String?) {
+        let nonce = nonces.nonce(for: url)
+        do {
+            return (try DPoPProof.make(key: key, method: method, url: url, issuedAt: UTCTime.unixSeconds(), nonce: nonce), nonce)
+        } catch {
+            throw .transient("dpop: \(error.description)")
+        }
+    }
+
+    /// The thumbprint an access token says it is bound to (`cnf.jkt`), when it is a JWT that
+    /// says so; nil for an opaque token (only the server knows then).
+    public static func boundThumbprint(ofAccessToken token: String) -> String? {
+        let parts = token.utf8.split(separator: UInt8(ascii: "."), omittingEmptySubsequences: false)
+        guard parts.count == 3, parts[1].count <= 12_000, let payload = Base64.urlDecode(String(decoding: parts[1], as: UTF8.self)),
+              case let .object(claims)? = try? JSONParser.parse(ArraySlice(payload)) else { return nil }
+        return claims["cnf"]?.objectValue?["jkt"]?.stringValue
+    }
+}
+
+/// The `DPoP-Nonce` each server gave last (RFC 9449 §8, §9), by origin: a proof to that server
+/// carries it. Shared by the sessions of one daemon (a nonce is the server's, not a session's);
+/// bounded, and only a short visible-ASCII value is kept.
+public final class DPoPNonces: Sendable {
+    public static let shared = DPoPNonces()
+
+    /// Servers remembered at most (the oldest is forgotten first).
+    static let capacity = 256
+    /// The longest nonce kept (RFC 9449 §8.1: 1*NQCHAR; servers send a few dozen bytes).
+    static let longestNonce = 512
+
+    private let table = Mutex<(nonces: [String: String], order: [String])>(([:], []))
+
+    public init() {}
+
+    /// The nonce for `url`'s server, if it gave one.
+    public func nonce(for url: String) -> String? {
+        guard let origin = Self.origin(url) else { return nil }
+        return table.withLock { $0.nonces[origin] }
+    }
+
+    /// Keeps the `DPoP-Nonce` of `response` from `url`; returns it (nil: none, or not a valid one).
+    @discardableResult
+    func learn(_ response: HTTPResponse, from url: String) -> String? {
+        guard let nonce = response.header("dpop-nonce"), !nonce.isEmpty, nonce.utf8.count <= Self.longestNonce,
+              nonce.utf8.allSatisfy({ $0 >= 0x21 && $0 <= 0x7E && $0 != UInt8(ascii: "\"") && $0 != UInt8(ascii: "\\") }),
+              let origin = Self.origin(url) else { return nil }
+        table.withLock { table in
+            if table.nonces.updateValue(nonce, forKey: origin) == nil {
+                table.order.append(origin)
+                if table.order.count > Self.capacity { table.nonces[table.order.removeFirst()] = nil }
+            }
+        }
+        return nonce
+    }
+
+    /// `scheme://authority` of an http(s) URL.
+    static func origin(_ url: String) -> String? {
+        // (`target` has a scheme, `://`, an authority and a path that starts with `/`.)
+        guard let target = DPoPProof.target(url) else { return nil }
+        let scheme = target.hasPrefix("https://") ? 8 : 7
+        let rest = target.dropFirst(scheme)
+        return String(target[..<(rest.firstIndex(of: "/") ?? rest.endIndex)])
+    }
+}
