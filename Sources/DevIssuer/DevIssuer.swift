@@ -3,6 +3,7 @@ import Glibc
 #endif
 import Basics
 import Dispatch
+import DPoP
 import Synchronization
 import WireJSON
 
@@ -15,9 +16,23 @@ import WireJSON
 ///   (RFC 7009), metadata (RFC 8414), and a protected resource at `/resource` that answers 200
 ///   for a valid token and 401 `invalid_token` otherwise.
 /// - Counters per grant, and faults injected into the next token requests.
+/// - DPoP (RFC 9449) when `Options.dpop` asks for it: proofs checked at the token endpoint and
+///   the resource, refresh token families and access tokens bound to the proof's key, and
+///   server nonces (§8, §9) on request.
 ///
 /// Clients authenticate with `client_secret_basic` or `client_secret_post`.
 public final class DevIssuer: Sendable {
+    /// How the issuer treats DPoP proofs (RFC 9449).
+    public enum DPoPMode: Sendable {
+        /// No DPoP: a `DPoP` header is ignored and every token is a Bearer token.
+        case off
+        /// A token request with a `DPoP` proof gets DPoP-bound tokens, one without gets Bearer
+        /// tokens; an invalid proof is refused.
+        case accepted
+        /// Every token request must carry a valid proof (400 `invalid_dpop_proof` otherwise).
+        case required
+    }
+
     public struct Options: Sendable {
         public var port: UInt16 = 0
         public var accessTokenLifetime: Duration = .seconds(3600)
@@ -32,6 +47,12 @@ public final class DevIssuer: Sendable {
         /// Revoking a refresh token that has been rotated already ends its family (lenient), or,
         /// as many servers do, changes nothing: the family lives on through the newer token.
         public var revokingARotatedTokenEndsItsFamily = true
+        /// Whether token requests may or must carry DPoP proofs (and tokens are bound to their key).
+        public var dpop: DPoPMode = .off
+        /// With `dpop` on, the token endpoint and the resource each demand a proof with their
+        /// current server nonce (`use_dpop_nonce` and a `DPoP-Nonce` header otherwise), and
+        /// name it in a `DPoP-Nonce` header on every answer.
+        public var dpopNonces = false
 
         public init() {}
     }
@@ -57,6 +78,10 @@ public final class DevIssuer: Sendable {
         /// Process the request (a refresh rotates), then hold the answer until `releaseHeld()`:
         /// an issuer that answers late after rotating.
         case holdAfterProcessing
+        /// The next successful token answer that binds an access token to a DPoP key binds it to
+        /// another, made-up thumbprint instead (in its `cnf.jkt` and the issuer's record), so a
+        /// client can see the mismatch.
+        case bindToOtherKey
     }
 
     /// Requests per kind, for tests and `/_dev/counters`.
@@ -72,6 +97,12 @@ public final class DevIssuer: Sendable {
         public var replays = 0
         /// All token endpoint requests, whatever their outcome.
         public var tokenRequests = 0
+        /// Requests refused for their DPoP proof, at the token endpoint and the resource: none,
+        /// two, an invalid or replayed one, one by another key than the token's or the refresh
+        /// token family's, a bound token without its proof (nonce challenges are not counted).
+        public var dpopProofsRefused = 0
+        /// `use_dpop_nonce` answers, at the token endpoint and the resource.
+        public var dpopNonceChallenges = 0
     }
 
     private struct RefreshRecord {
@@ -85,6 +116,34 @@ public final class DevIssuer: Sendable {
         var family: Int?
         var expiresAt: Double
         var revoked = false
+        /// The thumbprint of the DPoP key the token is bound to (`cnf.jkt`); nil for a Bearer token.
+        var jkt: String?
+    }
+
+    /// The `jti`s of the proofs one endpoint accepted lately, to refuse a replay: at most
+    /// `capacity`, the oldest forgotten first, and any whose `iat` has left the verifier's
+    /// window (such a proof is refused for its age anyway).
+    private struct SeenProofs {
+        static let capacity = 10_000
+        private var members: Set<String> = []
+        /// In arrival order from `head` on (the slots before it are forgotten, compacted now and then).
+        private var queue: [(jti: String, issuedAt: Int64)] = []
+        private var head = 0
+
+        /// Records `jti`; false if it was seen already.
+        mutating func insert(_ jti: String, issuedAt: Int64, now: Int64) -> Bool {
+            while head < queue.count, queue.count - head >= Self.capacity || queue[head].issuedAt <= now - DevIssuer.proofWindow {
+                members.remove(queue[head].jti)
+                head += 1
+            }
+            if head >= Self.capacity {
+                queue.removeFirst(head)
+                head = 0
+            }
+            guard members.insert(jti).inserted else { return false }
+            queue.append((jti, issuedAt))
+            return true
+        }
     }
 
     private struct Device {
@@ -110,7 +169,19 @@ public final class DevIssuer: Sendable {
         var familySize: [Int: Int] = [:]
         var held = 0
         var resourceRejectsAll = false
+        /// The DPoP key's thumbprint each bound refresh token family is bound to.
+        var familyJKT: [Int: String] = [:]
+        /// The server nonces (RFC 9449 §8, §9), one for the token endpoint, one for the resource.
+        var tokenNonce = DevIssuer.random(32)
+        var resourceNonce = DevIssuer.random(32)
+        var tokenProofs = SeenProofs()
+        var resourceProofs = SeenProofs()
+        /// A `bindToOtherKey` fault waiting for the next bound access token.
+        var bindToOtherKey = false
     }
+
+    /// How far a proof's `iat` may be from now, in seconds, either way.
+    static let proofWindow: Int64 = 60
 
     private let options: Options
     private let state = Mutex(State())
@@ -150,14 +221,37 @@ public final class DevIssuer: Sendable {
 
     // MARK: - Test and development hooks
 
-    /// A new refresh token in a new family, as if `clientID` had completed a login.
-    public func issueRefreshToken(clientID: String = "tokenbroker") -> String {
+    /// A new refresh token in a new family, as if `clientID` had completed a login; with a
+    /// `thumbprint`, the family is DPoP-bound to that key (as if the login had carried its proof).
+    public func issueRefreshToken(clientID: String = "tokenbroker", boundTo thumbprint: String? = nil) -> String {
         state.withLock { state in
             let family = state.nextFamily
             state.nextFamily += 1
             state.familyClients[family] = clientID
+            state.familyJKT[family] = thumbprint
             return mintRefresh(&state, family: family)
         }
+    }
+
+    /// Gives the token endpoint and the resource new nonces: a proof with an old one is
+    /// challenged again (with `dpopNonces` on).
+    public func rotateDPoPNonces() {
+        state.withLock { state in
+            state.tokenNonce = Self.random(32)
+            state.resourceNonce = Self.random(32)
+        }
+    }
+
+    /// The nonce the token endpoint currently demands (with `dpopNonces` on).
+    public var currentTokenNonce: String { state.withLock { $0.tokenNonce } }
+
+    /// The nonce the resource currently demands (with `dpopNonces` on).
+    public var currentResourceNonce: String { state.withLock { $0.resourceNonce } }
+
+    /// The thumbprint of the DPoP key the issuer bound `token` to (its `cnf.jkt`); nil for a
+    /// Bearer token or one it never issued.
+    public func thumbprint(ofAccessToken token: String) -> String? {
+        state.withLock { $0.accessTokens[token]?.jkt }
     }
 
     /// Queues faults for the next token endpoint requests.
@@ -250,7 +344,7 @@ public final class DevIssuer: Sendable {
 
     private func metadata() -> HTTPServerAction {
         state.withLock { $0.counters.metadataRequests += 1 }
-        return Self.json(200, [
+        var body: JSONObject = [
             "issuer": .string(baseURL),
             "token_endpoint": .string(tokenEndpoint),
             "revocation_endpoint": .string(revocationEndpoint),
@@ -258,7 +352,9 @@ public final class DevIssuer: Sendable {
             "grant_types_supported": ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code"],
             "token_endpoint_auth_methods_supported": ["client_secret_basic", "client_secret_post"],
             "response_types_supported": ["code"],
-        ])
+        ]
+        if options.dpop != .off { body["dpop_signing_alg_values_supported"] = ["ES256"] }
+        return Self.json(200, .object(body))
     }
 
     /// The client the request authenticates as, or the error answer (RFC 6749 §2.3.1: exactly
@@ -288,7 +384,16 @@ public final class DevIssuer: Sendable {
         return .client(id)
     }
 
+    /// `POST /token`: the faults, then the grant; with DPoP nonces on, every answer names the
+    /// current token endpoint nonce.
     private func token(_ request: HTTPServerRequest) -> HTTPServerAction {
+        let answer = faultedToken(request)
+        guard options.dpop != .off, options.dpopNonces, case let .respond(status, headers, body, delay, trickle) = answer else { return answer }
+        return .respond(status: status, headers: headers + [("DPoP-Nonce", currentTokenNonce)], body: body, delay: delay, trickle: trickle)
+    }
+
+    /// The token endpoint's answer after the next queued fault, if any.
+    private func faultedToken(_ request: HTTPServerRequest) -> HTTPServerAction {
         let fault: Fault? = state.withLock { state in
             state.counters.tokenRequests += 1
             return state.faults.isEmpty ? nil : state.faults.removeFirst()
@@ -305,6 +410,8 @@ public final class DevIssuer: Sendable {
         case .hold?:
             state.withLock { $0.held += 1 }
             gate.wait()
+        case .bindToOtherKey?:
+            state.withLock { $0.bindToOtherKey = true }
         default:
             break
         }
@@ -332,6 +439,13 @@ public final class DevIssuer: Sendable {
         case let .client(id): clientID = id
         case let .refused(answer): return answer
         }
+        // The key the answer's tokens are bound to (nil: Bearer tokens).
+        let jkt: String?
+        switch tokenProof(request) {
+        case let .key(thumbprint): jkt = thumbprint
+        case .none: jkt = nil
+        case let .refused(answer): return answer
+        }
         switch form["grant_type"] {
         case "refresh_token":
             guard let presented = form["refresh_token"] else { return Self.oauthError("invalid_request") }
@@ -339,6 +453,13 @@ public final class DevIssuer: Sendable {
                 state.counters.refreshGrants += 1
                 guard let record = state.refreshTokens[presented], state.familyClients[record.family] == clientID else {
                     return Self.oauthError("invalid_grant")
+                }
+                if let bound = state.familyJKT[record.family], bound != jkt {
+                    // A bound family without its key's proof: refused, but not reuse (the
+                    // token may have been stolen; its family and its holder carry on).
+                    state.counters.dpopProofsRefused += 1
+                    return Self.oauthError("invalid_grant", description: jkt == nil ? "The refresh token is DPoP-bound: a proof by its key is required."
+                                                                                     : "The refresh token is bound to another DPoP key.")
                 }
                 if record.retired {
                     // Reuse of a rotated token: revoke the whole family.
@@ -348,13 +469,15 @@ public final class DevIssuer: Sendable {
                 }
                 guard !state.revokedFamilies.contains(record.family) else { return Self.oauthError("invalid_grant") }
                 state.refreshTokens[presented]?.retired = true
+                // A family refreshed with a proof is bound from then on.
+                if let jkt { state.familyJKT[record.family] = jkt }
                 let refresh = mintRefresh(&state, family: record.family)
-                return tokenAnswer(mintAccess(&state, family: record.family), refresh: refresh)
+                return tokenAnswer(mintAccess(&state, family: record.family, jkt: jkt), refresh: refresh)
             }
         case "client_credentials":
             return state.withLock { state in
                 state.counters.clientCredentialsGrants += 1
-                return tokenAnswer(mintAccess(&state, family: nil), refresh: nil)
+                return tokenAnswer(mintAccess(&state, family: nil, jkt: jkt), refresh: nil)
             }
         case "urn:ietf:params:oauth:grant-type:device_code":
             if options.deviceRequiresClientIDInBody, form["client_id"] == nil {
@@ -378,8 +501,9 @@ public final class DevIssuer: Sendable {
                     let family = state.nextFamily
                     state.nextFamily += 1
                     state.familyClients[family] = clientID
+                    state.familyJKT[family] = jkt
                     let refresh = mintRefresh(&state, family: family)
-                    return tokenAnswer(mintAccess(&state, family: family), refresh: refresh)
+                    return tokenAnswer(mintAccess(&state, family: family, jkt: jkt), refresh: refresh)
                 default:
                     let tooSoon = device.lastPoll.map { now - $0 < device.interval - 0.05 } ?? false
                     device.lastPoll = now
@@ -389,6 +513,48 @@ public final class DevIssuer: Sendable {
             }
         default:
             return Self.oauthError("unsupported_grant_type")
+        }
+    }
+
+    /// What the token endpoint makes of a request's DPoP proof.
+    private enum ProofCheck {
+        /// A valid proof by the key with this thumbprint.
+        case key(String)
+        /// No proof (where none is needed), or DPoP is off.
+        case none
+        /// The answer to a request refused for its proof.
+        case refused(HTTPServerAction)
+    }
+
+    /// Checks the token request's `DPoP` header (RFC 9449 §4.3): at most one, valid for
+    /// `POST` to the token endpoint, with the current nonce if nonces are on, its `jti` not
+    /// seen before here.
+    private func tokenProof(_ request: HTTPServerRequest) -> ProofCheck {
+        guard options.dpop != .off else { return .none }
+        func refuse(_ why: String) -> ProofCheck {
+            state.withLock { $0.counters.dpopProofsRefused += 1 }
+            return .refused(Self.oauthError("invalid_dpop_proof", description: why))
+        }
+        let proofs = request.headers.filter { $0.name == "dpop" }
+        guard let proof = proofs.first else { return options.dpop == .required ? refuse("A DPoP proof is required.") : .none }
+        guard proofs.count == 1 else { return refuse("More than one DPoP header.") }
+        let now = Int64(Self.now())
+        let verified: DPoPVerifier.Verified
+        do {
+            verified = try DPoPVerifier.verify(proof.value, method: "POST", url: tokenEndpoint, now: now, window: Self.proofWindow)
+        } catch {
+            return refuse(error.description)
+        }
+        return state.withLock { state in
+            if options.dpopNonces, verified.nonce != state.tokenNonce {
+                state.counters.dpopNonceChallenges += 1
+                return .refused(Self.oauthError("use_dpop_nonce", description: "Authorization server requires nonce in DPoP proof."))
+            }
+            guard state.tokenProofs.insert(verified.jti, issuedAt: verified.issuedAt, now: now) else {
+                state.counters.dpopProofsRefused += 1
+                return .refused(Self.oauthError("invalid_dpop_proof", description: "The proof's jti was used before."))
+            }
+            return .key(verified.thumbprint)
         }
     }
 
@@ -451,19 +617,90 @@ public final class DevIssuer: Sendable {
 
     /// The protected resource: 200 for a live token; 401 `invalid_token` otherwise (a bare
     /// challenge when no token was sent); `?scope=admin` answers 403 `insufficient_scope`.
+    /// With DPoP on, a bound token must come with the `DPoP` scheme and its proof (and a
+    /// Bearer token with the `Bearer` scheme); with nonces on, every answer names the
+    /// resource's current nonce.
     private func resource(_ request: HTTPServerRequest) -> HTTPServerAction {
         state.withLock { $0.counters.resourceRequests += 1 }
+        guard options.dpop != .off else { return bearerResource(request) }
+        let answer = if let header = request.header("authorization"), header.hasPrefix("DPoP ") {
+            dpopResource(request, token: String(header.dropFirst(5)))
+        } else {
+            bearerResource(request)
+        }
+        guard options.dpopNonces, case let .respond(status, headers, body, delay, trickle) = answer else { return answer }
+        return .respond(status: status, headers: headers + [("DPoP-Nonce", currentResourceNonce)], body: body, delay: delay, trickle: trickle)
+    }
+
+    /// A resource request with the `Bearer` scheme (or none); a DPoP-bound token is refused.
+    private func bearerResource(_ request: HTTPServerRequest) -> HTTPServerAction {
         guard let header = request.header("authorization"), header.hasPrefix("Bearer ") else {
-            return .respond(status: 401, headers: [("WWW-Authenticate", "Bearer realm=\"dev\"")], body: [])
+            var challenges = [("WWW-Authenticate", "Bearer realm=\"dev\"")]
+            if options.dpop != .off { challenges.append(("WWW-Authenticate", "DPoP algs=\"ES256\"")) }
+            return .respond(status: 401, headers: challenges, body: [])
         }
         let token = String(header.dropFirst(7))
-        guard state.withLock({ Self.valid(token, in: $0) && !$0.resourceRejectsAll }) else {
+        let (live, bound) = state.withLock { (Self.valid(token, in: $0) && !$0.resourceRejectsAll, $0.accessTokens[token]?.jkt != nil) }
+        guard live else {
             return .respond(status: 401, headers: [("WWW-Authenticate", "Bearer realm=\"dev\", error=\"invalid_token\"")], body: [])
         }
+        // RFC 9449 §7.2: a DPoP-bound token used as a Bearer one.
+        if bound { return refuseResourceProof("invalid_token", "A DPoP-bound token needs the DPoP scheme and a proof.") }
+        return scopedResource(request, scheme: "Bearer")
+    }
+
+    /// A resource request with the `DPoP` scheme (RFC 9449 §7.1): a live bound token, exactly
+    /// one proof for this method and URL, by the token's key, with the token's hash (`ath`),
+    /// the resource's current nonce if nonces are on, and a `jti` not seen here before.
+    private func dpopResource(_ request: HTTPServerRequest, token: String) -> HTTPServerAction {
+        let (live, jkt) = state.withLock { (Self.valid(token, in: $0) && !$0.resourceRejectsAll, $0.accessTokens[token]?.jkt) }
+        guard live else { return Self.dpopChallenge("invalid_token", "The access token is not valid.") }
+        guard let jkt else { return refuseResourceProof("invalid_token", "A Bearer token cannot be used with the DPoP scheme.") }
+        let proofs = request.headers.filter { $0.name == "dpop" }
+        guard let proof = proofs.first else { return refuseResourceProof("invalid_dpop_proof", "A DPoP proof is required.") }
+        guard proofs.count == 1 else { return refuseResourceProof("invalid_dpop_proof", "More than one DPoP header.") }
+        let now = Int64(Self.now())
+        let verified: DPoPVerifier.Verified
+        do {
+            verified = try DPoPVerifier.verify(proof.value, method: request.method, url: resourceURL, now: now, window: Self.proofWindow,
+                                               accessToken: token)
+        } catch {
+            return refuseResourceProof("invalid_dpop_proof", error.description)
+        }
+        guard verified.thumbprint == jkt else { return refuseResourceProof("invalid_dpop_proof", "The proof is signed by another key than the token's.") }
+        let refusal: HTTPServerAction? = state.withLock { state in
+            if options.dpopNonces, verified.nonce != state.resourceNonce {
+                state.counters.dpopNonceChallenges += 1
+                return Self.dpopChallenge("use_dpop_nonce", "Resource server requires nonce in DPoP proof.")
+            }
+            guard state.resourceProofs.insert(verified.jti, issuedAt: verified.issuedAt, now: now) else {
+                state.counters.dpopProofsRefused += 1
+                return Self.dpopChallenge("invalid_dpop_proof", "The proof's jti was used before.")
+            }
+            return nil
+        }
+        return refusal ?? scopedResource(request, scheme: "DPoP")
+    }
+
+    /// A 401 for a proof refused at the resource, counted.
+    private func refuseResourceProof(_ error: String, _ description: String) -> HTTPServerAction {
+        state.withLock { $0.counters.dpopProofsRefused += 1 }
+        return Self.dpopChallenge(error, description)
+    }
+
+    /// The resource's answer to an accepted token: `?scope=admin` answers 403 `insufficient_scope`.
+    private func scopedResource(_ request: HTTPServerRequest, scheme: String) -> HTTPServerAction {
         if request.query.contains(where: { $0 == ("scope", "admin") }) {
-            return .respond(status: 403, headers: [("WWW-Authenticate", "Bearer realm=\"dev\", error=\"insufficient_scope\", scope=\"admin\"")], body: [])
+            return .respond(status: 403, headers: [("WWW-Authenticate", "\(scheme) realm=\"dev\", error=\"insufficient_scope\", scope=\"admin\"")], body: [])
         }
         return Self.json(200, ["ok": true, "bytes": .int(Int64(request.body.count))])
+    }
+
+    /// A 401 with a `DPoP` challenge (RFC 9449 §7.1): an error and why (our own words or the
+    /// verifier's, never a token; a quote or backslash would be dropped to keep the quoted string).
+    private static func dpopChallenge(_ error: String, _ description: String) -> HTTPServerAction {
+        let quoted = description.filter { $0 != "\"" && $0 != "\\" }
+        return .respond(status: 401, headers: [("WWW-Authenticate", "DPoP error=\"\(error)\", error_description=\"\(quoted)\"")], body: [])
     }
 
     private func counterReport() -> HTTPServerAction {
@@ -473,6 +710,7 @@ public final class DevIssuer: Sendable {
             "device_code": .int(Int64(counters.deviceGrants)), "device_authorization": .int(Int64(counters.deviceAuthorizations)),
             "revocation": .int(Int64(counters.revocations)), "resource": .int(Int64(counters.resourceRequests)),
             "replays": .int(Int64(counters.replays)), "token_requests": .int(Int64(counters.tokenRequests)),
+            "dpop_refused": .int(Int64(counters.dpopProofsRefused)), "dpop_nonce_challenges": .int(Int64(counters.dpopNonceChallenges)),
         ])
     }
 
@@ -487,15 +725,29 @@ public final class DevIssuer: Sendable {
         return token
     }
 
-    private func mintAccess(_ state: inout State, family: Int?) -> String {
-        // `+` and `/` on purpose: a client must form-encode tokens correctly.
-        let token = "dev-at." + Self.random(24) + "+/="
-        state.accessTokens[token] = AccessRecord(family: family, expiresAt: Self.now() + options.accessTokenLifetime.secondsValue)
-        return token
+    /// An access token: a Bearer one, or, bound to the key `jkt` names, JWT-shaped with
+    /// `cnf.jkt` (RFC 9449 §6.1; unsigned: the broker only reads the claim).
+    private func mintAccess(_ state: inout State, family: Int?, jkt: String? = nil) -> (token: String, bound: Bool) {
+        let expiresAt = Self.now() + options.accessTokenLifetime.secondsValue
+        guard var jkt else {
+            // `+` and `/` on purpose: a client must form-encode tokens correctly.
+            let token = "dev-at." + Self.random(24) + "+/="
+            state.accessTokens[token] = AccessRecord(family: family, expiresAt: expiresAt)
+            return (token, false)
+        }
+        if state.bindToOtherKey {
+            state.bindToOtherKey = false
+            jkt = Base64.urlEncode(Self.randomBytes(32))
+        }
+        let header: JSON = ["alg": "none", "typ": "at+jwt"]
+        let claims: JSON = ["cnf": ["jkt": .string(jkt)], "jti": .string(Self.random(24)), "exp": .int(Int64(expiresAt))]
+        let token = Base64.urlEncode(header.encoded) + "." + Base64.urlEncode(claims.encoded) + "." + Base64.urlEncode(Self.randomBytes(32))
+        state.accessTokens[token] = AccessRecord(family: family, expiresAt: expiresAt, jkt: jkt)
+        return (token, true)
     }
 
-    private func tokenAnswer(_ access: String, refresh: String?) -> HTTPServerAction {
-        var body: JSONObject = ["access_token": .string(access), "token_type": "Bearer",
+    private func tokenAnswer(_ access: (token: String, bound: Bool), refresh: String?) -> HTTPServerAction {
+        var body: JSONObject = ["access_token": .string(access.token), "token_type": access.bound ? "DPoP" : "Bearer",
                                 "expires_in": .int(Int64(options.accessTokenLifetime.secondsValue))]
         if let refresh { body["refresh_token"] = .string(refresh) }
         return Self.json(200, .object(body), extra: [("Cache-Control", "no-store"), ("Pragma", "no-cache")])
@@ -531,6 +783,11 @@ public final class DevIssuer: Sendable {
         var generator = SystemRandomNumberGenerator()
         let alphabet = Array("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
         return String((0..<count).map { _ in alphabet[Int(generator.next() % UInt64(alphabet.count))] })
+    }
+
+    static func randomBytes(_ count: Int) -> [UInt8] {
+        var generator = SystemRandomNumberGenerator()
+        return (0..<count).map { _ in UInt8.random(in: 0...255, using: &generator) }
     }
 
     /// `XXXX-XXXX` from letters that cannot be confused.
