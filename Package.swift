@@ -66,7 +66,7 @@ var package = Package(
         .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "Varlink"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve,
         // check-config.
-        .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "TokenBrokerCore",
+        .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "DPoP", "TokenBrokerCore",
                                                          "Varlink", "Upstream", "Sealing", "SQLiteStore", "CSystemd"]),
         // `tokenbroker-daemon`'s command line: `serve` and `check-config` parsed and run, every
         // other subcommand handed to the CLI's. (The daemon itself knows nothing of the CLI.)

@@ -12,7 +12,7 @@ public enum BrokerContract {
     public static let interface = VarlinkInterface(description: text, secretMembers: secretMembers)
     /// The members whose values are credentials (a token, a refresh token, a rejected token):
     /// descriptions of calls and replies never show them (`VarlinkRedaction`).
-    public static let secretMembers: Set<String> = ["token", "refreshToken", "rejected"]
+    public static let secretMembers: Set<String> = ["token", "refreshToken", "rejected", "proof"]
     /// Registers `secretMembers` once, at the first request a client or the daemon makes or reads.
     static let secretsRegistered: Void = VarlinkRedaction.register(secretMembers)
     /// Where the broker listens unless configured otherwise (`Socket=`, `$TOKENBROKER_SOCKET`).
@@ -23,7 +23,7 @@ public enum BrokerContract {
 public enum BrokerMethod: String, Sendable, CaseIterable {
     case getToken = "GetToken", recover = "Recover", watch = "Watch", logout = "Logout", login = "Login"
     case status = "Status", reload = "Reload", refresh = "Refresh", deviceLogin = "DeviceLogin", forget = "Forget"
-    case metrics = "Metrics", credential = "Credential"
+    case metrics = "Metrics", credential = "Credential", getProof = "GetProof"
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
@@ -44,6 +44,8 @@ public enum BrokerRequest: Sendable, Equatable {
     case metrics
     /// The token for `url`, for credential helpers; with `rejected`, as Recover answers.
     case credential(url: String, rejected: String?)
+    /// The token with a DPoP proof for one request; with `rejected`, as Recover answers.
+    case getProof(session: String, method: String, uri: String, nonce: String?, rejected: String?)
 
     public var method: BrokerMethod {
         switch self {
@@ -59,6 +61,7 @@ public enum BrokerRequest: Sendable, Equatable {
         case .forget: return .forget
         case .metrics: return .metrics
         case .credential: return .credential
+        case .getProof: return .getProof
         }
     }
 
@@ -66,7 +69,7 @@ public enum BrokerRequest: Sendable, Equatable {
     public var session: String? {
         switch self {
         case let .getToken(session), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
-             let .refresh(session), let .deviceLogin(session), let .forget(session):
+             let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _):
             return session
         case .status, .reload, .metrics, .credential:
             return nil
@@ -110,6 +113,25 @@ public enum BrokerRequest: Sendable, Equatable {
             let rejected = try parameters.optionalString("rejected")
             if let rejected, rejected.isEmpty { throw ParameterError(name: "rejected") }
             self = .credential(url: url, rejected: rejected)
+        case .getProof:
+            let name = try session(["method", "uri", "nonce", "rejected"])
+            let method = try parameters.string("method")
+            guard (1...16).contains(method.utf8.count), method.utf8.allSatisfy({ (0x41...0x5A).contains($0) }) else {
+                throw ParameterError(name: "method")
+            }
+            let uri = try parameters.string("uri")
+            let lower = uri.prefix(8).lowercased()
+            guard uri.utf8.count <= 4096, lower.hasPrefix("https://") || lower.hasPrefix("http://"),
+                  uri.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else { throw ParameterError(name: "uri") }
+            // A nonce is the server's token68-like value (RFC 9449 §8.1: NQCHAR), bounded.
+            let nonce = try parameters.optionalString("nonce")
+            if let nonce, nonce.isEmpty || nonce.utf8.count > 512
+                || !nonce.utf8.allSatisfy({ $0 >= 0x21 && $0 <= 0x7E && $0 != UInt8(ascii: "\"") && $0 != UInt8(ascii: "\\") }) {
+                throw ParameterError(name: "nonce")
+            }
+            let rejected = try parameters.optionalString("rejected")
+            if let rejected, rejected.isEmpty { throw ParameterError(name: "rejected") }
+            self = .getProof(session: name, method: method, uri: uri, nonce: nonce, rejected: rejected)
         }
     }
 
@@ -125,6 +147,11 @@ public enum BrokerRequest: Sendable, Equatable {
         case .status, .reload, .metrics: return [:]
         case let .credential(url, rejected):
             var parameters: JSONObject = ["url": .string(url)]
+            if let rejected { parameters["rejected"] = .string(rejected) }
+            return parameters
+        case let .getProof(session, method, uri, nonce, rejected):
+            var parameters: JSONObject = ["session": .string(session), "method": .string(method), "uri": .string(uri)]
+            if let nonce { parameters["nonce"] = .string(nonce) }
             if let rejected { parameters["rejected"] = .string(rejected) }
             return parameters
         }
@@ -263,6 +290,36 @@ public struct CredentialReply: Sendable, Equatable {
         var parameters = token.parameters
         parameters["session"] = .string(session)
         return parameters
+    }
+}
+
+/// The reply of `GetProof`: the token, and the proof to send with it (none for a bearer token).
+public struct ProofReply: Sendable, Equatable {
+    public var token: TokenReply
+    /// The `DPoP` header's value, for the one request it names. Never log it.
+    public var proof: String?
+
+    public init(token: TokenReply, proof: String?) {
+        BrokerContract.secretsRegistered
+        self.token = token
+        self.proof = proof
+    }
+
+    public init(_ parameters: JSONObject) {
+        self.init(token: TokenReply(parameters), proof: parameters["proof"]?.stringValue)
+    }
+
+    public var parameters: JSONObject {
+        var parameters = token.parameters
+        if let proof { parameters["proof"] = .string(proof) }
+        return parameters
+    }
+
+    /// The request's headers: `Authorization` with the token's type, and `DPoP` when there is a proof.
+    public var headers: [(name: String, value: String)] {
+        var headers = [(name: "Authorization", value: token.tokenType + " " + token.token)]
+        if let proof { headers.append((name: "DPoP", value: proof)) }
+        return headers
     }
 }
 

@@ -20,6 +20,7 @@ public enum Ctl {
         var json = false
         var refreshTokenFromStdin = false
         var showToken = false
+        var nonce: String?
         var index = 0
         while index < arguments.count {
             let argument = arguments[index]
@@ -37,6 +38,10 @@ public enum Ctl {
                 refreshTokenFromStdin = true
             case "--show-token":
                 showToken = true
+            case "--nonce":
+                guard index + 1 < arguments.count else { return .exit(usage("--nonce needs the server's nonce", &errors)) }
+                nonce = arguments[index + 1]
+                index += 1
             default:
                 if argument.hasPrefix("--socket=") {
                     socket = String(argument.dropFirst("--socket=".count))
@@ -52,14 +57,15 @@ public enum Ctl {
             index += 1
         }
         return .exit(perform(words, socket: socket, json: json, refreshTokenFromStdin: refreshTokenFromStdin, showToken: showToken,
-                             output: &output, errors: &errors))
+                             nonce: nonce, output: &output, errors: &errors))
     }
 
     private static func perform(_ words: [String], socket: String, json: Bool, refreshTokenFromStdin: Bool, showToken: Bool,
-                                output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
+                                nonce: String?, output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
         guard let verb = words.first else { return usage("missing verb", &errors) }
         if refreshTokenFromStdin && verb != "login" { return usage("--refresh-token-stdin belongs to login", &errors) }
         if showToken && verb != "watch" { return usage("--show-token belongs to watch", &errors) }
+        if nonce != nil && verb != "proof" { return usage("--nonce belongs to proof", &errors) }
         let operands = Array(words.dropFirst())
         guard let address = address(socket) else {
             return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", &errors)
@@ -82,6 +88,12 @@ public enum Ctl {
                 let reply = try call(address, .recover(session: operands[0], rejected: rejected))
                 guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
+            case "proof":
+                guard operands.count == 3 else { return usage("proof needs a SESSION, a METHOD and a URL", &errors) }
+                let reply = try call(address, .getProof(session: operands[0], method: operands[1], uri: operands[2], nonce: nonce, rejected: nil))
+                let proof = ProofReply(reply.parameters)
+                guard !proof.token.token.isEmpty else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
+                output.write(json ? JSON.object(reply.parameters).text + "\n" : proof.headers.map { "\($0.name): \($0.value)\n" }.joined())
             case "login":
                 guard operands.count == 1 else { return usage("login needs exactly one SESSION", &errors) }
                 if refreshTokenFromStdin {
@@ -236,6 +248,9 @@ public enum Ctl {
         }
         guard let name = reply.error else { return reply }
         guard let error = BrokerError(reply, session: request.session ?? "") else {
+            if name == VarlinkServiceError.invalidParameter, let parameter = reply.parameters["parameter"]?.stringValue {
+                throw Failure(code: ExitCode.usage, message: "the broker refused the value of '\(parameter.prefix(32))'")
+            }
             throw Failure(code: ExitCode.failure, message: "the broker answered \(name)")
         }
         throw failure(error, request)

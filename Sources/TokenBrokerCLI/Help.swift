@@ -133,6 +133,8 @@ public enum Help {
           watch <session>         Print one line per token and logout event (no token unless --show-token).
           token <session>         Print the session's current access token alone, for $(…).
           recover <session>       Read a rejected token on stdin; print the token to retry with.
+          proof <session> <method> <url>
+                                  Print the two headers of one DPoP request (Authorization, DPoP).
           login <session>         Log the session in: device flow, or --refresh-token-stdin (admin).
           logout <session>        Log the session out (admin).
           forget <session>        Remove a stored session the configuration no longer names (admin).
@@ -234,6 +236,28 @@ public enum Help {
 
         """
 
+    public static let ctlProof = """
+        OVERVIEW: Print the headers of one request with a DPoP-bound token (RFC 9449).
+
+        Prints `Authorization: DPoP <token>` and `DPoP: <proof>`, one per line: the session's
+        current token (refreshed first if it has expired) and a proof for this request alone,
+        signed in the daemon with the session's key (DPoP=yes), which never leaves it. A proof
+        names the method and the URL (without query and fragment) and is good once, for about a
+        minute. A bearer session prints `Authorization: Bearer <token>` alone.
+
+        USAGE: tokenbroker ctl [--socket <path>] proof <session> <method> <url> [--nonce <nonce>] [--json]
+
+        OPTIONS:
+          --nonce <nonce>         The nonce the resource server asked for (its DPoP-Nonce header,
+                                  with a 401 use_dpop_nonce).
+          --json                  The whole GetProof reply as JSON.
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          curl -H @<(tokenbroker ctl proof api GET https://api.example.com/items) https://api.example.com/items
+
+        """
+
     public static let ctlForget = """
         OVERVIEW: Remove a stored session the configuration no longer names (admin).
 
@@ -330,6 +354,7 @@ public enum Help {
         case "check-config": return checkConfig
         case "forget": return ctlForget
         case "recover": return ctlRecover
+        case "proof": return ctlProof
         case "login": return ctlLogin
         case "status": return ctlStatus
         case "token": return ctlToken

@@ -24,4 +24,39 @@ extension TokenBrokerClient {
             inspect: inspect,
             recover: { rejected in Secret(try await self.recover(session: session, rejected: rejected.reveal).token) })
     }
+
+    /// Sends a business request of `method` to `url` with the headers `GetProof` gives (a DPoP
+    /// session's token and a fresh proof; a bearer session's token alone), with the same
+    /// one-`Recover`-one-retry rule, plus the resource server's `use_dpop_nonce` answer: sent
+    /// once more with a proof that carries its nonce (`AuthRetryPolicy.decideWithProof`).
+    ///
+    /// - Parameters:
+    ///   - send: sends the request with these headers added.
+    ///   - inspect: the response's status, `WWW-Authenticate` values and `DPoP-Nonce`.
+    public func perform<Response>(
+        session: String, method: String, url: String,
+        replay: AuthRetryPolicy.Replay,
+        send: ([(name: String, value: String)]) async throws -> Response,
+        inspect: (Response) -> (status: Int, wwwAuthenticate: [String], dpopNonce: String?)
+    ) async throws -> Response {
+        var nonce: String?
+        var proven = try await proof(session: session, method: method, url: url)
+        var (nonceRetried, recovered) = (false, false)
+        while true {
+            let response = try await send(proven.headers)
+            let (status, challenges, given) = inspect(response)
+            switch AuthRetryPolicy.decideWithProof(status: status, wwwAuthenticate: challenges, nonce: given, sentNonce: nonce,
+                                                   nonceRetried: nonceRetried, recovered: recovered, replay: replay) {
+            case .deliver:
+                return response
+            case let .retryWithNonce(fresh):
+                nonceRetried = true
+                nonce = fresh
+                proven = try await proof(session: session, method: method, url: url, nonce: fresh)
+            case .recoverAndRetry:
+                recovered = true
+                proven = try await proof(session: session, method: method, url: url, nonce: nonce, rejected: proven.token.token)
+            }
+        }
+    }
 }

@@ -19,6 +19,24 @@ public struct AccessToken: Sendable, Equatable, CustomStringConvertible {
     public var description: String { "access token (generation \(generation))" }
 }
 
+/// An access token with the DPoP proof (RFC 9449) for one request, as `proof(session:…)`
+/// answers: send `headers`. The proof is signed in the broker; the key never leaves it.
+public struct ProvenToken: Sendable, Equatable, CustomStringConvertible {
+    public var token: AccessToken
+    /// The `DPoP` header's value, good for the one request it was made for; nil for a bearer
+    /// session (then `headers` is `Authorization: Bearer …` alone). Never log it.
+    public var proof: String?
+
+    /// `Authorization: <type> <token>`, and `DPoP: <proof>` when there is one.
+    public var headers: [(name: String, value: String)] {
+        var headers = [(name: "Authorization", value: "\(token.tokenType) \(token.token)")]
+        if let proof { headers.append((name: "DPoP", value: proof)) }
+        return headers
+    }
+
+    public var description: String { "\(token)\(proof == nil ? "" : " with a DPoP proof")" }
+}
+
 /// What a subscriber of `watch(session:)` receives.
 public enum TokenEvent: Sendable, Equatable {
     case token(AccessToken, serial: Int)
@@ -89,6 +107,15 @@ public final class TokenBrokerClient: Sendable {
     /// one if it is another, else a new one from the session's single refresh.
     public func recover(session: String, rejected: String) async throws(TokenBrokerError) -> AccessToken {
         AccessToken(TokenReply(try await call(.recover(session: session, rejected: rejected)).parameters))
+    }
+
+    /// The session's current token with a DPoP proof for one request of `method` to `url`
+    /// (`GetProof`); `nonce` is the resource server's (`DPoP-Nonce`), `rejected` a token the
+    /// server refused (then the token to retry with, as `recover` answers).
+    public func proof(session: String, method: String, url: String, nonce: String? = nil,
+                      rejected: String? = nil) async throws(TokenBrokerError) -> ProvenToken {
+        let reply = ProofReply(try await call(.getProof(session: session, method: method, uri: url, nonce: nonce, rejected: rejected)).parameters)
+        return ProvenToken(token: AccessToken(reply.token), proof: reply.proof)
     }
 
     /// The session's events: the current token at once, every new token, and the logout

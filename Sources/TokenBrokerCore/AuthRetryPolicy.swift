@@ -22,6 +22,9 @@ public enum AuthRetryPolicy {
         case deliver
         /// Call `Recover` with the token that was sent, then send once more.
         case recoverAndRetry
+        /// The resource server asked for a DPoP nonce (`use_dpop_nonce`, RFC 9449 §9): send
+        /// once more with the same token and a proof that carries it.
+        case retryWithNonce(String)
     }
 
     /// Methods RFC 9110 §9.2.2 calls idempotent.
@@ -38,7 +41,7 @@ public enum AuthRetryPolicy {
     ///   - wwwAuthenticate: every `WWW-Authenticate` header value of the response.
     public static func decide(status: Int, wwwAuthenticate: [String], attempt: Int, replay: Replay) -> Decision {
         guard status == 401, attempt == 1, replay == .replayable else { return .deliver }
-        let bearer = wwwAuthenticate.flatMap(AuthChallenge.parse).filter { $0.scheme.lowercased() == "bearer" }
+        let bearer = wwwAuthenticate.flatMap(AuthChallenge.parse).filter { ["bearer", "dpop"].contains($0.scheme.lowercased()) }
         // No Bearer challenge at all: a 401 still says "this token was not accepted".
         guard !bearer.isEmpty else { return .recoverAndRetry }
         for challenge in bearer {
@@ -46,6 +49,24 @@ public enum AuthRetryPolicy {
             if code == "invalid_token" { return .recoverAndRetry }
         }
         return .deliver
+    }
+
+    /// For a request with a DPoP proof: a `401` whose DPoP challenge says `use_dpop_nonce`, with
+    /// a nonce (`DPoP-Nonce`) other than the one sent, is retried once with it; otherwise the
+    /// rules above (`Recover` and one retry). So a request is sent at most three times: a
+    /// nonce round trip and a recovery, each at most once.
+    /// - Parameters:
+    ///   - nonce: the response's `DPoP-Nonce`; `sentNonce` the one the request's proof carried.
+    ///   - nonceRetried: whether this request has had its nonce retry; `recovered`, its recovery.
+    public static func decideWithProof(status: Int, wwwAuthenticate: [String], nonce: String?, sentNonce: String?,
+                                       nonceRetried: Bool, recovered: Bool, replay: Replay) -> Decision {
+        guard status == 401, replay == .replayable else { return .deliver }
+        let dpop = wwwAuthenticate.flatMap(AuthChallenge.parse).filter { $0.scheme.lowercased() == "dpop" }
+        if dpop.contains(where: { $0.parameters["error"] == "use_dpop_nonce" }) {
+            guard !nonceRetried, let nonce, !nonce.isEmpty, nonce != sentNonce else { return .deliver }
+            return .retryWithNonce(nonce)
+        }
+        return recovered ? .deliver : decide(status: status, wwwAuthenticate: wwwAuthenticate, attempt: 1, replay: replay)
     }
 
     /// Sends a request with `token`, and at most once more with a recovered token, following

@@ -137,8 +137,11 @@ public final class Daemon: Sendable {
         // (Metrics first: once the socket answers, so does MetricsListen=.)
         server.start()
         logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
-        if let development, let demo = table.snapshot.sessions[development.sessionName] {
-            await development.logIn(demo.coordinator)
+        if let development {
+            for name in development.sessionNames {
+                guard let demo = table.snapshot.sessions[name] else { continue }
+                await development.logIn(demo.coordinator, proofKey: try? demo.upstream?.newProofKey())
+            }
             var output = FileOutput.standardOutput
             output.write(development.guide(socket: configuration.socketPath))
         }

@@ -7,9 +7,9 @@ import TokenBrokerCore
 public protocol DevelopmentEnvironment: Sendable {
     /// The configuration to serve instead of the configuration files.
     var configuration: BrokerConfiguration { get }
-    /// The session that is logged in at start, and how.
-    var sessionName: String { get }
-    func logIn(_ coordinator: RefreshCoordinator<ContinuousClock>) async
+    /// The sessions that are logged in at start, and how (`proofKey`: a DPoP session's new key).
+    var sessionNames: [String] { get }
+    func logIn(_ coordinator: RefreshCoordinator<ContinuousClock>, proofKey: Secret?) async
     /// What to try next, printed at start.
     func guide(socket: String) -> String
     /// Stops the development server (at exit).

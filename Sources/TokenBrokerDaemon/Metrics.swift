@@ -19,13 +19,15 @@ final class Metrics: Sendable {
         var count: Int { value.load(ordering: .relaxed) }
     }
 
-    /// The results a GetToken or Recover call can have: `ok`, `cancelled` (the caller went away
+    /// The calls counted by result: those that answer a token.
+    static let tokenMethods: [BrokerMethod] = [.getToken, .recover, .getProof, .credential]
+
+    /// The results a token call can have: `ok`, `cancelled` (the caller went away
     /// before the answer), or the contract error's name.
     static let callResults = ["ok", "cancelled"] + BrokerError.tokenCallErrors.map(\.name) + ["InvalidParameter", "other"]
 
-    /// GetToken and Recover by result; the dictionaries are built once and only read after.
-    private let getToken: [String: Counter]
-    private let recover: [String: Counter]
+    /// The token calls by method and result; the dictionaries are built once and only read after.
+    private let calls: [BrokerMethod: [String: Counter]]
     /// The hot path's own counter (a dictionary lookup saved).
     let getTokenOK: Counter
 
@@ -66,21 +68,19 @@ final class Metrics: Sendable {
 
     init(version: String) {
         self.version = version
-        var getToken: [String: Counter] = [:], recover: [String: Counter] = [:]
-        for result in Self.callResults {
-            getToken[result] = Counter()
-            recover[result] = Counter()
+        var calls: [BrokerMethod: [String: Counter]] = [:]
+        for method in Self.tokenMethods {
+            calls[method] = Dictionary(uniqueKeysWithValues: Self.callResults.map { ($0, Counter()) })
         }
-        self.getToken = getToken
-        self.recover = recover
-        getTokenOK = getToken["ok"]!
+        self.calls = calls
+        getTokenOK = calls[.getToken]!["ok"]!
     }
 
     // MARK: - Recording
 
-    /// A GetToken or Recover call's result: `error` is the reply's error name (nil: a token).
+    /// A token call's result: `error` is the reply's error name (nil: a token).
     func call(_ method: BrokerMethod, error: String?) {
-        let table = method == .getToken ? getToken : recover
+        guard let table = calls[method] else { return }
         let result = error.map { name in String(name[(name.lastIndex(of: ".").map { name.index(after: $0) } ?? name.startIndex)...]) } ?? "ok"
         (table[result] ?? table["other"])?.add()
     }
@@ -143,9 +143,12 @@ final class Metrics: Sendable {
             return out.finish()
         }
 
-        out.family("tokenbroker_calls", "counter", "GetToken and Recover calls by result (ok, or the error's name).")
-        for (method, table) in [("GetToken", getToken), ("Recover", recover)] {
-            for result in Self.callResults { out.sample("tokenbroker_calls_total", ["method": method, "result": result], Double(table[result]?.count ?? 0)) }
+        out.family("tokenbroker_calls", "counter", "GetToken, Recover, GetProof and Credential calls by result (ok, or the error's name).")
+        for method in Self.tokenMethods {
+            let table = calls[method] ?? [:]
+            for result in Self.callResults {
+                out.sample("tokenbroker_calls_total", ["method": method.rawValue, "result": result], Double(table[result]?.count ?? 0))
+            }
         }
 
         let names = sessions.map(\.status.name)

@@ -7,9 +7,11 @@ import TokenBrokerDaemon
 import Upstream
 
 /// `tokenbroker serve --dev`: the development issuer in this process, and a configuration with
-/// one session, `demo`, that uses it and is logged in at start.
+/// two sessions that use it and are logged in at start: `demo` (bearer tokens) and `demo-dpop`
+/// (`DPoP=yes`: tokens bound to a key the daemon holds).
 public struct DevelopmentSetup: DevelopmentEnvironment {
     static let session = "demo"
+    static let dpopSession = "demo-dpop"
     static let clientID = "tokenbroker"
     static let clientSecret = "dev-secret"
 
@@ -19,6 +21,8 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
         var options = DevIssuer.Options()
         options.clients = [Self.clientID: Self.clientSecret]
         options.deviceInterval = .seconds(2)
+        // Bearer tokens without a proof, DPoP-bound ones with one.
+        options.dpop = .accepted
         issuer = try DevIssuer(options: options)
     }
 
@@ -29,16 +33,21 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
         oauth.issuer = issuer.baseURL
         oauth.client.clientID = Self.clientID
         oauth.client.clientSecret = Secret(Self.clientSecret)
-        configuration.sessions = [SessionConfiguration(name: Self.session, upstream: .oauth(oauth), allowUsers: [], allowGroups: [],
-                                                       policy: RefreshPolicy(), origin: "--dev")]
+        var dpop = oauth
+        dpop.dpop = true
+        configuration.sessions = [oauth, dpop].enumerated().map { index, oauth in
+            SessionConfiguration(name: index == 0 ? Self.session : Self.dpopSession, upstream: .oauth(oauth), allowUsers: [], allowGroups: [],
+                                 policy: RefreshPolicy(), origin: "--dev")
+        }
         return configuration
     }
 
-    /// Logs `demo` in with a refresh token fresh from the issuer.
-    public var sessionName: String { Self.session }
+    /// Logs both in with refresh tokens fresh from the issuer (the DPoP session's is bound to
+    /// its key by its first refresh, which proves the key).
+    public var sessionNames: [String] { [Self.session, Self.dpopSession] }
 
-    public func logIn(_ coordinator: RefreshCoordinator<ContinuousClock>) async {
-        _ = try? await coordinator.login(refreshToken: Secret(issuer.issueRefreshToken(clientID: Self.clientID)))
+    public func logIn(_ coordinator: RefreshCoordinator<ContinuousClock>, proofKey: Secret?) async {
+        _ = try? await coordinator.login(refreshToken: Secret(issuer.issueRefreshToken(clientID: Self.clientID)), proofKey: proofKey)
     }
 
     /// The command users type: `tokenbroker` beside this executable (a build directory, where
@@ -56,12 +65,13 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
             tokenbroker is running in development mode.
               issuer   \(issuer.baseURL)  (development OAuth server, in this process)
               socket   \(socket)
-              session  demo (logged in)
+              sessions demo (logged in), demo-dpop (logged in, DPoP: tokens bound to a key held here)
 
             Try, in another shell:
               \(ctl) token demo
               \(ctl) status
               curl -H "Authorization: Bearer $(\(ctl) token demo)" \(issuer.resourceURL)
+              curl -H @<(\(ctl) proof demo-dpop GET \(issuer.resourceURL)) \(issuer.resourceURL)
               \(ctl) logout demo && \(ctl) login demo     (device flow: open the printed URL)
 
             Stop with Ctrl-C.

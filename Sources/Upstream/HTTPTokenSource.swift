@@ -81,7 +81,7 @@ public final class HTTPTokenSource: TokenSource {
     /// The client for a request; with `proofKey` (a DPoP session's generation key, as the
     /// record keeps it) its token requests carry proofs.
     public func client(proofKey: Secret? = nil) async throws(FetchFailure) -> OAuthClient {
-        let dpop = try proofKey.map { key throws(FetchFailure) in DPoPBinding(key: try openedKey(key), nonces: nonces) }
+        let dpop = try proofKey.map { key throws(FetchFailure) in DPoPBinding(key: try self.proofKey(key), nonces: nonces) }
         return OAuthClient(endpoints: try await endpoints(), configuration: configuration, dpop: dpop, loop: loop)
     }
 
@@ -93,7 +93,8 @@ public final class HTTPTokenSource: TokenSource {
     /// The DPoP key last opened (a generation keeps one key: opened once, not per request).
     private let lastKey = Mutex<(kept: Secret, key: DPoPKey)?>(nil)
 
-    private func openedKey(_ kept: Secret) throws(FetchFailure) -> DPoPKey {
+    /// The session's DPoP key as its record keeps it, opened (once per generation).
+    public func proofKey(_ kept: Secret) throws(FetchFailure) -> DPoPKey {
         if let last = lastKey.withLock({ $0 }), last.kept == kept { return last.key }
         let key = try DPoPBinding.key(kept)
         lastKey.withLock { $0 = (kept, key) }

@@ -23,7 +23,7 @@ struct CommandLineTests {
     @Test("help <subcommand> equals <subcommand> --help", arguments: [
         (["serve"], Help.serve), (["check-config"], Help.checkConfig), (["ctl"], Help.ctl),
         (["ctl", "status"], Help.ctlStatus), (["ctl", "token"], Help.ctlToken), (["ctl", "logout"], Help.ctlLogout),
-        (["ctl", "login"], Help.ctlLogin), (["ctl", "recover"], Help.ctlRecover), (["ctl", "forget"], Help.ctlForget),
+        (["ctl", "login"], Help.ctlLogin), (["ctl", "recover"], Help.ctlRecover), (["ctl", "proof"], Help.ctlProof), (["ctl", "forget"], Help.ctlForget),
         (["ctl", "watch"], Help.ctlWatch), (["ctl", "refresh"], Help.ctlRefresh), (["ctl", "reload"], Help.ctlReload),
     ])
     func subcommandHelp(words: [String], text: String) {
