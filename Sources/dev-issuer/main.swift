@@ -9,12 +9,13 @@ import DevIssuer
 // systemd). Loopback HTTP only. Not installed; never for production.
 //
 //   dev-issuer [--port N] [--client-id ID] --client-secret-file PATH [--refresh-token-file PATH]
+//              [--dpop accepted|required] [--dpop-nonces]
 //
 // Prints `issuer http://127.0.0.1:PORT` on stdout once it listens; `--refresh-token-file`
 // receives (mode 0600) a refresh token of a new login, so no token passes through a test's
 // output. Stops on SIGTERM or SIGINT.
 
-let usage = "usage: dev-issuer [--port N] [--client-id ID] --client-secret-file PATH [--refresh-token-file PATH]\n"
+let usage = "usage: dev-issuer [--port N] [--client-id ID] --client-secret-file PATH [--refresh-token-file PATH] [--dpop accepted|required] [--dpop-nonces]\n"
 
 func emit(_ text: String, to fd: Int32) {
     let bytes = Array(text.utf8)
@@ -56,6 +57,14 @@ while let argument = arguments.popFirst() {
     case "--refresh-token-file":
         guard let value = arguments.popFirst() else { fail("--refresh-token-file needs a path") }
         refreshTokenFile = value
+    case "--dpop":
+        switch arguments.popFirst() {
+        case "accepted": options.dpop = .accepted
+        case "required": options.dpop = .required
+        default: fail("--dpop needs accepted or required")
+        }
+    case "--dpop-nonces":
+        options.dpopNonces = true
     case "-h", "--help":
         emit(usage, to: 1)
         exit(0)
