@@ -112,7 +112,7 @@ var package = Package(
         // static `tokenbroker`, whose link flags would apply to the test bundle: `swift test` builds
         // every product anyway).
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker-daemon", "varlink-certification", "example-worker",
-                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "Upstream", "Sealing", "SQLiteStore", "TokenBrokerCore", "Fleet",
+                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "DPoP", "Upstream", "Sealing", "SQLiteStore", "TokenBrokerCore", "Fleet",
                                                             "TestSupport"]),
     ],
     swiftLanguageModes: [.v6]

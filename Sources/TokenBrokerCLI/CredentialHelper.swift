@@ -128,7 +128,16 @@ public enum CredentialHelper {
                 }
                 return .failure(Ctl.Failure(code: ExitCode.unavailable, message: "the broker at \(address.path) did not answer: \(error)"))
             }
-            guard let name = reply.error else { return .success(.found(CredentialReply(reply.parameters))) }
+            guard let name = reply.error else {
+                let found = CredentialReply(reply.parameters)
+                // A sender-constrained token is worthless without its proof, and these protocols
+                // carry one header at most: the tool is told, and gets nothing it cannot use.
+                guard found.token.tokenType.lowercased() == "bearer" else {
+                    return .failure(Ctl.Failure(code: ExitCode.failure, message: "session \(found.session) has \(found.token.tokenType.prefix(16))-bound tokens "
+                                                + "(DPoP=yes), which need a proof at every request: use GetProof (tokenbroker ctl proof) instead of a credential helper"))
+                }
+                return .success(.found(found))
+            }
             switch BrokerError(reply, session: request.session ?? "") {
             case .noSuchSession?, .permissionDenied?:
                 // No session serves it for this user (or, by name, this user may not use it).

@@ -11,8 +11,9 @@ struct SQLiteStoreTests {
         FileManager.default.temporaryDirectory.appendingPathComponent("tb-store-\(UUID().uuidString.prefix(8))/state").path
     }
 
-    static func record(_ generation: Int, _ state: SessionRecord.State, refresh: String? = nil, access: String? = nil) -> SessionRecord {
-        SessionRecord(name: "api", generation: generation, state: state, refreshToken: refresh.map(Secret.init),
+    static func record(_ generation: Int, _ state: SessionRecord.State, refresh: String? = nil, access: String? = nil,
+                       proofKey: String? = nil) -> SessionRecord {
+        SessionRecord(name: "api", generation: generation, state: state, refreshToken: refresh.map(Secret.init), proofKey: proofKey.map(Secret.init),
                       accessToken: access.map(Secret.init), expiresAt: access == nil ? nil : 1_900_000_000, lastRefresh: 1_800_000_000,
                       tokenSerial: UInt64(generation), endReason: state == .ended ? "invalid_grant" : nil)
     }
@@ -20,7 +21,7 @@ struct SQLiteStoreTests {
     @Test("records round-trip and survive reopening; the directory is 0700 and the files 0600")
     func persistence() async throws {
         let directory = Self.directory()
-        let written = Self.record(1, .active, refresh: "r+1/=", access: "a-1")
+        let written = Self.record(1, .active, refresh: "r+1/=", access: "a-1", proofKey: "MIGH+key/=")
         do {
             let store = try SQLiteSessionStore(directory: directory)
             #expect(try await store.write(StoreWrite(written, guardedBy: .newerGeneration)))
@@ -105,11 +106,31 @@ struct SQLiteStoreTests {
         #expect(throws: StoreError.self) { try SQLiteSessionStore(directory: directory) }
     }
 
+    @Test("a database of schema 3 (before DPoP keys) is migrated: its rows read back, without a key, and keys are kept from then on")
+    func migratesSchema3() async throws {
+        let directory = Self.directory()
+        let before = Self.record(1, .active, refresh: "r-3", access: "a-3")
+        do {
+            _ = try await SQLiteSessionStore(directory: directory).write(StoreWrite(before, guardedBy: .newerGeneration))
+        }
+        let python = try await Child.run("/usr/bin/env", ["python3", "-c",
+            "import sqlite3; c = sqlite3.connect('\(directory)/state.db'); c.execute('ALTER TABLE sessions DROP COLUMN proof_key');"
+            + " c.execute('PRAGMA user_version = 3'); c.commit()"])
+        #expect(python.code == 0, "\(python.stderr)")
+        let store = try SQLiteSessionStore(directory: directory)
+        #expect(try await store.load("api") == before)
+        let after = Self.record(2, .active, refresh: "r-4", proofKey: "key-4")
+        #expect(try await store.write(StoreWrite(after, guardedBy: .newerGeneration)))
+        #expect(try await store.load("api")?.proofKey == Secret("key-4"))
+    }
+
     @Test("a logout's erased tokens do not linger in the database files")
     func erasedForGood() async throws {
         let directory = Self.directory()
         let store = try SQLiteSessionStore(directory: directory)
-        _ = try await store.write(StoreWrite(Self.record(1, .active, refresh: "refresh-GONE", access: "access-GONE"), guardedBy: .newerGeneration))
+        _ = try await store.write(StoreWrite(Self.record(1, .active, refresh: "refresh-GONE", access: "access-GONE", proofKey: "key-GONE"),
+                                             guardedBy: .newerGeneration))
+        #expect(try EncryptionTests.fileContains(directory, "key-GONE"))
         #expect(try EncryptionTests.fileContains(directory, "refresh-GONE"))
         _ = try await store.write(StoreWrite(Self.record(2, .signedOut), guardedBy: .newerGeneration))
         #expect(try !EncryptionTests.fileContains(directory, "GONE"))
@@ -231,7 +252,7 @@ struct EncryptionTests {
     @Test("with a key, no token appears in the database files, and records round-trip")
     func roundTrip() async throws {
         let directory = SQLiteStoreTests.directory()
-        let record = SQLiteStoreTests.record(1, .active, refresh: "refresh-SECRET-1", access: "access-SECRET-1")
+        let record = SQLiteStoreTests.record(1, .active, refresh: "refresh-SECRET-1", access: "access-SECRET-1", proofKey: "key-SECRET-1")
         do {
             let store = try SQLiteSessionStore(directory: directory, cipher: Self.key)
             #expect(try await store.write(StoreWrite(record, guardedBy: .newerGeneration)))
@@ -264,11 +285,11 @@ struct EncryptionTests {
     @Test("rows written in clear are encrypted once a key is configured")
     func sealsOldRows() async throws {
         let directory = SQLiteStoreTests.directory()
-        let record = SQLiteStoreTests.record(1, .active, refresh: "refresh-PLAIN", access: "access-PLAIN")
+        let record = SQLiteStoreTests.record(1, .active, refresh: "refresh-PLAIN", access: "access-PLAIN", proofKey: "key-PLAIN")
         do {
             _ = try await SQLiteSessionStore(directory: directory).write(StoreWrite(record, guardedBy: .newerGeneration))
         }
-        #expect(try Self.fileContains(directory, "refresh-PLAIN"))
+        #expect(try Self.fileContains(directory, "refresh-PLAIN") && Self.fileContains(directory, "key-PLAIN"))
         let store = try SQLiteSessionStore(directory: directory, cipher: Self.key)
         #expect(try await store.load("api") == record)
         #expect(try !Self.fileContains(directory, "PLAIN"))

@@ -81,6 +81,27 @@ struct AuthRetryPolicyTests {
         #expect(forbidden == 403 && sent.count == 1)
     }
 
+    @Test("with a DPoP proof: use_dpop_nonce with a new nonce is retried once with it; then the bearer rules, one recovery; never twice each", arguments: [
+        // (status, challenge, nonce given, nonce sent, nonce retried, recovered, expected)
+        (401, #"DPoP error="use_dpop_nonce""#, "n1", nil, false, false, Policy.Decision.retryWithNonce("n1")),
+        (401, #"DPoP error="use_dpop_nonce""#, "n1", "n1", false, false, .deliver),     // the same nonce again: no loop
+        (401, #"DPoP error="use_dpop_nonce""#, "n2", "n1", true, false, .deliver),      // a second change: the caller's
+        (401, #"DPoP error="use_dpop_nonce""#, nil, nil, false, false, .deliver),       // asked, but no nonce given
+        (401, #"DPoP error="invalid_token""#, nil, "n1", true, false, .recoverAndRetry),
+        (401, #"DPoP error="invalid_token""#, nil, nil, false, true, .deliver),
+        (401, #"DPoP error="invalid_dpop_proof""#, nil, nil, false, false, .deliver),
+        (401, #"DPoP algs="ES256""#, nil, nil, false, false, .recoverAndRetry),
+        (403, #"DPoP error="insufficient_scope""#, nil, nil, false, false, .deliver),
+        (401, #"Bearer error="invalid_token""#, nil, nil, false, false, .recoverAndRetry),
+    ] as [(Int, String, String?, String?, Bool, Bool, AuthRetryPolicy.Decision)])
+    func proofRetries(status: Int, challenge: String, nonce: String?, sent: String?, nonceRetried: Bool, recovered: Bool,
+                      expected: Policy.Decision) {
+        #expect(Policy.decideWithProof(status: status, wwwAuthenticate: [challenge], nonce: nonce, sentNonce: sent, nonceRetried: nonceRetried,
+                                       recovered: recovered, replay: .replayable) == expected)
+        #expect(Policy.decideWithProof(status: status, wwwAuthenticate: [challenge], nonce: nonce, sentNonce: sent, nonceRetried: nonceRetried,
+                                       recovered: recovered, replay: .consumedStream) == .deliver)
+    }
+
     @Test("challenge parsing never traps on arbitrary header values")
     func parseAnything() {
         var generator = SystemRandomNumberGenerator()

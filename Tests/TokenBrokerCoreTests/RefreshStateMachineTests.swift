@@ -101,6 +101,36 @@ struct RefreshStateMachineTests {
         #expect(machine.phase == .signedOut)
     }
 
+    @Test("a DPoP key belongs to its generation: the login installs it, every refresh request carries it and its writes keep it, the issued token names it, a logout erases it, a restart restores it")
+    func proofKeyLifecycle() throws {
+        var machine = Self.active()
+        let begun = machine.beginLogin(refreshToken: Secret("refresh-D"), proofKey: Secret("key-D")).write
+        let login = try #require(begun)
+        #expect(login.record.proofKey == Secret("key-D"))
+        #expect(machine.loginFinished(login, .applied) == .success(2))
+        let demanded = machine.demand(.get, now: .zero).startedFlight
+        let (request, id) = try #require(demanded)
+        #expect(request.proofKey == Secret("key-D") && request.refreshToken == Secret("refresh-D"))
+        let fetched = FetchedToken(accessToken: Secret("access-D"), tokenType: "DPoP", refreshToken: Secret("refresh-E"))
+        let written = machine.fetchSucceeded(id, fetched, now: .zero, unixNow: Self.unix)
+        let write = try #require(written)
+        #expect(write.record.proofKey == Secret("key-D") && write.record.tokenType == "DPoP")
+        let committed = machine.commitFinished(id, .applied)
+        let resolution = try #require(committed)
+        #expect(resolution.result.value?.proofKey == Secret("key-D") && resolution.result.value?.tokenType == "DPoP")
+
+        var restored = Machine(session: "api", policy: RefreshPolicy(), restored: write.record, now: .zero, unixNow: Self.unix)
+        #expect(restored.publishable?.token.proofKey == Secret("key-D"))
+        #expect(restored.demand(.refresh, now: .zero).startedFlight?.request.proofKey == Secret("key-D"))
+
+        let logout = machine.logout()
+        #expect(logout.write?.record.proofKey == nil && logout.write?.record.refreshToken == nil)
+        let again = machine.beginLogin(refreshToken: Secret("refresh-F")).write
+        let bearer = try #require(again)
+        #expect(machine.loginFinished(bearer, .applied) == .success(4))
+        #expect(machine.demand(.get, now: .zero).startedFlight?.request.proofKey == nil, "a new login without a key: none")
+    }
+
     @Test("a failed login write leaves the session signed out and says why")
     func loginWriteFails() throws {
         var machine = Self.active()

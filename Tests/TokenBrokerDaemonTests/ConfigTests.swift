@@ -177,6 +177,10 @@ struct ConfigTests {
         ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\nFlightLease=20s\n" + fleetSession + "RequestTimeout=30s", 7,
          "[Fleet] FlightLease= (20.0s) must be at least the session's RequestTimeout= (30.0s) plus 5s, plus [Fleet] RequestTimeout= for each endpoint (2.0s)"),
         ("[Session]\nName=api\nUpstream=test\nFleet=maybe", 4, "Fleet= must be yes or no"),
+        ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\n" + fleetSession + "DPoP=yes", 6,
+         "Fleet=yes cannot be used with DPoP=yes (a DPoP key never leaves its host; give each host a session of its own)"),
+        ("[Session]\nName=api\nUpstream=test\nDPoP=yes", 4, "DPoP=yes needs Upstream=oauth (the test upstream mints bearer tokens)"),
+        ("[Session]\nName=api\nUpstream=test\nDPoP=often", 4, "DPoP= must be yes or no"),
     ])
     func fleetErrors(text: String, line: Int, message: String) throws {
         let fixture = try Self.fleetFixture(text)
@@ -198,6 +202,8 @@ struct ConfigTests {
         #expect(fleet.endpoints == ["https://e1:2379", "https://e2:2379"] && fleet.prefix == "/tb" && fleet.flightLease == .seconds(90)
                 && fleet.member == "host-a" && fleet.key.reveal == String(repeating: "ab", count: 32))
         #expect(configuration.session(named: "local")?.fleet == nil)
+        guard case let .oauth(settings)? = configuration.session(named: "api")?.upstream else { return }
+        #expect(!settings.dpop, "DPoP= is off unless asked")
     }
 
     @Test("an OAuth session: endpoints, client, secret from a file (trailing newline dropped), TLS files")

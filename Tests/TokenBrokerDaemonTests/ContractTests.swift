@@ -151,7 +151,7 @@ import WireJSON
         })
         let credentials = members.filter { name in
             let lower = name.lowercased()
-            return lower.contains("token") && !lower.hasSuffix("type") && !lower.hasSuffix("serial") || lower == "rejected"
+            return lower.contains("token") && !lower.hasSuffix("type") && !lower.hasSuffix("serial") || lower == "rejected" || lower == "proof"
         }
         #expect(credentials == BrokerContract.secretMembers)
         let call = VarlinkCall(method: "io.tokenbroker.Broker.Recover",

@@ -1,0 +1,256 @@
+import DevIssuer
+import DPoP
+import Foundation
+#if canImport(FoundationNetworking)
+import FoundationNetworking
+#endif
+import Sealing
+import SQLiteStore
+import Testing
+import TestSupport
+import TokenBrokerClient
+import TokenBrokerURLSession
+import Varlink
+
+/// DPoP sessions (RFC 9449) through the real daemon, against the development issuer enforcing
+/// DPoP at its token endpoint and its resource (proof signature, htm/htu/iat, jti replay, ath,
+/// the token's cnf.jkt, nonces of its own at each).
+@Suite("DPoP sessions through the daemon", .serialized)
+struct DPoPDaemonTests {
+    static let stateKey = String(repeating: "0123456789abcdef", count: 4)
+
+    static func config(_ issuer: DevIssuer, directory: String? = nil) -> String {
+        """
+        [Broker]
+        SocketMode=0666
+        \(directory.map { "StateKeyFile=\($0)/state.key" } ?? "")
+
+        [Session]
+        Name=api
+        TokenEndpoint=\(issuer.tokenEndpoint)
+        RevocationEndpoint=\(issuer.revocationEndpoint)
+        ClientID=tokenbroker
+        ClientSecretFile=@DIR@/client-secret
+        DPoP=yes
+        Serves=http://127.0.0.1:\(issuer.port)/
+        RequestTimeout=5s
+
+        """
+    }
+
+    /// An issuer that requires DPoP and nonces at both places.
+    static func issuer(nonces: Bool = true) throws -> DevIssuer {
+        var options = DevIssuer.Options()
+        options.dpop = .required
+        options.dpopNonces = nonces
+        return try DevIssuer(options: options)
+    }
+
+    static func withDPoPBroker(nonces: Bool = true, _ body: (DevIssuer, Broker) async throws -> Void) async throws {
+        let issuer = try Self.issuer(nonces: nonces)
+        defer { issuer.stop() }
+        try await withBroker(config: Self.config(issuer)) { broker in
+            let login = try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n")
+            #expect(login.code == 0, "\(login.err)")
+            try await body(issuer, broker)
+        }
+    }
+
+    /// One request to the issuer's resource with these headers: its status, challenge and nonce.
+    static func resource(_ issuer: DevIssuer, _ headers: [(name: String, value: String)], method: String = "GET",
+                         path: String = "/resource") async throws -> (status: Int, challenge: String, nonce: String?) {
+        var request = URLRequest(url: URL(string: issuer.baseURL + path)!)
+        request.httpMethod = method
+        request.timeoutInterval = 10
+        for header in headers { request.setValue(header.value, forHTTPHeaderField: header.name) }
+        let (_, response) = try await URLSession.shared.data(for: request)
+        let http = try #require(response as? HTTPURLResponse)
+        return (http.statusCode, http.value(forHTTPHeaderField: "WWW-Authenticate") ?? "", http.value(forHTTPHeaderField: "DPoP-Nonce"))
+    }
+
+    /// The GetProof reply's headers, for `url`.
+    static func proof(_ broker: Broker, _ url: String, method: String = "GET", nonce: String? = nil,
+                      rejected: String? = nil) throws -> (token: String, type: String, proof: String) {
+        var parameters: JSONObject = ["session": "api", "method": .string(method), "uri": .string(url)]
+        if let nonce { parameters["nonce"] = .string(nonce) }
+        if let rejected { parameters["rejected"] = .string(rejected) }
+        let reply = try broker.call("GetProof", parameters)
+        #expect(reply.error == nil, "GetProof: \(reply.error ?? "")")
+        return (reply.parameters["token"]?.stringValue ?? "", reply.parameters["tokenType"]?.stringValue ?? "",
+                reply.parameters["proof"]?.stringValue ?? "")
+    }
+
+    static func headers(_ proof: (token: String, type: String, proof: String)) -> [(name: String, value: String)] {
+        [("Authorization", "\(proof.type) \(proof.token)"), ("DPoP", proof.proof)]
+    }
+
+    @Test("end to end: the first refresh proves the login's key (one nonce round trip at the token endpoint); ctl proof prints the two headers curl sends; the Swift client's data(for:) answers the resource's nonce with one retry")
+    func endToEnd() async throws {
+        try await Self.withDPoPBroker { issuer, broker in
+            let ctl = try await broker.ctl(["proof", "api", "GET", issuer.resourceURL])
+            #expect(ctl.code == 0, "\(ctl.err)")
+            let lines = ctl.out.split(separator: "\n").map(String.init)
+            try #require(lines.count == 2 && lines[0].hasPrefix("Authorization: DPoP ") && lines[1].hasPrefix("DPoP: "),
+                         "ctl proof printed \(lines.count) lines")
+            #expect(issuer.counters.refreshGrants == 1 && issuer.counters.dpopNonceChallenges == 1 && issuer.counters.tokenRequests == 2,
+                    "one refresh, one nonce round trip: \(issuer.counters)")
+            let token = String(lines[0].dropFirst("Authorization: DPoP ".count))
+            let key = try #require(issuer.thumbprint(ofAccessToken: token), "the token is DPoP-bound at the issuer")
+            #expect((try? DPoPVerifier.verify(String(lines[1].dropFirst("DPoP: ".count)), method: "GET", url: issuer.resourceURL,
+                                               now: Int64(Date().timeIntervalSince1970), accessToken: token))?.thumbprint == key)
+
+            // curl with those headers: the resource asks for its nonce first; ctl proof --nonce.
+            let headerFile = broker.directory + "/headers"
+            try ctl.out.write(toFile: headerFile, atomically: true, encoding: .utf8)
+            let first = try Child("/usr/bin/curl", ["-s", "-o", "/dev/null", "-w", "%{http_code}", "-D", broker.directory + "/first.head",
+                                                    "-H", "@" + headerFile, issuer.resourceURL], directory: broker.directory)
+            #expect(await first.wait() == 0 && first.stdout == "401")
+            let head = (try? String(contentsOfFile: broker.directory + "/first.head", encoding: .utf8)) ?? ""
+            #expect(head.contains("use_dpop_nonce"))
+            let nonce = issuer.currentResourceNonce
+            let again = try await broker.ctl(["proof", "api", "GET", issuer.resourceURL, "--nonce", nonce])
+            try again.out.write(toFile: headerFile, atomically: true, encoding: .utf8)
+            let second = try Child("/usr/bin/curl", ["-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", "@" + headerFile, issuer.resourceURL],
+                                   directory: broker.directory)
+            #expect(await second.wait() == 0 && second.stdout == "200", "curl with the broker's proof and the nonce: \(second.stdout)")
+
+            // The Swift client: after a rotation the resource challenges once, and data(for:) retries once.
+            issuer.rotateDPoPNonces()
+            let client = TokenBrokerClient(socketPath: broker.socket)
+            let before = issuer.counters
+            var request = URLRequest(url: URL(string: issuer.resourceURL + "?x=1")!)
+            request.timeoutInterval = 10
+            let (_, response) = try await client.data(for: request, session: "api")
+            #expect((response as HTTPURLResponse).statusCode == 200)
+            let after = issuer.counters
+            #expect(after.resourceRequests - before.resourceRequests == 2 && after.dpopNonceChallenges - before.dpopNonceChallenges == 1,
+                    "one nonce challenge, one retry: \(after.resourceRequests - before.resourceRequests) requests")
+            #expect(after.refreshGrants == before.refreshGrants, "the token stayed: no refresh")
+            #expect(after.dpopProofsRefused == 0, "the broker's proofs were never refused")
+
+            // The credential helpers cannot carry a proof: they say so and hand out nothing.
+            let git = try Child(Paths.tokenbroker, ["credential", "git", "get"], environment: ["TOKENBROKER_SOCKET": broker.socket],
+                                directory: broker.directory, stdin: "protocol=http\nhost=127.0.0.1:\(issuer.port)\n\n")
+            #expect(await git.wait() != 0 && git.stdout.isEmpty && git.stderr.contains("DPoP"), "\(git.stderr)")
+        }
+    }
+
+    @Test("the resource refuses a replayed proof, a proof for another URL or method, the token without its proof, and the token with another key's proof; the broker makes none of them")
+    func refusals() async throws {
+        try await Self.withDPoPBroker(nonces: false) { issuer, broker in
+            let url = issuer.resourceURL
+            let good = try Self.proof(broker, url)
+            #expect(good.type == "DPoP")
+            #expect(try await Self.resource(issuer, Self.headers(good)).status == 200)
+            let replayed = try await Self.resource(issuer, Self.headers(good))
+            #expect(replayed.status == 401 && replayed.challenge.contains("invalid_dpop_proof"), "a replayed proof")
+            let otherURL = try Self.proof(broker, issuer.baseURL + "/elsewhere")
+            #expect(try await Self.resource(issuer, Self.headers(otherURL)).status == 401, "a proof for another URL")
+            let otherMethod = try Self.proof(broker, url, method: "POST")
+            #expect(try await Self.resource(issuer, Self.headers(otherMethod)).status == 401, "a proof for another method")
+            let bare = try Self.proof(broker, url)
+            #expect(try await Self.resource(issuer, [("Authorization", "Bearer \(bare.token)")]).status == 401, "the token as a bearer token")
+            #expect(try await Self.resource(issuer, [("Authorization", "DPoP \(bare.token)")]).status == 401, "the token without a proof")
+            let stranger = try DPoPKey()
+            let foreign = try DPoPProof.make(key: stranger, method: "GET", url: url, issuedAt: Int64(Date().timeIntervalSince1970),
+                                             accessToken: bare.token)
+            #expect(try await Self.resource(issuer, [("Authorization", "DPoP \(bare.token)"), ("DPoP", foreign)]).status == 401,
+                    "the token with another key's proof")
+            // Each proof the broker made is unique and verifies for its own request.
+            var jtis: Set<String> = []
+            for _ in 0..<20 {
+                let made = try Self.proof(broker, url + "?q=1", method: "PUT")
+                let verified = try DPoPVerifier.verify(made.proof, method: "PUT", url: url, now: Int64(Date().timeIntervalSince1970),
+                                                       accessToken: made.token)
+                jtis.insert(verified.jti)
+                #expect(verified.thumbprint == issuer.thumbprint(ofAccessToken: made.token))
+            }
+            #expect(jtis.count == 20)
+            #expect(issuer.counters.dpopProofsRefused == 6, "the six refusals above, no other")
+            // A bad request to GetProof is the caller's: InvalidParameter, nothing signed.
+            for (method, uri) in [("get", url), ("GET", "ftp://x/"), ("GET", "https://x/" + String(repeating: "a", count: 5000))] {
+                let reply = try broker.call("GetProof", ["session": "api", "method": .string(method), "uri": .string(uri)])
+                #expect(reply.error == "org.varlink.service.InvalidParameter")
+            }
+        }
+    }
+
+    @Test("a storm on a DPoP session: 40 workers present the same old token to GetProof right after the issuer's nonce changed → 1 refresh, 1 nonce round trip, one new token for all")
+    func storm() async throws {
+        try await Self.withDPoPBroker { issuer, broker in
+            let old = try Self.proof(broker, issuer.resourceURL).token
+            issuer.rotateDPoPNonces()
+            let before = issuer.counters
+            let tokens = try await withThrowingTaskGroup(of: String.self) { group in
+                for _ in 0..<40 {
+                    group.addTask { try Self.proof(broker, issuer.resourceURL, rejected: old).token }
+                }
+                var tokens: Set<String> = []
+                for try await token in group { tokens.insert(token) }
+                return tokens
+            }
+            let after = issuer.counters
+            #expect(tokens.count == 1 && fp(tokens.first) != fp(old))
+            #expect(after.refreshGrants - before.refreshGrants == 1, "\(after.refreshGrants - before.refreshGrants) refreshes for one storm")
+            #expect(after.dpopNonceChallenges - before.dpopNonceChallenges == 1 && after.tokenRequests - before.tokenRequests == 2)
+            #expect(after.replays == 0 && after.dpopProofsRefused == 0)
+            // Stale: the old token again gets the current one at once, with a proof, no request.
+            let stale = try Self.proof(broker, issuer.resourceURL, nonce: issuer.currentResourceNonce, rejected: old)
+            #expect(fp(stale.token) == fp(tokens.first) && issuer.counters.tokenRequests == after.tokenRequests)
+            #expect(try await Self.resource(issuer, Self.headers(stale)).status == 200)
+        }
+    }
+
+    @Test("logout ends the key with the generation; a new login makes a new key; a token bound to a key not ours is refused")
+    func keyLifecycle() async throws {
+        try await Self.withDPoPBroker(nonces: false) { issuer, broker in
+            let first = try Self.proof(broker, issuer.resourceURL)
+            let firstKey = try #require(issuer.thumbprint(ofAccessToken: first.token))
+            #expect(try await broker.ctl(["logout", "api"]).code == 0)
+            #expect(try broker.call("GetProof", ["session": "api", "method": "GET", "uri": .string(issuer.resourceURL)]).error
+                    == "io.tokenbroker.Broker.SignedOut")
+            #expect(try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n").code == 0)
+            let second = try Self.proof(broker, issuer.resourceURL)
+            let secondKey = try #require(issuer.thumbprint(ofAccessToken: second.token))
+            #expect(secondKey != firstKey, "a new login, a new key")
+            #expect((try? DPoPVerifier.verify(second.proof, method: "GET", url: issuer.resourceURL, now: Int64(Date().timeIntervalSince1970),
+                                               accessToken: second.token))?.thumbprint == secondKey)
+
+            issuer.inject([.bindToOtherKey])
+            let refused = try broker.call("Recover", ["session": "api", "rejected": .string(second.token)])
+            #expect(refused.error == "io.tokenbroker.Broker.RefreshFailed")
+            #expect(refused.parameters["reason"] == "dpop: the access token is bound to another key")
+        }
+    }
+
+    @Test("the key is nowhere but the sealed state: not in the journal, Status, Metrics or a reply; sealed in the database and WAL; the database's key is the one the tokens are bound to")
+    func keyStaysInside() async throws {
+        let issuer = try Self.issuer(nonces: false)
+        defer { issuer.stop() }
+        let directory = try Paths.temporaryDirectory()
+        try Self.stateKey.write(toFile: directory + "/state.key", atomically: true, encoding: .utf8)
+        let broker = try await Broker(config: Self.config(issuer, directory: directory))
+        defer { try? FileManager.default.removeItem(atPath: broker.directory) }
+        #expect(try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n").code == 0)
+        let made = try Self.proof(broker, issuer.resourceURL)
+        var outputs = [try await broker.ctl(["--json", "status"]).out, try await broker.ctl(["metrics"]).out,
+                       try await broker.ctl(["--json", "proof", "api", "GET", issuer.resourceURL]).out, made.proof]
+        #expect(await broker.stop() == 0)
+        outputs.append(broker.child.stderr)
+
+        let store = try SQLiteSessionStore(directory: broker.directory + "/state", cipher: try TokenCipher(keyMaterial: Array(Self.stateKey.utf8)))
+        let record = try #require(try await store.load("api"))
+        let kept = try #require(record.proofKey?.reveal)
+        let der = try #require(Data(base64Encoded: kept))
+        let key = try DPoPKey(der: Array(der))
+        #expect(key.thumbprint == issuer.thumbprint(ofAccessToken: made.token), "the stored key is the one the token is bound to")
+        let urlForm = kept.replacingOccurrences(of: "+", with: "-").replacingOccurrences(of: "/", with: "_").replacingOccurrences(of: "=", with: "")
+        for (index, text) in outputs.enumerated() {
+            #expect(!text.contains(kept) && !text.contains(urlForm), "the key in output \(index)")
+        }
+        for suffix in ["", "-wal"] {
+            let data = FileManager.default.contents(atPath: broker.directory + "/state/state.db" + suffix) ?? Data()
+            #expect(data.range(of: der) == nil && data.range(of: Data(kept.utf8)) == nil, "the key in clear in state.db\(suffix)")
+        }
+    }
+}
