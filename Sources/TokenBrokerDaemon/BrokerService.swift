@@ -281,7 +281,7 @@ final class BrokerService: VarlinkHandler {
             try await boundary(name) { session in
                 // A DPoP session's new generation gets a new key (the old one ends with its generation).
                 let proofKey: Secret?
-                do throws(FetchFailure) { proofKey = try session.upstream?.newProofKey() } catch {
+                do throws(FetchFailure) { proofKey = try await session.upstream?.newProofKey() } catch {
                     throw BrokerError.loginFailed(session: name, reason: error.message)
                 }
                 let generation = try await session.coordinator.login(refreshToken: refreshToken, proofKey: proofKey)
@@ -429,7 +429,7 @@ final class BrokerService: VarlinkHandler {
         let client: OAuthClient
         let proofKey: Secret?
         do {
-            proofKey = try upstream.newProofKey()
+            proofKey = try await upstream.newProofKey()
             client = try await upstream.client(proofKey: proofKey)
         } catch {
             return failed(error.message)

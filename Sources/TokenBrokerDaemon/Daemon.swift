@@ -140,7 +140,7 @@ public final class Daemon: Sendable {
         if let development {
             for name in development.sessionNames {
                 guard let demo = table.snapshot.sessions[name] else { continue }
-                await development.logIn(demo.coordinator, proofKey: try? demo.upstream?.newProofKey())
+                await development.logIn(demo.coordinator, proofKey: try? await demo.upstream?.newProofKey())
             }
             var output = FileOutput.standardOutput
             output.write(development.guide(socket: configuration.socketPath))

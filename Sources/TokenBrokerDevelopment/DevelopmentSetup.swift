@@ -34,7 +34,7 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
         oauth.client.clientID = Self.clientID
         oauth.client.clientSecret = Secret(Self.clientSecret)
         var dpop = oauth
-        dpop.dpop = true
+        dpop.dpop = .on
         configuration.sessions = [oauth, dpop].enumerated().map { index, oauth in
             SessionConfiguration(name: index == 0 ? Self.session : Self.dpopSession, upstream: .oauth(oauth), allowUsers: [], allowGroups: [],
                                  policy: RefreshPolicy(), origin: "--dev")

@@ -4,6 +4,17 @@ import Synchronization
 import TokenBrokerCore
 import WireJSON
 
+/// Whether a session's tokens are DPoP-bound (`DPoP=`).
+public enum DPoPMode: String, Sendable, Equatable {
+    /// Bearer tokens.
+    case off = "no"
+    /// Every login makes a key, and every request proves it.
+    case on = "yes"
+    /// As `on` when the server's metadata (`Issuer=`) lists ES256 among its
+    /// `dpop_signing_alg_values_supported`, else bearer tokens: decided at each login.
+    case auto
+}
+
 /// The DPoP side (RFC 9449) of a session's token requests: the generation's key, which signs a
 /// proof for each request, and the nonces servers asked for.
 public struct DPoPBinding: Sendable {

@@ -8,6 +8,8 @@ public struct AuthorizationServerMetadata: Sendable, Equatable {
     public var revocationEndpoint: String?
     public var deviceAuthorizationEndpoint: String?
     public var tokenEndpointAuthMethods: [String]
+    /// `dpop_signing_alg_values_supported` (RFC 9449 §5.1): nil when the server lists none.
+    public var dpopSigningAlgorithms: [String]? = nil
 }
 
 public enum Discovery {
@@ -76,6 +78,10 @@ extension AuthorizationServerMetadata {
                   revocationEndpoint: object["revocation_endpoint"]?.stringValue,
                   deviceAuthorizationEndpoint: object["device_authorization_endpoint"]?.stringValue,
                   tokenEndpointAuthMethods: object["token_endpoint_auth_methods_supported"]?.arrayValue?.compactMap(\.stringValue)
-                      ?? ["client_secret_basic"])
+                      ?? ["client_secret_basic"],
+                  // (Bounded: a few short names are all a server has to say.)
+                  dpopSigningAlgorithms: object["dpop_signing_alg_values_supported"]?.arrayValue.map { values in
+                      values.prefix(32).compactMap { $0.stringValue.flatMap { $0.utf8.count <= 32 ? $0 : nil } }
+                  })
     }
 }

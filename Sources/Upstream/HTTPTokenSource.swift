@@ -15,9 +15,9 @@ public enum OAuthGrant: String, Sendable, Equatable {
 /// the coordinator passes the refresh token in and commits what comes back.
 public final class HTTPTokenSource: TokenSource {
     public let grant: OAuthGrant
-    /// The session's tokens are DPoP-bound (`DPoP=yes`): its logins make keys, and a refresh
-    /// without one (a login from before the setting) is refused.
-    public let dpop: Bool
+    /// Whether the session's tokens are DPoP-bound (`DPoP=`): its logins make keys, and with
+    /// `on` a refresh without one (a login from before the setting) is refused.
+    public let dpop: DPoPMode
     private let configuration: OAuthClientConfiguration
     /// Endpoints given explicitly (they win over discovery).
     private let explicit: OAuthEndpoints?
@@ -35,7 +35,7 @@ public final class HTTPTokenSource: TokenSource {
     ///     daemon's, awaited at stop). When it is full or closed, a cancelled caller's request
     ///     is cut off instead.
     public init(grant: OAuthGrant, configuration: OAuthClientConfiguration, endpoints: OAuthEndpoints?, issuer: String?, loop: CurlLoop = .shared,
-                tasks: TaskPool? = nil, dpop: Bool = false, nonces: DPoPNonces = .shared) {
+                tasks: TaskPool? = nil, dpop: DPoPMode = .off, nonces: DPoPNonces = .shared) {
         self.grant = grant
         self.dpop = dpop
         self.nonces = nonces
@@ -85,9 +85,25 @@ public final class HTTPTokenSource: TokenSource {
         return OAuthClient(endpoints: try await endpoints(), configuration: configuration, dpop: dpop, loop: loop)
     }
 
-    /// A new DPoP key for a login of this session; nil unless it uses DPoP.
-    public func newProofKey() throws(FetchFailure) -> Secret? {
-        dpop ? try DPoPBinding.newKey() : nil
+    /// A new DPoP key for a login of this session; nil for bearer tokens. With `Issuer=`, the
+    /// server's metadata decides `auto`, and a server that lists algorithms without ES256 (the
+    /// one tokenbroker signs with) cannot be used with `on`.
+    public func newProofKey() async throws(FetchFailure) -> Secret? {
+        guard dpop != .off else { return nil }
+        var algorithms: [String]?
+        if issuer != nil {
+            _ = try await endpoints()
+            algorithms = cachedMetadata.withLock { $0?.dpopSigningAlgorithms }
+        }
+        switch (dpop, algorithms) {
+        case (.auto, nil):
+            return nil
+        case let (_, listed?) where !listed.contains("ES256"):
+            if dpop == .auto { return nil }
+            throw .terminal("dpop: the server takes DPoP proofs signed with \(listed.prefix(8).joined(separator: ", ")) only; tokenbroker signs ES256")
+        default:
+            return try DPoPBinding.newKey()
+        }
     }
 
     /// The DPoP key last opened (a generation keeps one key: opened once, not per request).
@@ -134,7 +150,7 @@ public final class HTTPTokenSource: TokenSource {
     private let abandoned = Mutex<(@Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)?>(nil)
 
     private func fetchNow(_ request: FetchRequest) async throws -> FetchedToken {
-        if dpop, request.proofKey == nil {
+        if dpop == .on, request.proofKey == nil {
             throw FetchFailure.terminal("dpop: the session was logged in without a DPoP key (before DPoP=yes); log in again")
         }
         let client = try await client(proofKey: request.proofKey)

@@ -180,7 +180,8 @@ struct ConfigTests {
         ("[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\n" + fleetSession + "DPoP=yes", 6,
          "Fleet=yes cannot be used with DPoP=yes (a DPoP key never leaves its host; give each host a session of its own)"),
         ("[Session]\nName=api\nUpstream=test\nDPoP=yes", 4, "DPoP=yes needs Upstream=oauth (the test upstream mints bearer tokens)"),
-        ("[Session]\nName=api\nUpstream=test\nDPoP=often", 4, "DPoP= must be yes or no"),
+        ("[Session]\nName=api\nUpstream=test\nDPoP=often", 4, "DPoP= must be yes, no or auto"),
+        (fleetSession + "DPoP=auto", 7, "DPoP=auto needs Issuer= (the server's metadata says whether it takes DPoP)"),
     ])
     func fleetErrors(text: String, line: Int, message: String) throws {
         let fixture = try Self.fleetFixture(text)
@@ -203,7 +204,7 @@ struct ConfigTests {
                 && fleet.member == "host-a" && fleet.key.reveal == String(repeating: "ab", count: 32))
         #expect(configuration.session(named: "local")?.fleet == nil)
         guard case let .oauth(settings)? = configuration.session(named: "api")?.upstream else { return }
-        #expect(!settings.dpop, "DPoP= is off unless asked")
+        #expect(settings.dpop == .off, "DPoP= is off unless asked")
     }
 
     @Test("an OAuth session: endpoints, client, secret from a file (trailing newline dropped), TLS files")

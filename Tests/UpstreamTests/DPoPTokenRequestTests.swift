@@ -10,7 +10,7 @@ import TokenBrokerCore
 struct DPoPTokenRequestTests {
     static func source(_ issuer: DevIssuer, nonces: DPoPNonces) -> HTTPTokenSource {
         HTTPTokenSource(grant: .refreshToken, configuration: OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("dev-secret")),
-                        endpoints: OAuthEndpoints(token: issuer.tokenEndpoint), issuer: nil, dpop: true, nonces: nonces)
+                        endpoints: OAuthEndpoints(token: issuer.tokenEndpoint), issuer: nil, dpop: .on, nonces: nonces)
     }
 
     static func issuer() throws -> DevIssuer {
@@ -26,7 +26,7 @@ struct DPoPTokenRequestTests {
         defer { issuer.stop() }
         let nonces = DPoPNonces()
         let source = Self.source(issuer, nonces: nonces)
-        let key = try #require(try source.newProofKey())
+        let key = try #require(try await source.newProofKey())
         var refresh = Secret(issuer.issueRefreshToken())
         var tokens: [FetchedToken] = []
         for round in 0..<4 {
@@ -48,10 +48,10 @@ struct DPoPTokenRequestTests {
         let issuer = try Self.issuer()
         defer { issuer.stop() }
         let source = Self.source(issuer, nonces: DPoPNonces())
-        let key = try #require(try source.newProofKey())
+        let key = try #require(try await source.newProofKey())
         let first = try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: Secret(issuer.issueRefreshToken()), proofKey: key))
         let refresh = try #require(first.refreshToken)
-        let stranger = try #require(try source.newProofKey())
+        let stranger = try #require(try await source.newProofKey())
         let refused = await #expect(throws: FetchFailure.self) {
             try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: refresh, proofKey: stranger))
         }
@@ -64,6 +64,36 @@ struct DPoPTokenRequestTests {
             try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: refresh, proofKey: key))
         }
         #expect(throws: FetchFailure.self) { try DPoPBinding.key(Secret("not-a-key")) }
+    }
+
+    @Test("DPoP=auto follows the server's metadata; DPoP=yes with a server that lists other algorithms only fails the login")
+    func metadataDecides() async throws {
+        let configuration = OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("dev-secret"))
+        func source(_ issuer: String, _ mode: DPoPMode) -> HTTPTokenSource {
+            HTTPTokenSource(grant: .refreshToken, configuration: configuration, endpoints: nil, issuer: issuer, dpop: mode, nonces: DPoPNonces())
+        }
+        let dpop = try Self.issuer()
+        defer { dpop.stop() }
+        let bearer = try DevIssuer()
+        defer { bearer.stop() }
+        #expect(try await source(dpop.baseURL, .auto).newProofKey() != nil, "the server lists ES256")
+        #expect(try await source(bearer.baseURL, .auto).newProofKey() == nil, "the server lists no DPoP algorithm")
+        #expect(try await source(bearer.baseURL, .on).newProofKey() != nil, "yes: a key whatever the metadata omits")
+        #expect(try await source(bearer.baseURL, .off).newProofKey() == nil)
+        let other = try LoopbackHTTPServer { _ in .respond(status: 404, headers: [], body: []) }
+        let port = other.port
+        other.stop()
+        let elsewhere = try LoopbackHTTPServer(port: port) { _ in
+            .respond(status: 200, headers: [("Content-Type", "application/json")], body: Array("""
+                {"issuer":"http://127.0.0.1:\(port)","token_endpoint":"http://127.0.0.1:\(port)/token",
+                 "dpop_signing_alg_values_supported":["PS256","EdDSA"]}
+                """.utf8))
+        }
+        defer { elsewhere.stop() }
+        #expect(try await source("http://127.0.0.1:\(port)", .auto).newProofKey() == nil)
+        await #expect(throws: FetchFailure.terminal("dpop: the server takes DPoP proofs signed with PS256, EdDSA only; tokenbroker signs ES256")) {
+            try await source("http://127.0.0.1:\(port)", .on).newProofKey()
+        }
     }
 
     @Test("nonces: kept per server, bounded in size and count, only visible ASCII")

@@ -193,20 +193,22 @@ final class Reloader: Sendable {
     private func logIn(_ sessions: [SessionTable.Session]) async {
         await withTaskGroup(of: Void.self) { group in
             var running = 0
+            let logger = self.logger
             for session in sessions {
-                let coordinator = session.coordinator
-                // A DPoP session's login makes its key (a failure to make one is the login's).
-                let proofKey: Secret?
-                do throws(FetchFailure) { proofKey = try session.upstream?.newProofKey() } catch {
-                    logger.error("session \(session.configuration.name): cannot log in: \(error.message)", session: session.configuration.name)
-                    continue
-                }
                 if running == Self.concurrentLogins {
                     await group.next()
                 } else {
                     running += 1
                 }
-                group.addTask { _ = try? await coordinator.login(refreshToken: nil, proofKey: proofKey) }
+                group.addTask {
+                    // A DPoP session's login makes its key (a failure to make one is the login's).
+                    let proofKey: Secret?
+                    do throws(FetchFailure) { proofKey = try await session.upstream?.newProofKey() } catch {
+                        logger.error("session \(session.configuration.name): cannot log in: \(error.message)", session: session.configuration.name)
+                        return
+                    }
+                    _ = try? await session.coordinator.login(refreshToken: nil, proofKey: proofKey)
+                }
             }
         }
     }

@@ -81,9 +81,10 @@ public struct SessionConfiguration: Sendable, Equatable {
         public var client: OAuthClientSettings
         /// Revoke the refresh token at logout when a revocation endpoint is known.
         public var revokeOnLogout = true
-        /// Sender-constrained tokens (RFC 9449, `DPoP=yes`): each login makes the session a key,
-        /// kept sealed in the state, that signs a proof for every request; workers get proofs.
-        public var dpop = false
+        /// Sender-constrained tokens (RFC 9449, `DPoP=yes`, or `auto` as the server's metadata
+        /// says): each login makes the session a key, kept sealed in the state, that signs a
+        /// proof for every request; workers get proofs.
+        public var dpop = DPoPMode.off
 
         public init(client: OAuthClientSettings) { self.client = client }
 

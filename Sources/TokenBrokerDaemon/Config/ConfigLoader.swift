@@ -73,7 +73,7 @@ public enum ConfigLoader {
                 }
                 // A DPoP key is one host's: sharing it would put a private key in etcd, and a
                 // token bound to it is useless to the other hosts' workers without it.
-                guard !settings.dpop else {
+                guard settings.dpop == .off else {
                     throw fail(entry, "Fleet=yes cannot be used with DPoP=yes (a DPoP key never leaves its host; give each host a session of its own)")
                 }
                 // The flight's holder gives up its upstream request before its lease ends, leaving
@@ -129,8 +129,11 @@ public enum ConfigLoader {
         if settings.policy.backoff.maximum < settings.policy.backoff.initial, let entry = entries.last(where: { $0.key == "BackoffMax" }) {
             throw fail(entry, "BackoffMax= is shorter than BackoffInitial=")
         }
-        if settings.kind == .test, settings.oauth.dpop, let entry = entries.last(where: { $0.key == "DPoP" }) {
-            throw fail(entry, "DPoP=yes needs Upstream=oauth (the test upstream mints bearer tokens)")
+        if settings.kind == .test, settings.oauth.dpop != .off, let entry = entries.last(where: { $0.key == "DPoP" }) {
+            throw fail(entry, "DPoP=\(entry.value) needs Upstream=oauth (the test upstream mints bearer tokens)")
+        }
+        if settings.kind == .oauth, settings.oauth.dpop == .auto, settings.oauth.issuer == nil, let entry = entries.last(where: { $0.key == "DPoP" }) {
+            throw fail(entry, "DPoP=auto needs Issuer= (the server's metadata says whether it takes DPoP)")
         }
         if settings.kind == .oauth {
             let oauth = settings.oauth
