@@ -107,9 +107,9 @@ class Server:
         stop(self.process)
 
 
-def load(tools, server, conns, seconds=None, per_conn=None):
+def load(tools, server, conns, seconds=None, per_conn=None, message=GET_TOKEN):
     """One loadgen run; returns its summary plus the server's CPU microseconds per request."""
-    args = [tools["loadgen"], "-s", server.socket, "-c", str(conns), "-w", "20", "-m", GET_TOKEN]
+    args = [tools["loadgen"], "-s", server.socket, "-c", str(conns), "-w", "20", "-m", message]
     args += ["-d", str(seconds)] if seconds else ["-n", str(per_conn)]
     before = cpu_seconds(server.process.pid)
     out = subprocess.run(pin(1) + args, capture_output=True, text=True, timeout=600)
@@ -185,6 +185,33 @@ def main():
     print(f"{'credential helper':>22} {helper['p50_ms']:>7.2f} {helper['p90_ms']:>7.2f}   (+{helper['p50_ms'] - true['p50_ms']:.2f} ms over "
           f"/bin/true; p99 {helper['p99_ms']:.2f} ms, /bin/true's {true['p99_ms']:.2f} ms)")
     tb.stop()
+
+    # 3b. GetProof (DPoP) next to GetToken on the same session: `serve --dev`'s demo-dpop, whose
+    # token is bound to a key the daemon holds; each GetProof signs a fresh proof (ES256).
+    # Goal: p50 <= GetToken's + 100 µs at 16 connections.
+    dev_socket = os.path.join(scratch, "dev.sock")
+    dev = Server([daemon, "serve", "--dev", "--socket", dev_socket, "--state-dir", os.path.join(scratch, "state-dev"),
+                  "--log-level", "warning"], dev_socket)
+    proof_call = json.dumps({"method": "io.tokenbroker.Broker.GetProof", "parameters": {
+        "session": "demo-dpop", "method": "GET", "uri": "https://api.example.test/items?page=2"}})
+    token_call = json.dumps({"method": "io.tokenbroker.Broker.GetToken", "parameters": {"session": "demo-dpop"}})
+    subprocess.run([tokenbroker, "ctl", "--socket", dev_socket, "proof", "demo-dpop", "GET", "https://api.example.test/"],
+                   stdout=subprocess.DEVNULL, check=True)
+    conns = 16
+    samples = {"GetToken": [], "GetProof": []}
+    for _ in range(RUNS):
+        samples["GetToken"].append(load(tools, dev, conns, seconds=SECONDS, message=token_call))
+        samples["GetProof"].append(load(tools, dev, conns, seconds=SECONDS, message=proof_call))
+    dev.stop()
+    print(f"\n## GetProof (DPoP: a fresh ES256 proof per call) vs GetToken, session demo-dpop, {conns} connections")
+    print(f"{'call':>9} {'req/s':>9} {'p50 µs':>7} {'p99 µs':>7} {'CPU µs/req':>10} {'errors':>6}")
+    med = {name: {key: statistics.median(s[key] for s in runs) for key in ("req_per_s", "p50_us", "p99_us", "cpu_us", "errors")}
+           for name, runs in samples.items()}
+    for name in ("GetToken", "GetProof"):
+        m = med[name]
+        print(f"{name:>9} {m['req_per_s']:>9.0f} {m['p50_us']:>7.0f} {m['p99_us']:>7.0f} {m['cpu_us']:>10.1f} {m['errors']:>6.0f}")
+    print(f"GetProof p50 is GetToken's +{med['GetProof']['p50_us'] - med['GetToken']['p50_us']:.0f} µs (goal: +100 µs at most); "
+          f"CPU +{med['GetProof']['cpu_us'] - med['GetToken']['cpu_us']:.1f} µs per call")
 
     # 4. exec -> READY=1.
     start = json.loads(subprocess.run([tools["startup"], str(STARTS), os.path.join(scratch, "notify.sock")] + serve("state-start"),
