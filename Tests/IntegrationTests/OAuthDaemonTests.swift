@@ -8,7 +8,8 @@ import Varlink
 /// The real daemon against the development issuer (running in this test process, on loopback).
 @Suite("tokenbroker serve with an OAuth upstream", .serialized)
 struct OAuthDaemonTests {
-    static func config(_ issuer: DevIssuer) -> String {
+    /// `dpop`: session `api` is a DPoP session (`DPoP=yes`).
+    static func config(_ issuer: DevIssuer, dpop: Bool = false) -> String {
         """
         [Broker]
         SocketMode=0666
@@ -21,6 +22,7 @@ struct OAuthDaemonTests {
         ClientID=tokenbroker
         ClientSecretFile=@DIR@/client-secret
         RequestTimeout=5s
+        DPoP=\(dpop ? "yes" : "no")
 
         [Session]
         Name=machine
@@ -33,18 +35,25 @@ struct OAuthDaemonTests {
         """
     }
 
-    static func issuer() throws -> DevIssuer {
+    /// `dpop`: the issuer requires DPoP proofs and nonces (at its token endpoint and resource).
+    static func issuer(dpop: Bool = false, _ configure: (inout DevIssuer.Options) -> Void = { _ in }) throws -> DevIssuer {
         var options = DevIssuer.Options()
         options.deviceInterval = .seconds(1)
+        if dpop {
+            options.dpop = .required
+            options.dpopNonces = true
+        }
+        configure(&options)
         return try DevIssuer(options: options)
     }
 
     /// Runs `body` with a development issuer and a daemon configured against it; with
-    /// `loggedIn`, session `api` is logged in first.
-    static func withIssuerAndBroker(loggedIn: Bool = true, _ body: (DevIssuer, Broker) async throws -> Void) async throws {
-        let issuer = try Self.issuer()
+    /// `loggedIn`, session `api` is logged in first; with `dpop`, as a DPoP session against an
+    /// issuer that requires it.
+    static func withIssuerAndBroker(loggedIn: Bool = true, dpop: Bool = false, _ body: (DevIssuer, Broker) async throws -> Void) async throws {
+        let issuer = try Self.issuer(dpop: dpop)
         defer { issuer.stop() }
-        try await withBroker(config: Self.config(issuer)) { broker in
+        try await withBroker(config: Self.config(issuer, dpop: dpop)) { broker in
             if loggedIn { try await Self.logIn(broker, issuer) }
             try await body(issuer, broker)
         }
@@ -137,11 +146,14 @@ struct OAuthDaemonTests {
         }
     }
 
-    @Test("50 ctl processes recover the same old token at once: 1 token request, 50 identical new tokens")
-    func fiftyWorkers() async throws {
-        try await Self.withIssuerAndBroker { issuer, broker in
+    @Test("50 ctl processes recover the same old token at once: 1 token request (plus, on a DPoP session after a nonce change, 1 nonce round trip), 50 identical new tokens",
+          arguments: [false, true])
+    func fiftyWorkers(dpop: Bool) async throws {
+        try await Self.withIssuerAndBroker(dpop: dpop) { issuer, broker in
             let old = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
             #expect(issuer.counters.refreshGrants == 1)
+            if dpop { issuer.rotateDPoPNonces() }
+            let requestsBefore = issuer.counters.tokenRequests
             let workers = try (0..<50).map { _ in
                 try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "recover", "api"], directory: broker.directory, stdin: old)
             }
@@ -152,7 +164,8 @@ struct OAuthDaemonTests {
             }
             #expect(tokens.count == 1 && fp(tokens.first) != fp(old + "\n"))
             #expect(issuer.counters.refreshGrants == 2, "the burst made \(issuer.counters.refreshGrants - 1) token requests")
-            #expect(issuer.counters.replays == 0)
+            #expect(issuer.counters.tokenRequests - requestsBefore == (dpop ? 2 : 1), "one refresh, one nonce round trip on a DPoP session")
+            #expect(issuer.counters.replays == 0 && issuer.counters.dpopProofsRefused == 0)
             #expect(issuer.isValidAccessToken(String(tokens.first!.dropLast())))
         }
     }
@@ -228,9 +241,10 @@ struct OAuthDaemonTests {
         }
     }
 
-    @Test("logout during a refresh: the caller gets SignedOut at once, the transfer is abandoned, the family revoked")
-    func logoutDuringRefresh() async throws {
-        try await Self.withIssuerAndBroker { issuer, broker in
+    @Test("logout during a refresh (bearer and DPoP sessions): the caller gets SignedOut at once, the transfer is abandoned, the family revoked",
+          arguments: [false, true])
+    func logoutDuringRefresh(dpop: Bool) async throws {
+        try await Self.withIssuerAndBroker(dpop: dpop) { issuer, broker in
             issuer.inject([.hold])
             let caller = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "token", "api"], directory: broker.directory)
             try await eventually("the refresh held at the issuer") { issuer.heldCount == 1 }
@@ -246,13 +260,12 @@ struct OAuthDaemonTests {
         }
     }
 
-    @Test("logout while the issuer, having rotated, still holds its answer (and revoking a rotated token changes nothing there): the late answer's refresh token is revoked; no refresh token of the session stays active at the issuer")
-    func logoutBeforeLateAnswer() async throws {
-        var options = DevIssuer.Options()
-        options.revokingARotatedTokenEndsItsFamily = false
-        let issuer = try DevIssuer(options: options)
+    @Test("logout while the issuer, having rotated, still holds its answer (and revoking a rotated token changes nothing there): the late answer's refresh token is revoked; no refresh token of the session stays active at the issuer (bearer and DPoP sessions)",
+          arguments: [false, true])
+    func logoutBeforeLateAnswer(dpop: Bool) async throws {
+        let issuer = try Self.issuer(dpop: dpop) { $0.revokingARotatedTokenEndsItsFamily = false }
         defer { issuer.stop() }
-        try await withBroker(config: Self.config(issuer)) { broker in
+        try await withBroker(config: Self.config(issuer, dpop: dpop)) { broker in
             try await Self.logIn(broker, issuer)
             let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"])
             #expect(issuer.activeRefreshTokens == 1)
