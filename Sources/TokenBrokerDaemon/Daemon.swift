@@ -134,14 +134,18 @@ public final class Daemon: Sendable {
         guard let socket = listen(configuration), let server = makeServer(configuration, listening: socket.fd) else { return ExitCode.failure }
         connectionCount.value = { [server] in server.connectionCount }
         let metricsServer = startMetrics(configuration)
-        // (Metrics first: once the socket answers, so does MetricsListen=.)
-        server.start()
-        logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
+        // Development sessions are logged in before the first call is answered (a client that
+        // connects at once waits in the listen backlog, and finds them logged in).
         if let development {
             for name in development.sessionNames {
                 guard let demo = table.snapshot.sessions[name] else { continue }
                 await development.logIn(demo.coordinator, proofKey: try? await demo.upstream?.newProofKey())
             }
+        }
+        // (Metrics first: once the socket answers, so does MetricsListen=.)
+        server.start()
+        logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
+        if let development {
             var output = FileOutput.standardOutput
             output.write(development.guide(socket: configuration.socketPath))
         }
