@@ -1,19 +1,12 @@
 """The Python client against the real daemon and the development issuer (its protected
-resource), both started here from the build directory in $TOKENBROKER_BIN.
+resource), both started here from the build directory in $TOKENBROKER_BIN (support.Stack).
 
 No token is printed: failures name tokens by a short fingerprint.
 """
 
-import base64
 import http.server
-import json
 import multiprocessing
-import os
-import shutil
 import signal
-import socket
-import subprocess
-import tempfile
 import threading
 import urllib.error
 import urllib.parse
@@ -24,76 +17,8 @@ import pytest
 import requests
 
 import tokenbroker
-from support import eventually, fingerprint
+from support import CountingBroker, Stack, fingerprint
 from tokenbroker import Broker, BrokerAuth, HTTPXBrokerAuth, should_retry
-
-BIN = os.environ.get("TOKENBROKER_BIN", "")
-
-
-class Stack:
-    """dev-issuer + tokenbroker serve with session `api`, logged in."""
-
-    def __init__(self, slow=False):
-        if not BIN or not os.path.exists(os.path.join(BIN, "tokenbroker")):
-            pytest.skip("TOKENBROKER_BIN does not hold a build (run through make python-test)")
-        self.directory = tempfile.mkdtemp(prefix="tb-py-")
-        with open(os.path.join(self.directory, "client-secret"), "w") as f:
-            f.write("dev-secret\n")
-        self.issuer = subprocess.Popen([os.path.join(BIN, "dev-issuer"), "--client-secret-file", self.directory + "/client-secret",
-                                        "--refresh-token-file", self.directory + "/refresh-token"],
-                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.base = self.issuer.stdout.readline().split()[1]
-        self.config = os.path.join(self.directory, "tokenbroker.conf")
-        with open(self.config, "w") as f:
-            f.write(f"[Broker]\nSocketMode=0600\n\n[Session]\nName=api\nTokenEndpoint={self.base}/token\n"
-                    f"RevocationEndpoint={self.base}/revoke\nClientID=tokenbroker\nClientSecretFile={self.directory}/client-secret\n"
-                    "RefreshLimitBurst=1000\n")
-            if slow:
-                # A token endpoint that accepts connections and never answers.
-                self.blackhole = socket.socket()
-                self.blackhole.bind(("127.0.0.1", 0))
-                self.blackhole.listen(16)
-                f.write(f"\n[Session]\nName=slow\nTokenEndpoint=http://127.0.0.1:{self.blackhole.getsockname()[1]}/token\n"
-                        f"ClientID=tokenbroker\nClientSecretFile={self.directory}/client-secret\nRequestTimeout=3s\n")
-        self.socket = os.path.join(self.directory, "broker.sock")
-        self.start()
-        eventually("the refresh token file", lambda: os.path.exists(self.directory + "/refresh-token"))
-        with open(self.directory + "/refresh-token") as f:
-            Broker(self.socket).call("Login", {"session": "api", "refreshToken": f.read().strip()})
-        Broker(self.socket).token("api")   # the first token (the login brought a refresh token only)
-
-    def start(self):
-        self.daemon = subprocess.Popen([os.path.join(BIN, "tokenbroker"), "serve", "--config", self.config, "--socket", self.socket,
-                                        "--state-dir", self.directory + "/state"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        eventually("the broker's socket", lambda: os.path.exists(self.socket))
-
-    def restart(self):
-        self.daemon.send_signal(signal.SIGTERM)
-        self.daemon.wait(timeout=30)
-        self.start()
-
-    def counters(self):
-        with urllib.request.urlopen(self.base + "/_dev/counters", timeout=5) as answer:
-            return json.load(answer)
-
-    def revoke(self, token):
-        """Revokes an access token at the issuer: the resource then answers 401 invalid_token."""
-        body = f"token={urllib.parse.quote(token, safe='')}&token_type_hint=access_token".encode()
-        request = urllib.request.Request(self.base + "/revoke", data=body, method="POST",
-                                         headers={"Authorization": "Basic " + base64.b64encode(b"tokenbroker:dev-secret").decode(),
-                                                  "Content-Type": "application/x-www-form-urlencoded"})
-        urllib.request.urlopen(request, timeout=5).read()
-
-    def stop(self):
-        for process in (self.daemon, self.issuer):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 @pytest.fixture
@@ -309,10 +234,8 @@ def test_a_401_after_a_redirect_to_another_origin_is_not_retried_and_gets_no_tok
 
 
 def recover_calls(broker):
-    """Recover calls the broker has answered (any result), from its metrics."""
-    text = broker.call("Metrics")["text"]
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
-               if line.startswith('tokenbroker_calls_total{method="Recover",'))
+    """Recoveries a CountingBroker has asked for."""
+    return broker.recoveries
 
 
 class FrontResource:
@@ -400,7 +323,7 @@ def test_a_redirect_answering_the_retry_costs_no_second_recover_or_retry(stack, 
     """401 invalid_token, then the retry (fresh token) is answered with a redirect: that redirect
     is followed with the fresh token (same origin) or with none (another origin), and nothing is
     recovered or retried again. 307 keeps a PUT with an Idempotency-Key; 302 a GET."""
-    broker = Broker(stack.socket)
+    broker = CountingBroker(stack.socket)
     log, lock = [], threading.Lock()
     start = FrontResource("start", stack.base, log, lock)
     foreign = FrontResource("foreign", stack.base, log, lock) if origin == "cross-origin" else None
@@ -439,7 +362,7 @@ def test_a_redirect_answering_the_retry_costs_no_second_recover_or_retry(stack, 
 def test_a_401_after_a_same_origin_redirect_costs_one_recover_and_one_retry(stack, client):
     """A 307 first (to the same origin, whatever the token), then the 401: one Recover, one
     retry, and the rejected token is not sent again once the fresh one has gone out."""
-    broker = Broker(stack.socket)
+    broker = CountingBroker(stack.socket)
     log, lock = [], threading.Lock()
     start = FrontResource("start", stack.base, log, lock)
     try:
@@ -469,7 +392,7 @@ def test_a_401_after_a_same_origin_redirect_costs_one_recover_and_one_retry(stac
 def test_requests_a_redirect_of_the_retry_followed_by_hand_carries_the_fresh_token(stack):
     """allow_redirects=False: the retry's 307 comes back with `next`, which the caller sends. It
     carries the fresh token, and a 401 to it is not recovered or retried again."""
-    broker = Broker(stack.socket)
+    broker = CountingBroker(stack.socket)
     log, lock = [], threading.Lock()
     start = FrontResource("start", stack.base, log, lock)
     try:

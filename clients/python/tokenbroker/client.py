@@ -3,10 +3,12 @@ a Unix stream socket."""
 
 import json
 import os
+import re
 import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
+from urllib.parse import urlsplit
 
 from .errors import BrokerError, ConnectionLost, NoSuchSession, NotServed, error_from_reply
 
@@ -16,6 +18,13 @@ INTERFACE = "io.tokenbroker.Broker"
 MAX_REPLY = 16 << 20
 #: Longest URL Credential takes, in bytes (UTF-8), as the contract says.
 MAX_URL = 2048
+#: Longest URL GetProof takes, in bytes, and the longest nonce, as the contract says.
+MAX_PROOF_URL = 4096
+MAX_NONCE = 512
+
+_METHOD = re.compile(r"[A-Z]{1,16}")
+#: RFC 9449 §8.1's NQCHAR: visible ASCII but `"` and `\`.
+_NONCE = re.compile(r'[\x21\x23-\x5B\x5D-\x7E]+')
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,55 @@ class Token:
     def from_parameters(cls, parameters: Dict[str, Any]) -> "Token":
         return cls(token=parameters["token"], token_type=parameters.get("tokenType", "Bearer"),
                    expires_at=parameters.get("expiresAt"), generation=parameters.get("generation", 0))
+
+
+@dataclass(frozen=True, repr=False)
+class Proof:
+    """GetProof's answer: the token, and the DPoP proof (RFC 9449) for the one request it was
+    made for — None for a bearer session. Neither the token nor the proof is in its repr."""
+
+    token: Token
+    proof: Optional[str] = None
+
+    def headers(self) -> Dict[str, str]:
+        """The headers to send: `Authorization: <type> <token>`, and `DPoP: <proof>` when there
+        is a proof."""
+        headers = {"Authorization": self.token.authorization}
+        if self.proof is not None:
+            headers["DPoP"] = self.proof
+        return headers
+
+    def __repr__(self) -> str:
+        return f"Proof(token={self.token!r}, proof={'<DPoP proof>' if self.proof is not None else None})"
+
+
+def proof_url(url: str) -> Optional[str]:
+    """The part of `url` a DPoP proof names (its `htu`, RFC 9449 §4.2): scheme, host and port,
+    and path, without userinfo, query and fragment; None unless GetProof takes it (an http or
+    https URL of visible ASCII with a host, at most 4096 bytes). Query and fragment never go to
+    the broker."""
+    if not isinstance(url, str) or not url.isascii() or not all(" " < c < "\x7f" for c in url):
+        return None
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    authority = parts.netloc.rpartition("@")[2]
+    if parts.scheme.lower() not in ("http", "https") or not authority:
+        return None
+    target = f"{parts.scheme}://{authority}{parts.path or '/'}"
+    return target if len(target) <= MAX_PROOF_URL else None
+
+
+def valid_method(method: Any) -> bool:
+    """Whether GetProof takes `method`: 1 to 16 upper-case letters."""
+    return isinstance(method, str) and _METHOD.fullmatch(method) is not None
+
+
+def valid_nonce(nonce: Any) -> bool:
+    """Whether GetProof takes `nonce` (a resource server's `DPoP-Nonce`): 1 to 512 visible
+    ASCII characters but `"` and `\\`."""
+    return isinstance(nonce, str) and len(nonce) <= MAX_NONCE and _NONCE.fullmatch(nonce) is not None
 
 
 @dataclass(frozen=True)
@@ -110,15 +168,16 @@ class Broker:
 
     Each thread gets a connection of its own (a Recover waiting for an upstream refresh never
     holds up another thread's GetToken), made again in a child after `fork()`. If the broker
-    has restarted, GetToken, Recover, Credential and Status are sent once more on a new
+    has restarted, GetToken, Recover, GetProof, Credential and Status are sent once more on a new
     connection — only when the old one failed before the call was written, or turned out closed
     when the reply was awaited (a broker restart); never after a timeout. Other calls are never
     re-sent.
     """
 
-    #: Calls that may be sent twice: reads, and Recover or Credential with a rejected token
-    #: (with the same rejected token, a second call gets the current token back).
-    RESENDABLE = {"GetToken", "Recover", "Credential", "Status"}
+    #: Calls that may be sent twice: reads, and Recover, GetProof or Credential with a rejected
+    #: token (with the same rejected token, a second call gets the current token back; a second
+    #: GetProof, another proof).
+    RESENDABLE = {"GetToken", "Recover", "GetProof", "Credential", "Status"}
 
     def __init__(self, socket_path: Optional[str] = None, timeout: float = 45.0):
         self.path = socket_path or os.environ.get("TOKENBROKER_SOCKET") or DEFAULT_SOCKET
@@ -189,6 +248,46 @@ class Broker:
         with (the current one if `rejected` is stale, else the result of the one shared refresh)."""
         return Token.from_parameters(self.call("Recover", {"session": session, "rejected": rejected}))
 
+    def proof(self, session: str, method: str, url: str, nonce: Optional[str] = None,
+              rejected: Optional[str] = None) -> Proof:
+        """The session's current token with a DPoP proof for one request of `method` to `url`
+        (GetProof), signed in the broker with the session's key, which never leaves it; send
+        `Proof.headers()` with that request only. A bearer session's answer has no proof (and
+        the headers are `Authorization: Bearer <token>` alone). `nonce` is the resource
+        server's `DPoP-Nonce`, if it asked for one; with `rejected` (the token a request was
+        refused with as invalid), as `recover`.
+
+        Only the URL's scheme, host, port and path go to the broker. Raises TypeError and
+        ValueError for what GetProof does not take (a method other than 1 to 16 upper-case
+        letters, a URL other than http or https of visible ASCII with a host and at most 4096
+        bytes without its query, a nonce other than 1 to 512 visible ASCII characters without
+        `"` or `\\`, an empty `rejected`) before asking, InvalidParameter (a ValueError too)
+        for what the broker refuses, and the session's errors as `token` does. Neither the URL
+        nor a token goes into an error's message."""
+        if not isinstance(method, str) or not isinstance(url, str):
+            raise TypeError("method and url must be str")
+        if nonce is not None and not isinstance(nonce, str):
+            raise TypeError("nonce must be a str or None")
+        if rejected is not None and not isinstance(rejected, str):
+            raise TypeError("rejected must be a str or None")
+        if not valid_method(method):
+            raise ValueError("GetProof takes a method of 1 to 16 upper-case letters (GET, POST, ...)")
+        target = proof_url(url)
+        if target is None:
+            raise ValueError(f"GetProof takes an http or https URL of visible ASCII with a host, at most {MAX_PROOF_URL} "
+                             "bytes without its query")
+        if nonce is not None and not valid_nonce(nonce):
+            raise ValueError(f"GetProof takes a nonce of 1 to {MAX_NONCE} visible ASCII characters without '\"' or '\\'")
+        if rejected == "":
+            raise ValueError("rejected must not be empty")
+        parameters: Dict[str, Any] = {"session": session, "method": method, "uri": target}
+        if nonce is not None:
+            parameters["nonce"] = nonce
+        if rejected is not None:
+            parameters["rejected"] = rejected
+        reply = self.call("GetProof", parameters)
+        return Proof(token=Token.from_parameters(reply), proof=reply.get("proof"))
+
     def credential(self, url: str, rejected: Optional[str] = None) -> Credential:
         """The token for `url` (or a host, `host:port`), for credential helpers: that of the
         session whose `Serves=` entry matches it most specifically among the sessions this caller
@@ -239,4 +338,5 @@ class Broker:
             connection.close()
 
 
-__all__ = ["Broker", "Token", "Credential", "Event", "BrokerError", "DEFAULT_SOCKET"]
+__all__ = ["Broker", "Token", "Proof", "Credential", "Event", "BrokerError", "DEFAULT_SOCKET", "proof_url", "valid_method",
+           "valid_nonce"]

@@ -92,13 +92,25 @@ class ProtocolError(BrokerError):
     name = "io.tokenbroker.Broker.ProtocolError"
 
 
+class InvalidParameter(BrokerError, ValueError):
+    """The broker refused a call's parameter (varlink's own error): `parameter` names it, e.g.
+    GetProof's `method` or `uri`. A ValueError too."""
+
+    name = "org.varlink.service.InvalidParameter"
+
+    def __init__(self, message: str = "", parameters: Optional[Dict[str, Any]] = None):
+        super().__init__(message, parameters)
+        self.parameter = self.parameters.get("parameter", "")
+
+
 _BY_NAME = {cls.name: cls for cls in (NoSuchSession, SignedOut, PermissionDenied, RefreshFailed, Throttled, SessionConfigured,
-                                      StoreFailed, ConfigurationError, LoginFailed, ShuttingDown, InternalError, ProtocolError)}
+                                      StoreFailed, ConfigurationError, LoginFailed, ShuttingDown, InternalError, ProtocolError,
+                                      InvalidParameter)}
 
 
 def error_from_reply(name: str, parameters: Dict[str, Any]) -> BrokerError:
     cls = _BY_NAME.get(name, BrokerError)
-    detail = parameters.get("reason") or parameters.get("session") or ""
+    detail = parameters.get("reason") or parameters.get("session") or parameters.get("parameter") or ""
     message = f"{name.rsplit('.', 1)[-1]}" + (f": {detail}" if detail else "")
     error = cls(message, parameters)
     if cls is BrokerError:

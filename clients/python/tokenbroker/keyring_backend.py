@@ -4,7 +4,9 @@
 index URL, then its `host:port`; twine the repository URL): the token of the session whose
 `Serves=` entry matches it for this user, as the password, whatever the username. A URL that
 no session serves for this user is None, so keyring's chainer and pip fall through to what
-comes next (another backend, a prompt, or the server's 401).
+comes next (another backend, a prompt, or the server's 401). So is a URL a DPoP session
+(`DPoP=yes`) serves: its token is bound to the broker's key and good only with a proof for each
+request (RFC 9449), which keyring's password cannot carry.
 
 `get_credential(service, username)` returns the username asked for, else
 `$TOKENBROKER_KEYRING_USERNAME`, else `oauth2`, with the token as the password.
@@ -88,11 +90,16 @@ class TokenBrokerKeyring(KeyringBackend):
         if not service or len(service.encode("utf-8", "surrogatepass")) > MAX_URL:
             return None
         try:
-            return self.broker.credential(service).token.token
+            token = self.broker.credential(service).token
         except NotServed:
             return None
         except BrokerError as error:
             raise errors.KeyringError(f"tokenbroker: {error}") from error
+        # A DPoP-bound token is good only with a proof for each request, which a password
+        # cannot carry: not ours to hand out.
+        if token.token_type.lower() == "dpop":
+            return None
+        return token.token
 
     def get_password(self, service: str, username: str) -> Optional[str]:
         return self._token(service)
