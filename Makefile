@@ -88,8 +88,8 @@ system-test: deps deb
 # against the real daemon and the development issuer.
 PY_CLIENT_VENV = .build/tools/python-client
 python-test: build
-	@[ -x $(PY_CLIENT_VENV)/bin/keyring ] || { python3 -m venv $(PY_CLIENT_VENV) && \
-	  $(PY_CLIENT_VENV)/bin/pip install -q pytest requests httpx keyring; }
+	@[ -x $(PY_CLIENT_VENV)/bin/keyring ] && $(PY_CLIENT_VENV)/bin/python -c 'import pydpop' 2>/dev/null || { python3 -m venv $(PY_CLIENT_VENV) && \
+	  $(PY_CLIENT_VENV)/bin/pip install -q pytest requests httpx keyring pydpop; }
 	$(PY_CLIENT_VENV)/bin/pip install -q --force-reinstall --no-deps ./clients/python
 	cd clients/python && TOKENBROKER_BIN="$$($(SWIFT) build --show-bin-path)" $(CURDIR)/$(PY_CLIENT_VENV)/bin/pytest -q -p no:cacheprovider tests
 

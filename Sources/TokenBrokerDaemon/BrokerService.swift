@@ -195,6 +195,8 @@ final class BrokerService: VarlinkHandler {
     /// GetToken's (one signature, tens of microseconds); the key is opened once per generation.
     private func getProof(_ session: SessionTable.Session, method: String, uri: String, nonce: String?, rejected: Secret?) -> VarlinkHandling {
         let name = session.configuration.name
+        // The same URLs for every session, bearer or not: those a proof can name.
+        guard DPoPProof.target(uri) != nil else { return .reply(ParameterError(name: "uri").reply) }
         let answer: @Sendable (IssuedToken) throws -> VarlinkReply = { token in
             guard let kept = token.proofKey else {
                 return VarlinkReply(parameters: ProofReply(token: TokenReply(token), proof: nil).parameters)
