@@ -12,14 +12,22 @@ Checks: login and refresh with rotation (client_secret_post and client_secret_ba
 worker processes -> one refresh, discovery, client_credentials, logout revoking upstream, a
 refresh token revoked at the server -> the session ends after a bounded number of requests,
 short-lived tokens under the default RefreshAhead= -> no Throttled and at most one refresh per
-half lifetime, and the journal line of each outcome. Exit 0 when every check passed, 1 when
-one failed, 0 with a SKIP line when Glewlwyd cannot be installed here. No token is printed:
-tokens are named by a short fingerprint.
+half lifetime, the journal line of each outcome, and DPoP (RFC 9449; what Glewlwyd 2.7.5 does
+with it is written at that section): device logins bound to the daemon's key (token_type DPoP,
+cnf.jkt, Glewlwyd's own records), the token at Glewlwyd's userinfo with `ctl proof` and its
+refusals without a proof, with a replayed proof, a proof for another URL or another token; a
+forced refresh with a proof; Glewlwyd's mandatory nonce (DPoP=auto); a refresh token issued
+without DPoP, which Glewlwyd 2.7.5 refuses to refresh with a proof. Exit 0 when every check
+passed, 1 when one failed, 0 with a SKIP line when Glewlwyd cannot be installed here. No token
+is printed: tokens are named by a short fingerprint.
 """
 
+import base64
+import hashlib
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -62,12 +70,35 @@ class Fixture:
 
     def post(self, url, fields):
         """A form POST with the post client's credentials: the HTTP status (no body is kept)."""
+        return self.post_json(url, fields)[0]
+
+    def post_json(self, url, fields, headers=None):
+        """A form POST with the post client's credentials: (HTTP status, the JSON body or {})."""
         body = urllib.parse.urlencode(dict(fields, client_id="postclient", client_secret=self.secret("postclient"))).encode()
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=10) as response:
-                return response.status
+            with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers or {}), timeout=10) as response:
+                status, text = response.status, response.read()
         except urllib.error.HTTPError as error:
-            return error.code
+            status, text = error.code, error.read()
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            answer = {}
+        return status, answer if isinstance(answer, dict) else {}
+
+    def query(self, sql, *arguments):
+        """Rows from Glewlwyd's own SQLite database, read-only (what the server recorded)."""
+        con = sqlite3.connect(f"file:{self.info['database']}?mode=ro", uri=True, timeout=5)
+        try:
+            return con.execute(sql, arguments).fetchall()
+        finally:
+            con.close()
+
+    def approve(self, code, plugin="oidc"):
+        """Approves a device user code as the fixture user (at the given plugin instance)."""
+        return code is not None and subprocess.run([sys.executable, FIXTURE, "approve-device", "--dir", self.directory,
+                                                    "--user-code", code, "--plugin", plugin],
+                                                   capture_output=True, timeout=60).returncode == 0
 
     def revoke(self, token):
         """RFC 7009, as the post client."""
@@ -124,6 +155,66 @@ class Daemon:
         self.log.close()
 
 
+def start_device_login(daemon, name):
+    """`ctl login NAME` (device flow) running: (the process, the user code it printed or None)."""
+    login = subprocess.Popen([os.path.join(daemon.bin_dir, "tokenbroker"), "ctl", "--socket", daemon.socket, "login", name],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while time.monotonic() < deadline:
+        line = login.stdout.readline()
+        if not line:
+            break
+        if "enter the code " in line:
+            return login, line.rsplit("enter the code ", 1)[1].strip()
+    return login, None
+
+
+def finish_device_login(login):
+    """Waits for a `ctl login` started by start_device_login: (exit status, its stderr)."""
+    try:
+        login.wait(timeout=STEP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        login.kill()
+        login.wait()
+    return login.returncode, login.stderr.read().strip()[:200]
+
+
+def b64url_json(part):
+    try:
+        return json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
+    except ValueError:
+        return {}
+
+
+def jwt_part(token, index):
+    """A JWT's header (0) or payload (1), decoded without verifying anything; {} if not a JWT."""
+    parts = (token or "").split(".")
+    value = b64url_json(parts[index]) if len(parts) == 3 else {}
+    return value if isinstance(value, dict) else {}
+
+
+def jwk_thumbprint(jwk):
+    """RFC 7638 (SHA-256) of an EC public key: its required members, lexicographic, compact."""
+    if not isinstance(jwk, dict) or jwk.get("kty") != "EC" or not all(isinstance(jwk.get(k), str) for k in ("crv", "x", "y")):
+        return None
+    canonical = json.dumps({"crv": jwk["crv"], "kty": jwk["kty"], "x": jwk["x"], "y": jwk["y"]}, separators=(",", ":"))
+    return base64.urlsafe_b64encode(hashlib.sha256(canonical.encode()).digest()).rstrip(b"=").decode()
+
+
+def http_get(url, headers):
+    """GET url: (HTTP status, response headers, the body's OAuth `error` or None). No body is kept."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+            response.read()
+            return response.status, response.headers, None
+    except urllib.error.HTTPError as error:
+        try:
+            code = json.loads(error.read()).get("error")
+        except (ValueError, AttributeError):
+            code = None
+        return error.code, error.headers, code
+
+
 def session(name, client, auth, **extra):
     lines = ["[Session]", f"Name={name}", f"ClientID={client['client_id']}", f"ClientSecretFile={client['client_secret_file']}",
              f"ClientAuthentication={auth}"]
@@ -160,6 +251,13 @@ def main():
         config += session("glwd-out", clients["basic"], "client_secret_basic", **endpoints)
         config += session("glwd-device", clients["post"], "client_secret_post", Scope="api",
                           DeviceAuthorizationEndpoint=info["device_authorization_endpoint"], **endpoints)
+        # DPoP sessions: the `oidc` plugin accepts DPoP; `oidcnonce` insists on its nonce.
+        nonce_plugin = info["dpop_nonce_plugin"]
+        config += session("glwd-dpop", clients["post"], "client_secret_post", Scope="api", DPoP="yes",
+                          DeviceAuthorizationEndpoint=info["device_authorization_endpoint"], **endpoints)
+        config += session("glwd-dpop-rt", clients["post"], "client_secret_post", DPoP="yes", **endpoints)
+        config += session("glwd-dpop-nonce", clients["post"], "client_secret_post", Scope="api", DPoP="auto",
+                          Issuer=nonce_plugin["issuer"])
         daemon = Daemon(bin_dir, os.path.join(top, "daemon"), config)
         daemons.append(daemon)
 
@@ -195,27 +293,13 @@ def main():
 
         # -- Device login: ctl prints the code, the user approves it at Glewlwyd (its REST API,
         # as the browser would), ctl returns once the daemon holds the grant's tokens.
-        login = subprocess.Popen([os.path.join(bin_dir, "tokenbroker"), "ctl", "--socket", daemon.socket, "login", "glwd-device"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        code = None
-        deadline = time.monotonic() + STEP_TIMEOUT
-        while code is None and time.monotonic() < deadline:
-            line = login.stdout.readline()
-            if not line:
-                break
-            if "enter the code " in line:
-                code = line.rsplit("enter the code ", 1)[1].strip()
-        approved = code is not None and subprocess.run([sys.executable, FIXTURE, "approve-device", "--dir", server.directory,
-                                                        "--user-code", code], capture_output=True, timeout=60).returncode == 0
-        check(approved, "glwd-device: ctl login prints a user code, approved at Glewlwyd")
-        try:
-            login.wait(timeout=STEP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            login.kill()
-            login.wait()
+        login, code = start_device_login(daemon, "glwd-device")
+        check(server.approve(code), "glwd-device: ctl login prints a user code, approved at Glewlwyd")
+        returncode, errors = finish_device_login(login)
         device_token = daemon.ctl("token", "glwd-device")
-        check(login.returncode == 0 and device_token.returncode == 0 and device_token.stdout.strip(),
-              "glwd-device: the device login completes and the session serves a token", login.stderr.read().strip()[:200])
+        secrets_seen.append(device_token.stdout.strip())
+        check(returncode == 0 and device_token.returncode == 0 and device_token.stdout.strip(),
+              "glwd-device: the device login completes and the session serves a token", errors)
 
         # -- client_credentials and discovery ---------------------------------------------------
         cc = daemon.ctl("token", "glwd-cc")
@@ -246,6 +330,224 @@ def main():
         failures = daemon.lines("session glwd-dead: refresh failed (refused)")
         check(len(failures) == 2 and len(daemon.lines("session glwd-dead: ended")) == 1,
               f"glwd-dead: the dead token went out 3 times: 2 refusals at warning, the end at error ({len(failures)} refusals)")
+
+        # -- DPoP (RFC 9449) ----------------------------------------------------------------------
+        # What Glewlwyd 2.7.5 (Debian 12) does, from its source (src/plugin/protocol_oidc.c at
+        # v2.7.5) and checked below:
+        # - It binds at the grant only. A token request with a valid proof binds the refresh token
+        #   it issues (gpo_refresh_token.gpor_dpop_jkt) and the access token (cnf.jkt), answering
+        #   token_type DPoP; a refresh then requires a proof from that same key and inherits the
+        #   binding.
+        # - A refresh token issued *without* DPoP cannot be refreshed *with* a proof: the proof is
+        #   verified and its jti recorded, then the request is refused with 403 invalid_dpop_proof
+        #   (its key is compared with the token's absent binding), where RFC 9449 §5 has the server
+        #   bind the new access token. So a DPoP session logged in with the fixture's refresh token
+        #   (the password grant, without a proof) can never refresh: it ends. The daemon's key never
+        #   leaves it, so nothing outside the daemon can obtain a refresh token bound to it: the
+        #   bound sessions here log in with the device flow, whose token request carries the proof.
+        # - Its userinfo endpoint enforces DPoP-bound tokens: `Authorization: DPoP` plus a proof
+        #   for GET and that URL whose `ath` is the token's hash; jti are recorded per client, so a
+        #   replay is refused. Every refusal is a bare 401 (an invalid proof: body invalid_dpop_proof).
+        # - oauth-dpop-allowed only decides discovery's dpop_signing_alg_values_supported (and the
+        #   dpop_jkt parameter): proofs are verified and bound whatever it says.
+        # - oauth-dpop-nonce-mandatory: one nonce per client id (not per plugin instance), at the
+        #   token endpoint (400 use_dpop_nonce + DPoP-Nonce) and userinfo (401, WWW-Authenticate:
+        #   DPoP error="use_dpop_nonce", DPoP-Nonce); each success counts oauth-dpop-nonce-counter
+        #   down, and the one that finds 0 answers a new nonce in DPoP-Nonce. (The daemon keeps one
+        #   nonce per origin for all its sessions: glwd-dpop's proofs to `oidc` carry `oidcnonce`'s
+        #   nonce too, which `oidc` ignores.)
+        userinfo = info["userinfo_endpoint"]
+        token_endpoint = info["token_endpoint"]
+
+        def proof(name, method, url, nonce=None):
+            """`ctl proof`: (the headers it printed as a dict, its stderr); every value is a secret."""
+            out = daemon.ctl("proof", name, method, url, *(["--nonce", nonce] if nonce else []))
+            headers = {}
+            for line in out.stdout.splitlines():
+                key, _, value = line.partition(": ")
+                if key in ("Authorization", "DPoP") and value:
+                    headers[key] = value
+                    secrets_seen.append(value.split(" ", 1)[-1])
+            return (headers if out.returncode == 0 else {}), out.stderr.strip()[:200]
+
+        def proof_json(name, method, url, nonce=None):
+            """`ctl --json proof`: GetProof's answer ({} on failure)."""
+            out = daemon.ctl("--json", "proof", name, method, url, *(["--nonce", nonce] if nonce else []))
+            try:
+                answer = json.loads(out.stdout) if out.returncode == 0 else {}
+            except ValueError:
+                answer = {}
+            secrets_seen.extend(str(answer.get(k)) for k in ("token", "proof") if answer.get(k))
+            return answer
+
+        def bound_key(answer):
+            """(the proof's jwk thumbprint, the access token's cnf.jkt) of a GetProof answer."""
+            return (jwk_thumbprint(jwt_part(answer.get("proof"), 0).get("jwk")),
+                    (jwt_part(answer.get("token"), 1).get("cnf") or {}).get("jkt"))
+
+        def token_of(headers):
+            return headers.get("Authorization", "").split(" ", 1)[-1]
+
+        def recorded_proofs(plugin, htu, jkt):
+            """How many proofs Glewlwyd verified and recorded (jti) for this URL and key."""
+            return server.query("SELECT COUNT(*) FROM gpo_dpop WHERE gpod_plugin_name=? AND gpod_htu=? AND gpod_jkt=?",
+                                plugin, htu, jkt)[0][0]
+
+        def bound_refresh_tokens(plugin, jkt):
+            """Glewlwyd's refresh tokens bound to this key: (live, all)."""
+            rows = server.query("SELECT gpor_enabled FROM gpo_refresh_token WHERE gpor_plugin_name=? AND gpor_dpop_jkt=?",
+                                plugin, jkt)
+            return sum(1 for (enabled,) in rows if enabled), len(rows)
+
+        check(info.get("dpop_signing_alg_values_supported") and "ES256" in info["dpop_signing_alg_values_supported"],
+              "dpop: Glewlwyd's discovery lists ES256 in dpop_signing_alg_values_supported", str(info.get("dpop_signing_alg_values_supported")))
+
+        # Device logins, both at once (Glewlwyd polls every 5 s): glwd-dpop (DPoP=yes, `oidc`) and
+        # glwd-dpop-nonce (DPoP=auto from `oidcnonce`'s metadata; its nonce is mandatory, and the
+        # device authorization answers none, so the first token request is refused with
+        # use_dpop_nonce and the login completes only if the daemon retries with the nonce).
+        logins = {name: start_device_login(daemon, name) for name in ("glwd-dpop", "glwd-dpop-nonce")}
+        for name, plugin in (("glwd-dpop", "oidc"), ("glwd-dpop-nonce", nonce_plugin["name"])):
+            check(server.approve(logins[name][1], plugin), f"{name}: ctl login prints a user code, approved at Glewlwyd ({plugin})")
+        for name in logins:
+            returncode, errors = finish_device_login(logins[name][0])
+            check(returncode == 0, f"{name}: the device login completes (the device grant with a proof)", errors)
+
+        # -- glwd-dpop: the token is bound to the daemon's key ----------------------------------
+        answer = proof_json("glwd-dpop", "GET", userinfo)
+        jkt, cnf = bound_key(answer)
+        check(answer.get("tokenType") == "DPoP", "glwd-dpop: GetProof's tokenType is DPoP (Glewlwyd's token_type)", str(answer.get("tokenType")))
+        check(jkt is not None and cnf == jkt,
+              f"glwd-dpop: the access token's cnf.jkt is the RFC 7638 thumbprint of the proof's jwk ({fingerprint(jkt or '')})",
+              f"cnf.jkt {fingerprint(cnf or '')}")
+        check(jwt_part(answer.get("proof"), 0).get("alg") == "ES256" and jwt_part(answer.get("proof"), 1).get("htu") == userinfo,
+              "glwd-dpop: the proof is ES256, for the userinfo URL")
+        check(bound_refresh_tokens("oidc", jkt) == (1, 1), "glwd-dpop: Glewlwyd holds one refresh token, live and bound to the key",
+              str(bound_refresh_tokens("oidc", jkt)))
+        check(recorded_proofs("oidc", token_endpoint, jkt) == 1, "glwd-dpop: Glewlwyd recorded the device grant's proof")
+
+        # The token at userinfo: with a fresh proof from `ctl proof`, and the refusals.
+        headers, errors = proof("glwd-dpop", "GET", userinfo)
+        token = token_of(headers)
+        check(headers.get("Authorization", "").startswith("DPoP ") and headers.get("DPoP"),
+              "glwd-dpop: ctl proof prints `Authorization: DPoP <token>` and `DPoP: <proof>`", errors)
+        status, _, _ = http_get(userinfo, headers)
+        check(status == 200, f"glwd-dpop: userinfo with the token and ctl proof's proof: 200 ({status})")
+        status, _, _ = http_get(userinfo, headers)
+        check(status == 401, f"glwd-dpop: the same proof again (a replay, its jti recorded): 401 ({status})")
+        status, _, _ = http_get(userinfo, {"Authorization": "Bearer " + token})
+        check(status == 401, f"glwd-dpop: the token as a Bearer token: 401 ({status})")
+        status, _, _ = http_get(userinfo, {"Authorization": "DPoP " + token})
+        check(status == 401, f"glwd-dpop: the token without a proof: 401 ({status})")
+        fresh, _ = proof("glwd-dpop", "GET", userinfo)
+        status, _, _ = http_get(userinfo, {"Authorization": "Bearer " + token, "DPoP": fresh.get("DPoP", "")})
+        check(status == 401, f"glwd-dpop: a valid proof with the Bearer scheme: 401 ({status})")
+        other, _ = proof("glwd-dpop", "GET", info["revocation_endpoint"])
+        status, _, error = http_get(userinfo, other)
+        check(status == 401 and error == "invalid_dpop_proof", f"glwd-dpop: a proof for another URL (htu): 401 {error} ({status})")
+
+        # A forced refresh: with a proof, rotating, still bound; a proof made for the previous
+        # token (its ath) is refused with the new one.
+        stale, _ = proof("glwd-dpop", "GET", userinfo)
+        forced = daemon.ctl("refresh", "glwd-dpop")
+        headers, _ = proof("glwd-dpop", "GET", userinfo)
+        new_token = token_of(headers)
+        jkt_after = jwk_thumbprint(jwt_part(headers.get("DPoP"), 0).get("jwk"))
+        check(forced.returncode == 0 and new_token and new_token != token,
+              f"glwd-dpop: a forced refresh rotates (token {fingerprint(token)} -> {fingerprint(new_token)})", forced.stderr.strip())
+        check(recorded_proofs("oidc", token_endpoint, jkt) == 2, "glwd-dpop: the refresh carried a proof Glewlwyd verified and recorded")
+        check(jkt_after == jkt and (jwt_part(new_token, 1).get("cnf") or {}).get("jkt") == jkt,
+              "glwd-dpop: the same key, and the new access token bound to it")
+        check(bound_refresh_tokens("oidc", jkt) == (1, 2), "glwd-dpop: the refresh token rotated, the new one bound to the key",
+              str(bound_refresh_tokens("oidc", jkt)))
+        status, _, _ = http_get(userinfo, headers)
+        check(status == 200, f"glwd-dpop: userinfo with the new token and a fresh proof: 200 ({status})")
+        status, _, error = http_get(userinfo, {"Authorization": "DPoP " + new_token, "DPoP": stale.get("DPoP", "")})
+        check(status == 401 and error == "invalid_dpop_proof",
+              f"glwd-dpop: a proof made for the previous token (ath) with the new one: 401 {error} ({status})")
+
+        # -- glwd-dpop-nonce: DPoP=auto, and Glewlwyd's mandatory nonce ------------------------
+        nonce_userinfo = nonce_plugin["userinfo_endpoint"]
+        answer = proof_json("glwd-dpop-nonce", "GET", nonce_userinfo)
+        nonce_token = answer.get("token")
+        njkt, ncnf = bound_key(answer)
+        check(answer.get("tokenType") == "DPoP" and njkt is not None and ncnf == njkt and njkt != jkt,
+              "glwd-dpop-nonce: DPoP=auto chose DPoP from the metadata: token_type DPoP, cnf.jkt its own key's thumbprint")
+        check(recorded_proofs(nonce_plugin["name"], nonce_plugin["token_endpoint"], njkt) == 1,
+              "glwd-dpop-nonce: the device grant's proof (with the nonce) was accepted and recorded")
+        headers, _ = proof("glwd-dpop-nonce", "GET", nonce_userinfo)
+        status, answered, _ = http_get(nonce_userinfo, headers)
+        nonce = answered.get("DPoP-Nonce")
+        secrets_seen.append(nonce or "")
+        check(status == 401 and 'error="use_dpop_nonce"' in (answered.get("WWW-Authenticate") or "") and nonce,
+              f"glwd-dpop-nonce: userinfo with a proof without a nonce: 401 use_dpop_nonce and a DPoP-Nonce ({status})")
+        statuses, rotated = [], False
+        for _ in range(3):        # oauth-dpop-nonce-counter=1: a new nonce within 2 successes
+            headers, _ = proof("glwd-dpop-nonce", "GET", nonce_userinfo, nonce=nonce)
+            status, answered, _ = http_get(nonce_userinfo, headers)
+            statuses.append(status)
+            if status == 200 and answered.get("DPoP-Nonce"):
+                nonce, rotated = answered.get("DPoP-Nonce"), True
+                secrets_seen.append(nonce)
+                break
+        check(statuses and all(s == 200 for s in statuses), f"glwd-dpop-nonce: with the nonce (ctl proof --nonce): 200 {statuses}")
+        check(rotated, "glwd-dpop-nonce: Glewlwyd moved to a new nonce (DPoP-Nonce on a success)")
+        # The daemon's last nonce is the one before: its refresh is refused with use_dpop_nonce
+        # first, and succeeds only with the new nonce.
+        forced = daemon.ctl("refresh", "glwd-dpop-nonce")
+        check(forced.returncode == 0, "glwd-dpop-nonce: a forced refresh after the nonce changed succeeds (use_dpop_nonce answered)",
+              forced.stderr.strip())
+        check(recorded_proofs(nonce_plugin["name"], nonce_plugin["token_endpoint"], njkt) == 2,
+              "glwd-dpop-nonce: the refresh's proof was accepted and recorded")
+        headers, _ = proof("glwd-dpop-nonce", "GET", nonce_userinfo, nonce=nonce)
+        status, _, _ = http_get(nonce_userinfo, headers)
+        check(status == 200 and token_of(headers) != nonce_token,
+              f"glwd-dpop-nonce: the refreshed token at userinfo with the nonce: 200 ({status})")
+
+        # -- A refresh token issued without DPoP: Glewlwyd 2.7.5 refuses it with a proof ---------
+        # Glewlwyd by itself first: the fixture's refresh token, a valid proof (the glwd-dpop key,
+        # for POST and the token endpoint), then the same token without a proof.
+        plain = server.refresh_token("postclient")
+        secrets_seen.append(plain)
+        probe, _ = proof("glwd-dpop", "POST", token_endpoint)
+        status, answer = server.post_json(token_endpoint, {"grant_type": "refresh_token", "refresh_token": plain},
+                                          {"DPoP": probe.get("DPoP", "")})
+        secrets_seen.extend(str(answer.get(k)) for k in ("access_token", "refresh_token", "id_token") if answer.get(k))
+        check(status == 403 and answer.get("error") == "invalid_dpop_proof",
+              f"Glewlwyd 2.7.5: a refresh token issued without DPoP, refreshed with a valid proof: 403 invalid_dpop_proof "
+              f"({status} {answer.get('error')})")
+        check(recorded_proofs("oidc", token_endpoint, jkt) == 3, "Glewlwyd 2.7.5: ... though it verified that proof and recorded its jti")
+        status, answer = server.post_json(token_endpoint, {"grant_type": "refresh_token", "refresh_token": plain})
+        secrets_seen.extend(str(answer.get(k)) for k in ("access_token", "refresh_token", "id_token") if answer.get(k))
+        check(status == 200 and str(answer.get("token_type")).lower() == "bearer",
+              f"Glewlwyd 2.7.5: ... the same refresh token without a proof: 200, token_type {answer.get('token_type')} (not spent by the refusal)")
+
+        # The daemon: glwd-dpop-rt (DPoP=yes) logged in with such a refresh token. Each refresh
+        # carries a valid proof and is refused; the session ends like glwd-dead's, boundedly.
+        held = server.refresh_token("postclient")
+        secrets_seen.append(held)
+        login = daemon.ctl("login", "glwd-dpop-rt", "--refresh-token-stdin", stdin=held + "\n")
+        check(login.returncode == 0, "glwd-dpop-rt: login with a refresh token issued without DPoP", login.stderr.strip())
+        before = server.query("SELECT COUNT(*) FROM gpo_dpop WHERE gpod_plugin_name='oidc' AND gpod_htu=?", token_endpoint)[0][0]
+        headers, errors = proof("glwd-dpop-rt", "GET", userinfo)
+        check(not headers and "invalid_dpop_proof" in errors, "glwd-dpop-rt: ctl proof fails: Glewlwyd answers invalid_dpop_proof", errors)
+        ended = eventually(lambda: (daemon.ctl("token", "glwd-dpop-rt"), daemon.status("glwd-dpop-rt").get("state") == "ended")[1], timeout=30)
+        status = daemon.status("glwd-dpop-rt")
+        check(bool(ended) and "invalid_dpop_proof" in (status.get("lastError") or ""),
+              "glwd-dpop-rt: the session ends, its reason naming invalid_dpop_proof",
+              json.dumps({k: status.get(k) for k in ("state", "failures")}))
+        refusals = daemon.lines("session glwd-dpop-rt: refresh failed (refused): invalid_dpop_proof")
+        after = server.query("SELECT COUNT(*) FROM gpo_dpop WHERE gpod_plugin_name='oidc' AND gpod_htu=?", token_endpoint)[0][0]
+        check(len(refusals) == 2 and len(daemon.lines("session glwd-dpop-rt: ended")) == 1 and after - before == 3,
+              f"glwd-dpop-rt: 3 refreshes, each with a proof Glewlwyd verified and recorded ({after - before}), 2 refusals, then the end")
+        check(server.refresh_works(held), "glwd-dpop-rt: the refresh token itself is fine: Glewlwyd refreshes it without a proof")
+
+        # -- Logout of a DPoP session revokes its bound refresh token upstream ------------------
+        logout = daemon.ctl("logout", "glwd-dpop")
+        said = eventually(lambda: daemon.lines("session glwd-dpop: the refresh token retired by the logout is revoked upstream"), timeout=10)
+        check(logout.returncode == 0 and bool(said), "glwd-dpop: logout, the revocation logged", logout.stderr.strip())
+        check(bound_refresh_tokens("oidc", jkt) == (0, 2), "glwd-dpop: Glewlwyd holds no live refresh token bound to the key any more",
+              str(bound_refresh_tokens("oidc", jkt)))
         daemon.stop()
         daemons.remove(daemon)
         journals = [daemon.journal()]

@@ -3,12 +3,15 @@
 
   up --dir DIR [--port P] [--access-token-duration S]   start + provision, print JSON
   refresh-token --dir DIR --client ID                     print one fresh refresh token
-  approve-device --dir DIR --user-code CODE               approve a device code as the user
+  approve-device --dir DIR --user-code CODE [--plugin P]  approve a device code as the user
   down --dir DIR                                          stop the server
 
 Standard library only.  Secrets are never printed by `up`: they are written to
 mode-0600 files under DIR whose paths are in the JSON.  The only command that
 prints a credential is `refresh-token` (one line, meant to be piped).
+
+Two OIDC plugin instances: `oidc` (the one the state's endpoints name; DPoP accepted, not
+required) and `oidcnonce` (state["dpop_nonce_plugin"]: DPoP with a mandatory server nonce).
 """
 import argparse, base64, gzip, http.client as httpc, json, os, secrets, shutil
 import signal, socket
@@ -16,6 +19,7 @@ import sqlite3, string, subprocess, sys, time, urllib.parse
 
 HOST = "127.0.0.1"
 SCOPE = "api"                      # the one custom scope granted to user and clients
+NONCE_PLUGIN = "oidcnonce"         # the second OIDC instance: DPoP with a mandatory nonce
 USERNAME = "alice"
 ADMIN = ("admin", "password")      # seeded by init.sqlite3.sql
 COOKIE = "GLEWLWYD2_SESSION_ID"
@@ -174,9 +178,9 @@ def free_port(port=0):
 
 
 # ---------------------------------------------------------------- provisioning
-def oidc_plugin(base, at_duration):
+def oidc_plugin(base, at_duration, name="oidc", dpop_nonce=False):
     p = {
-        "iss": base + "/api/oidc",   # so that discovery at ISSUER/.well-known/openid-configuration names it
+        "iss": f"{base}/api/{name}",  # so that discovery at ISSUER/.well-known/openid-configuration names it
         # HS256 with a random shared secret: no key files needed.
         "jwt-type": "sha", "jwt-key-size": "256", "key": gen_secret(48),
         "access-token-duration": at_duration,
@@ -195,8 +199,24 @@ def oidc_plugin(base, at_duration):
         "introspection-revocation-allow-target-client": True,  # own credentials
         "device-authorization-expiration": 600, "device-authorization-interval": 5,
         "secret-type": "pairwise",
+        # DPoP (RFC 9449). The keys 2.7.5's parameter check knows (libprotocol_oidc.so):
+        # oauth-dpop-allowed; oauth-dpop-iat-duration (mandatory once allowed: a proof's
+        # maximum age, s); oauth-dpop-iat-gap-duration (clock skew into the future, default 0);
+        # oauth-dpop-nonce-mandatory with oauth-dpop-nonce-counter (mandatory then: each
+        # successful proof counts it down, the one that finds 0 answers a new nonce in
+        # DPoP-Nonce: a nonce serves counter+1 proofs; one nonce per client id, for the token
+        # endpoint and userinfo alike, and per client id only: gpo_dpop_client_nonce has no
+        # plugin column);
+        # oauth-dpop-dpop_bound_access_tokens-property (a client property forcing DPoP).
+        # Allowed, not required: requests without a DPoP header are served as before. In 2.7.5
+        # the flag gates only discovery's dpop_signing_alg_values_supported (so DPoP=auto) and
+        # the dpop_jkt authorization parameter: the token and userinfo endpoints verify and bind
+        # proofs whether it is set or not (tried: with it false, the glwd-dpop checks pass).
+        "oauth-dpop-allowed": True, "oauth-dpop-iat-duration": 60,
     }
-    return {"module": "oidc", "name": "oidc", "display_name": "OIDC",
+    if dpop_nonce:
+        p.update({"oauth-dpop-nonce-mandatory": True, "oauth-dpop-nonce-counter": 1})
+    return {"module": "oidc", "name": name, "display_name": name.upper(),
             "order_rank": 0, "readonly": False, "parameters": p}
 
 
@@ -209,6 +229,7 @@ def provision(port, base, at_duration, d):
             raise FixtureError(f"POST {path} -> HTTP {st} {body[:300]!r}")
 
     post("/api/mod/plugin/", oidc_plugin(base, at_duration))
+    post("/api/mod/plugin/", oidc_plugin(base, at_duration, NONCE_PLUGIN, dpop_nonce=True))
     post("/api/scope/", {"name": SCOPE, "display_name": "Test API",
                          "description": "fixture scope", "password_required": False,
                          "password_max_age": 0, "scheme": {}})
@@ -277,10 +298,13 @@ def cmd_up(a):
             raise FixtureError("glewlwyd not live within 20 s")
         time.sleep(0.05)
     user, clients = provision(port, base, a.access_token_duration, d)
-    st, _, body = req(port, "GET", "/api/oidc/.well-known/openid-configuration")
-    if st != 200:
-        raise FixtureError(f"discovery -> HTTP {st}")
-    disc = json.loads(body)
+    discovery = {}
+    for plugin in ("oidc", NONCE_PLUGIN):
+        st, _, body = req(port, "GET", f"/api/{plugin}/.well-known/openid-configuration")
+        if st != 200:
+            raise FixtureError(f"discovery of {plugin} -> HTTP {st}")
+        discovery[plugin] = json.loads(body)
+    disc, ndisc = discovery["oidc"], discovery[NONCE_PLUGIN]
     state = {
         "base_url": base, "port": port, "pid": proc.pid,
         "issuer": disc["issuer"],
@@ -289,6 +313,14 @@ def cmd_up(a):
         "revocation_endpoint": disc.get("revocation_endpoint"),
         "introspection_endpoint": disc.get("introspection_endpoint"),
         "device_authorization_endpoint": disc.get("device_authorization_endpoint"),
+        "userinfo_endpoint": disc.get("userinfo_endpoint"),
+        "dpop_signing_alg_values_supported": disc.get("dpop_signing_alg_values_supported"),
+        "dpop_nonce_plugin": {"name": NONCE_PLUGIN, "issuer": ndisc["issuer"],
+                              "token_endpoint": ndisc["token_endpoint"],
+                              "userinfo_endpoint": ndisc.get("userinfo_endpoint"),
+                              "revocation_endpoint": ndisc.get("revocation_endpoint"),
+                              "device_authorization_endpoint": ndisc.get("device_authorization_endpoint")},
+        "database": db,         # SQLite: tests may read it (read-only) for Glewlwyd's own records
         "scope": SCOPE, "access_token_duration": a.access_token_duration,
         "user": user, "clients": clients,
         "log_file": os.path.join(d, "glewlwyd.log"),
@@ -333,7 +365,7 @@ def cmd_approve_device(a):
     s = load_state(a.dir)
     port = s["port"]
     cookie = {"Cookie": login(port, s["user"]["username"], s["user"]["_password"])}
-    vpath = "/api/oidc/device?code=" + urllib.parse.quote(a.user_code)
+    vpath = f"/api/{a.plugin}/device?code=" + urllib.parse.quote(a.user_code)
     st, hd, _ = req(port, "GET", vpath, headers=cookie)
     q = urllib.parse.parse_qs(urllib.parse.urlsplit(hd.get("Location", "")).query)
     if st != 302 or "client_id" not in q:
@@ -384,6 +416,7 @@ def main():
     p = sub.add_parser("approve-device")
     p.add_argument("--dir", required=True)
     p.add_argument("--user-code", required=True)
+    p.add_argument("--plugin", default="oidc", choices=["oidc", NONCE_PLUGIN])
     p = sub.add_parser("down")
     p.add_argument("--dir", required=True)
     a = ap.parse_args()
