@@ -20,9 +20,13 @@ public enum DPoPMode: String, Sendable, Equatable {
 public struct DPoPBinding: Sendable {
     public let key: DPoPKey
     public let nonces: DPoPNonces
+    /// The client the requests authenticate as: servers may keep a nonce per client
+    /// (Glewlwyd does), so nonces are kept per server and client.
+    public let client: String
 
-    public init(key: DPoPKey, nonces: DPoPNonces = .shared) {
+    public init(key: DPoPKey, client: String, nonces: DPoPNonces = .shared) {
         self.key = key
+        self.client = client
         self.nonces = nonces
     }
 
@@ -38,9 +42,10 @@ public struct DPoPBinding: Sendable {
         do { return try DPoPKey(der: der) } catch { throw .terminal("dpop: \(error.description); log in again") }
     }
 
-    /// A proof for a `method` request to `url`, with the nonce that server asked for last.
-    func proof(method: String, url: String) throws(FetchFailure) -> (proof: String, nonce: String?) {
-        let nonce = nonces.nonce(for: url)
+    /// A proof for a `method` request to `url`, with `nonce`, by default the one that server
+    /// asked this client for last.
+    func proof(method: String, url: String, nonce given: String? = nil) throws(FetchFailure) -> (proof: String, nonce: String?) {
+        let nonce = given ?? nonces.nonce(for: url, client: client)
         do {
             return (try DPoPProof.make(key: key, method: method, url: url, issuedAt: UTCTime.unixSeconds(), nonce: nonce), nonce)
         } catch {
@@ -73,18 +78,20 @@ public final class DPoPNonces: Sendable {
 
     public init() {}
 
-    /// The nonce for `url`'s server, if it gave one.
-    public func nonce(for url: String) -> String? {
+    /// The nonce `url`'s server gave `client`, if it gave one.
+    public func nonce(for url: String, client: String) -> String? {
         guard let origin = Self.origin(url) else { return nil }
-        return table.withLock { $0.nonces[origin] }
+        return table.withLock { $0.nonces[origin + " " + client] }
     }
 
-    /// Keeps the `DPoP-Nonce` of `response` from `url`; returns it (nil: none, or not a valid one).
+    /// Keeps the `DPoP-Nonce` of `response` from `url` to `client`; returns it (nil: none, or
+    /// not a valid one).
     @discardableResult
-    func learn(_ response: HTTPResponse, from url: String) -> String? {
+    func learn(_ response: HTTPResponse, from url: String, client: String) -> String? {
         guard let nonce = response.header("dpop-nonce"), !nonce.isEmpty, nonce.utf8.count <= Self.longestNonce,
               nonce.utf8.allSatisfy({ $0 >= 0x21 && $0 <= 0x7E && $0 != UInt8(ascii: "\"") && $0 != UInt8(ascii: "\\") }),
-              let origin = Self.origin(url) else { return nil }
+              let server = Self.origin(url) else { return nil }
+        let origin = server + " " + client
         table.withLock { table in
             if table.nonces.updateValue(nonce, forKey: origin) == nil {
                 table.order.append(origin)

@@ -81,7 +81,7 @@ public final class HTTPTokenSource: TokenSource {
     /// The client for a request; with `proofKey` (a DPoP session's generation key, as the
     /// record keeps it) its token requests carry proofs.
     public func client(proofKey: Secret? = nil) async throws(FetchFailure) -> OAuthClient {
-        let dpop = try proofKey.map { key throws(FetchFailure) in DPoPBinding(key: try self.proofKey(key), nonces: nonces) }
+        let dpop = try proofKey.map { key throws(FetchFailure) in DPoPBinding(key: try self.proofKey(key), client: configuration.clientID, nonces: nonces) }
         return OAuthClient(endpoints: try await endpoints(), configuration: configuration, dpop: dpop, loop: loop)
     }
 

@@ -105,12 +105,13 @@ public struct OAuthClient: Sendable {
         let url = endpoints.token
         let (proof, sent) = try dpop.proof(method: "POST", url: url)
         let response = try await post(url, fields, clientIDInBody: clientIDInBody, proof: proof)
-        let given = dpop.nonces.learn(response, from: url)
+        let given = dpop.nonces.learn(response, from: url, client: dpop.client)
         guard response.status == 400 || response.status == 401, Self.errorCode(response) == "use_dpop_nonce",
               let given, given != sent else { return response }
-        let retry = try dpop.proof(method: "POST", url: url)
+        // (The nonce this answer gave, not the table's: another request may have changed that.)
+        let retry = try dpop.proof(method: "POST", url: url, nonce: given)
         let second = try await post(url, fields, clientIDInBody: clientIDInBody, proof: retry.proof)
-        dpop.nonces.learn(second, from: url)
+        dpop.nonces.learn(second, from: url, client: dpop.client)
         return second
     }
 
@@ -228,8 +229,10 @@ public struct OAuthClient: Sendable {
             // Asked again for a nonce right after the one it gave (rotating fast): later, with it.
             return .transient(code, retryAfter: retryAfter)
         case "invalid_dpop_proof":
-            // A clock far off, or a server that does not take our proofs: bounded, like a bare 400.
-            return .refused(code, retryAfter: retryAfter)
+            // A clock far off, or a server that does not take our proofs (Glewlwyd 2.7 will not
+            // bind a refresh token issued without DPoP): bounded, like a bare 400.
+            return .refused("invalid_dpop_proof (a clock far off, or a refresh token issued without DPoP, which some servers "
+                            + "will not bind: log in with the device flow)", retryAfter: retryAfter)
         default:
             return .terminal(code)
         }

@@ -39,7 +39,8 @@ struct DPoPTokenRequestTests {
         #expect(tokens.allSatisfy { $0.tokenType == "DPoP" })
         let thumbprint = try DPoPBinding.key(key).thumbprint
         #expect(tokens.allSatisfy { issuer.thumbprint(ofAccessToken: $0.accessToken.reveal) == thumbprint })
-        #expect(nonces.nonce(for: issuer.tokenEndpoint) == issuer.currentTokenNonce)
+        #expect(nonces.nonce(for: issuer.tokenEndpoint, client: "tokenbroker") == issuer.currentTokenNonce)
+        #expect(nonces.nonce(for: issuer.tokenEndpoint, client: "another") == nil, "nonces are kept per server and client")
         #expect(issuer.counters.dpopProofsRefused == 0)
     }
 
@@ -100,10 +101,11 @@ struct DPoPTokenRequestTests {
     func nonceTable() {
         let nonces = DPoPNonces()
         func answer(_ nonce: String) -> HTTPResponse { HTTPResponse(status: 400, headers: [("dpop-nonce", nonce)], body: []) }
-        #expect(nonces.learn(answer("n-1"), from: "https://AS.example/token?x") == "n-1")
-        #expect(nonces.nonce(for: "https://as.example/other") == "n-1" && nonces.nonce(for: "https://as.example:8443/token") == nil)
-        for bad in ["", "a b", "a\"b", String(repeating: "x", count: 513), "ä"] { #expect(nonces.learn(answer(bad), from: "https://b.example/") == nil) }
-        for index in 0..<300 { nonces.learn(answer("n"), from: "https://host\(index).example/") }
-        #expect(nonces.nonce(for: "https://as.example/") == nil && nonces.nonce(for: "https://host299.example/") == "n", "the oldest is forgotten")
+        #expect(nonces.learn(answer("n-1"), from: "https://AS.example/token?x", client: "c") == "n-1")
+        #expect(nonces.nonce(for: "https://as.example/other", client: "c") == "n-1" && nonces.nonce(for: "https://as.example:8443/token", client: "c") == nil)
+        for bad in ["", "a b", "a\"b", String(repeating: "x", count: 513), "ä"] { #expect(nonces.learn(answer(bad), from: "https://b.example/", client: "c") == nil) }
+        for index in 0..<300 { nonces.learn(answer("n"), from: "https://host\(index).example/", client: "c") }
+        #expect(nonces.nonce(for: "https://as.example/", client: "c") == nil && nonces.nonce(for: "https://host299.example/", client: "c") == "n",
+                "the oldest is forgotten")
     }
 }
