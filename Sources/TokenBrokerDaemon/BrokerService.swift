@@ -198,7 +198,8 @@ final class BrokerService: VarlinkHandler {
         // The same URLs for every session, bearer or not: those a proof can name.
         guard DPoPProof.target(uri) != nil else { return .reply(ParameterError(name: "uri").reply) }
         let answer: @Sendable (IssuedToken) throws -> VarlinkReply = { token in
-            guard let kept = token.proofKey else {
+            // (A DPoP=auto session whose server does not bind has a key, and bearer tokens.)
+            guard let kept = token.proofKey, token.tokenType == "DPoP" else {
                 return VarlinkReply(parameters: ProofReply(token: TokenReply(token), proof: nil).parameters)
             }
             guard let upstream = session.upstream else { throw BrokerError.internalError }
@@ -209,8 +210,8 @@ final class BrokerService: VarlinkHandler {
             } catch let error as FetchFailure {
                 throw BrokerError.refreshFailed(session: name, reason: error.reason, retryable: false, retryAfter: nil)
             } catch {
-                // Only a URL DPoPProof cannot name is left (the contract checked the method).
-                throw ParameterError(name: "uri")
+                // (The method and URL were checked: libcrypto failed. Logged as internal.)
+                throw BrokerError.internalError
             }
             return VarlinkReply(parameters: ProofReply(token: TokenReply(token), proof: proof).parameters)
         }
@@ -283,7 +284,7 @@ final class BrokerService: VarlinkHandler {
             try await boundary(name) { session in
                 // A DPoP session's new generation gets a new key (the old one ends with its generation).
                 let proofKey: Secret?
-                do throws(FetchFailure) { proofKey = try await session.upstream?.newProofKey() } catch {
+                do throws(FetchFailure) { proofKey = try session.upstream?.newProofKey() } catch {
                     throw BrokerError.loginFailed(session: name, reason: error.message)
                 }
                 let generation = try await session.coordinator.login(refreshToken: refreshToken, proofKey: proofKey)
@@ -431,7 +432,7 @@ final class BrokerService: VarlinkHandler {
         let client: OAuthClient
         let proofKey: Secret?
         do {
-            proofKey = try await upstream.newProofKey()
+            proofKey = try upstream.newProofKey()
             client = try await upstream.client(proofKey: proofKey)
         } catch {
             return failed(error.message)

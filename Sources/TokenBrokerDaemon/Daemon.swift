@@ -139,7 +139,7 @@ public final class Daemon: Sendable {
         if let development {
             for name in development.sessionNames {
                 guard let demo = table.snapshot.sessions[name] else { continue }
-                await development.logIn(demo.coordinator, proofKey: try? await demo.upstream?.newProofKey())
+                await development.logIn(demo.coordinator, proofKey: try? demo.upstream?.newProofKey())
             }
         }
         // (Metrics first: once the socket answers, so does MetricsListen=.)

@@ -20,13 +20,16 @@ public enum DPoPMode: String, Sendable, Equatable {
 public struct DPoPBinding: Sendable {
     public let key: DPoPKey
     public let nonces: DPoPNonces
+    /// `DPoP=yes`: a bearer answer is refused (with `auto` it is taken: the server does not bind).
+    public let required: Bool
     /// The client the requests authenticate as: servers may keep a nonce per client
     /// (Glewlwyd does), so nonces are kept per server and client.
     public let client: String
 
-    public init(key: DPoPKey, client: String, nonces: DPoPNonces = .shared) {
+    public init(key: DPoPKey, client: String, required: Bool = true, nonces: DPoPNonces = .shared) {
         self.key = key
         self.client = client
+        self.required = required
         self.nonces = nonces
     }
 
@@ -53,13 +56,24 @@ public struct DPoPBinding: Sendable {
         }
     }
 
-    /// The thumbprint an access token says it is bound to (`cnf.jkt`), when it is a JWT that
-    /// says so; nil for an opaque token (only the server knows then).
-    public static func boundThumbprint(ofAccessToken token: String) -> String? {
+    /// What an access token says of its key.
+    public enum Binding: Sendable, Equatable {
+        /// Nothing: an opaque token, or a JWT without `cnf` (only the server knows then).
+        case none
+        /// A JWT's `cnf.jkt`.
+        case key(String)
+        /// A JWT with a `cnf` that names no thumbprint this broker can compare.
+        case unreadable
+    }
+
+    /// The key an access token says it is bound to (`cnf.jkt` of a JWT; the token is at most
+    /// 16 KiB, so is the work).
+    public static func binding(ofAccessToken token: String) -> Binding {
         let parts = token.utf8.split(separator: UInt8(ascii: "."), omittingEmptySubsequences: false)
-        guard parts.count == 3, parts[1].count <= 12_000, let payload = Base64.urlDecode(String(decoding: parts[1], as: UTF8.self)),
-              case let .object(claims)? = try? JSONParser.parse(ArraySlice(payload)) else { return nil }
-        return claims["cnf"]?.objectValue?["jkt"]?.stringValue
+        guard parts.count == 3, let payload = Base64.urlDecode(String(decoding: parts[1], as: UTF8.self)),
+              case let .object(claims)? = try? JSONParser.parse(ArraySlice(payload)), let cnf = claims["cnf"] else { return .none }
+        guard let jkt = cnf.objectValue?["jkt"]?.stringValue else { return .unreadable }
+        return .key(jkt)
     }
 }
 

@@ -109,7 +109,7 @@ extension OAuthClient {
                 continue
             }
             if response.status == 200 {
-                do { return try Self.parseToken(response, dpop: dpop) } catch { throw .failed(error) }
+                do { return try await accept(response) } catch { throw .failed(error) }
             }
             switch Self.errorCode(response) {
             case "authorization_pending":

@@ -80,30 +80,53 @@ public final class HTTPTokenSource: TokenSource {
 
     /// The client for a request; with `proofKey` (a DPoP session's generation key, as the
     /// record keeps it) its token requests carry proofs.
+    /// The client for a request; with `proofKey` (a DPoP session's generation key, as the
+    /// record keeps it) its token requests carry proofs — with `DPoP=auto`, when the server's
+    /// metadata lists ES256. With `Issuer=`, a server that lists algorithms without ES256 (the one
+    /// tokenbroker signs with) cannot be used with `DPoP=yes`.
     public func client(proofKey: Secret? = nil) async throws(FetchFailure) -> OAuthClient {
-        let dpop = try proofKey.map { key throws(FetchFailure) in DPoPBinding(key: try self.proofKey(key), client: configuration.clientID, nonces: nonces) }
-        return OAuthClient(endpoints: try await endpoints(), configuration: configuration, dpop: dpop, loop: loop)
+        let endpoints = try await endpoints()
+        var dpop: DPoPBinding?
+        if let proofKey, try await provesKeys() {
+            dpop = DPoPBinding(key: try self.proofKey(proofKey), client: configuration.clientID, required: self.dpop == .on, nonces: nonces)
+        }
+        return OAuthClient(endpoints: endpoints, configuration: configuration, dpop: dpop, loop: loop)
     }
 
-    /// A new DPoP key for a login of this session; nil for bearer tokens. With `Issuer=`, the
-    /// server's metadata decides `auto`, and a server that lists algorithms without ES256 (the
-    /// one tokenbroker signs with) cannot be used with `on`.
-    public func newProofKey() async throws(FetchFailure) -> Secret? {
-        guard dpop != .off else { return nil }
-        var algorithms: [String]?
-        if issuer != nil {
-            _ = try await endpoints()
-            algorithms = cachedMetadata.withLock { $0?.dpopSigningAlgorithms }
-        }
-        switch (dpop, algorithms) {
-        case (.auto, nil):
-            return nil
+    /// Whether requests with a key carry proofs: as the server's metadata says (`Issuer=`),
+    /// else as configured (`auto` without metadata: no).
+    private func provesKeys() async throws(FetchFailure) -> Bool {
+        guard dpop != .off else { return false }
+        guard issuer != nil else { return dpop == .on }
+        let listed = try await metadata()?.dpopSigningAlgorithms
+        switch (dpop, listed) {
+        case (.auto, nil): return false
         case let (_, listed?) where !listed.contains("ES256"):
-            if dpop == .auto { return nil }
+            if dpop == .auto { return false }
             throw .terminal("dpop: the server takes DPoP proofs signed with \(listed.prefix(8).joined(separator: ", ")) only; tokenbroker signs ES256")
-        default:
-            return try DPoPBinding.newKey()
+        default: return true
         }
+    }
+
+    /// The server's metadata (`Issuer=`), fetched once (also when every endpoint is explicit:
+    /// `DPoP=auto` reads it).
+    private func metadata() async throws(FetchFailure) -> AuthorizationServerMetadata? {
+        guard let issuer else { return nil }
+        if let cached = cachedMetadata.withLock({ $0 }) { return cached }
+        if explicit.map({ $0.token.isEmpty || $0.revocation == nil || $0.deviceAuthorization == nil }) ?? true {
+            _ = try await endpoints()
+            return cachedMetadata.withLock { $0 }
+        }
+        let metadata = try await Discovery.fetch(issuer: issuer, tls: configuration.tls, loop: loop)
+        cachedMetadata.withLock { $0 = metadata }
+        return metadata
+    }
+
+    /// A new DPoP key for a login of this session (no network: a login holds the session's
+    /// boundary); nil for bearer tokens. With `DPoP=auto` the key is made too, and used when
+    /// the server's metadata says it takes DPoP.
+    public func newProofKey() throws(FetchFailure) -> Secret? {
+        dpop == .off ? nil : try DPoPBinding.newKey()
     }
 
     /// The DPoP key last opened (a generation keeps one key: opened once, not per request).
@@ -151,6 +174,8 @@ public final class HTTPTokenSource: TokenSource {
 
     private func fetchNow(_ request: FetchRequest) async throws -> FetchedToken {
         if dpop == .on, request.proofKey == nil {
+            // (Its refresh token would stay alive upstream, known to nobody: revoked first.)
+            if let refreshToken = request.refreshToken { _ = await revoke(refreshToken) }
             throw FetchFailure.terminal("dpop: the session was logged in without a DPoP key (before DPoP=yes); log in again")
         }
         let client = try await client(proofKey: request.proofKey)

@@ -94,7 +94,28 @@ public struct OAuthClient: Sendable {
     func tokenRequest(_ fields: [(String, String)]) async throws(FetchFailure) -> FetchedToken {
         let response = try await tokenEndpointPost(fields)
         guard response.status == 200 else { throw Self.classify(response) }
-        return try Self.parseToken(response, dpop: dpop)
+        return try await accept(response)
+    }
+
+    /// A 200 answer read (`parseToken`). One that is refused may still have rotated the refresh
+    /// token: the one sent is spent then, and the new one alive upstream, known to nobody. So a
+    /// refused answer that brings a refresh token ends the session (sending the spent one again
+    /// would be a replay) and the new refresh token is revoked, best effort.
+    func accept(_ response: HTTPResponse) async throws(FetchFailure) -> FetchedToken {
+        do {
+            return try Self.parseToken(response, dpop: dpop)
+        } catch {
+            guard let stranded = Self.refreshToken(in: response) else { throw error }
+            _ = try? await revoke(stranded)
+            throw .terminal("\(error.reason); the answer's new refresh token was revoked: log in again")
+        }
+    }
+
+    /// The `refresh_token` of a token response's body, if it has one.
+    static func refreshToken(in response: HTTPResponse) -> Secret? {
+        guard let object = (try? JSONParser.parse(response.body))?.objectValue,
+              let token = object["refresh_token"]?.stringValue, !token.isEmpty, token.utf8.count <= 16_384 else { return nil }
+        return Secret(token)
     }
 
     /// POSTs to the token endpoint, with a DPoP proof when the session has a key. A server that
@@ -177,6 +198,12 @@ public struct OAuthClient: Sendable {
         let tokenType: String
         switch type.lowercased() {
         case "bearer":
+            // A server that does not do DPoP answers a proof with a bearer token (RFC 9449 §5):
+            // `DPoP=auto` takes it, `DPoP=yes` does not (its tokens would not be bound).
+            if let dpop, dpop.required {
+                throw .terminal("dpop: the server answered a request with a proof with a bearer token: it does not bind tokens "
+                                + "(DPoP=auto takes bearer tokens from such a server)")
+            }
             tokenType = "Bearer"
         case "dpop" where dpop != nil:
             tokenType = "DPoP"
@@ -185,8 +212,12 @@ public struct OAuthClient: Sendable {
         }
         // A JWT access token names the key it is bound to: it must be ours (RFC 9449 §6.1). A
         // server that bound it to another cannot be used with proofs of this session's key.
-        if let dpop, let bound = DPoPBinding.boundThumbprint(ofAccessToken: accessToken), bound != dpop.key.thumbprint {
-            throw .refused("dpop: the access token is bound to another key")
+        if let dpop {
+            switch DPoPBinding.binding(ofAccessToken: accessToken) {
+            case .none: break
+            case let .key(bound) where bound == dpop.key.thumbprint: break
+            case .key, .unreadable: throw .terminal("dpop: the access token is bound to another key")
+            }
         }
         let expiresIn = UpstreamNumbers.seconds(object["expires_in"], atMost: UpstreamNumbers.longestLifetime)
         let refreshToken = object["refresh_token"]?.stringValue.flatMap { $0.isEmpty ? nil : Secret($0) }

@@ -218,8 +218,11 @@ struct DPoPDaemonTests {
 
             issuer.inject([.bindToOtherKey])
             let refused = try broker.call("Recover", ["session": "api", "rejected": .string(second.token)])
-            #expect(refused.error == "io.tokenbroker.Broker.RefreshFailed")
-            #expect(refused.parameters["reason"] == "dpop: the access token is bound to another key")
+            #expect(refused.error == "io.tokenbroker.Broker.RefreshFailed" && refused.parameters["retryable"] == false)
+            #expect(refused.parameters["reason"] == "dpop: the access token is bound to another key; the answer's new refresh token was revoked: log in again")
+            // The session ended: the spent refresh token is never sent again, the new one is revoked.
+            #expect(try broker.status("api")?["state"] == "ended")
+            #expect(issuer.activeRefreshTokens == 0 && issuer.counters.replays == 0)
         }
     }
 

@@ -10,7 +10,7 @@ import TokenBrokerCore
 struct DPoPTokenRequestTests {
     static func source(_ issuer: DevIssuer, nonces: DPoPNonces) -> HTTPTokenSource {
         HTTPTokenSource(grant: .refreshToken, configuration: OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("dev-secret")),
-                        endpoints: OAuthEndpoints(token: issuer.tokenEndpoint), issuer: nil, dpop: .on, nonces: nonces)
+                        endpoints: OAuthEndpoints(token: issuer.tokenEndpoint, revocation: issuer.revocationEndpoint), issuer: nil, dpop: .on, nonces: nonces)
     }
 
     static func issuer() throws -> DevIssuer {
@@ -26,7 +26,7 @@ struct DPoPTokenRequestTests {
         defer { issuer.stop() }
         let nonces = DPoPNonces()
         let source = Self.source(issuer, nonces: nonces)
-        let key = try #require(try await source.newProofKey())
+        let key = try #require(try source.newProofKey())
         var refresh = Secret(issuer.issueRefreshToken())
         var tokens: [FetchedToken] = []
         for round in 0..<4 {
@@ -44,43 +44,63 @@ struct DPoPTokenRequestTests {
         #expect(issuer.counters.dpopProofsRefused == 0)
     }
 
-    @Test("a bound family refreshed with another key is refused; a session without its key asks for a login; a token bound to another key is refused")
+    @Test("a bound family refreshed with another key is refused; a token bound to another key ends the session and its answer's refresh token is revoked; a session without its key asks for a login, its refresh token revoked")
     func wrongKeys() async throws {
         let issuer = try Self.issuer()
         defer { issuer.stop() }
         let source = Self.source(issuer, nonces: DPoPNonces())
-        let key = try #require(try await source.newProofKey())
+        let key = try #require(try source.newProofKey())
         let first = try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: Secret(issuer.issueRefreshToken()), proofKey: key))
         let refresh = try #require(first.refreshToken)
-        let stranger = try #require(try await source.newProofKey())
+        let stranger = try #require(try source.newProofKey())
         let refused = await #expect(throws: FetchFailure.self) {
             try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: refresh, proofKey: stranger))
         }
         #expect(refused?.kind == .terminal && refused?.reason == "invalid_grant")
-        await #expect(throws: FetchFailure.terminal("dpop: the session was logged in without a DPoP key (before DPoP=yes); log in again")) {
-            try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: refresh, proofKey: nil))
-        }
+        // A token bound to another key ends the session: the refresh token its answer brought
+        // is revoked, and the spent one is never sent again (no replay).
         issuer.inject([.bindToOtherKey])
-        await #expect(throws: FetchFailure.refused("dpop: the access token is bound to another key")) {
+        #expect(issuer.activeRefreshTokens == 1)
+        await #expect(throws: FetchFailure.terminal("dpop: the access token is bound to another key; the answer's new refresh token was revoked: log in again")) {
             try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: refresh, proofKey: key))
         }
+        #expect(issuer.activeRefreshTokens == 0 && issuer.counters.revocations == 1 && issuer.counters.replays == 0)
+        // A session without its key (logged in before DPoP=yes): ended, its refresh token revoked.
+        let other = try await source.fetch(FetchRequest(session: "s", generation: 2, refreshToken: Secret(issuer.issueRefreshToken()), proofKey: key))
+        #expect(issuer.activeRefreshTokens == 1)
+        await #expect(throws: FetchFailure.terminal("dpop: the session was logged in without a DPoP key (before DPoP=yes); log in again")) {
+            try await source.fetch(FetchRequest(session: "s", generation: 2, refreshToken: other.refreshToken, proofKey: nil))
+        }
+        #expect(issuer.activeRefreshTokens == 0 && issuer.counters.revocations == 2)
         #expect(throws: FetchFailure.self) { try DPoPBinding.key(Secret("not-a-key")) }
     }
 
-    @Test("DPoP=auto follows the server's metadata; DPoP=yes with a server that lists other algorithms only fails the login")
+    @Test("DPoP=auto follows the server's metadata (also with every endpoint explicit); DPoP=yes refuses a server that lists other algorithms only, and one that answers a proof with a bearer token (revoking the refresh token that answer brought)")
     func metadataDecides() async throws {
         let configuration = OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("dev-secret"))
-        func source(_ issuer: String, _ mode: DPoPMode) -> HTTPTokenSource {
-            HTTPTokenSource(grant: .refreshToken, configuration: configuration, endpoints: nil, issuer: issuer, dpop: mode, nonces: DPoPNonces())
+        func source(_ issuer: DevIssuer?, _ mode: DPoPMode, issuerURL: String? = nil, explicit: Bool = false) -> HTTPTokenSource {
+            HTTPTokenSource(grant: .refreshToken, configuration: configuration,
+                            endpoints: explicit ? issuer.map { OAuthEndpoints(token: $0.tokenEndpoint, revocation: $0.revocationEndpoint,
+                                                                             deviceAuthorization: $0.deviceAuthorizationEndpoint) } : nil,
+                            issuer: issuerURL ?? issuer?.baseURL, dpop: mode, nonces: DPoPNonces())
+        }
+        func refresh(_ source: HTTPTokenSource, _ issuer: DevIssuer) async throws -> FetchedToken {
+            try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: Secret(issuer.issueRefreshToken()),
+                                                proofKey: try source.newProofKey()))
         }
         let dpop = try Self.issuer()
         defer { dpop.stop() }
         let bearer = try DevIssuer()
         defer { bearer.stop() }
-        #expect(try await source(dpop.baseURL, .auto).newProofKey() != nil, "the server lists ES256")
-        #expect(try await source(bearer.baseURL, .auto).newProofKey() == nil, "the server lists no DPoP algorithm")
-        #expect(try await source(bearer.baseURL, .on).newProofKey() != nil, "yes: a key whatever the metadata omits")
-        #expect(try await source(bearer.baseURL, .off).newProofKey() == nil)
+        #expect(try await refresh(source(dpop, .auto), dpop).tokenType == "DPoP", "the server lists ES256")
+        #expect(try await refresh(source(dpop, .auto, explicit: true), dpop).tokenType == "DPoP", "explicit endpoints: the metadata still decides")
+        #expect(try await refresh(source(bearer, .auto), bearer).tokenType == "Bearer", "the server lists no DPoP algorithm")
+        #expect(bearer.counters.refreshGrants == 1)
+
+        let refused = await #expect(throws: FetchFailure.self) { try await refresh(source(bearer, .on), bearer) }
+        #expect(refused?.kind == .terminal && refused?.reason.hasPrefix("dpop: the server answered a request with a proof with a bearer token") == true)
+        #expect(bearer.activeRefreshTokens == 1, "the refused answer's refresh token was revoked; only auto's lives")
+
         let other = try LoopbackHTTPServer { _ in .respond(status: 404, headers: [], body: []) }
         let port = other.port
         other.stop()
@@ -91,9 +111,9 @@ struct DPoPTokenRequestTests {
                 """.utf8))
         }
         defer { elsewhere.stop() }
-        #expect(try await source("http://127.0.0.1:\(port)", .auto).newProofKey() == nil)
+        let foreign = source(nil, .on, issuerURL: "http://127.0.0.1:\(port)")
         await #expect(throws: FetchFailure.terminal("dpop: the server takes DPoP proofs signed with PS256, EdDSA only; tokenbroker signs ES256")) {
-            try await source("http://127.0.0.1:\(port)", .on).newProofKey()
+            try await foreign.fetch(FetchRequest(session: "s", generation: 1, refreshToken: Secret("r"), proofKey: try foreign.newProofKey()))
         }
     }
 

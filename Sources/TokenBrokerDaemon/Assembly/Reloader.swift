@@ -203,7 +203,7 @@ final class Reloader: Sendable {
                 group.addTask {
                     // A DPoP session's login makes its key (a failure to make one is the login's).
                     let proofKey: Secret?
-                    do throws(FetchFailure) { proofKey = try await session.upstream?.newProofKey() } catch {
+                    do throws(FetchFailure) { proofKey = try session.upstream?.newProofKey() } catch {
                         logger.error("session \(session.configuration.name): cannot log in: \(error.message)", session: session.configuration.name)
                         return
                     }
