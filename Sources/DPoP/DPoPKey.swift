@@ -41,7 +41,13 @@ public final class DPoPKey: @unchecked Sendable {
 
     private init(taking key: OpaquePointer) throws(DPoPError) {
         self.key = key
-        guard EVP_PKEY_get_base_id(key) == EVP_PKEY_EC, EVP_PKEY_get_bits(key) == 256 else {
+        // P-256 by its group's name (other 256-bit curves exist: secp256k1, brainpool).
+        var group = [CChar](repeating: 0, count: 32)
+        var groupLength = 0
+        guard EVP_PKEY_get_base_id(key) == EVP_PKEY_EC, EVP_PKEY_get_bits(key) == 256,
+              EVP_PKEY_get_utf8_string_param(key, "group", &group, group.count, &groupLength) == 1,
+              ["prime256v1", "P-256", "secp256r1"].contains(String(decoding: group.prefix(groupLength).map { UInt8(bitPattern: $0) }, as: UTF8.self))
+        else {
             EVP_PKEY_free(key)
             throw DPoPError("a DPoP key must be P-256")
         }
@@ -69,7 +75,8 @@ public final class DPoPKey: @unchecked Sendable {
         var output: UnsafeMutablePointer<UInt8>?
         let length = i2d_PrivateKey(key, &output)
         guard length > 0, let output else { return [] }
-        defer { CRYPTO_free(output, #fileID, #line) }
+        // (The private key: the buffer is wiped before it is freed.)
+        defer { CRYPTO_clear_free(output, Int(length), #fileID, #line) }
         return Array(UnsafeBufferPointer(start: output, count: Int(length)))
     }
 

@@ -22,8 +22,9 @@ public enum DPoPProof {
         return signingInput + "." + Base64.urlEncode(try key.sign(Array(signingInput.utf8)))
     }
 
-    /// `url` as `htu` says it: scheme and authority lower-cased, without query and fragment;
-    /// nil unless it is an http or https URL with a host.
+    /// `url` as `htu` says it (RFC 3986 §6.2.2-6.2.3 normalization, as RFC 9449 §4.3 compares):
+    /// scheme and authority lower-cased, the scheme's default port left out, an empty path `/`,
+    /// without query and fragment; nil unless it is an http or https URL with a host.
     public static func target(_ url: String) -> String? {
         guard url.utf8.count <= 4096, url.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else { return nil }
         var text = Substring(url)
@@ -33,10 +34,15 @@ public enum DPoPProof {
         if lower.hasPrefix("https://") { scheme = "https://" } else if lower.hasPrefix("http://") { scheme = "http://" } else { return nil }
         let rest = text.dropFirst(scheme.count)
         let authorityEnd = rest.firstIndex(of: "/") ?? rest.endIndex
-        let authority = rest[..<authorityEnd]
+        var authority = rest[..<authorityEnd].lowercased()
         guard !authority.isEmpty, !authority.contains("@") else { return nil }
+        let defaultPort = scheme == "https://" ? ":443" : ":80"
+        if authority.hasSuffix(defaultPort) { authority.removeLast(defaultPort.count) }
+        if authority.hasSuffix(":") { authority.removeLast() }
+        // A host is left: not a bare port, not an empty IPv6 literal.
+        guard !authority.isEmpty, !authority.hasPrefix(":"), authority != "[]" else { return nil }
         let path = rest[authorityEnd...]
-        return scheme + authority.lowercased() + (path.isEmpty ? "/" : String(path))
+        return scheme + authority + (path.isEmpty ? "/" : String(path))
     }
 
     /// 16 random bytes, base64url.

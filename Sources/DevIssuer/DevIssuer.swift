@@ -662,7 +662,7 @@ public final class DevIssuer: Sendable {
         let now = Int64(Self.now())
         let verified: DPoPVerifier.Verified
         do {
-            verified = try DPoPVerifier.verify(proof.value, method: request.method, url: resourceURL, now: now, window: Self.proofWindow,
+            verified = try DPoPVerifier.verify(proof.value, method: request.method, url: baseURL + request.path, now: now, window: Self.proofWindow,
                                                accessToken: token)
         } catch {
             return refuseResourceProof("invalid_dpop_proof", error.description)

@@ -1,4 +1,5 @@
 import TokenBrokerCore
+import Varlink
 
 extension TokenBrokerClient {
     /// Sends a business request with the session's token, following guarantee 4: on a `401`
@@ -18,6 +19,11 @@ extension TokenBrokerClient {
         inspect: (Response) -> (status: Int, wwwAuthenticate: [String])
     ) async throws -> Response {
         let token = try await self.token(session: session)
+        // A DPoP-bound token is refused without its proof (and each refusal would cost a refresh).
+        guard token.tokenType.lowercased() == "bearer" else {
+            throw TokenBrokerError.unexpected("session '\(session)' has \(token.tokenType.prefix(16))-bound tokens: "
+                                              + "use perform(session:method:url:…) or data(for:session:), which send proofs")
+        }
         return try await AuthRetryPolicy.perform(
             token: Secret(token.token), replay: replay,
             send: { try await send($0.reveal) },
@@ -39,23 +45,42 @@ extension TokenBrokerClient {
         send: ([(name: String, value: String)]) async throws -> Response,
         inspect: (Response) -> (status: Int, wwwAuthenticate: [String], dpopNonce: String?)
     ) async throws -> Response {
+        // What a proof names: the method, and the URL without query and fragment (not sent).
+        let target = String(url[..<(url.firstIndex { $0 == "?" || $0 == "#" } ?? url.endIndex)])
+        guard (1...16).contains(method.utf8.count), method.utf8.allSatisfy({ (0x41...0x5A).contains($0) }), target.utf8.count <= 4096 else {
+            // No proof can name this request: a bearer session's token serves it as before.
+            return try await perform(session: session, replay: replay, send: { token in
+                try await send([(name: "Authorization", value: "Bearer " + token)])
+            }, inspect: { response in let (status, challenges, _) = inspect(response); return (status, challenges) })
+        }
         var nonce: String?
-        var proven = try await proof(session: session, method: method, url: url)
+        var proven: ProvenToken
+        do throws(TokenBrokerError) {
+            proven = try await proof(session: session, method: method, url: target)
+        } catch {
+            // A broker from before GetProof (bearer tokens only) says it has no such method.
+            guard case let .unexpected(name) = error, [VarlinkServiceError.methodNotFound, VarlinkServiceError.methodNotImplemented].contains(name)
+            else { throw error }
+            return try await perform(session: session, replay: replay, send: { token in
+                try await send([(name: "Authorization", value: "Bearer " + token)])
+            }, inspect: { response in let (status, challenges, _) = inspect(response); return (status, challenges) })
+        }
         var (nonceRetried, recovered) = (false, false)
         while true {
             let response = try await send(proven.headers)
             let (status, challenges, given) = inspect(response)
             switch AuthRetryPolicy.decideWithProof(status: status, wwwAuthenticate: challenges, nonce: given, sentNonce: nonce,
-                                                   nonceRetried: nonceRetried, recovered: recovered, replay: replay) {
+                                                   nonceRetried: nonceRetried, recovered: recovered, replay: replay,
+                                                   scheme: proven.proof == nil ? "Bearer" : "DPoP") {
             case .deliver:
                 return response
             case let .retryWithNonce(fresh):
                 nonceRetried = true
                 nonce = fresh
-                proven = try await proof(session: session, method: method, url: url, nonce: fresh)
+                proven = try await proof(session: session, method: method, url: target, nonce: fresh)
             case .recoverAndRetry:
                 recovered = true
-                proven = try await proof(session: session, method: method, url: url, nonce: nonce, rejected: proven.token.token)
+                proven = try await proof(session: session, method: method, url: target, nonce: nonce, rejected: proven.token.token)
             }
         }
     }

@@ -39,10 +39,14 @@ public enum AuthRetryPolicy {
     /// - Parameters:
     ///   - attempt: 1 for the first send, 2 for the retry.
     ///   - wwwAuthenticate: every `WWW-Authenticate` header value of the response.
-    public static func decide(status: Int, wwwAuthenticate: [String], attempt: Int, replay: Replay) -> Decision {
+    ///   - scheme: the scheme the request was sent with (`Bearer`, or `DPoP` with a proof): only
+    ///     its challenges are read (a server that takes both sends both, RFC 9449 §7.1, and a
+    ///     bare challenge of the other says nothing of this token).
+    public static func decide(status: Int, wwwAuthenticate: [String], attempt: Int, replay: Replay, scheme: String = "Bearer") -> Decision {
         guard status == 401, attempt == 1, replay == .replayable else { return .deliver }
-        let bearer = wwwAuthenticate.flatMap(AuthChallenge.parse).filter { ["bearer", "dpop"].contains($0.scheme.lowercased()) }
-        // No Bearer challenge at all: a 401 still says "this token was not accepted".
+        let wanted = scheme.lowercased()
+        let bearer = wwwAuthenticate.flatMap(AuthChallenge.parse).filter { $0.scheme.lowercased() == wanted }
+        // No challenge of that scheme at all: a 401 still says "this token was not accepted".
         guard !bearer.isEmpty else { return .recoverAndRetry }
         for challenge in bearer {
             guard let code = challenge.parameters["error"] else { return .recoverAndRetry }
@@ -58,15 +62,16 @@ public enum AuthRetryPolicy {
     /// - Parameters:
     ///   - nonce: the response's `DPoP-Nonce`; `sentNonce` the one the request's proof carried.
     ///   - nonceRetried: whether this request has had its nonce retry; `recovered`, its recovery.
+    ///   - scheme: `DPoP` when the request carried a proof, else `Bearer`.
     public static func decideWithProof(status: Int, wwwAuthenticate: [String], nonce: String?, sentNonce: String?,
-                                       nonceRetried: Bool, recovered: Bool, replay: Replay) -> Decision {
+                                       nonceRetried: Bool, recovered: Bool, replay: Replay, scheme: String = "DPoP") -> Decision {
         guard status == 401, replay == .replayable else { return .deliver }
         let dpop = wwwAuthenticate.flatMap(AuthChallenge.parse).filter { $0.scheme.lowercased() == "dpop" }
         if dpop.contains(where: { $0.parameters["error"] == "use_dpop_nonce" }) {
             guard !nonceRetried, let nonce, !nonce.isEmpty, nonce != sentNonce else { return .deliver }
             return .retryWithNonce(nonce)
         }
-        return recovered ? .deliver : decide(status: status, wwwAuthenticate: wwwAuthenticate, attempt: 1, replay: replay)
+        return recovered ? .deliver : decide(status: status, wwwAuthenticate: wwwAuthenticate, attempt: 1, replay: replay, scheme: scheme)
     }
 
     /// Sends a request with `token`, and at most once more with a recovered token, following

@@ -108,7 +108,12 @@ struct DPoPTests {
     func targets() throws {
         #expect(DPoPProof.target("https://a.example") == "https://a.example/")
         #expect(DPoPProof.target("http://127.0.0.1:8080/p/q?r#s") == "http://127.0.0.1:8080/p/q")
-        for bad in ["ftp://a/", "https://", "https://user@a/", "a.example/x", "https://a b/", String(repeating: "h", count: 5000)] {
+        // RFC 3986 §6.2.3: the scheme's default port, and an empty one, are left out.
+        #expect(DPoPProof.target("HTTPS://A.Example:443/X") == "https://a.example/X")
+        #expect(DPoPProof.target("http://a.example:80") == "http://a.example/" && DPoPProof.target("http://a.example:/p") == "http://a.example/p")
+        #expect(DPoPProof.target("https://a.example:80/") == "https://a.example:80/" && DPoPProof.target("https://[::1]:443/") == "https://[::1]/")
+        for bad in ["ftp://a/", "https://", "https://user@a/", "a.example/x", "https://a b/", String(repeating: "h", count: 5000),
+                    "https://:443/", "http://:80/x", "https://[]/"] {
             #expect(DPoPProof.target(bad) == nil, "\(bad.prefix(20))")
         }
         let key = try DPoPKey()

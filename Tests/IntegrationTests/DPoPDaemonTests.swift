@@ -226,7 +226,7 @@ struct DPoPDaemonTests {
         }
     }
 
-    @Test("the key is nowhere but the sealed state: not in the journal, Status, Metrics or a reply; sealed in the database and WAL; the database's key is the one the tokens are bound to")
+    @Test("the key is nowhere but the sealed state: not in the journal, Status, Metrics or a reply (as DER, base64, its private scalar in any encoding); sealed in the database; gone from the database files after the logout")
     func keyStaysInside() async throws {
         let issuer = try Self.issuer(nonces: false)
         defer { issuer.stop() }
@@ -238,22 +238,41 @@ struct DPoPDaemonTests {
         let made = try Self.proof(broker, issuer.resourceURL)
         var outputs = [try await broker.ctl(["--json", "status"]).out, try await broker.ctl(["metrics"]).out,
                        try await broker.ctl(["--json", "proof", "api", "GET", issuer.resourceURL]).out, made.proof]
-        #expect(await broker.stop() == 0)
-        outputs.append(broker.child.stderr)
 
-        let store = try SQLiteSessionStore(directory: broker.directory + "/state", cipher: try TokenCipher(keyMaterial: Array(Self.stateKey.utf8)))
-        let record = try #require(try await store.load("api"))
-        let kept = try #require(record.proofKey?.reveal)
+        // The key as the store keeps it, read from a copy of the database (the daemon runs on).
+        let copy = try Paths.temporaryDirectory() + "/state"
+        try FileManager.default.createDirectory(atPath: copy, withIntermediateDirectories: true)
+        for suffix in ["", "-wal"] where FileManager.default.fileExists(atPath: broker.directory + "/state/state.db" + suffix) {
+            try FileManager.default.copyItem(atPath: broker.directory + "/state/state.db" + suffix, toPath: copy + "/state.db" + suffix)
+        }
+        let sealed = try await Child.run("/usr/bin/env", ["python3", "-c",
+            "import sqlite3; print(sqlite3.connect('\(copy)/state.db').execute('SELECT proof_key FROM sessions').fetchone()[0])"])
+        let sealedKey = sealed.stdout.trimmingCharacters(in: .whitespacesAndNewlines)
+        #expect(TokenCipher.isEncrypted(sealedKey), "the key is sealed in the database")
+        let store = try SQLiteSessionStore(directory: copy, cipher: try TokenCipher(keyMaterial: Array(Self.stateKey.utf8)))
+        let kept = try #require(try await store.load("api")?.proofKey?.reveal)
         let der = try #require(Data(base64Encoded: kept))
         let key = try DPoPKey(der: Array(der))
         #expect(key.thumbprint == issuer.thumbprint(ofAccessToken: made.token), "the stored key is the one the token is bound to")
-        let urlForm = kept.replacingOccurrences(of: "+", with: "-").replacingOccurrences(of: "/", with: "_").replacingOccurrences(of: "=", with: "")
+        // Its private scalar d: ECPrivateKey's version 1, then an OCTET STRING of 32 bytes.
+        let bytes = Array(der)
+        let marker: [UInt8] = [0x02, 0x01, 0x01, 0x04, 0x20]
+        let at = try #require((0...(bytes.count - marker.count - 32)).first { Array(bytes[$0..<($0 + marker.count)]) == marker })
+        let scalar = Data(bytes[(at + marker.count)..<(at + marker.count + 32)])
+        let forms = [kept, scalar.base64EncodedString(), scalar.map { String(format: "%02x", $0) }.joined()].flatMap { form in
+            [form, form.replacingOccurrences(of: "+", with: "-").replacingOccurrences(of: "/", with: "_").replacingOccurrences(of: "=", with: "")]
+        }
+
+        #expect(try await broker.ctl(["logout", "api"]).code == 0)
+        #expect(await broker.stop() == 0)
+        outputs.append(broker.child.stderr)
         for (index, text) in outputs.enumerated() {
-            #expect(!text.contains(kept) && !text.contains(urlForm), "the key in output \(index)")
+            #expect(!forms.contains { text.contains($0) }, "the key in output \(index)")
         }
         for suffix in ["", "-wal"] {
             let data = FileManager.default.contents(atPath: broker.directory + "/state/state.db" + suffix) ?? Data()
-            #expect(data.range(of: der) == nil && data.range(of: Data(kept.utf8)) == nil, "the key in clear in state.db\(suffix)")
+            #expect(data.range(of: der) == nil && data.range(of: scalar) == nil && data.range(of: Data(sealedKey.utf8)) == nil
+                    && data.range(of: Data(kept.utf8)) == nil, "the key (or its sealed form) in state.db\(suffix) after the logout")
         }
     }
 }

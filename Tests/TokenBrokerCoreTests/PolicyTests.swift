@@ -91,8 +91,10 @@ struct AuthRetryPolicyTests {
         (401, #"DPoP error="invalid_token""#, nil, nil, false, true, .deliver),
         (401, #"DPoP error="invalid_dpop_proof""#, nil, nil, false, false, .deliver),
         (401, #"DPoP algs="ES256""#, nil, nil, false, false, .recoverAndRetry),
+        (401, #"DPoP algs="ES256", Bearer error="invalid_token""#, nil, nil, false, false, .recoverAndRetry),
+        (401, #"Bearer error="insufficient_scope", DPoP error="invalid_dpop_proof""#, nil, nil, false, false, .deliver),
         (403, #"DPoP error="insufficient_scope""#, nil, nil, false, false, .deliver),
-        (401, #"Bearer error="invalid_token""#, nil, nil, false, false, .recoverAndRetry),
+        (401, #"Bearer error="invalid_token""#, nil, nil, false, false, .recoverAndRetry),   // no DPoP challenge at all
     ] as [(Int, String, String?, String?, Bool, Bool, AuthRetryPolicy.Decision)])
     func proofRetries(status: Int, challenge: String, nonce: String?, sent: String?, nonceRetried: Bool, recovered: Bool,
                       expected: Policy.Decision) {
@@ -100,6 +102,17 @@ struct AuthRetryPolicyTests {
                                        recovered: recovered, replay: .replayable) == expected)
         #expect(Policy.decideWithProof(status: status, wwwAuthenticate: [challenge], nonce: nonce, sentNonce: sent, nonceRetried: nonceRetried,
                                        recovered: recovered, replay: .consumedStream) == .deliver)
+    }
+
+    @Test("a bearer request reads Bearer challenges only: a server that takes both schemes sends a bare DPoP challenge beside its verdict (RFC 9449 §7.1)")
+    func mixedSchemes() {
+        for header in [#"Bearer error="insufficient_scope", DPoP algs="ES256""#, #"Bearer error="invalid_request", DPoP algs="ES256""#] {
+            #expect(Policy.decide(status: 401, wwwAuthenticate: [header], attempt: 1, replay: .replayable) == .deliver, "\(header)")
+            #expect(Policy.decideWithProof(status: 401, wwwAuthenticate: [header], nonce: nil, sentNonce: nil, nonceRetried: false,
+                                           recovered: false, replay: .replayable, scheme: "Bearer") == .deliver)
+        }
+        #expect(Policy.decide(status: 401, wwwAuthenticate: [#"Bearer error="invalid_token", DPoP algs="ES256""#], attempt: 1,
+                              replay: .replayable) == .recoverAndRetry)
     }
 
     @Test("challenge parsing never traps on arbitrary header values")

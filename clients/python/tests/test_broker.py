@@ -180,6 +180,11 @@ def test_a_post_is_retried_only_with_an_idempotency_key():
     assert should_retry(401, ['Bearer realm="a"'], True)
     assert not should_retry(401, ['Bearer error="invalid_token"'], True, attempt=2)
     assert not should_retry(403, [], True)
+    # A server that takes both schemes sends a bare DPoP challenge beside its verdict on the bearer token.
+    assert not should_retry(401, ['Bearer error="insufficient_scope", DPoP algs="ES256"'], True)
+    assert should_retry(401, ['Bearer error="invalid_token", DPoP algs="ES256"'], True)
+    assert should_retry(401, ['DPoP error="invalid_token"'], True, scheme="DPoP")
+    assert not should_retry(401, ['DPoP error="invalid_dpop_proof", Bearer realm="a"'], True, scheme="DPoP")
 
 
 def _worker(socket_path, url, stale, results):

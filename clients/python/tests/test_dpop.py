@@ -568,8 +568,13 @@ def test_decide_with_proof():
     assert decide_with_proof(401, ['Bearer error="invalid_token", DPoP algs="ES256"'], None, None, False, False,
                              True).action == "recover"
     assert decide_with_proof(403, ['DPoP error="use_dpop_nonce"'], "n1", None, False, False, True).action == "deliver"
-    assert tokenbroker.should_retry(401, ['DPoP error="invalid_token"'], True)
-    assert not tokenbroker.should_retry(401, ['DPoP error="invalid_dpop_proof"'], True)
+    assert tokenbroker.should_retry(401, ['DPoP error="invalid_token"'], True, scheme="DPoP")
+    assert not tokenbroker.should_retry(401, ['DPoP error="invalid_dpop_proof"'], True, scheme="DPoP")
+    # A request sent with a proof reads DPoP challenges only, one sent as Bearer Bearer ones only.
+    assert decide_with_proof(401, ['DPoP error="invalid_dpop_proof", Bearer error="invalid_token"'], None, None, False, False,
+                             True).action == "deliver"
+    assert decide_with_proof(401, ['Bearer error="insufficient_scope", DPoP algs="ES256"'], None, None, False, False,
+                             True, "Bearer").action == "deliver"
 
 
 # -- the keyring backend

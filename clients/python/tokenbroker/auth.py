@@ -115,14 +115,15 @@ def _challenges(www_authenticate: Iterable[str], schemes: Tuple[str, ...]) -> Li
             if scheme.lower() in schemes]
 
 
-def should_retry(status: int, www_authenticate: Iterable[str], replayable: bool, attempt: int = 1) -> bool:
-    """Whether to Recover and send once more (see the module's rules): the Bearer and DPoP
-    challenges are read."""
+def should_retry(status: int, www_authenticate: Iterable[str], replayable: bool, attempt: int = 1, scheme: str = "Bearer") -> bool:
+    """Whether to Recover and send once more (see the module's rules): only the challenges of
+    the scheme the request was sent with (`Bearer`, or `DPoP` with a proof) are read — a server
+    that takes both sends both (RFC 9449 §7.1), and a bare one of the other says nothing."""
     if status != 401 or attempt != 1 or not replayable:
         return False
-    challenges = _challenges(www_authenticate, ("bearer", "dpop"))
+    challenges = _challenges(www_authenticate, (scheme.lower(),))
     if not challenges:
-        return True   # no Bearer or DPoP challenge at all: a 401 still says "this token was not accepted"
+        return True   # no challenge of that scheme at all: a 401 still says "this token was not accepted"
     return any("error" not in parameters or parameters["error"] == "invalid_token" for parameters in challenges)
 
 
@@ -140,7 +141,7 @@ RECOVER = Decision("recover")
 
 
 def decide_with_proof(status: int, www_authenticate: Iterable[str], nonce: Optional[str], sent_nonce: Optional[str],
-                      nonce_retried: bool, recovered: bool, replayable: bool) -> Decision:
+                      nonce_retried: bool, recovered: bool, replayable: bool, scheme: str = "DPoP") -> Decision:
     """The Swift library's `AuthRetryPolicy.decideWithProof`: a 401 whose DPoP challenge says
     `use_dpop_nonce`, with a `DPoP-Nonce` (`nonce`) other than the one the proof carried
     (`sent_nonce`), is sent once more with it (unless `nonce_retried`); otherwise
@@ -155,7 +156,7 @@ def decide_with_proof(status: int, www_authenticate: Iterable[str], nonce: Optio
         return Decision("nonce", nonce)
     if recovered:
         return DELIVER
-    return RECOVER if should_retry(status, values, replayable) else DELIVER
+    return RECOVER if should_retry(status, values, replayable, scheme=scheme) else DELIVER
 
 
 def replayable(method: str, headers, body_is_stream: bool) -> bool:
@@ -310,7 +311,8 @@ class BrokerAuth(_RequestsAuthBase):
             stream = body is not None and not isinstance(body, (bytes, str))
             decision = decide_with_proof(response.status_code, _header_values(response.headers, "WWW-Authenticate"),
                                          attempt.given_nonce(response.headers), attempt.nonce, attempt.nonce_retried,
-                                         attempt.recovered, replayable(request.method, request.headers, stream))
+                                         attempt.recovered, replayable(request.method, request.headers, stream),
+                                         "Bearer" if attempt.sent.proof is None else "DPoP")
             if decision.action == "deliver":
                 return response
             nonce, rejected = attempt.next(decision)
@@ -418,7 +420,7 @@ class HTTPXBrokerAuth(httpx.Auth if httpx is not None else object):
         stream = not isinstance(request.stream, httpx.ByteStream)
         return decide_with_proof(response.status_code, response.headers.get_list("www-authenticate"),
                                  attempt.given_nonce(response.headers), attempt.nonce, attempt.nonce_retried, attempt.recovered,
-                                 replayable(request.method, request.headers, stream))
+                                 replayable(request.method, request.headers, stream), "Bearer" if attempt.sent.proof is None else "DPoP")
 
     def sync_auth_flow(self, request):
         method, url, nonce = self._start(request)
