@@ -142,6 +142,11 @@ public final class Daemon: Sendable {
                 await development.logIn(demo.coordinator, proofKey: try? demo.upstream?.newProofKey())
             }
         }
+        // Ready means: the socket listens and the stored state is loaded (not that any
+        // upstream is reachable). Said before the serving loop starts, whose heartbeat pings the
+        // watchdog: READY=1 is the first notification (a client that connects meanwhile waits
+        // in the listen backlog).
+        Systemd.ready(status: maintenance.statusLine())
         // (Metrics first: once the socket answers, so does MetricsListen=.)
         server.start()
         logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")
@@ -149,9 +154,6 @@ public final class Daemon: Sendable {
             var output = FileOutput.standardOutput
             output.write(development.guide(socket: configuration.socketPath))
         }
-        // Ready means: the socket listens and the stored state is loaded (not that any
-        // upstream is reachable).
-        Systemd.ready(status: maintenance.statusLine())
 
         // Run: the daemon's parts as one task tree. Listed so that each outlives the ones after
         // it (they stop in reverse order): the stop-timeout extension, the HTTP loop, the

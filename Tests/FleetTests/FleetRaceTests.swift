@@ -497,8 +497,16 @@ struct FleetSecondReviewTests {
         if let token = try? await b.coordinator.recover(rejected: Secret(first)) { #expect(token.token.reveal == "access-3") }
         #expect(issuer.counters.replays == 0 && issuer.counters.requests == 2, "\(issuer.counters)")
         // A's kept commit is written over its own claim, now back in etcd; everyone follows.
+        // (B watches again after a pause of at most 5 s on its clock, once it is asleep in it:
+        // advancing the clock before the pause begins would move nothing.)
+        let restarts = b.fleet.status.counters.watchRestarts
         h.etcd.endWatches()
-        h.advance(by: .seconds(1))
+        try await eventually("B's watch has ended") { b.fleet.status.counters.watchRestarts > restarts }
+        try await eventually("B pauses before watching again") {
+            let now = b.clock.now.offset
+            return b.clock.wakeTimes.contains { $0 > now && $0 <= now + .seconds(5) }
+        }
+        h.advance(by: .seconds(5))
         try await eventually("B follows A's commit") { b.token == "access-3" }
         #expect(issuer.counters.replays == 0)
         await h.stopAll()
