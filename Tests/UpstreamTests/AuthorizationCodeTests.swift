@@ -57,7 +57,8 @@ struct AuthorizationCodeTests {
             Issue.record("no Location in the authorization answer")
             return (request, .invalid("no Location"))
         }
-        #expect(location.hasPrefix(redirectURI + "?"), "the redirect goes to the redirect URI")
+        let toRedirectURI = location.hasPrefix(redirectURI + "?")
+        #expect(toRedirectURI, "the redirect goes to the redirect URI")
         return (request, AuthorizationRequest.readRedirect(location, expecting: request))
     }
 
@@ -95,9 +96,12 @@ struct AuthorizationCodeTests {
         // The same redirect as the listener receives it (a request-target) reads the same.
         let answer = try Self.open(issuer, request.url(authorizationEndpoint: issuer.authorizationEndpoint, clientID: "tokenbroker", scope: "openid"))
         let location = try #require(answer.header("location"))
-        #expect(Self.query(location)["iss"] == issuer.baseURL && Self.query(location)["state"] == request.state)
+        let parameters = Self.query(location)
+        let iss = parameters["iss"], echoed = parameters["state"] == request.state
+        #expect(iss == issuer.baseURL && echoed, "redirect 2 carries iss and the state")
         let target = String(location.dropFirst("http://127.0.0.1:49152".utf8.count))
-        #expect(target.hasPrefix("/callback?"))
+        let targetForm = target.hasPrefix("/callback?")
+        #expect(targetForm)
         guard case .code = AuthorizationRequest.readRedirect(target, expecting: request) else {
             Issue.record("the request-target form of redirect 2 carries no code")
             return
@@ -329,13 +333,16 @@ struct AuthorizationCodeTests {
         ] + foreign.map { uri in ("redirect_uri " + uri, fields(redirect: uri)) }
         for (what, query) in refused {
             let answer = try Self.authorize(issuer, query)
-            #expect(answer.status == 400 && answer.header("location") == nil, "\(what): \(answer)")
+            let redirected = answer.header("location") != nil
+            #expect(answer.status == 400 && !redirected, "\(what): \(answer)")
         }
         for accepted in ["http://[::1]:49152/callback", "http://127.0.0.1/callback", "https://app.example/callback", "http://127.0.0.1:65535/a/b?x=1"] {
             let answer = try Self.authorize(issuer, fields(redirect: accepted))
             let location = answer.header("location") ?? ""
-            #expect(answer.status == 302 && location.hasPrefix(accepted + (accepted.contains("?") ? "&" : "?")), "redirect_uri \(accepted)")
-            #expect(Self.query(location)["code"] != nil && Self.query(location)["state"] == good.state)
+            let toIt = location.hasPrefix(accepted + (accepted.contains("?") ? "&" : "?"))
+            let parameters = Self.query(location)
+            let hasCode = parameters["code"] != nil, echoed = parameters["state"] == good.state
+            #expect(answer.status == 302 && toIt && hasCode && echoed, "redirect_uri \(accepted): a code, the state")
         }
         #expect(issuer.counters.authorizationRequests == refused.count + 4)
     }
@@ -368,14 +375,17 @@ struct AuthorizationCodeTests {
             let answer = try Self.authorize(issuer, query)
             let location = answer.header("location") ?? ""
             let parameters = Self.query(location)
-            #expect(answer.status == 302 && location.hasPrefix(Self.redirectURI + "?"), "\(what): \(answer)")
-            #expect(parameters["error"] == error && parameters["state"] == request.state && parameters["code"] == nil, "\(what)")
-            #expect(AuthorizationRequest.readRedirect(location, expecting: request) == .denied(error: error, description: parameters["error_description"]),
-                    "\(what): read as a denial")
+            let toRedirectURI = location.hasPrefix(Self.redirectURI + "?")
+            #expect(answer.status == 302 && toRedirectURI, "\(what): \(answer)")
+            let given = parameters["error"], echoed = parameters["state"] == request.state, noCode = parameters["code"] == nil
+            #expect(given == error && echoed && noCode, "\(what)")
+            let outcome = AuthorizationRequest.readRedirect(location, expecting: request)
+            #expect(outcome == .denied(error: error, description: parameters["error_description"]), "\(what): read as a denial")
         }
         let stateless = try Self.authorize(issuer, [("client_id", "tokenbroker"), ("redirect_uri", Self.redirectURI), ("response_type", "code")] + pkce)
         let parameters = Self.query(stateless.header("location") ?? "")
-        #expect(stateless.status == 302 && parameters["error"] == "invalid_request" && parameters["state"] == nil && parameters["code"] == nil)
+        let given = parameters["error"], noState = parameters["state"] == nil, noCode = parameters["code"] == nil
+        #expect(stateless.status == 302 && given == "invalid_request" && noState && noCode, "no state: invalid_request, and no state in the redirect")
     }
 
     @Test("metadata lists the authorization endpoint, S256 and the authorization_code grant; discovery reads them, and endpoint policy applies to the authorization endpoint")
