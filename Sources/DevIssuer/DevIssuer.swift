@@ -19,6 +19,10 @@ import WireJSON
 /// - DPoP (RFC 9449) when `Options.dpop` asks for it: proofs checked at the token endpoint and
 ///   the resource, refresh token families and access tokens bound to the proof's key, and
 ///   server nonces (§8, §9) on request.
+/// - The authorization code grant with PKCE (RFC 6749 §4.1, RFC 7636 S256 only) for native apps
+///   (RFC 8252: any loopback redirect URI, any port), with scripted consent (`Options.consent`),
+///   single-use codes (a second redemption revokes what the first gave), and an OpenID Connect
+///   ID token carrying the request's `nonce` when the scope has `openid`.
 ///
 /// Clients authenticate with `client_secret_basic` or `client_secret_post`.
 public final class DevIssuer: Sendable {
@@ -53,8 +57,27 @@ public final class DevIssuer: Sendable {
         /// current server nonce (`use_dpop_nonce` and a `DPoP-Nonce` header otherwise), and
         /// name it in a `DPoP-Nonce` header on every answer.
         public var dpopNonces = false
+        /// How `GET /authorize` answers a valid request: at once with a code, at once with
+        /// `access_denied`, or with a page, the decision coming later (`approveAuthorization`,
+        /// `denyAuthorization`, `GET /authorize/decide`).
+        public var consent: Consent = .approve
+        /// How long an authorization code can be redeemed (RFC 6749 §4.1.2 suggests at most 10 minutes).
+        public var authorizationCodeLifetime: Duration = .seconds(60)
+        /// Redirect URIs each client registered (exact strings), taken besides any loopback one
+        /// (`http://127.0.0.1[:PORT]/…`, `http://[::1][:PORT]/…`, any port: RFC 8252 §7.3).
+        public var redirectURIs: [String: [String]] = [:]
 
         public init() {}
+    }
+
+    /// The resource owner's answer to an authorization request, scripted.
+    public enum Consent: Sendable, Equatable {
+        /// Redirect with a code at once.
+        case approve
+        /// Redirect with `error=access_denied` at once.
+        case deny
+        /// Answer 200 with a page and keep the request until it is approved or denied.
+        case ask
     }
 
     /// A fault applied to the next token endpoint request (one fault per request, in order).
@@ -82,6 +105,12 @@ public final class DevIssuer: Sendable {
         /// another, made-up thumbprint instead (in its `cnf.jkt` and the issuer's record), so a
         /// client can see the mismatch.
         case bindToOtherKey
+        /// The next authorization redirect (a code or an error) carries another `state` than the
+        /// request's. Not a token endpoint fault: queued for the authorization endpoint, apart.
+        case wrongState
+        /// The next ID token carries this `nonce` instead of the authorization request's (taken
+        /// by the next token request, like `bindToOtherKey`, and kept for the next ID token).
+        case idTokenNonce(String)
     }
 
     /// Requests per kind, for tests and `/_dev/counters`.
@@ -103,16 +132,22 @@ public final class DevIssuer: Sendable {
         public var dpopProofsRefused = 0
         /// `use_dpop_nonce` answers, at the token endpoint and the resource.
         public var dpopNonceChallenges = 0
+        /// `GET /authorize` requests, whatever their outcome.
+        public var authorizationRequests = 0
+        /// `authorization_code` grant requests, whatever their outcome.
+        public var codeGrants = 0
+        /// Redemptions of a code redeemed before (each revoked what the first gave).
+        public var codeReplays = 0
     }
 
-    private struct RefreshRecord {
+    struct RefreshRecord {
         var family: Int
         /// Position in its family: 0 for the login's token, +1 per rotation.
         var index: Int
         var retired = false
     }
 
-    private struct AccessRecord {
+    struct AccessRecord {
         var family: Int?
         var expiresAt: Double
         var revoked = false
@@ -123,7 +158,7 @@ public final class DevIssuer: Sendable {
     /// The `jti`s of the proofs one endpoint accepted lately, to refuse a replay: at most
     /// `capacity`, the oldest forgotten first, and any whose `iat` has left the verifier's
     /// window (such a proof is refused for its age anyway).
-    private struct SeenProofs {
+    struct SeenProofs {
         static let capacity = 10_000
         private var members: Set<String> = []
         /// In arrival order from `head` on (the slots before it are forgotten, compacted now and then).
@@ -146,7 +181,7 @@ public final class DevIssuer: Sendable {
         }
     }
 
-    private struct Device {
+    struct Device {
         var userCode: String
         var clientID: String
         var state: String = "pending"   // pending, approved, denied
@@ -155,7 +190,28 @@ public final class DevIssuer: Sendable {
         var interval: Double
     }
 
-    private struct State {
+    /// An authorization request the issuer took (RFC 6749 §4.1.1, RFC 7636 §4.3).
+    struct AuthorizationGrant {
+        var clientID: String
+        var redirectURI: String
+        var state: String
+        /// The S256 `code_challenge`.
+        var challenge: String
+        var nonce: String?
+        var scope: String?
+        var createdAt: Double
+    }
+
+    /// A code given for a grant: single use, short-lived.
+    struct CodeRecord {
+        var grant: AuthorizationGrant
+        var expiresAt: Double
+        var redeemed = false
+        /// The refresh token family its redemption started (revoked if the code comes again).
+        var family: Int?
+    }
+
+    struct State {
         var refreshTokens: [String: RefreshRecord] = [:]
         var accessTokens: [String: AccessRecord] = [:]
         var revokedFamilies: Set<Int> = []
@@ -178,13 +234,26 @@ public final class DevIssuer: Sendable {
         var resourceProofs = SeenProofs()
         /// A `bindToOtherKey` fault waiting for the next bound access token.
         var bindToOtherKey = false
+        /// The authorization codes given, by code (redeemed ones kept a while, to see a replay).
+        var codes: [String: CodeRecord] = [:]
+        /// Authorization requests waiting for consent (`Consent.ask`), by `state`.
+        var pendingConsents: [String: AuthorizationGrant] = [:]
+        /// `setConsent`'s answer, in place of `Options.consent`.
+        var consent: Consent?
+        /// `wrongState` faults waiting for the next authorization redirects.
+        var wrongStates = 0
+        /// An `idTokenNonce` fault waiting for the next ID token.
+        var idTokenNonce: String?
     }
+
+    /// How long a redeemed code or an undecided request is remembered after it expired (seconds).
+    static let authorizationMemory: Double = 600
 
     /// How far a proof's `iat` may be from now, in seconds, either way.
     static let proofWindow: Int64 = 60
 
-    private let options: Options
-    private let state = Mutex(State())
+    let options: Options
+    let state = Mutex(State())
     private let gate = DispatchSemaphore(value: 0)
     private let server = Mutex<LoopbackHTTPServer?>(nil)
     public let port: UInt16
@@ -213,6 +282,7 @@ public final class DevIssuer: Sendable {
     public var revocationEndpoint: String { baseURL + "/revoke" }
     public var deviceAuthorizationEndpoint: String { baseURL + "/device_authorization" }
     public var resourceURL: String { baseURL + "/resource" }
+    public var authorizationEndpoint: String { baseURL + "/authorize" }
 
     public func stop() {
         releaseHeld()
@@ -254,9 +324,14 @@ public final class DevIssuer: Sendable {
         state.withLock { $0.accessTokens[token]?.jkt }
     }
 
-    /// Queues faults for the next token endpoint requests.
+    /// Queues faults for the next token endpoint requests (`wrongState` for the next
+    /// authorization redirects).
     public func inject(_ faults: [Fault]) {
-        state.withLock { $0.faults += faults }
+        state.withLock { state in
+            for fault in faults {
+                if fault == .wrongState { state.wrongStates += 1 } else { state.faults.append(fault) }
+            }
+        }
     }
 
     /// Lets every request held by a `.hold` fault go on.
@@ -311,6 +386,33 @@ public final class DevIssuer: Sendable {
         }
     }
 
+    /// How `GET /authorize` answers from now on (in place of `Options.consent`).
+    public func setConsent(_ consent: Consent) {
+        state.withLock { $0.consent = consent }
+    }
+
+    /// Approves the authorization request waiting for consent with this `state`: the redirect
+    /// URL (to `redirect_uri`, with `code` and `state`) a browser would be sent to; nil if no
+    /// request with that state waits.
+    @discardableResult
+    public func approveAuthorization(state requested: String) -> String? {
+        guard let grant = state.withLock({ $0.pendingConsents.removeValue(forKey: requested) }) else { return nil }
+        return codeRedirect(grant)
+    }
+
+    /// Denies the authorization request waiting with this `state`: the redirect URL with
+    /// `error=access_denied`; nil if no request with that state waits.
+    @discardableResult
+    public func denyAuthorization(state requested: String) -> String? {
+        guard let grant = state.withLock({ $0.pendingConsents.removeValue(forKey: requested) }) else { return nil }
+        return redirectURL(grant.redirectURI, [("error", "access_denied"), ("error_description", "The user denied the request.")], state: grant.state)
+    }
+
+    /// The `state`s of the authorization requests waiting for consent.
+    public var pendingAuthorizationStates: [String] {
+        state.withLock { Array($0.pendingConsents.keys) }
+    }
+
     /// Revokes one access token (the resource then answers 401 `invalid_token` for it).
     public func revokeAccessToken(_ token: String) {
         state.withLock { $0.accessTokens[token]?.revoked = true }
@@ -337,6 +439,8 @@ public final class DevIssuer: Sendable {
         case ("GET", "/.well-known/oauth-authorization-server"), ("GET", "/.well-known/openid-configuration"): return metadata()
         case ("GET", "/resource"), ("POST", "/resource"), ("PUT", "/resource"): return resource(request)
         case ("GET", "/device"): return devicePage(request)
+        case ("GET", "/authorize"): return authorize(request)
+        case ("GET", "/authorize/decide"): return authorizationDecision(request)
         case ("GET", "/_dev/counters"): return counterReport()
         default: return Self.json(404, ["error": "not_found"])
         }
@@ -349,9 +453,13 @@ public final class DevIssuer: Sendable {
             "token_endpoint": .string(tokenEndpoint),
             "revocation_endpoint": .string(revocationEndpoint),
             "device_authorization_endpoint": .string(deviceAuthorizationEndpoint),
-            "grant_types_supported": ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code"],
+            "authorization_endpoint": .string(authorizationEndpoint),
+            "grant_types_supported": ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code", "authorization_code"],
             "token_endpoint_auth_methods_supported": ["client_secret_basic", "client_secret_post"],
             "response_types_supported": ["code"],
+            "code_challenge_methods_supported": ["S256"],
+            "authorization_response_iss_parameter_supported": true,
+            "id_token_signing_alg_values_supported": ["HS256"],
         ]
         if options.dpop != .off { body["dpop_signing_alg_values_supported"] = ["ES256"] }
         return Self.json(200, .object(body))
@@ -412,6 +520,8 @@ public final class DevIssuer: Sendable {
             gate.wait()
         case .bindToOtherKey?:
             state.withLock { $0.bindToOtherKey = true }
+        case let .idTokenNonce(nonce)?:
+            state.withLock { $0.idTokenNonce = nonce }
         default:
             break
         }
@@ -511,6 +621,8 @@ public final class DevIssuer: Sendable {
                     return Self.oauthError(tooSoon ? "slow_down" : "authorization_pending")
                 }
             }
+        case "authorization_code":
+            return codeGrant(form, clientID: clientID, jkt: jkt)
         default:
             return Self.oauthError("unsupported_grant_type")
         }
@@ -711,12 +823,14 @@ public final class DevIssuer: Sendable {
             "revocation": .int(Int64(counters.revocations)), "resource": .int(Int64(counters.resourceRequests)),
             "replays": .int(Int64(counters.replays)), "token_requests": .int(Int64(counters.tokenRequests)),
             "dpop_refused": .int(Int64(counters.dpopProofsRefused)), "dpop_nonce_challenges": .int(Int64(counters.dpopNonceChallenges)),
+            "authorization": .int(Int64(counters.authorizationRequests)), "authorization_code": .int(Int64(counters.codeGrants)),
+            "code_replays": .int(Int64(counters.codeReplays)),
         ])
     }
 
     // MARK: - Minting
 
-    private func mintRefresh(_ state: inout State, family: Int) -> String {
+    func mintRefresh(_ state: inout State, family: Int) -> String {
         let token = "dev-rt." + Self.random(24)
         let index = state.familySize[family, default: 0]
         state.familySize[family] = index + 1
@@ -727,7 +841,7 @@ public final class DevIssuer: Sendable {
 
     /// An access token: a Bearer one, or, bound to the key `jkt` names, JWT-shaped with
     /// `cnf.jkt` (RFC 9449 §6.1; unsigned: the broker only reads the claim).
-    private func mintAccess(_ state: inout State, family: Int?, jkt: String? = nil) -> (token: String, bound: Bool) {
+    func mintAccess(_ state: inout State, family: Int?, jkt: String? = nil) -> (token: String, bound: Bool) {
         let expiresAt = Self.now() + options.accessTokenLifetime.secondsValue
         guard var jkt else {
             // `+` and `/` on purpose: a client must form-encode tokens correctly.
@@ -746,10 +860,11 @@ public final class DevIssuer: Sendable {
         return (token, true)
     }
 
-    private func tokenAnswer(_ access: (token: String, bound: Bool), refresh: String?) -> HTTPServerAction {
+    func tokenAnswer(_ access: (token: String, bound: Bool), refresh: String?, idToken: String? = nil) -> HTTPServerAction {
         var body: JSONObject = ["access_token": .string(access.token), "token_type": access.bound ? "DPoP" : "Bearer",
                                 "expires_in": .int(Int64(options.accessTokenLifetime.secondsValue))]
         if let refresh { body["refresh_token"] = .string(refresh) }
+        if let idToken { body["id_token"] = .string(idToken) }
         return Self.json(200, .object(body), extra: [("Cache-Control", "no-store"), ("Pragma", "no-cache")])
     }
 
@@ -763,13 +878,13 @@ public final class DevIssuer: Sendable {
                  body: JSON.object(["error": "invalid_client"]).encoded)
     }
 
-    private static func oauthError(_ code: String, description: String? = nil) -> HTTPServerAction {
+    static func oauthError(_ code: String, description: String? = nil) -> HTTPServerAction {
         var body: JSONObject = ["error": .string(code)]
         if let description { body["error_description"] = .string(description) }
         return json(400, .object(body))
     }
 
-    private static func json(_ status: Int, _ value: JSON, extra: [(String, String)] = []) -> HTTPServerAction {
+    static func json(_ status: Int, _ value: JSON, extra: [(String, String)] = []) -> HTTPServerAction {
         .respond(status: status, headers: [("Content-Type", "application/json")] + extra, body: value.encoded)
     }
 

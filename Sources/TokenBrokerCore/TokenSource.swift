@@ -40,12 +40,17 @@ public struct FetchedToken: Sendable {
     public var expiresIn: Duration?
     /// A rotated refresh token; `nil` keeps the one that was sent.
     public var refreshToken: Secret?
+    /// The OpenID Connect ID token of a login's answer (`id_token`), if it brought one: read for
+    /// its claims (the login checks its `nonce`), never stored, logged or handed out.
+    public var idToken: Secret?
 
-    public init(accessToken: Secret, tokenType: String = "Bearer", expiresIn: Duration? = nil, refreshToken: Secret? = nil) {
+    public init(accessToken: Secret, tokenType: String = "Bearer", expiresIn: Duration? = nil, refreshToken: Secret? = nil,
+                idToken: Secret? = nil) {
         self.accessToken = accessToken
         self.tokenType = tokenType
         self.expiresIn = expiresIn
         self.refreshToken = refreshToken
+        self.idToken = idToken
     }
 }
 

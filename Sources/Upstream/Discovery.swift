@@ -10,6 +10,10 @@ public struct AuthorizationServerMetadata: Sendable, Equatable {
     public var tokenEndpointAuthMethods: [String]
     /// `dpop_signing_alg_values_supported` (RFC 9449 §5.1): nil when the server lists none.
     public var dpopSigningAlgorithms: [String]? = nil
+    public var authorizationEndpoint: String? = nil
+    /// `code_challenge_methods_supported` (RFC 8414 §2): nil when the server lists none (it may
+    /// still take PKCE).
+    public var codeChallengeMethods: [String]? = nil
 }
 
 public enum Discovery {
@@ -80,8 +84,13 @@ extension AuthorizationServerMetadata {
                   tokenEndpointAuthMethods: object["token_endpoint_auth_methods_supported"]?.arrayValue?.compactMap(\.stringValue)
                       ?? ["client_secret_basic"],
                   // (Bounded: a few short names are all a server has to say.)
-                  dpopSigningAlgorithms: object["dpop_signing_alg_values_supported"]?.arrayValue.map { values in
-                      values.prefix(32).compactMap { $0.stringValue.flatMap { $0.utf8.count <= 32 ? $0 : nil } }
-                  })
+                  dpopSigningAlgorithms: Self.names(object["dpop_signing_alg_values_supported"]),
+                  authorizationEndpoint: object["authorization_endpoint"]?.stringValue,
+                  codeChallengeMethods: Self.names(object["code_challenge_methods_supported"]))
+    }
+
+    /// A list of algorithm or method names, bounded: a few short names are all a server has to say.
+    private static func names(_ value: JSON?) -> [String]? {
+        value?.arrayValue.map { values in values.prefix(32).compactMap { $0.stringValue.flatMap { $0.utf8.count <= 32 ? $0 : nil } } }
     }
 }

@@ -58,7 +58,8 @@ public final class HTTPTokenSource: TokenSource {
                 // Discovered endpoints obey the same policy as configured ones: metadata that
                 // points a credential at http:// off loopback is refused, and not cached.
                 for (name, url) in [("token_endpoint", metadata.tokenEndpoint), ("revocation_endpoint", metadata.revocationEndpoint),
-                                    ("device_authorization_endpoint", metadata.deviceAuthorizationEndpoint)] {
+                                    ("device_authorization_endpoint", metadata.deviceAuthorizationEndpoint),
+                                    ("authorization_endpoint", metadata.authorizationEndpoint)] {
                     if let url, let problem = EndpointPolicy.problem(with: url) {
                         throw .transient("discovery: \(name) refused: \(problem)")
                     }
@@ -68,8 +69,25 @@ public final class HTTPTokenSource: TokenSource {
             if endpoints.token.isEmpty { endpoints.token = metadata.tokenEndpoint ?? "" }
             endpoints.revocation = endpoints.revocation ?? metadata.revocationEndpoint
             endpoints.deviceAuthorization = endpoints.deviceAuthorization ?? metadata.deviceAuthorizationEndpoint
+            endpoints.authorization = endpoints.authorization ?? metadata.authorizationEndpoint
         }
         guard !endpoints.token.isEmpty else { throw .terminal("client configuration: no token endpoint (set TokenEndpoint= or Issuer=)") }
+        return endpoints
+    }
+
+    /// The endpoints for an authorization code login: `endpoints()` with the authorization
+    /// endpoint, from the metadata when it is not configured. (Only a login asks for it: the
+    /// endpoint alone never makes a refresh wait on discovery.)
+    public func authorizationCodeEndpoints() async throws(FetchFailure) -> OAuthEndpoints {
+        var endpoints = try await endpoints()
+        if endpoints.authorization == nil, issuer != nil {
+            endpoints.authorization = try await metadata()?.authorizationEndpoint
+        }
+        guard let authorization = endpoints.authorization else {
+            throw .terminal("client configuration: no authorization endpoint (set AuthorizationEndpoint= or Issuer=)")
+        }
+        // (Metadata read for DPoP=auto alone was not checked endpoint by endpoint.)
+        if let problem = EndpointPolicy.problem(with: authorization) { throw .transient("refused authorization endpoint: \(problem)") }
         return endpoints
     }
 

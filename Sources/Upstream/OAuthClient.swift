@@ -17,11 +17,14 @@ public struct OAuthEndpoints: Sendable, Equatable {
     public var token: String
     public var revocation: String?
     public var deviceAuthorization: String?
+    /// Where a browser is sent for the authorization code grant (RFC 6749 §3.1).
+    public var authorization: String?
 
-    public init(token: String, revocation: String? = nil, deviceAuthorization: String? = nil) {
+    public init(token: String, revocation: String? = nil, deviceAuthorization: String? = nil, authorization: String? = nil) {
         self.token = token
         self.revocation = revocation
         self.deviceAuthorization = deviceAuthorization
+        self.authorization = authorization
     }
 }
 
@@ -221,7 +224,9 @@ public struct OAuthClient: Sendable {
         }
         let expiresIn = UpstreamNumbers.seconds(object["expires_in"], atMost: UpstreamNumbers.longestLifetime)
         let refreshToken = object["refresh_token"]?.stringValue.flatMap { $0.isEmpty ? nil : Secret($0) }
-        return FetchedToken(accessToken: Secret(accessToken), tokenType: tokenType, expiresIn: expiresIn, refreshToken: refreshToken)
+        // (Read only for its claims, by `IDTokenClaims`, which checks its form: kept as it came, bounded.)
+        let idToken = object["id_token"]?.stringValue.flatMap { $0.isEmpty || $0.utf8.count > IDTokenClaims.longestToken ? nil : Secret($0) }
+        return FetchedToken(accessToken: Secret(accessToken), tokenType: tokenType, expiresIn: expiresIn, refreshToken: refreshToken, idToken: idToken)
     }
 
     /// A failed token response as a classified failure (see the type's documentation).
@@ -283,6 +288,11 @@ public struct OAuthClient: Sendable {
     static func errorDescription(_ response: HTTPResponse) -> String? {
         guard response.body.count <= 65_536, let json = try? JSONParser.parse(response.body),
               let text = json.objectValue?["error_description"]?.stringValue else { return nil }
+        return printableLine(text)
+    }
+
+    /// A server's text as one short line an operator can read (see `errorDescription`).
+    static func printableLine(_ text: String) -> String? {
         var line = ""
         var count = 0
         for scalar in text.unicodeScalars {
