@@ -3,6 +3,12 @@ public enum Base64 {
     private static let alphabet = Array("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".utf8)
 
     public static func encode(_ bytes: [UInt8]) -> String {
+        String(decoding: encoded(bytes, alphabet: alphabet, padded: true), as: UTF8.self)
+    }
+
+    private static let urlAlphabet = Array("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_".utf8)
+
+    private static func encoded(_ bytes: [UInt8], alphabet: [UInt8], padded: Bool) -> [UInt8] {
         var output: [UInt8] = []
         output.reserveCapacity((bytes.count + 2) / 3 * 4)
         var index = 0
@@ -13,18 +19,16 @@ public enum Base64 {
             let b2 = chunk.count > 2 ? chunk[chunk.startIndex + 2] : 0
             output.append(alphabet[Int(b0 >> 2)])
             output.append(alphabet[Int((b0 & 0x03) << 4 | b1 >> 4)])
-            output.append(chunk.count > 1 ? alphabet[Int((b1 & 0x0F) << 2 | b2 >> 6)] : UInt8(ascii: "="))
-            output.append(chunk.count > 2 ? alphabet[Int(b2 & 0x3F)] : UInt8(ascii: "="))
+            if chunk.count > 1 { output.append(alphabet[Int((b1 & 0x0F) << 2 | b2 >> 6)]) } else if padded { output.append(UInt8(ascii: "=")) }
+            if chunk.count > 2 { output.append(alphabet[Int(b2 & 0x3F)]) } else if padded { output.append(UInt8(ascii: "=")) }
             index += 3
         }
-        return String(decoding: output, as: UTF8.self)
+        return output
     }
 
     /// base64url without padding (RFC 4648 §5; JOSE's encoding).
     public static func urlEncode(_ bytes: [UInt8]) -> String {
-        var text = encode(bytes)
-        while text.hasSuffix("=") { text.removeLast() }
-        return String(text.map { $0 == "+" ? "-" : $0 == "/" ? "_" : $0 })
+        String(decoding: encoded(bytes, alphabet: urlAlphabet, padded: false), as: UTF8.self)
     }
 
     /// base64url without padding, strictly: nil for any other character, padding, or a length

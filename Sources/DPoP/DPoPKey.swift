@@ -1,5 +1,6 @@
 import Basics
 import CCrypto
+import WireJSON
 
 /// A failure of the DPoP key or a signature. Messages never carry key material.
 public struct DPoPError: Error, Sendable, Equatable, CustomStringConvertible {
@@ -17,6 +18,9 @@ public final class DPoPKey: @unchecked Sendable {
     public let jwk: [(name: String, value: String)]
     /// The JWK thumbprint (RFC 7638): what a DPoP-bound token's `cnf.jkt` names.
     public let thumbprint: String
+    /// A proof's header with this key (`typ` `dpop+jwt`, `alg` ES256, `jwk`), base64url: the
+    /// same for every proof, so encoded once.
+    public let headerSegment: String
 
     /// A new key.
     public convenience init() throws(DPoPError) {
@@ -66,6 +70,8 @@ public final class DPoPKey: @unchecked Sendable {
         // RFC 7638: the required members, in lexical order, no whitespace.
         let canonical = "{" + members.map { "\"\($0.0)\":\"\($0.1)\"" }.joined(separator: ",") + "}"
         thumbprint = Base64.urlEncode(DPoPKey.sha256(Array(canonical.utf8)))
+        let header: JSONObject = ["typ": "dpop+jwt", "alg": "ES256", "jwk": .object(JSONObject(members.map { (key: $0.0, value: JSON.string($0.1)) }))]
+        headerSegment = Base64.urlEncode(JSON.object(header).encoded)
     }
 
     deinit { EVP_PKEY_free(key) }
