@@ -28,7 +28,14 @@ extension TokenBrokerClient {
             token: Secret(token.token), replay: replay,
             send: { try await send($0.reveal) },
             inspect: inspect,
-            recover: { rejected in Secret(try await self.recover(session: session, rejected: rejected.reveal).token) })
+            recover: { rejected in
+                let fresh = try await self.recover(session: session, rejected: rejected.reveal)
+                // (The session's tokens may have become bound meanwhile: never sent as bearer.)
+                guard fresh.tokenType.lowercased() == "bearer" else {
+                    throw TokenBrokerError.unexpected("session '\(session)' has \(fresh.tokenType.prefix(16))-bound tokens now")
+                }
+                return Secret(fresh.token)
+            })
     }
 
     /// Sends a business request of `method` to `url` with the headers `GetProof` gives (a DPoP

@@ -67,7 +67,8 @@ public enum AuthRetryPolicy {
                                        nonceRetried: Bool, recovered: Bool, replay: Replay, scheme: String = "DPoP") -> Decision {
         guard status == 401, replay == .replayable else { return .deliver }
         let dpop = wwwAuthenticate.flatMap(AuthChallenge.parse).filter { $0.scheme.lowercased() == "dpop" }
-        if dpop.contains(where: { $0.parameters["error"] == "use_dpop_nonce" }) {
+        // (A nonce is asked of a request that carried a proof; a bearer one's has nothing to do with it.)
+        if scheme.lowercased() == "dpop", dpop.contains(where: { $0.parameters["error"] == "use_dpop_nonce" }) {
             guard !nonceRetried, let nonce, !nonce.isEmpty, nonce != sentNonce else { return .deliver }
             return .retryWithNonce(nonce)
         }

@@ -290,7 +290,8 @@ public struct RefreshStateMachine: Sendable {
         flight = Flight(id: id, generation: generation, refreshAhead: refreshAhead)
         refreshGuard.record(now: now)
         counters.fetches += 1
-        return (FetchRequest(session: session, generation: generation, refreshToken: refreshToken, proofKey: proofKey), id)
+        return (FetchRequest(session: session, generation: generation, refreshToken: refreshToken, proofKey: proofKey,
+                             tokenType: current?.tokenType), id)
     }
 
     /// A token that arrives from elsewhere (another broker of a fleet refreshed the session):

@@ -22,12 +22,16 @@ public struct FetchRequest: Sendable, Equatable {
     public var refreshToken: Secret?
     /// The session's DPoP key, when its requests carry proofs (`SessionRecord.proofKey`).
     public var proofKey: Secret?
+    /// The type of the generation's current token, if it has one: a generation keeps the kind
+    /// of token its first one was (DPoP-bound or bearer).
+    public var tokenType: String?
 
-    public init(session: String, generation: Int, refreshToken: Secret?, proofKey: Secret? = nil) {
+    public init(session: String, generation: Int, refreshToken: Secret?, proofKey: Secret? = nil, tokenType: String? = nil) {
         self.session = session
         self.generation = generation
         self.refreshToken = refreshToken
         self.proofKey = proofKey
+        self.tokenType = tokenType
     }
 }
 

@@ -49,23 +49,8 @@ public final class HTTPTokenSource: TokenSource {
     /// The endpoints in force: explicit ones, completed from the (cached) metadata.
     public func endpoints() async throws(FetchFailure) -> OAuthEndpoints {
         var endpoints = explicit ?? OAuthEndpoints(token: "")
-        if let issuer, endpoints.token.isEmpty || endpoints.revocation == nil || endpoints.deviceAuthorization == nil {
-            let metadata: AuthorizationServerMetadata
-            if let cached = cachedMetadata.withLock({ $0 }) {
-                metadata = cached
-            } else {
-                metadata = try await Discovery.fetch(issuer: issuer, tls: configuration.tls, loop: loop)
-                // Discovered endpoints obey the same policy as configured ones: metadata that
-                // points a credential at http:// off loopback is refused, and not cached.
-                for (name, url) in [("token_endpoint", metadata.tokenEndpoint), ("revocation_endpoint", metadata.revocationEndpoint),
-                                    ("device_authorization_endpoint", metadata.deviceAuthorizationEndpoint),
-                                    ("authorization_endpoint", metadata.authorizationEndpoint)] {
-                    if let url, let problem = EndpointPolicy.problem(with: url) {
-                        throw .transient("discovery: \(name) refused: \(problem)")
-                    }
-                }
-                cachedMetadata.withLock { $0 = metadata }
-            }
+        if issuer != nil, endpoints.token.isEmpty || endpoints.revocation == nil || endpoints.deviceAuthorization == nil,
+           let metadata = try await discover() {
             if endpoints.token.isEmpty { endpoints.token = metadata.tokenEndpoint ?? "" }
             endpoints.revocation = endpoints.revocation ?? metadata.revocationEndpoint
             endpoints.deviceAuthorization = endpoints.deviceAuthorization ?? metadata.deviceAuthorizationEndpoint
@@ -75,18 +60,35 @@ public final class HTTPTokenSource: TokenSource {
         return endpoints
     }
 
+    /// The server's metadata (`Issuer=`; nil without one): the cached copy, or fetched and
+    /// checked once. Discovered endpoints that carry credentials obey the same policy as
+    /// configured ones: metadata that points one at http:// off loopback is refused, and not
+    /// cached. (The authorization endpoint, a browser's, is checked where a login uses it.)
+    private func discover() async throws(FetchFailure) -> AuthorizationServerMetadata? {
+        guard let issuer else { return nil }
+        if let cached = cachedMetadata.withLock({ $0 }) { return cached }
+        let metadata = try await Discovery.fetch(issuer: issuer, tls: configuration.tls, loop: loop)
+        for (name, url) in [("token_endpoint", metadata.tokenEndpoint), ("revocation_endpoint", metadata.revocationEndpoint),
+                            ("device_authorization_endpoint", metadata.deviceAuthorizationEndpoint)] {
+            if let url, let problem = EndpointPolicy.problem(with: url) {
+                throw .transient("discovery: \(name) refused: \(problem)")
+            }
+        }
+        cachedMetadata.withLock { $0 = metadata }
+        return metadata
+    }
+
     /// The endpoints for an authorization code login: `endpoints()` with the authorization
     /// endpoint, from the metadata when it is not configured. (Only a login asks for it: the
     /// endpoint alone never makes a refresh wait on discovery.)
     public func authorizationCodeEndpoints() async throws(FetchFailure) -> OAuthEndpoints {
         var endpoints = try await endpoints()
         if endpoints.authorization == nil, issuer != nil {
-            endpoints.authorization = try await metadata()?.authorizationEndpoint
+            endpoints.authorization = try await discover()?.authorizationEndpoint
         }
         guard let authorization = endpoints.authorization else {
             throw .terminal("client configuration: no authorization endpoint (set AuthorizationEndpoint= or Issuer=)")
         }
-        // (Metadata read for DPoP=auto alone was not checked endpoint by endpoint.)
         if let problem = EndpointPolicy.problem(with: authorization) { throw .transient("refused authorization endpoint: \(problem)") }
         return endpoints
     }
@@ -97,26 +99,30 @@ public final class HTTPTokenSource: TokenSource {
     }
 
     /// The client for a request; with `proofKey` (a DPoP session's generation key, as the
-    /// record keeps it) its token requests carry proofs.
-    /// The client for a request; with `proofKey` (a DPoP session's generation key, as the
-    /// record keeps it) its token requests carry proofs — with `DPoP=auto`, when the server's
-    /// metadata lists ES256. With `Issuer=`, a server that lists algorithms without ES256 (the one
-    /// tokenbroker signs with) cannot be used with `DPoP=yes`.
-    public func client(proofKey: Secret? = nil) async throws(FetchFailure) -> OAuthClient {
+    /// record keeps it) its token requests carry proofs. `tokenType` is the generation's
+    /// current token's: a generation keeps the choice its first token made (a `DPoP=auto`
+    /// session does not switch between bound and bearer tokens as the metadata changes);
+    /// before one, the server's metadata decides `auto`, and a server that lists algorithms
+    /// without ES256 (the one tokenbroker signs with) cannot be used with `DPoP=yes`.
+    public func client(proofKey: Secret? = nil, tokenType: String? = nil) async throws(FetchFailure) -> OAuthClient {
         let endpoints = try await endpoints()
         var dpop: DPoPBinding?
-        if let proofKey, try await provesKeys() {
+        if let proofKey, try await provesKeys(tokenType: tokenType) {
             dpop = DPoPBinding(key: try self.proofKey(proofKey), client: configuration.clientID, required: self.dpop == .on, nonces: nonces)
         }
         return OAuthClient(endpoints: endpoints, configuration: configuration, dpop: dpop, loop: loop)
     }
 
-    /// Whether requests with a key carry proofs: as the server's metadata says (`Issuer=`),
-    /// else as configured (`auto` without metadata: no).
-    private func provesKeys() async throws(FetchFailure) -> Bool {
+    /// Whether requests with a key carry proofs (see `client`).
+    private func provesKeys(tokenType: String?) async throws(FetchFailure) -> Bool {
         guard dpop != .off else { return false }
+        switch tokenType?.lowercased() {
+        case "dpop": return true
+        case "bearer" where dpop == .auto: return false
+        default: break
+        }
         guard issuer != nil else { return dpop == .on }
-        let listed = try await metadata()?.dpopSigningAlgorithms
+        let listed = try await discover()?.dpopSigningAlgorithms
         switch (dpop, listed) {
         case (.auto, nil): return false
         case let (_, listed?) where !listed.contains("ES256"):
@@ -124,20 +130,6 @@ public final class HTTPTokenSource: TokenSource {
             throw .terminal("dpop: the server takes DPoP proofs signed with \(listed.prefix(8).joined(separator: ", ")) only; tokenbroker signs ES256")
         default: return true
         }
-    }
-
-    /// The server's metadata (`Issuer=`), fetched once (also when every endpoint is explicit:
-    /// `DPoP=auto` reads it).
-    private func metadata() async throws(FetchFailure) -> AuthorizationServerMetadata? {
-        guard let issuer else { return nil }
-        if let cached = cachedMetadata.withLock({ $0 }) { return cached }
-        if explicit.map({ $0.token.isEmpty || $0.revocation == nil || $0.deviceAuthorization == nil }) ?? true {
-            _ = try await endpoints()
-            return cachedMetadata.withLock { $0 }
-        }
-        let metadata = try await Discovery.fetch(issuer: issuer, tls: configuration.tls, loop: loop)
-        cachedMetadata.withLock { $0 = metadata }
-        return metadata
     }
 
     /// A new DPoP key for a login of this session (no network: a login holds the session's
@@ -196,7 +188,15 @@ public final class HTTPTokenSource: TokenSource {
             if let refreshToken = request.refreshToken { _ = await revoke(refreshToken) }
             throw FetchFailure.terminal("dpop: the session was logged in without a DPoP key (before DPoP=yes); log in again")
         }
-        let client = try await client(proofKey: request.proofKey)
+        let client: OAuthClient
+        do {
+            client = try await self.client(proofKey: request.proofKey, tokenType: request.tokenType)
+        } catch {
+            // Ending the session before anything was sent (a kept key damaged, a server that
+            // takes no ES256): its refresh token is revoked first, as above.
+            if case .terminal = error.kind, request.proofKey != nil, let refreshToken = request.refreshToken { _ = await revoke(refreshToken) }
+            throw error
+        }
         switch grant {
         case .refreshToken:
             guard let refreshToken = request.refreshToken else { throw FetchFailure.terminal("no refresh token: log in first") }

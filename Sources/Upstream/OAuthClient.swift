@@ -88,36 +88,38 @@ public struct OAuthClient: Sendable {
     public func clientCredentials() async throws(FetchFailure) -> FetchedToken {
         var fields = [("grant_type", "client_credentials")]
         if let scope = configuration.scope { fields.append(("scope", scope)) }
-        var token = try await tokenRequest(fields)
+        var token = try await tokenRequest(fields, rotates: false)
         token.refreshToken = nil
         return token
     }
 
     /// One token endpoint request with client authentication; the answer read per RFC 6749 §5.
-    func tokenRequest(_ fields: [(String, String)]) async throws(FetchFailure) -> FetchedToken {
+    /// `rotates`: the grant rotates a refresh token (not `client_credentials`).
+    func tokenRequest(_ fields: [(String, String)], rotates: Bool = true) async throws(FetchFailure) -> FetchedToken {
         let response = try await tokenEndpointPost(fields)
         guard response.status == 200 else { throw Self.classify(response) }
-        return try await accept(response)
+        return try await accept(response, rotates: rotates)
     }
 
     /// A 200 answer read (`parseToken`). One that is refused may still have rotated the refresh
     /// token: the one sent is spent then, and the new one alive upstream, known to nobody. So a
     /// refused answer that brings a refresh token ends the session (sending the spent one again
     /// would be a replay) and the new refresh token is revoked, best effort.
-    func accept(_ response: HTTPResponse) async throws(FetchFailure) -> FetchedToken {
+    func accept(_ response: HTTPResponse, rotates: Bool = true) async throws(FetchFailure) -> FetchedToken {
         do {
             return try Self.parseToken(response, dpop: dpop)
         } catch {
-            guard let stranded = Self.refreshToken(in: response) else { throw error }
-            _ = try? await revoke(stranded)
-            throw .terminal("\(error.reason); the answer's new refresh token was revoked: log in again")
+            guard rotates, let stranded = Self.refreshToken(in: response) else { throw error }
+            let revoked = (try? await revoke(stranded)) ?? false
+            throw .terminal("\(error.reason); the answer's new refresh token \(revoked ? "was revoked" : "could not be revoked"): log in again")
         }
     }
 
-    /// The `refresh_token` of a token response's body, if it has one.
+    /// The `refresh_token` of a token response's body, if it has one (whatever its length: a
+    /// spent one must not be sent again because the new one was odd).
     static func refreshToken(in response: HTTPResponse) -> Secret? {
         guard let object = (try? JSONParser.parse(response.body))?.objectValue,
-              let token = object["refresh_token"]?.stringValue, !token.isEmpty, token.utf8.count <= 16_384 else { return nil }
+              let token = object["refresh_token"]?.stringValue, !token.isEmpty else { return nil }
         return Secret(token)
     }
 
@@ -199,28 +201,33 @@ public struct OAuthClient: Sendable {
         // request proved a key of the session's (workers then get proofs signed with it).
         // Other types (mTLS-bound, …) need a key the broker does not hold.
         let tokenType: String
+        let binding = dpop == nil ? .none : DPoPBinding.binding(ofAccessToken: accessToken)
         switch type.lowercased() {
         case "bearer":
+            if let dpop, binding == .key(dpop.key.thumbprint) {
+                // Bound to our key, whatever the answer calls it: served with proofs.
+                tokenType = "DPoP"
+                break
+            }
             // A server that does not do DPoP answers a proof with a bearer token (RFC 9449 §5):
-            // `DPoP=auto` takes it, `DPoP=yes` does not (its tokens would not be bound).
+            // `DPoP=auto` takes it (as `DPoP=no` would, whatever else binds it: mTLS's
+            // `cnf.x5t#S256`), `DPoP=yes` does not (its tokens would not be bound).
             if let dpop, dpop.required {
                 throw .terminal("dpop: the server answered a request with a proof with a bearer token: it does not bind tokens "
                                 + "(DPoP=auto takes bearer tokens from such a server)")
             }
             tokenType = "Bearer"
         case "dpop" where dpop != nil:
+            // A JWT access token names the key it is bound to: it must be ours (RFC 9449 §6.1).
+            // A server that bound it to another cannot be used with proofs of this session's key.
+            switch binding {
+            case .none: break
+            case let .key(bound) where bound == dpop?.key.thumbprint: break
+            case .key, .unreadable: throw .terminal("dpop: the access token is bound to another key")
+            }
             tokenType = "DPoP"
         default:
             throw .terminal("unsupported token_type \(type.prefix(20))")
-        }
-        // A JWT access token names the key it is bound to: it must be ours (RFC 9449 §6.1). A
-        // server that bound it to another cannot be used with proofs of this session's key.
-        if let dpop {
-            switch DPoPBinding.binding(ofAccessToken: accessToken) {
-            case .none: break
-            case let .key(bound) where bound == dpop.key.thumbprint: break
-            case .key, .unreadable: throw .terminal("dpop: the access token is bound to another key")
-            }
         }
         let expiresIn = UpstreamNumbers.seconds(object["expires_in"], atMost: UpstreamNumbers.longestLifetime)
         let refreshToken = object["refresh_token"]?.stringValue.flatMap { $0.isEmpty ? nil : Secret($0) }

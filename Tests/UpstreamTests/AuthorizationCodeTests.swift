@@ -413,7 +413,8 @@ struct AuthorizationCodeTests {
             try await none.authorizationCodeEndpoints()
         }
 
-        // Metadata that points the authorization endpoint at http:// off loopback is refused.
+        // Metadata that points the authorization endpoint at http:// off loopback is refused by a
+        // login; a refresh, which never sends anything there, is not held up by it.
         let placeholder = try LoopbackHTTPServer { _ in .respond(status: 404, headers: [], body: []) }
         let port = placeholder.port
         placeholder.stop()
@@ -425,8 +426,9 @@ struct AuthorizationCodeTests {
         }
         defer { server.stop() }
         let hostile = HTTPTokenSource(grant: .refreshToken, configuration: configuration, endpoints: nil, issuer: "http://127.0.0.1:\(port)")
-        let refused = await #expect(throws: FetchFailure.self) { try await hostile.endpoints() }
-        #expect(refused?.reason.hasPrefix("discovery: authorization_endpoint refused: http:// is allowed only for loopback") == true)
+        #expect(try await hostile.endpoints().token == "http://127.0.0.1:\(port)/token")
+        let refused = await #expect(throws: FetchFailure.self) { try await hostile.authorizationCodeEndpoints() }
+        #expect(refused?.reason.hasPrefix("refused authorization endpoint: http:// is allowed only for loopback") == true)
         let read = try await Discovery.fetch(issuer: "http://127.0.0.1:\(port)")
         #expect(read.codeChallengeMethods == ["S256", "plain"])
     }

@@ -97,6 +97,25 @@ struct DPoPTokenRequestTests {
         #expect(try await refresh(source(bearer, .auto), bearer).tokenType == "Bearer", "the server lists no DPoP algorithm")
         #expect(bearer.counters.refreshGrants == 1)
 
+        // A generation keeps the kind of token it has: an auto session with a bearer token stays
+        // bearer when its server starts to list ES256 (a proof on its unbound refresh token
+        // would be refused by some), and one with a DPoP token keeps proving its key.
+        var options = DevIssuer.Options()
+        options.dpop = .accepted
+        let accepting = try DevIssuer(options: options)
+        defer { accepting.stop() }
+        let pinned = source(accepting, .auto)
+        let key = try pinned.newProofKey()
+        let asBearer = try await pinned.fetch(FetchRequest(session: "s", generation: 1, refreshToken: Secret(accepting.issueRefreshToken()),
+                                                           proofKey: key, tokenType: "Bearer"))
+        #expect(asBearer.tokenType == "Bearer")
+        let asBound = try await pinned.fetch(FetchRequest(session: "s", generation: 1, refreshToken: Secret(accepting.issueRefreshToken()),
+                                                          proofKey: key, tokenType: "DPoP"))
+        #expect(asBound.tokenType == "DPoP")
+        let first = try await pinned.fetch(FetchRequest(session: "s", generation: 1, refreshToken: Secret(accepting.issueRefreshToken()),
+                                                        proofKey: key))
+        #expect(first.tokenType == "DPoP", "the first token of a generation: as the metadata says")
+
         let refused = await #expect(throws: FetchFailure.self) { try await refresh(source(bearer, .on), bearer) }
         #expect(refused?.kind == .terminal && refused?.reason.hasPrefix("dpop: the server answered a request with a proof with a bearer token") == true)
         #expect(bearer.activeRefreshTokens == 1, "the refused answer's refresh token was revoked; only auto's lives")

@@ -150,7 +150,7 @@ def decide_with_proof(status: int, www_authenticate: Iterable[str], nonce: Optio
     if status != 401 or not replayable:
         return DELIVER
     values = list(www_authenticate)
-    if any(parameters.get("error") == "use_dpop_nonce" for parameters in _challenges(values, ("dpop",))):
+    if scheme.lower() == "dpop" and any(parameters.get("error") == "use_dpop_nonce" for parameters in _challenges(values, ("dpop",))):
         if nonce_retried or not nonce or nonce == sent_nonce or not valid_nonce(nonce):
             return DELIVER
         return Decision("nonce", nonce)
