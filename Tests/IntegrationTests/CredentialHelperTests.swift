@@ -375,9 +375,11 @@ extension CredentialHelperTests {
 
 extension CredentialHelperTests {
     /// A development issuer whose access tokens live 3 s.
-    static func shortLivedIssuer() throws -> DevIssuer {
+    /// `lifetime`: long enough for what runs on one token (64 kubectl processes on two cores
+    /// take several seconds: a token that expires among them costs a second refresh).
+    static func shortLivedIssuer(lifetime: Duration = .seconds(3)) throws -> DevIssuer {
         var options = DevIssuer.Options()
-        options.accessTokenLifetime = .seconds(3)
+        options.accessTokenLifetime = lifetime
         return try DevIssuer(options: options)
     }
 
@@ -400,7 +402,7 @@ extension CredentialHelperTests {
           .enabled(if: CredentialHelperTests.kubectl != nil, "no kubectl here (Debian: kubernetes-client)"))
     func realKubectl() async throws {
         let kubectl = try #require(Self.kubectl)
-        let issuer = try Self.shortLivedIssuer()
+        let issuer = try Self.shortLivedIssuer(lifetime: .seconds(15))
         defer { issuer.stop() }
         // The API server, on TLS (client-go sends an exec plugin's token over TLS only): pods
         // for a bearer token the issuer's protected resource accepts, 401 otherwise.
