@@ -22,12 +22,12 @@ public enum DPoPVerifier {
                               accessToken: String? = nil) throws(DPoPError) -> Verified {
         guard proof.utf8.count <= maximumLength else { throw DPoPError("the proof is too long") }
         let parts = proof.split(separator: ".", omittingEmptySubsequences: false)
-        guard parts.count == 3, let headerBytes = decode(parts[0]), let claimBytes = decode(parts[1]), let signature = decode(parts[2]),
+        guard parts.count == 3, let headerBytes = Base64.urlDecode(parts[0]), let claimBytes = Base64.urlDecode(parts[1]), let signature = Base64.urlDecode(parts[2]),
               case let .object(header)? = try? JSONParser.parse(ArraySlice(headerBytes)),
               case let .object(claims)? = try? JSONParser.parse(ArraySlice(claimBytes)) else { throw DPoPError("not a compact JWS") }
         guard header["typ"] == "dpop+jwt", header["alg"] == "ES256" else { throw DPoPError("not an ES256 dpop+jwt") }
         guard let jwk = header["jwk"]?.objectValue, jwk["kty"] == "EC", jwk["crv"] == "P-256", jwk["d"] == nil,
-              let x = jwk["x"]?.stringValue.flatMap({ decode(Substring($0)) }), let y = jwk["y"]?.stringValue.flatMap({ decode(Substring($0)) }),
+              let x = jwk["x"]?.stringValue.flatMap({ Base64.urlDecode($0) }), let y = jwk["y"]?.stringValue.flatMap({ Base64.urlDecode($0) }),
               x.count == 32, y.count == 32 else { throw DPoPError("the header's jwk is not a P-256 public key") }
         guard signature.count == 64 else { throw DPoPError("not an ES256 signature") }
         try verifySignature(x: x, y: y, message: Array((parts[0] + "." + parts[1]).utf8), signature: signature)
@@ -46,9 +46,6 @@ public enum DPoPVerifier {
         return Verified(thumbprint: Base64.urlEncode(DPoPKey.sha256(Array(canonical.utf8))), jti: jti, issuedAt: iat,
                         nonce: claims["nonce"]?.stringValue)
     }
-
-    /// base64url without padding, strictly (nil for anything else).
-    static func decode(_ part: Substring) -> [UInt8]? { Base64.urlDecode(part) }
 
     /// A static string's bytes as a C string that lives as long as the program.
     private static func cString(_ text: StaticString) -> UnsafePointer<CChar> {

@@ -52,13 +52,17 @@ extension TokenBrokerClient {
         send: ([(name: String, value: String)]) async throws -> Response,
         inspect: (Response) -> (status: Int, wwwAuthenticate: [String], dpopNonce: String?)
     ) async throws -> Response {
+        /// The request as a bearer session's, through the bearer `perform` (which refuses a bound token).
+        func asBearer() async throws -> Response {
+            try await perform(session: session, replay: replay, send: { token in
+                try await send([(name: "Authorization", value: "Bearer " + token)])
+            }, inspect: { response in let (status, challenges, _) = inspect(response); return (status, challenges) })
+        }
         // What a proof names: the method, and the URL without query and fragment (not sent).
         let target = String(url[..<(url.firstIndex { $0 == "?" || $0 == "#" } ?? url.endIndex)])
         guard (1...16).contains(method.utf8.count), method.utf8.allSatisfy({ (0x41...0x5A).contains($0) }), target.utf8.count <= 4096 else {
             // No proof can name this request: a bearer session's token serves it as before.
-            return try await perform(session: session, replay: replay, send: { token in
-                try await send([(name: "Authorization", value: "Bearer " + token)])
-            }, inspect: { response in let (status, challenges, _) = inspect(response); return (status, challenges) })
+            return try await asBearer()
         }
         var nonce: String?
         var proven: ProvenToken
@@ -68,9 +72,7 @@ extension TokenBrokerClient {
             // A broker from before GetProof (bearer tokens only) says it has no such method.
             guard case let .unexpected(name) = error, [VarlinkServiceError.methodNotFound, VarlinkServiceError.methodNotImplemented].contains(name)
             else { throw error }
-            return try await perform(session: session, replay: replay, send: { token in
-                try await send([(name: "Authorization", value: "Bearer " + token)])
-            }, inspect: { response in let (status, challenges, _) = inspect(response); return (status, challenges) })
+            return try await asBearer()
         }
         var (nonceRetried, recovered) = (false, false)
         while true {
