@@ -549,7 +549,13 @@ struct FleetSecondReviewTests {
         _ = try await h.logIn()
         let (a, b) = (h.brokers[0], h.brokers[1])
         b.link.holdNextAnswer()
-        b.clock.advance(by: .seconds(10))   // B's read after ten quiet seconds
+        // B's read after ten quiet seconds: the clock moves once B sleeps in that pause
+        // (advancing it earlier would move nothing).
+        try await eventually("B's sync loop waits out its quiet pause") {
+            let now = b.clock.now.offset
+            return b.clock.wakeTimes.contains { $0 > now && $0 <= now + .seconds(10) }
+        }
+        b.clock.advance(by: .seconds(10))
         try await eventually("B's read is answered and on its way") { b.link.answerParked }
         try await a.coordinator.logout()
         let revision = h.etcd.snapshot.revision
