@@ -10,9 +10,10 @@ public enum BrokerContract {
     /// The text of `io.tokenbroker.Broker.varlink`, embedded at build time.
     public static let text = String(decoding: PackageResources.io_tokenbroker_Broker_varlink, as: UTF8.self)
     public static let interface = VarlinkInterface(description: text, secretMembers: secretMembers)
-    /// The members whose values are credentials (a token, a refresh token, a rejected token):
+    /// The members whose values are credentials (a token, a refresh token, a rejected token, a
+    /// redirect that carries an authorization code):
     /// descriptions of calls and replies never show them (`VarlinkRedaction`).
-    public static let secretMembers: Set<String> = ["token", "refreshToken", "rejected", "proof"]
+    public static let secretMembers: Set<String> = ["token", "refreshToken", "rejected", "proof", "redirectUrl"]
     /// Registers `secretMembers` once, at the first request a client or the daemon makes or reads.
     static let secretsRegistered: Void = VarlinkRedaction.register(secretMembers)
     /// Where the broker listens unless configured otherwise (`Socket=`, `$TOKENBROKER_SOCKET`).
@@ -24,6 +25,7 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
     case getToken = "GetToken", recover = "Recover", watch = "Watch", logout = "Logout", login = "Login"
     case status = "Status", reload = "Reload", refresh = "Refresh", deviceLogin = "DeviceLogin", forget = "Forget"
     case metrics = "Metrics", credential = "Credential", getProof = "GetProof"
+    case codeLogin = "CodeLogin", completeCodeLogin = "CompleteCodeLogin", loginFlow = "LoginFlow"
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
@@ -46,6 +48,12 @@ public enum BrokerRequest: Sendable, Equatable {
     case credential(url: String, rejected: String?)
     /// The token with a DPoP proof for one request; with `rejected`, as Recover answers.
     case getProof(session: String, method: String, uri: String, nonce: String?, rejected: String?)
+    /// An authorization code login (PKCE), waiting for the browser's redirect at the daemon's listener.
+    case codeLogin(session: String)
+    /// The redirect that ends a code login, pasted (the browser was on another host).
+    case completeCodeLogin(session: String, redirectUrl: String)
+    /// Which interactive login `ctl login` uses for the session.
+    case loginFlow(session: String)
 
     public var method: BrokerMethod {
         switch self {
@@ -62,6 +70,9 @@ public enum BrokerRequest: Sendable, Equatable {
         case .metrics: return .metrics
         case .credential: return .credential
         case .getProof: return .getProof
+        case .codeLogin: return .codeLogin
+        case .completeCodeLogin: return .completeCodeLogin
+        case .loginFlow: return .loginFlow
         }
     }
 
@@ -69,7 +80,8 @@ public enum BrokerRequest: Sendable, Equatable {
     public var session: String? {
         switch self {
         case let .getToken(session), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
-             let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _):
+             let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _),
+             let .codeLogin(session), let .completeCodeLogin(session, _), let .loginFlow(session):
             return session
         case .status, .reload, .metrics, .credential:
             return nil
@@ -132,6 +144,13 @@ public enum BrokerRequest: Sendable, Equatable {
             let rejected = try parameters.optionalString("rejected")
             if let rejected, rejected.isEmpty { throw ParameterError(name: "rejected") }
             self = .getProof(session: name, method: method, uri: uri, nonce: nonce, rejected: rejected)
+        case .codeLogin: self = .codeLogin(session: try session())
+        case .completeCodeLogin:
+            let name = try session(["redirectUrl"])
+            let redirect = try parameters.string("redirectUrl")
+            guard !redirect.isEmpty, redirect.utf8.count <= 8192 else { throw ParameterError(name: "redirectUrl") }
+            self = .completeCodeLogin(session: name, redirectUrl: redirect)
+        case .loginFlow: self = .loginFlow(session: try session())
         }
     }
 
@@ -140,8 +159,9 @@ public enum BrokerRequest: Sendable, Equatable {
         BrokerContract.secretsRegistered
         switch self {
         case let .getToken(session), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
-             let .forget(session):
+             let .forget(session), let .codeLogin(session), let .loginFlow(session):
             return ["session": .string(session)]
+        case let .completeCodeLogin(session, redirect): return ["session": .string(session), "redirectUrl": .string(redirect)]
         case let .recover(session, rejected): return ["session": .string(session), "rejected": .string(rejected)]
         case let .login(session, refreshToken): return ["session": .string(session), "refreshToken": .string(refreshToken)]
         case .status, .reload, .metrics: return [:]
@@ -157,9 +177,9 @@ public enum BrokerRequest: Sendable, Equatable {
         }
     }
 
-    /// The call to send (`Watch` and `DeviceLogin` stream, so they ask for more replies).
+    /// The call to send (`Watch`, `DeviceLogin` and `CodeLogin` stream, so they ask for more replies).
     public var call: VarlinkCall {
-        VarlinkCall(method: method.qualifiedName, parameters: parameters, more: method == .watch || method == .deviceLogin)
+        VarlinkCall(method: method.qualifiedName, parameters: parameters, more: [.watch, .deviceLogin, .codeLogin].contains(method))
     }
 }
 
@@ -259,6 +279,52 @@ public enum DeviceLoginEvent: Sendable, Equatable {
             return ["event": "done", "generation": .int(Int64(login.generation))]
         }
     }
+}
+
+/// One reply of `CodeLogin`: where to send the browser, then the login's end.
+public enum CodeLoginEvent: Sendable, Equatable {
+    /// Open `authorizationUri` within `expiresIn` seconds; the server sends the browser back to
+    /// `redirectUri`, the daemon's loopback listener (or its URL is pasted to `CompleteCodeLogin`).
+    case prompt(authorizationUri: String, redirectUri: String, expiresIn: Int64)
+    case done(LoginReply)
+
+    public init(_ parameters: JSONObject) {
+        if parameters["event"] == "prompt" {
+            self = .prompt(authorizationUri: parameters["authorizationUri"]?.stringValue ?? "?",
+                           redirectUri: parameters["redirectUri"]?.stringValue ?? "?", expiresIn: parameters["expiresIn"]?.intValue ?? 0)
+        } else {
+            self = .done(LoginReply(parameters))
+        }
+    }
+
+    public var parameters: JSONObject {
+        switch self {
+        case let .prompt(uri, redirect, expiresIn):
+            return ["event": "prompt", "authorizationUri": .string(uri), "redirectUri": .string(redirect), "expiresIn": .int(expiresIn)]
+        case let .done(login):
+            return ["event": "done", "generation": .int(Int64(login.generation))]
+        }
+    }
+}
+
+/// The interactive logins: the device authorization grant, or the authorization code grant with PKCE.
+public enum LoginFlow: String, Sendable, CaseIterable {
+    case device, code
+}
+
+/// The reply of `LoginFlow`.
+public struct LoginFlowReply: Sendable, Equatable {
+    public var flow: LoginFlow
+
+    public init(flow: LoginFlow) { self.flow = flow }
+
+    /// nil when the reply names no flow this client knows.
+    public init?(_ parameters: JSONObject) {
+        guard let flow = parameters["flow"]?.stringValue.flatMap(LoginFlow.init(rawValue:)) else { return nil }
+        self.flow = flow
+    }
+
+    public var parameters: JSONObject { ["flow": .string(flow.rawValue)] }
 }
 
 /// The reply of `Metrics`: the exposition in the Prometheus text format.

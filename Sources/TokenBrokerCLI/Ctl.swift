@@ -21,6 +21,7 @@ public enum Ctl {
         var refreshTokenFromStdin = false
         var showToken = false
         var nonce: String?
+        var flow: LoginFlow?
         var index = 0
         while index < arguments.count {
             let argument = arguments[index]
@@ -42,8 +43,19 @@ public enum Ctl {
                 guard index + 1 < arguments.count else { return .exit(usage("--nonce needs the server's nonce", &errors)) }
                 nonce = arguments[index + 1]
                 index += 1
+            case "--flow":
+                guard index + 1 < arguments.count, let chosen = LoginFlow(rawValue: arguments[index + 1]) else {
+                    return .exit(usage("--flow needs code or device", &errors))
+                }
+                flow = chosen
+                index += 1
             default:
-                if argument.hasPrefix("--socket=") {
+                if argument.hasPrefix("--flow=") {
+                    guard let chosen = LoginFlow(rawValue: String(argument.dropFirst("--flow=".count))) else {
+                        return .exit(usage("--flow needs code or device", &errors))
+                    }
+                    flow = chosen
+                } else if argument.hasPrefix("--socket=") {
                     socket = String(argument.dropFirst("--socket=".count))
                 } else if argument.hasPrefix("-") {
                     return .exit(usage("unknown option '\(argument)'", &errors))
@@ -57,13 +69,15 @@ public enum Ctl {
             index += 1
         }
         return .exit(perform(words, socket: socket, json: json, refreshTokenFromStdin: refreshTokenFromStdin, showToken: showToken,
-                             nonce: nonce, output: &output, errors: &errors))
+                             nonce: nonce, flow: flow, output: &output, errors: &errors))
     }
 
     private static func perform(_ words: [String], socket: String, json: Bool, refreshTokenFromStdin: Bool, showToken: Bool,
-                                nonce: String?, output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
+                                nonce: String?, flow: LoginFlow?, output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
         guard let verb = words.first else { return usage("missing verb", &errors) }
         if refreshTokenFromStdin && verb != "login" { return usage("--refresh-token-stdin belongs to login", &errors) }
+        if flow != nil && verb != "login" { return usage("--flow belongs to login", &errors) }
+        if flow != nil && refreshTokenFromStdin { return usage("--flow and --refresh-token-stdin are two ways to log in: choose one", &errors) }
         if showToken && verb != "watch" { return usage("--show-token belongs to watch", &errors) }
         if nonce != nil && verb != "proof" { return usage("--nonce belongs to proof", &errors) }
         let operands = Array(words.dropFirst())
@@ -102,7 +116,11 @@ public enum Ctl {
                     let reply = try call(address, .login(session: operands[0], refreshToken: token))
                     output.write("logged in \(operands[0]) (generation \(LoginReply(reply.parameters).generation))\n")
                 } else {
-                    try deviceLogin(address, operands[0], output: &output)
+                    let chosen = try flow ?? loginFlow(address, operands[0])
+                    switch chosen {
+                    case .device: try deviceLogin(address, operands[0], output: &output)
+                    case .code: try codeLogin(address, operands[0], output: &output)
+                    }
                 }
             case "refresh":
                 guard operands.count == 1 else { return usage("refresh needs exactly one SESSION", &errors) }
@@ -138,7 +156,8 @@ public enum Ctl {
             }
             return ExitCode.ok
         } catch let failure as Failure {
-            errors.write("Error: \(failure.message)\n")
+            // (Empty: said already.)
+            if !failure.message.isEmpty { errors.write("Error: \(failure.message)\n") }
             return failure.code
         } catch {
             errors.write("Error: \(error)\n")

@@ -135,7 +135,7 @@ public enum Help {
           recover <session>       Read a rejected token on stdin; print the token to retry with.
           proof <session> <method> <url>
                                   Print the two headers of one DPoP request (Authorization, DPoP).
-          login <session>         Log the session in: device flow, or --refresh-token-stdin (admin).
+          login <session>         Log the session in: device or code flow, or --refresh-token-stdin (admin).
           logout <session>        Log the session out (admin).
           forget <session>        Remove a stored session the configuration no longer names (admin).
           refresh <session>       Refresh the session's token now (admin).
@@ -200,20 +200,31 @@ public enum Help {
     public static let ctlLogin = """
         OVERVIEW: Log a session in (admin).
 
-        By default runs the OAuth device flow (RFC 8628): prints where to approve the login and
-        the code to enter, then waits until the daemon has the new tokens. With
+        Runs an interactive login, then waits until the daemon has the new tokens: the device
+        flow (RFC 8628) where the server offers it, else the authorization code flow with PKCE
+        (RFC 7636), unless the session's LoginFlow= or --flow says which. With
         --refresh-token-stdin, installs the refresh token read from standard input instead.
         Either way the session starts a new generation.
 
-        USAGE: tokenbroker ctl [--socket <path>] login <session> [--refresh-token-stdin]
+        Device flow: prints where to approve the login and the code to enter.
+
+        Code flow: prints the address to open in a browser (and a QR code on a terminal). The
+        daemon listens on 127.0.0.1 for the browser's redirect (LoginRedirectPorts=, else any
+        free port) until LoginTimeout= (5 min). A browser on another machine either reaches
+        that port through `ssh -L PORT:127.0.0.1:PORT host`, or, with no forwarding at all,
+        ends on an address that does not load: paste that address here, on standard input.
+
+        USAGE: tokenbroker ctl [--socket <path>] login <session> [--flow=code|device | --refresh-token-stdin]
 
         OPTIONS:
+          --flow <flow>           code or device: the interactive login to run.
           --refresh-token-stdin   Read a refresh token from standard input (not from argv, where
                                   other users could see it).
           -h, --help              Show this help.
 
         EXAMPLES:
           tokenbroker ctl login api
+          tokenbroker ctl login api --flow=code
           tokenbroker ctl login api --refresh-token-stdin < /run/secrets/api-refresh-token
 
         """

@@ -385,8 +385,13 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// the login produced (the device grant answers one), installed with it; `proofKey` the
     /// generation's new DPoP key, for a session whose requests carry proofs. Any flight of an
     /// earlier generation is cancelled and can never install its token in the new one.
+    /// With `expecting`, the login happens only if the session is still in that generation (an
+    /// interactive login that began there: a logout or another login meanwhile wins, and this
+    /// one throws `superseded`, changing nothing).
     @discardableResult
-    public func login(refreshToken: Secret?, proofKey: Secret? = nil, initial: FetchedToken? = nil, replicated: Bool = false) async throws -> Int {
+    public func login(refreshToken: Secret?, proofKey: Secret? = nil, initial: FetchedToken? = nil, replicated: Bool = false,
+                      expecting generation: Int? = nil) async throws -> Int {
+        if let generation, machine.generation != generation { throw SessionError.superseded }
         var boundary = machine.beginLogin(refreshToken: refreshToken, proofKey: proofKey, initial: initial, now: now(), unixNow: wall.unixTime())
         boundary.write?.replicated = replicated
         cross(boundary)

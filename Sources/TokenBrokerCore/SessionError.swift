@@ -12,6 +12,8 @@ public enum SessionError: Error, Sendable, Equatable {
     case storeFailed(reason: String)
     /// The coordinator was shut down while the call waited.
     case shuttingDown
+    /// An interactive login ended after a logout or another login: it changed nothing.
+    case superseded
 }
 
 extension SessionError: CustomStringConvertible {
@@ -30,6 +32,8 @@ extension SessionError: CustomStringConvertible {
             return "could not persist session state: \(reason)"
         case .shuttingDown:
             return "shutting down"
+        case .superseded:
+            return "a logout or another login came first"
         }
     }
 }

@@ -26,6 +26,8 @@ final class BrokerService: VarlinkHandler {
     let metricsText: @Sendable () async -> String
     /// Where a logout's revocation runs (the daemon's pool, awaited at stop).
     let revocations: TaskPool
+    /// The authorization code logins waiting for their redirects.
+    let codeLogins = CodeLogins()
 
     init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
          forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }, metrics: Metrics = Metrics(version: "test"),
@@ -84,6 +86,14 @@ final class BrokerService: VarlinkHandler {
         .deviceLogin: Method(access: .admin, streams: true, handler: .session { service, _, peer, session in
             try service.deviceLogin(session, by: peer)
         }),
+        .codeLogin: Method(access: .admin, streams: true, handler: .session { service, _, peer, session in
+            try service.codeLogin(session, by: peer)
+        }),
+        .completeCodeLogin: Method(access: .admin, handler: .session { service, request, peer, session in
+            guard case let .completeCodeLogin(_, redirect) = request else { throw BrokerError.internalError }
+            return service.completeCodeLogin(session.configuration.name, redirect: redirect, by: peer)
+        }),
+        .loginFlow: Method(access: .admin, handler: .session { service, _, _, session in try service.loginFlow(session) }),
         .status: Method(access: .anyone, handler: .other { service, _, peer in service.status(for: peer) }),
         .forget: Method(access: .admin, handler: .other { service, request, peer in try service.forget(request.session ?? "", by: peer) }),
         .reload: Method(access: .admin, handler: .other { service, _, peer in service.reload(by: peer) }),
@@ -302,13 +312,6 @@ final class BrokerService: VarlinkHandler {
         }
     }
 
-    private func deviceLogin(_ session: SessionTable.Session, by peer: PeerCredentials) throws(BrokerError) -> VarlinkHandling {
-        let name = session.configuration.name
-        guard let upstream = session.upstream else { throw .loginFailed(session: name, reason: "this session has no OAuth upstream") }
-        logger.notice("device login of session \(name) started by \(peer)", session: name)
-        return .async { [self] sink in await deviceLogin(session, upstream, sink) }
-    }
-
     /// Status: the sessions `peer` may use, and, for admins, the stored ones no longer configured.
     private func status(for peer: PeerCredentials) -> VarlinkHandling {
         let snapshot = sessions.snapshot
@@ -372,7 +375,7 @@ final class BrokerService: VarlinkHandler {
 
     /// Runs a boundary (logout, login) on the session's coordinator as the table holds it *now*,
     /// under the gate: never on one a reload is handing over (see `BoundaryGate`).
-    private func boundary(_ name: String, _ body: @Sendable (SessionTable.Session) async throws -> VarlinkReply) async throws -> VarlinkReply {
+    func boundary(_ name: String, _ body: @Sendable (SessionTable.Session) async throws -> VarlinkReply) async throws -> VarlinkReply {
         try await sessions.gate.shared { [sessions] in
             guard let session = sessions.snapshot.sessions[name] else {
                 return BrokerError.noSuchSession(session: name).reply
@@ -419,60 +422,6 @@ final class BrokerService: VarlinkHandler {
         }
     }
 
-    /// DeviceLogin: start the device grant, tell the caller where to approve it, poll, and log
-    /// the session in with what it yields. The caller disconnecting cancels the polling.
-    private func deviceLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, _ sink: VarlinkReplySink) async {
-        let name = session.configuration.name
-        func failed(_ reason: String) {
-            logger.warning("device login of session \(name) failed: \(reason)", session: name)
-            sink.send(BrokerError.loginFailed(session: name, reason: reason).reply)
-        }
-        // A DPoP session's login makes its key first: the grant's token request proves it, so
-        // the tokens it yields are bound to it.
-        let client: OAuthClient
-        let proofKey: Secret?
-        do {
-            proofKey = try upstream.newProofKey()
-            client = try await upstream.client(proofKey: proofKey)
-        } catch {
-            return failed(error.message)
-        }
-        let authorization: DeviceAuthorization
-        do {
-            authorization = try await client.startDeviceAuthorization()
-        } catch {
-            return failed(error.description)
-        }
-        let prompt = DeviceLoginEvent.prompt(verificationUri: authorization.verificationURI, userCode: authorization.userCode,
-                                             expiresIn: Int64(authorization.expiresIn.seconds),
-                                             verificationUriComplete: authorization.verificationURIComplete)
-        sink.send(VarlinkReply(parameters: prompt.parameters, continues: true))
-        let token: FetchedToken
-        do {
-            token = try await client.completeDeviceLogin(authorization, clock: ContinuousClock())
-        } catch {
-            if Task.isCancelled { return }
-            return failed(error.description)
-        }
-        do {
-            let logger = self.logger
-            sink.send(try await boundary(name) { session in
-                // A reload may have pointed the session at another server meanwhile: a token of
-                // this one must not be installed there (it is revoked here instead).
-                guard session.upstream === upstream else {
-                    if let refreshToken = token.refreshToken { _ = await upstream.revoke(refreshToken) }
-                    logger.warning("device login of session \(name) failed: the session was reconfigured during the login", session: name)
-                    return BrokerError.loginFailed(session: name, reason: "the session was reconfigured during the login; log in again").reply
-                }
-                let generation = try await session.coordinator.login(refreshToken: token.refreshToken, proofKey: proofKey, initial: token)
-                logger.log(.notice, "device login of session \(name) done: generation \(generation)", session: name, generation: generation)
-                return VarlinkReply(parameters: DeviceLoginEvent.done(LoginReply(generation: generation)).parameters)
-            })
-        } catch {
-            sink.send(reply(for: error, session: name))
-        }
-    }
-
     /// The one place where errors become wire errors. Anything unexpected is logged (by type,
     /// never by content) and answered with `InternalError`.
     func reply(for error: any Error, session: String) -> VarlinkReply {
@@ -491,6 +440,8 @@ final class BrokerService: VarlinkHandler {
             case let .throttled(retryAfter): return .throttled(session: session, retryAfter: retryAfter.seconds)
             case let .storeFailed(reason): return .storeFailed(session: session, reason: reason)
             case .shuttingDown: return .shuttingDown
+            case .superseded:
+                return .loginFailed(session: session, reason: "the session was logged out or logged in again while this login waited; log in again")
             }
         case let error as StoreError:
             logger.error("state database error in session \(session): \(error)")

@@ -156,6 +156,7 @@ final class HTTPListener: Sendable {
     }
 
     private let stopped = Atomic<Bool>(false)
+    private let draining = Atomic<Bool>(false)
     private let working = Atomic<Int>(0)
 
     /// Ends the loop (which then closes the listener).
@@ -163,6 +164,15 @@ final class HTTPListener: Sendable {
         stopped.store(true, ordering: .releasing)
         wake()
     }
+
+    /// Stops taking connections, and ends the loop once the answers under way are sent (or
+    /// `drainDeadline` has passed); connections that have not sent a whole request are closed.
+    func drain() {
+        draining.store(true, ordering: .releasing)
+        wake()
+    }
+
+    static let drainDeadline = Duration.seconds(5)
 
     private func wake() {
         var byte: UInt8 = 1
@@ -173,6 +183,7 @@ final class HTTPListener: Sendable {
         var connections: [Int32: Connection] = [:]
         var acceptPausedUntil: ContinuousClock.Instant?
         var serials: UInt64 = 0
+        var drainUntil: ContinuousClock.Instant?
         func drop(_ fd: Int32) {
             connections[fd] = nil
             close(fd)
@@ -231,6 +242,14 @@ final class HTTPListener: Sendable {
                 connections[client]?.working = false
             }
             let now = ContinuousClock.now
+            if draining.load(ordering: .acquiring) {
+                if drainUntil == nil {
+                    drainUntil = now + Self.drainDeadline
+                    for (client, connection) in connections where connection.answer == nil && !connection.working { drop(client) }
+                }
+                if connections.isEmpty || drainUntil! <= now { break }
+                acceptPausedUntil = drainUntil
+            }
             if let paused = acceptPausedUntil, paused <= now { acceptPausedUntil = nil }
             // (While out of descriptors, the listener is left alone for a moment: no busy loop.)
             var polled = [pollfd(fd: acceptPausedUntil == nil ? fd : -1, events: Int16(POLLIN), revents: 0),

@@ -78,6 +78,10 @@ public struct SessionConfiguration: Sendable, Equatable {
         public var tokenEndpoint: String?
         public var revocationEndpoint: String?
         public var deviceAuthorizationEndpoint: String?
+        /// Where a browser is sent for a code login (RFC 6749 §3.1; else from discovery).
+        public var authorizationEndpoint: String?
+        /// How `ctl login` logs the session in (`LoginFlow=`, `LoginRedirectPorts=`, `LoginTimeout=`).
+        public var login = InteractiveLoginSettings()
         public var client: OAuthClientSettings
         /// Revoke the refresh token at logout when a revocation endpoint is known.
         public var revokeOnLogout = true
@@ -89,9 +93,30 @@ public struct SessionConfiguration: Sendable, Equatable {
         public init(client: OAuthClientSettings) { self.client = client }
 
         public var endpoints: OAuthEndpoints? {
-            guard tokenEndpoint != nil || revocationEndpoint != nil || deviceAuthorizationEndpoint != nil else { return nil }
-            return OAuthEndpoints(token: tokenEndpoint ?? "", revocation: revocationEndpoint, deviceAuthorization: deviceAuthorizationEndpoint)
+            guard tokenEndpoint != nil || revocationEndpoint != nil || deviceAuthorizationEndpoint != nil || authorizationEndpoint != nil else {
+                return nil
+            }
+            return OAuthEndpoints(token: tokenEndpoint ?? "", revocation: revocationEndpoint, deviceAuthorization: deviceAuthorizationEndpoint,
+                                  authorization: authorizationEndpoint)
         }
+    }
+
+    /// How an interactive login runs.
+    public struct InteractiveLoginSettings: Sendable, Equatable {
+        /// The flow `ctl login` uses unless told: `auto` is the device flow where the server
+        /// offers it, else the authorization code flow.
+        public enum Flow: String, Sendable, Equatable {
+            case auto, device, code
+        }
+
+        public var flow = Flow.auto
+        /// The loopback ports a code login's redirect listener may take, the first free one
+        /// (empty: one the kernel picks).
+        public var redirectPorts: [UInt16] = []
+        /// How long a code login waits for its redirect.
+        public var timeout = Duration.seconds(300)
+
+        public init() {}
     }
 
     /// The client part of the OAuth settings (its secret is read from a file or credential).

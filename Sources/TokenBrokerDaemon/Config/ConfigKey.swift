@@ -202,6 +202,24 @@ extension ConfigParser {
 
 /// Reading the values that need more than one line.
 enum ConfigParsing {
+    /// The most ports a port list (`LoginRedirectPorts=`) may name, ranges counted in full.
+    static let mostPorts = 1024
+
+    /// Ports (1-65535) and ranges (`8400-8409`), space-separated, in order, each once; empty: none.
+    static func ports(_ entry: INIEntry) throws(ConfigError) -> [UInt16] {
+        var ports: [UInt16] = []
+        var seen = Set<UInt16>()
+        for word in ConfigValue.list(entry.value) {
+            let bounds = word.split(separator: "-", maxSplits: 1, omittingEmptySubsequences: false)
+            guard let low = UInt16(bounds[0]), low > 0, let high = bounds.count == 2 ? UInt16(bounds[1]) : low, high >= low else {
+                throw fail(entry, "\(entry.key)=: '\(word)' is not a port or a range of ports (1-65535, e.g. 8400 or 8400-8409)")
+            }
+            guard ports.count + Int(high - low) + 1 <= mostPorts else { throw fail(entry, "\(entry.key)= names more than \(mostPorts) ports") }
+            for port in low...high where seen.insert(port).inserted { ports.append(port) }
+        }
+        return ports
+    }
+
     /// A 32-byte key (`StateKey…=`, `[Fleet] Key…=`) from a file or a systemd credential,
     /// checked, kept as Latin-1 text so that any 32 raw bytes round-trip.
     static func readKey(_ entry: INIEntry) throws(ConfigError) -> Secret {

@@ -90,6 +90,19 @@ public enum ConfigSchema {
         ConfigKey("RevocationEndpoint", \.oauth.revocationEndpoint, .url, change: .rebuildsSession, "the RFC 7009 revocation endpoint"),
         ConfigKey("DeviceAuthorizationEndpoint", \.oauth.deviceAuthorizationEndpoint, .url, change: .rebuildsSession,
                   "the RFC 8628 device authorization endpoint"),
+        ConfigKey("AuthorizationEndpoint", \.oauth.authorizationEndpoint, .url, change: .rebuildsSession,
+                  "where a code login sends the browser (RFC 6749 §3.1)"),
+        ConfigKey("LoginFlow", \.oauth.login.flow,
+                  .oneOf(SessionConfiguration.InteractiveLoginSettings.Flow.self, [.auto, .device, .code],
+                         message: "LoginFlow= must be auto, device or code"),
+                  default: "auto", change: .keepsSession, "how ctl login logs in: auto is device where the server offers it, else code"),
+        ConfigKey("LoginRedirectPorts", takes: "ports or ranges such as 8400-8409, space-separated (empty: any free port)",
+                  change: .keepsSession, "the loopback ports a code login listens on for the browser's redirect, the first free one",
+                  same: { $0.oauth.login.redirectPorts == $1.oauth.login.redirectPorts }) { settings, entry, _ throws(ConfigError) in
+            settings.oauth.login.redirectPorts = try ConfigParsing.ports(entry)
+        },
+        ConfigKey("LoginTimeout", \.oauth.login.timeout, .duration(.seconds(10)...Duration.seconds(3600)), default: "5min",
+                  change: .keepsSession, "how long a code login waits for the browser's redirect"),
         ConfigKey("ClientID", takes: "text", change: .rebuildsSession, "the client registration's id",
                   same: { $0.oauth.client.clientID == $1.oauth.client.clientID }) { settings, entry, _ throws(ConfigError) in
             settings.oauth.client.clientID = entry.value

@@ -1,0 +1,133 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Basics
+import BrokerContract
+import Varlink
+
+/// `ctl login` for the authorization code flow: the daemon listens for the browser's redirect;
+/// this prints where to send the browser, how to reach the listener from another machine, and
+/// takes the redirect pasted on standard input when it cannot be reached at all.
+extension Ctl {
+    /// Which flow the daemon says suits the session (`LoginFlow`).
+    static func loginFlow(_ address: VarlinkAddress, _ session: String) throws(Failure) -> LoginFlow {
+        let reply = try call(address, .loginFlow(session: session))
+        guard let flow = LoginFlowReply(reply.parameters)?.flow else {
+            throw Failure(code: ExitCode.failure, message: "the broker named a login flow this ctl does not know; use --flow=code or --flow=device")
+        }
+        return flow
+    }
+
+    static func codeLogin(_ address: VarlinkAddress, _ session: String, output: inout some TextOutput) throws(Failure) {
+        let client: VarlinkClient
+        do {
+            // LoginTimeout= is at most an hour; the daemon ends the login then.
+            client = try VarlinkClient(address: address, timeout: 3700)
+        } catch {
+            throw Failure(code: ExitCode.unavailable, message: "cannot reach the broker at \(address.path): \(error) (is tokenbroker running?)")
+        }
+        var reply = try exchange(address, .codeLogin(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
+            try client.call(call)
+        }
+        let reported = SynchronizedBox<String?>(nil)
+        if case let .prompt(uri, redirect, expiresIn) = CodeLoginEvent(reply.parameters) {
+            output.write(prompt(session, uri, redirect, expiresIn: expiresIn, terminal: isatty(STDOUT_FILENO) == 1))
+            readPastedRedirects(address, session, reported: reported)
+            do {
+                reply = try exchange(address, .codeLogin(session: session)) { (_) throws(VarlinkClientError) -> VarlinkReply in
+                    try client.nextReply()
+                }
+            } catch {
+                // The paste's answer said it already.
+                if reported.value == error.message { throw Failure(code: error.code, message: "") }
+                throw error
+            }
+        }
+        output.write("logged in \(session) (generation \(LoginReply(reply.parameters).generation))\n")
+    }
+
+    /// What the user reads: the URL (and its QR code on a terminal), where the browser comes
+    /// back, and the two ways to log in from a browser on another machine.
+    static func prompt(_ session: String, _ uri: String, _ redirect: String, expiresIn: Int64, terminal: Bool) -> String {
+        var text = "To log in '\(session)', open this address in a browser:\n\n  \(uri)\n\n"
+        if terminal, let code = QRCode.render(uri) { text += code + "\n" }
+        let port = redirect.split(separator: ":").last.map { $0.prefix(while: \.isNumber) } ?? ""
+        text += """
+            The browser comes back to \(redirect) on this host, where the broker listens.
+            If the browser runs on another machine, either forward that port to it first:
+              ssh -L \(port):127.0.0.1:\(port) \(hostName())
+            or log in there and paste here the address the browser ends on (it will not load).
+            Waiting for the login (up to \(minutes(expiresIn)))…
+
+            """
+        return text
+    }
+
+    private static func minutes(_ seconds: Int64) -> String {
+        seconds % 60 == 0 ? "\(seconds / 60) min" : "\(seconds) s"
+    }
+
+    private static func hostName() -> String {
+        var buffer = [CChar](repeating: 0, count: 256)
+        guard gethostname(&buffer, buffer.count - 1) == 0 else { return "this-host" }
+        return String(decoding: buffer.prefix(while: { $0 != 0 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
+    }
+
+    /// The longest pasted line taken, in bytes (the daemon takes no longer redirect).
+    static let longestPaste = 8192
+
+    /// Reads standard input, line by line, in a thread of its own, and offers each non-empty
+    /// line to the login (`CompleteCodeLogin`); a refusal is printed (and remembered in
+    /// `reported`, so that the login's end does not print it twice). Ends at end of input; the
+    /// process ends with the login, whatever this thread is doing.
+    private static func readPastedRedirects(_ address: VarlinkAddress, _ session: String, reported: SynchronizedBox<String?>) {
+        spawnThread {
+            var errors = FileOutput.standardError
+            var line: [UInt8] = []
+            var tooLong = false
+            var buffer = [UInt8](repeating: 0, count: 4096)
+            while true {
+                let count = read(STDIN_FILENO, &buffer, buffer.count)
+                if count < 0 && errno == EINTR { continue }
+                guard count > 0 else { return }
+                for byte in buffer[..<count] {
+                    guard byte == UInt8(ascii: "\n") else {
+                        if line.count < longestPaste { line.append(byte) } else { tooLong = true }
+                        continue
+                    }
+                    defer { line = []; tooLong = false }
+                    if tooLong {
+                        errors.write("Error: that line is longer than \(longestPaste) bytes; paste only the address\n")
+                        continue
+                    }
+                    let text = String(decoding: line, as: UTF8.self).trimmingSpaces()
+                    guard !text.isEmpty else { continue }
+                    guard text.lowercased().hasPrefix("http://") || text.lowercased().hasPrefix("https://") else {
+                        errors.write("Error: paste the whole address the browser ends on, starting with http://127.0.0.1:\n")
+                        continue
+                    }
+                    do {
+                        _ = try exchange(address, .completeCodeLogin(session: session, redirectUrl: text)) {
+                            (call) throws(VarlinkClientError) -> VarlinkReply in
+                            try VarlinkClient(address: address, timeout: 700).call(call)
+                        }
+                    } catch let failure as Failure {
+                        reported.value = failure.message
+                        errors.write("Error: \(failure.message)\n")
+                    } catch {
+                        errors.write("Error: \(error)\n")
+                    }
+                }
+            }
+        }
+    }
+}
+
+private extension String {
+    func trimmingSpaces() -> String {
+        var text = Substring(self)
+        while let first = text.first, first.isWhitespace { text = text.dropFirst() }
+        while let last = text.last, last.isWhitespace { text = text.dropLast() }
+        return String(text)
+    }
+}

@@ -1,0 +1,261 @@
+import BrokerContract
+import TokenBrokerCore
+import Upstream
+import Varlink
+
+/// The interactive logins: the device grant (`DeviceLogin`), the authorization code grant with
+/// PKCE (`CodeLogin`, `CompleteCodeLogin`), and which of them suits a session (`LoginFlow`).
+/// Both end the same way (`finishLogin`): a login installs its token only in the session it
+/// began in — not after a reload pointed the session elsewhere, nor after a logout or another
+/// login (the generation it began in is the one it must find).
+extension BrokerService {
+    func deviceLogin(_ session: SessionTable.Session, by peer: PeerCredentials) throws(BrokerError) -> VarlinkHandling {
+        let name = session.configuration.name
+        guard let upstream = session.upstream else { throw .loginFailed(session: name, reason: "this session has no OAuth upstream") }
+        logger.notice("device login of session \(name) started by \(peer)", session: name)
+        return .async { [self] sink in await deviceLogin(session, upstream, sink) }
+    }
+
+    /// DeviceLogin: start the device grant, tell the caller where to approve it, poll, and log
+    /// the session in with what it yields. The caller disconnecting cancels the polling.
+    private func deviceLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, _ sink: VarlinkReplySink) async {
+        let name = session.configuration.name
+        func failed(_ reason: String) {
+            logger.warning("device login of session \(name) failed: \(reason)", session: name)
+            sink.send(BrokerError.loginFailed(session: name, reason: reason).reply)
+        }
+        let began = await session.coordinator.status().generation
+        // A DPoP session's login makes its key first: the grant's token request proves it, so
+        // the tokens it yields are bound to it.
+        let client: OAuthClient
+        let proofKey: Secret?
+        do {
+            proofKey = try upstream.newProofKey()
+            client = try await upstream.client(proofKey: proofKey)
+        } catch {
+            return failed(error.message)
+        }
+        let authorization: DeviceAuthorization
+        do {
+            authorization = try await client.startDeviceAuthorization()
+        } catch {
+            return failed(error.description)
+        }
+        let prompt = DeviceLoginEvent.prompt(verificationUri: authorization.verificationURI, userCode: authorization.userCode,
+                                             expiresIn: Int64(authorization.expiresIn.seconds),
+                                             verificationUriComplete: authorization.verificationURIComplete)
+        sink.send(VarlinkReply(parameters: prompt.parameters, continues: true))
+        let token: FetchedToken
+        do {
+            token = try await client.completeDeviceLogin(authorization, clock: ContinuousClock())
+        } catch {
+            if Task.isCancelled { return }
+            return failed(error.description)
+        }
+        switch await finishLogin(name, "device login", upstream, client, token, proofKey: proofKey, began: began) {
+        case let .success(generation): sink.send(VarlinkReply(parameters: DeviceLoginEvent.done(LoginReply(generation: generation)).parameters))
+        case let .failure(error): sink.send(error.reply)
+        }
+    }
+
+    func codeLogin(_ session: SessionTable.Session, by peer: PeerCredentials) throws(BrokerError) -> VarlinkHandling {
+        let name = session.configuration.name
+        guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream else {
+            throw .loginFailed(session: name, reason: "this session has no OAuth upstream")
+        }
+        guard settings.grant == .refreshToken else {
+            throw .loginFailed(session: name, reason: "a Grant=client_credentials session needs no login")
+        }
+        switch codeLogins.claim(name) {
+        case .claimed: break
+        case .busy: throw .loginFailed(session: name, reason: "a code login of this session is under way already (finish it, or wait for it to time out)")
+        case .full: throw .loginFailed(session: name, reason: "\(CodeLogins.mostAtOnce) code logins are under way already")
+        }
+        logger.notice("code login of session \(name) started by \(peer)", session: name)
+        return .async { [self] sink in
+            await codeLogin(session, upstream, settings, sink)
+            codeLogins.release(name)
+        }
+    }
+
+    /// CodeLogin: find the authorization endpoint, open the redirect listener, tell the caller
+    /// where to send the browser, wait for the redirect (from the listener or pasted), redeem
+    /// the code once, check the ID token, and log the session in. The caller disconnecting, or
+    /// `LoginTimeout=` passing, abandons the login; the listener closes when it ends.
+    private func codeLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, _ settings: SessionConfiguration.OAuthSettings,
+                           _ sink: VarlinkReplySink) async {
+        let name = session.configuration.name
+        let logger = self.logger
+        func failed(_ reason: String) {
+            logger.warning("code login of session \(name) failed: \(reason)", session: name)
+            sink.send(BrokerError.loginFailed(session: name, reason: reason).reply)
+        }
+        let began = await session.coordinator.status().generation
+        let client: OAuthClient
+        let proofKey: Secret?
+        let authorizationEndpoint: String
+        do {
+            authorizationEndpoint = try await upstream.authorizationCodeEndpoints().authorization ?? ""
+            proofKey = try upstream.newProofKey()
+            client = try await upstream.client(proofKey: proofKey)
+        } catch {
+            return failed(error.message)
+        }
+        guard let listener = RedirectListener.open(ports: settings.login.redirectPorts) else {
+            let ports = settings.login.redirectPorts.map(String.init).joined(separator: " ")
+            return failed("no port of LoginRedirectPorts= (\(ports)) is free on 127.0.0.1")
+        }
+        // The browser's page is sent before the listener closes.
+        defer { listener.drain() }
+        let request = AuthorizationRequest(redirectURI: "http://127.0.0.1:\(listener.port)\(RedirectListener.path)")
+        let login = CodeLogin(session: name, request: request)
+        listener.start(route: { head, _ in RedirectListener.route(head, login) }, refused: { _ in })
+        codeLogins.publish(login)
+        let scope = settings.client.scope
+        let prompt = CodeLoginEvent.prompt(authorizationUri: request.url(authorizationEndpoint: authorizationEndpoint, clientID: settings.client.clientID,
+                                                                         scope: scope),
+                                           redirectUri: request.redirectURI, expiresIn: Int64(settings.login.timeout.seconds))
+        sink.send(VarlinkReply(parameters: prompt.parameters, continues: true))
+        logger.info("code login of session \(name) waits for its redirect at \(request.redirectURI)", session: name)
+
+        let result = await redeem(login, within: settings.login.timeout, name, upstream, client, settings, proofKey: proofKey, began: began)
+        login.finish(result)
+        if Task.isCancelled { return }
+        switch result {
+        case let .success(generation): sink.send(VarlinkReply(parameters: CodeLoginEvent.done(LoginReply(generation: generation)).parameters))
+        case let .failure(error): sink.send(error.reply)
+        }
+    }
+
+    /// The code login's answer, redeemed and installed; what the login ends with.
+    private func redeem(_ login: CodeLogin, within timeout: Duration, _ name: String, _ upstream: HTTPTokenSource, _ client: OAuthClient,
+                        _ settings: SessionConfiguration.OAuthSettings, proofKey: Secret?, began: Int) async -> Result<Int, BrokerError> {
+        func failed(_ reason: String) -> Result<Int, BrokerError> {
+            logger.warning("code login of session \(name) failed: \(reason)", session: name)
+            return .failure(.loginFailed(session: name, reason: reason))
+        }
+        switch await login.answer(within: timeout) {
+        case nil:
+            if Task.isCancelled { return failed("the login was abandoned (its caller went away, or the daemon is stopping)") }
+            return failed("no redirect came within \(Int(timeout.seconds)) s (LoginTimeout=): log in again")
+        case let .denied(error, description)?:
+            return failed("the authorization server refused: \(error)" + (description.map { " (\($0))" } ?? ""))
+        case let .code(code)?:
+            let token: FetchedToken
+            do {
+                token = try await client.redeem(code: code, request: login.request)
+            } catch {
+                return failed("the code was not redeemed: \(error.message)")
+            }
+            // An ID token must be this login's (its nonce); one is required when the scope
+            // asked for it (`openid`).
+            let openID = settings.client.scope?.split(separator: " ").contains("openid") == true
+            if let problem = login.request.idTokenProblem(in: token, clientID: settings.client.clientID, issuer: settings.issuer, required: openID) {
+                revokeInBackground(token, client, name, because: "its ID token was refused")
+                return failed(problem)
+            }
+            return await finishLogin(name, "code login", upstream, client, token, proofKey: proofKey, began: began)
+        }
+    }
+
+    /// CompleteCodeLogin: the pasted redirect, offered to the session's waiting login.
+    func completeCodeLogin(_ name: String, redirect: String, by peer: PeerCredentials) -> VarlinkHandling {
+        .async { [self] sink in
+            guard let login = codeLogins.waiting(name) else {
+                sink.send(BrokerError.loginFailed(session: name, reason: "no code login of this session is waiting for its redirect "
+                                                  + "(start one with `tokenbroker ctl login \(name) --flow=code`; it may have ended)").reply)
+                return
+            }
+            switch login.offer(redirect) {
+            case let .invalid(reason):
+                logger.notice("a redirect pasted by \(peer) for the code login of session \(name) was refused: \(reason)", session: name)
+                sink.send(BrokerError.loginFailed(session: name, reason: "\(reason); the login is still waiting").reply)
+            case .closed:
+                sink.send(BrokerError.loginFailed(session: name, reason: "the login has its answer already, or has ended").reply)
+            case .taken:
+                logger.notice("the code login of session \(name) was answered by a redirect pasted by \(peer)", session: name)
+                switch await login.result() {
+                case let .success(generation): sink.send(VarlinkReply(parameters: LoginReply(generation: generation).parameters))
+                case let .failure(error): sink.send(error.reply)
+                }
+            }
+        }
+    }
+
+    /// LoginFlow: `LoginFlow=`, else the device flow when the server has a device
+    /// authorization endpoint (configured or discovered), else the code flow.
+    func loginFlow(_ session: SessionTable.Session) throws(BrokerError) -> VarlinkHandling {
+        let name = session.configuration.name
+        guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream else {
+            throw .loginFailed(session: name, reason: "this session has no OAuth upstream")
+        }
+        switch settings.login.flow {
+        case .device: return .reply(VarlinkReply(parameters: LoginFlowReply(flow: .device).parameters))
+        case .code: return .reply(VarlinkReply(parameters: LoginFlowReply(flow: .code).parameters))
+        case .auto:
+            return .async { sink in
+                do throws(FetchFailure) {
+                    let endpoints = try await upstream.endpoints()
+                    sink.send(VarlinkReply(parameters: LoginFlowReply(flow: endpoints.deviceAuthorization != nil ? .device : .code).parameters))
+                } catch {
+                    sink.send(BrokerError.loginFailed(session: name, reason: error.message).reply)
+                }
+            }
+        }
+    }
+
+    /// Installs an interactive login's token in the session as the table holds it now, if it
+    /// is still the one the login began in: the same upstream (no reload rebuilt it) and the
+    /// generation `began` (no logout or other login since). Otherwise, or when the login cannot
+    /// be stored, the token's refresh token is revoked.
+    private func finishLogin(_ name: String, _ flow: String, _ upstream: HTTPTokenSource, _ client: OAuthClient, _ token: FetchedToken,
+                             proofKey: Secret?, began: Int) async -> Result<Int, BrokerError> {
+        let logger = self.logger
+        if token.refreshToken == nil {
+            logger.warning("\(flow) of session \(name): the server gave no refresh token, so the session ends when this access token expires",
+                           session: name)
+        }
+        do {
+            let reply = try await boundary(name) { [self] session in
+                // A reload may have pointed the session at another server meanwhile: a token of
+                // this one must not be installed there.
+                guard session.upstream === upstream else {
+                    revokeInBackground(token, client, name, because: "the session was reconfigured during the login")
+                    return BrokerError.loginFailed(session: name, reason: "the session was reconfigured during the login; log in again").reply
+                }
+                do {
+                    let generation = try await session.coordinator.login(refreshToken: token.refreshToken, proofKey: proofKey, initial: token,
+                                                                         expecting: began)
+                    logger.log(.notice, "\(flow) of session \(name) done: generation \(generation)", session: name, generation: generation)
+                    return VarlinkReply(parameters: LoginReply(generation: generation).parameters)
+                } catch {
+                    if case SessionError.superseded = error {
+                        revokeInBackground(token, client, name, because: "a logout or another login came first")
+                    }
+                    throw error
+                }
+            }
+            if let error = BrokerError(reply, session: name) { return .failure(error) }
+            return .success(LoginReply(reply.parameters).generation)
+        } catch {
+            let contract = contractError(error, session: name)
+            logger.warning("\(flow) of session \(name) failed: \(contract.name)", session: name)
+            return .failure(contract)
+        }
+    }
+
+    /// Revokes the refresh token of a login that was refused (RFC 7009), in the background.
+    private func revokeInBackground(_ token: FetchedToken, _ client: OAuthClient, _ name: String, because reason: String) {
+        guard let refreshToken = token.refreshToken else { return }
+        let logger = self.logger
+        _ = revocations.enqueue {
+            do throws(FetchFailure) {
+                let revoked = try await client.revoke(refreshToken)
+                logger.notice("session \(name): a login's refresh token " + (revoked ? "is revoked" : "stays valid upstream (no revocation endpoint)")
+                              + ": \(reason)", session: name)
+            } catch {
+                logger.warning("session \(name): a login's refresh token was not revoked (\(error.message)): \(reason)", session: name)
+            }
+        }
+    }
+}

@@ -1,0 +1,239 @@
+import BrokerContract
+import Synchronization
+import TokenBrokerCore
+import Upstream
+
+/// The authorization code logins under way: at most one per session, `mostAtOnce` in all.
+final class CodeLogins: Sendable {
+    static let mostAtOnce = 16
+
+    private enum Slot {
+        /// Claimed, still finding its endpoints and its port.
+        case starting
+        case waiting(CodeLogin)
+    }
+
+    private let slots = Mutex<[String: Slot]>([:])
+
+    enum Claim: Equatable { case claimed, busy, full }
+
+    /// Claims the session's slot for a new login.
+    func claim(_ session: String) -> Claim {
+        slots.withLock { slots in
+            if slots[session] != nil { return .busy }
+            if slots.count >= Self.mostAtOnce { return .full }
+            slots[session] = .starting
+            return .claimed
+        }
+    }
+
+    /// The login is ready for its redirect: `waiting(session)` finds it.
+    func publish(_ login: CodeLogin) {
+        slots.withLock { $0[login.session] = .waiting(login) }
+    }
+
+    /// Frees the session's slot (the login ended, or never started).
+    func release(_ session: String) {
+        _ = slots.withLock { $0.removeValue(forKey: session) }
+    }
+
+    /// The session's login that waits for its redirect, if any.
+    func waiting(_ session: String) -> CodeLogin? {
+        slots.withLock { slots in
+            if case let .waiting(login)? = slots[session] { return login }
+            return nil
+        }
+    }
+}
+
+/// One authorization code login, between its prompt and its end: the request the redirect must
+/// answer, the first answer that does (from the listener or pasted), and the login's result,
+/// for everyone who brought an answer to wait for.
+final class CodeLogin: Sendable {
+    let session: String
+    let request: AuthorizationRequest
+
+    /// What an offered redirect did.
+    enum Offer: Equatable {
+        /// It is the login's answer: wait for `result()`.
+        case taken
+        /// Not this login's answer (why, never the input's values): nothing changed.
+        case invalid(String)
+        /// The login has its answer already, or has ended.
+        case closed
+    }
+
+    /// The answer the login waits for: a code to redeem, or the server's refusal.
+    enum Answer: Sendable, Equatable {
+        case code(Secret)
+        case denied(error: String, description: String?)
+    }
+
+    private struct State {
+        var answer: Answer?
+        var closed = false
+        var cancelled = false
+        var answerWaiter: CheckedContinuation<Answer?, Never>?
+        var result: Result<Int, BrokerError>?
+        var resultWaiters: [CheckedContinuation<Result<Int, BrokerError>, Never>] = []
+    }
+
+    private let state = Mutex(State())
+
+    init(session: String, request: AuthorizationRequest) {
+        self.session = session
+        self.request = request
+    }
+
+    /// Offers a redirect (a request-target from the listener, or a pasted URL); the first that
+    /// answers the login is taken, whatever came before it that did not.
+    func offer(_ redirect: String) -> Offer {
+        let answer: Answer
+        switch AuthorizationRequest.readRedirect(redirect, expecting: request) {
+        case let .invalid(reason): return .invalid(reason)
+        case let .code(code): answer = .code(code)
+        case let .denied(error, description): answer = .denied(error: error, description: description)
+        }
+        let waiter: CheckedContinuation<Answer?, Never>?? = state.withLock { state in
+            guard !state.closed, state.answer == nil else { return .none }
+            state.answer = answer
+            defer { state.answerWaiter = nil }
+            return .some(state.answerWaiter)
+        }
+        guard let waiter else { return .closed }
+        waiter?.resume(returning: answer)
+        return .taken
+    }
+
+    /// The login's answer, or nil when none came within `timeout` or the task was cancelled.
+    /// After it returns, nothing more is taken.
+    func answer(within timeout: Duration) async -> Answer? {
+        let answer = await withTaskGroup(of: Answer?.self) { group in
+            group.addTask {
+                try? await Task.sleep(for: timeout)
+                return nil
+            }
+            group.addTask { await self.nextAnswer() }
+            let first = await group.next() ?? nil
+            group.cancelAll()
+            return first
+        }
+        // Closed under the lock: an answer taken meanwhile is the one returned.
+        return state.withLock { state in
+            state.closed = true
+            return state.answer ?? answer
+        }
+    }
+
+    private func nextAnswer() async -> Answer? {
+        await withTaskCancellationHandler {
+            await withCheckedContinuation { (continuation: CheckedContinuation<Answer?, Never>) in
+                let now: Answer?? = state.withLock { state in
+                    if let answer = state.answer { return .some(answer) }
+                    if state.cancelled || state.closed { return .some(nil) }
+                    state.answerWaiter = continuation
+                    return .none
+                }
+                if let now { continuation.resume(returning: now) }
+            }
+        } onCancel: {
+            let waiter = state.withLock { state in
+                state.cancelled = true
+                defer { state.answerWaiter = nil }
+                return state.answerWaiter
+            }
+            waiter?.resume(returning: nil)
+        }
+    }
+
+    /// Ends the login: everyone waiting for `result()` hears it.
+    func finish(_ result: Result<Int, BrokerError>) {
+        let waiters = state.withLock { state in
+            state.closed = true
+            state.result = result
+            defer { state.resultWaiters = [] }
+            return state.resultWaiters
+        }
+        for waiter in waiters { waiter.resume(returning: result) }
+    }
+
+    /// The login's result, once it has one (the login's own task always gives it one).
+    func result() async -> Result<Int, BrokerError> {
+        await withCheckedContinuation { continuation in
+            let now = state.withLock { state in
+                if state.result == nil { state.resultWaiters.append(continuation) }
+                return state.result
+            }
+            if let now { continuation.resume(returning: now) }
+        }
+    }
+}
+
+/// The loopback listener of one code login (RFC 8252 §7.3): it answers `GET /callback` only,
+/// hands the redirect to the login, and shows the browser the login's result. Everything
+/// else is a 404 or a 405; a redirect that is not the login's answer a 400, and the login
+/// goes on waiting.
+enum RedirectListener {
+    static let path = "/callback"
+
+    static let limits = HTTPListenerLimits(maximumConnections: 16, maximumPerUser: 16, concurrentWork: 4, firstByteDeadline: .seconds(5),
+                                           requestDeadline: .seconds(10), answerDeadline: .seconds(5), workDeadline: .seconds(120))
+
+    /// Binds `127.0.0.1` on the first free port of `ports` (none: one the kernel picks).
+    static func open(ports: [UInt16]) -> HTTPListener? {
+        for port in ports.isEmpty ? [0] : ports {
+            if let listener = try? HTTPListener(.tcp(host: "127.0.0.1", port: port), limits: limits) { return listener }
+        }
+        return nil
+    }
+
+    static func route(_ head: [UInt8], _ login: CodeLogin) -> HTTPRouting {
+        guard let (method, target) = HTTPListener.requestLine(head) else { return .answer(page(400, "Bad request", "This is not an HTTP request."), refusal: nil) }
+        guard target.prefix(while: { $0 != "?" }) == path else {
+            return .answer(page(404, "Not found", "This listener takes one thing: the login's redirect."), refusal: nil)
+        }
+        guard method == "GET" else { return .answer(page(405, "Method not allowed", "The login's redirect is a GET."), refusal: nil) }
+        switch login.offer(String(target)) {
+        case let .invalid(reason):
+            return .answer(page(400, "Not this login's answer", "\(reason). The login of \(login.session) is still waiting."), refusal: nil)
+        case .closed:
+            return .answer(page(409, "Login over", "The login of \(login.session) has its answer already, or has ended."), refusal: nil)
+        case .taken:
+            return .work {
+                switch await login.result() {
+                case let .success(generation):
+                    return page(200, "Logged in", "tokenbroker: \(login.session) is logged in (generation \(generation)). You can close this window.")
+                case let .failure(.loginFailed(_, reason)):
+                    return page(403, "Login failed", "tokenbroker: the login of \(login.session) failed: \(reason)")
+                case let .failure(error):
+                    return page(403, "Login failed", "tokenbroker: the login of \(login.session) failed (\(error.name)).")
+                }
+            }
+        }
+    }
+
+    /// A small HTML page that loads nothing, is not cached, and sends no referrer.
+    static func page(_ status: Int, _ title: String, _ text: String) -> [UInt8] {
+        let body = "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>\(escape(title))</title></head>"
+            + "<body><h1>\(escape(title))</h1><p>\(escape(text))</p></body></html>\n"
+        return HTTPListener.response(status, body, type: "text/html; charset=utf-8",
+                                     extra: "Cache-Control: no-store\r\nContent-Security-Policy: default-src 'none'\r\n"
+                                        + "Referrer-Policy: no-referrer\r\nX-Content-Type-Options: nosniff\r\n")
+    }
+
+    static func escape(_ text: String) -> String {
+        var escaped = ""
+        escaped.reserveCapacity(text.utf8.count)
+        for character in text {
+            switch character {
+            case "&": escaped += "&amp;"
+            case "<": escaped += "&lt;"
+            case ">": escaped += "&gt;"
+            case "\"": escaped += "&quot;"
+            case "'": escaped += "&#39;"
+            default: escaped.append(character)
+            }
+        }
+        return escaped
+    }
+}
