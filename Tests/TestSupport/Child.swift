@@ -11,11 +11,14 @@ public final class Child: @unchecked Sendable {
     public let process = Process()
     public let stdoutPath: String
     public let stderrPath: String
+    /// The write end of the child's standard input, with `pipeInput` (`write(toInput:)`).
+    private let input: FileHandle?
 
     /// Runs `executable`; its output files go to `directory`, and it runs in
     /// `workingDirectory` (the test's own when nil).
+    /// With `pipeInput`, its standard input is a pipe the test writes to (`write(toInput:)`).
     public init(_ executable: String, _ arguments: [String], environment: [String: String]? = nil, directory: String, stdin: String? = nil,
-                workingDirectory: String? = nil) throws {
+                pipeInput: Bool = false, workingDirectory: String? = nil) throws {
         process.executableURL = URL(fileURLWithPath: executable)
         process.arguments = arguments
         if let workingDirectory { process.currentDirectoryURL = URL(fileURLWithPath: workingDirectory) }
@@ -37,7 +40,11 @@ public final class Child: @unchecked Sendable {
             process.standardOutput = output
             process.standardError = errors
         }
-        if let stdin {
+        var pipe: Pipe?
+        if pipeInput {
+            pipe = Pipe()
+            process.standardInput = pipe
+        } else if let stdin {
             let inputPath = "\(directory)/\(name).in"
             try stdin.write(toFile: inputPath, atomically: true, encoding: .utf8)
             if let input = FileHandle(forReadingAtPath: inputPath) {
@@ -47,7 +54,19 @@ public final class Child: @unchecked Sendable {
         } else {
             process.standardInput = FileHandle.nullDevice
         }
+        input = pipe?.fileHandleForWriting
         try process.run()
+        try? pipe?.fileHandleForReading.close()
+    }
+
+    /// Writes to the child's standard input (a pipe: `pipeInput`).
+    public func write(toInput text: String) {
+        try? input?.write(contentsOf: Array(text.utf8))
+    }
+
+    /// Closes the child's standard input (it reads its end).
+    public func closeInput() {
+        try? input?.close()
     }
 
     public var stdout: String { (try? String(contentsOfFile: stdoutPath, encoding: .utf8)) ?? "" }

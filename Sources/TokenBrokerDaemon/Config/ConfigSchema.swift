@@ -101,7 +101,7 @@ public enum ConfigSchema {
                   same: { $0.oauth.login.redirectPorts == $1.oauth.login.redirectPorts }) { settings, entry, _ throws(ConfigError) in
             settings.oauth.login.redirectPorts = try ConfigParsing.ports(entry)
         },
-        ConfigKey("LoginTimeout", \.oauth.login.timeout, .duration(.seconds(10)...Duration.seconds(3600)), default: "5min",
+        ConfigKey("LoginTimeout", \.oauth.login.timeout, .duration(.seconds(1)...Duration.seconds(3600)), default: "5min",
                   change: .keepsSession, "how long a code login waits for the browser's redirect"),
         ConfigKey("ClientID", takes: "text", change: .rebuildsSession, "the client registration's id",
                   same: { $0.oauth.client.clientID == $1.oauth.client.clientID }) { settings, entry, _ throws(ConfigError) in
