@@ -11,8 +11,9 @@ SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
 # tests start their own etcd clusters on loopback ports; where systemd runs, the package also
 # starts its own etcd service on localhost:2379, which the tests do not use; the same for
 # docker-registry's on :5000), and git, skopeo and docker-registry (real clients and a real
-# registry for the credential-helper tests).
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus git skopeo docker-registry
+# registry for the credential-helper tests), and libqrencode4 (ctl login draws the QR code of a
+# code login's URL with it, loaded only then).
+APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev libqrencode4 varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus git skopeo docker-registry
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
@@ -88,8 +89,8 @@ system-test: deps deb
 # against the real daemon and the development issuer.
 PY_CLIENT_VENV = .build/tools/python-client
 python-test: build
-	@[ -x $(PY_CLIENT_VENV)/bin/keyring ] && $(PY_CLIENT_VENV)/bin/python -c 'import pydpop' 2>/dev/null || { python3 -m venv $(PY_CLIENT_VENV) && \
-	  $(PY_CLIENT_VENV)/bin/pip install -q pytest requests httpx keyring pydpop; }
+	@[ -x $(PY_CLIENT_VENV)/bin/keyring ] && $(PY_CLIENT_VENV)/bin/python -c 'import pydpop, zxingcpp' 2>/dev/null || { python3 -m venv $(PY_CLIENT_VENV) && \
+	  $(PY_CLIENT_VENV)/bin/pip install -q pytest requests httpx keyring pydpop zxing-cpp numpy; }
 	$(PY_CLIENT_VENV)/bin/pip install -q --force-reinstall --no-deps ./clients/python
 	cd clients/python && TOKENBROKER_BIN="$$($(SWIFT) build --show-bin-path)" $(CURDIR)/$(PY_CLIENT_VENV)/bin/pytest -q -p no:cacheprovider tests
 
