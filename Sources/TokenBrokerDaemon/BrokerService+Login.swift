@@ -93,9 +93,9 @@ extension BrokerService {
         let began = await session.coordinator.status().generation
         let client: OAuthClient
         let proofKey: Secret?
-        let authorizationEndpoint: String
+        let server: HTTPTokenSource.CodeLoginServer
         do {
-            authorizationEndpoint = try await upstream.authorizationCodeEndpoints().authorization ?? ""
+            server = try await upstream.codeLoginServer()
             proofKey = try upstream.newProofKey()
             client = try await upstream.client(proofKey: proofKey)
         } catch {
@@ -107,12 +107,13 @@ extension BrokerService {
         }
         // The browser's page is sent before the listener closes.
         defer { listener.drain() }
-        let request = AuthorizationRequest(redirectURI: "http://127.0.0.1:\(listener.port)\(RedirectListener.path)")
+        let request = AuthorizationRequest(redirectURI: "http://127.0.0.1:\(listener.port)\(RedirectListener.path)", issuer: server.issuer,
+                                           issuerRequired: server.issuerInRedirect)
         let login = CodeLogin(session: name, request: request)
         listener.start(route: { head, _ in RedirectListener.route(head, login) }, refused: { _ in })
         codeLogins.publish(login)
         let scope = settings.client.scope
-        let prompt = CodeLoginEvent.prompt(authorizationUri: request.url(authorizationEndpoint: authorizationEndpoint, clientID: settings.client.clientID,
+        let prompt = CodeLoginEvent.prompt(authorizationUri: request.url(authorizationEndpoint: server.authorizationEndpoint, clientID: settings.client.clientID,
                                                                          scope: scope),
                                            redirectUri: request.redirectURI, expiresIn: Int64(settings.login.timeout.seconds))
         sink.send(VarlinkReply(parameters: prompt.parameters, continues: true))
@@ -215,33 +216,31 @@ extension BrokerService {
             logger.warning("\(flow) of session \(name): the server gave no refresh token, so the session ends when this access token expires",
                            session: name)
         }
+        let result: Result<Int, BrokerError>
         do {
-            let reply = try await boundary(name) { [self] session in
+            let reply = try await boundary(name) { session in
                 // A reload may have pointed the session at another server meanwhile: a token of
                 // this one must not be installed there.
                 guard session.upstream === upstream else {
-                    revokeInBackground(token, client, name, because: "the session was reconfigured during the login")
                     return BrokerError.loginFailed(session: name, reason: "the session was reconfigured during the login; log in again").reply
                 }
-                do {
-                    let generation = try await session.coordinator.login(refreshToken: token.refreshToken, proofKey: proofKey, initial: token,
-                                                                         expecting: began)
-                    logger.log(.notice, "\(flow) of session \(name) done: generation \(generation)", session: name, generation: generation)
-                    return VarlinkReply(parameters: LoginReply(generation: generation).parameters)
-                } catch {
-                    if case SessionError.superseded = error {
-                        revokeInBackground(token, client, name, because: "a logout or another login came first")
-                    }
-                    throw error
-                }
+                let generation = try await session.coordinator.login(refreshToken: token.refreshToken, proofKey: proofKey, initial: token,
+                                                                     expecting: began)
+                logger.log(.notice, "\(flow) of session \(name) done: generation \(generation)", session: name, generation: generation)
+                return VarlinkReply(parameters: LoginReply(generation: generation).parameters)
             }
-            if let error = BrokerError(reply, session: name) { return .failure(error) }
-            return .success(LoginReply(reply.parameters).generation)
+            result = BrokerError(reply, session: name).map { .failure($0) } ?? .success(LoginReply(reply.parameters).generation)
         } catch {
-            let contract = contractError(error, session: name)
-            logger.warning("\(flow) of session \(name) failed: \(contract.name)", session: name)
-            return .failure(contract)
+            result = .failure(contractError(error, session: name))
         }
+        // Not installed (reconfigured, superseded, removed by a reload, not stored): what the
+        // login got is revoked.
+        if case let .failure(error) = result {
+            let reason = if case let .loginFailed(_, reason) = error { reason } else { error.name }
+            logger.warning("\(flow) of session \(name) failed: \(reason)", session: name)
+            revokeInBackground(token, client, name, because: "the login was not installed (\(reason))")
+        }
+        return result
     }
 
     /// Revokes the refresh token of a login that was refused (RFC 7009), in the background.

@@ -41,19 +41,26 @@ public struct AuthorizationRequest: Sendable {
     /// OpenID Connect's replay defence: the ID token must carry it back.
     public let nonce: String
     public let pkce: PKCE
+    /// The issuer the answer must come from (RFC 9207): a redirect's `iss`, when it has one,
+    /// must be this; with `issuerRequired` (the server's metadata promises `iss`), it must
+    /// have one. nil: `iss` is not checked (no `Issuer=` to compare it with).
+    public let issuer: String?
+    public let issuerRequired: Bool
 
     /// A fresh request: 32 random bytes each for `state`, `nonce` and the PKCE verifier.
-    public init(redirectURI: String) {
+    public init(redirectURI: String, issuer: String? = nil, issuerRequired: Bool = false) {
         self.init(redirectURI: redirectURI, state: Base64.urlEncode(Self.randomBytes(32)), nonce: Base64.urlEncode(Self.randomBytes(32)),
-                  pkce: .make())
+                  pkce: .make(), issuer: issuer, issuerRequired: issuerRequired)
     }
 
     /// A request kept earlier.
-    public init(redirectURI: String, state: String, nonce: String, pkce: PKCE) {
+    public init(redirectURI: String, state: String, nonce: String, pkce: PKCE, issuer: String? = nil, issuerRequired: Bool = false) {
         self.redirectURI = redirectURI
         self.state = state
         self.nonce = nonce
         self.pkce = pkce
+        self.issuer = issuer
+        self.issuerRequired = issuer != nil && issuerRequired
     }
 
     /// The URL to open in a browser: `authorizationEndpoint` (whose own query is kept, RFC 6749
@@ -83,9 +90,10 @@ public struct AuthorizationRequest: Sendable {
     /// (a full URL: its scheme, authority and path, exactly), at most `mostParameters`
     /// parameters, each `name=value` once, percent-encoding well formed and decoding to UTF-8,
     /// and the request's `state` (compared in constant time) before anything else is believed.
-    /// Then an `error` (a short plain code) is `.denied`, with its description made one
-    /// printable line; else a `code` of visible ASCII is `.code`. Other parameters (`iss`,
-    /// `session_state`) are ignored, as RFC 6749 §4.1.2 asks.
+    /// Then `iss` (RFC 9207) when the request names its issuer; then an `error` (a short plain
+    /// code) is `.denied`, with its description made one printable line; else a `code` of
+    /// visible ASCII is `.code`. Other parameters (`session_state`) are ignored, as RFC 6749
+    /// §4.1.2 asks.
     public static func readRedirect(_ target: String, expecting request: AuthorizationRequest) -> RedirectOutcome {
         guard target.utf8.count <= longestRedirect else { return .invalid("the redirect is longer than \(longestRedirect) bytes") }
         var bytes = ArraySlice(target.utf8)
@@ -114,6 +122,14 @@ public struct AuthorizationRequest: Sendable {
         }
         guard let state = parameters["state"] else { return .invalid("the redirect has no state") }
         guard Self.constantTimeEqual(state, request.state) else { return .invalid("the redirect's state is not the login's") }
+        // RFC 9207 §2.4: an answer from another issuer is a mix-up, whatever it says.
+        if let expected = request.issuer {
+            if let issuer = parameters["iss"] {
+                guard issuer == expected else { return .invalid("the redirect's iss names another issuer (RFC 9207 mix-up defence)") }
+            } else if request.issuerRequired {
+                return .invalid("the redirect has no iss, which the server's metadata says it always sends (RFC 9207)")
+            }
+        }
         if let error = parameters["error"] {
             guard parameters["code"] == nil else { return .invalid("the redirect has both a code and an error") }
             guard Self.isPlainCode(error) else { return .invalid("the redirect's error is not a short plain code") }

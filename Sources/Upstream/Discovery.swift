@@ -14,6 +14,9 @@ public struct AuthorizationServerMetadata: Sendable, Equatable {
     /// `code_challenge_methods_supported` (RFC 8414 §2): nil when the server lists none (it may
     /// still take PKCE).
     public var codeChallengeMethods: [String]? = nil
+    /// `authorization_response_iss_parameter_supported` (RFC 9207 §3): every authorization
+    /// response carries `iss`, so one without it is not this server's.
+    public var issuerInAuthorizationResponse = false
 }
 
 public enum Discovery {
@@ -86,7 +89,8 @@ extension AuthorizationServerMetadata {
                   // (Bounded: a few short names are all a server has to say.)
                   dpopSigningAlgorithms: Self.names(object["dpop_signing_alg_values_supported"]),
                   authorizationEndpoint: object["authorization_endpoint"]?.stringValue,
-                  codeChallengeMethods: Self.names(object["code_challenge_methods_supported"]))
+                  codeChallengeMethods: Self.names(object["code_challenge_methods_supported"]),
+                  issuerInAuthorizationResponse: object["authorization_response_iss_parameter_supported"]?.boolValue == true)
     }
 
     /// A list of algorithm or method names, bounded: a few short names are all a server has to say.

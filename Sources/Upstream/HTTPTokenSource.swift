@@ -78,19 +78,30 @@ public final class HTTPTokenSource: TokenSource {
         return metadata
     }
 
-    /// The endpoints for an authorization code login: `endpoints()` with the authorization
-    /// endpoint, from the metadata when it is not configured. (Only a login asks for it: the
-    /// endpoint alone never makes a refresh wait on discovery.)
-    public func authorizationCodeEndpoints() async throws(FetchFailure) -> OAuthEndpoints {
-        var endpoints = try await endpoints()
-        if endpoints.authorization == nil, issuer != nil {
-            endpoints.authorization = try await discover()?.authorizationEndpoint
-        }
-        guard let authorization = endpoints.authorization else {
+    /// What an authorization code login needs of the server: its authorization endpoint
+    /// (configured, else from the metadata), and whether its redirects always carry `iss`.
+    public struct CodeLoginServer: Sendable {
+        public var authorizationEndpoint: String
+        /// The issuer a redirect's `iss` must name (`Issuer=`; nil without one).
+        public var issuer: String?
+        /// The metadata says every redirect carries `iss` (RFC 9207).
+        public var issuerInRedirect: Bool
+    }
+
+    /// The server as a code login sees it. A server whose metadata lists PKCE methods without
+    /// S256 is refused (tokenbroker sends no other). (Only a login asks for this: the
+    /// authorization endpoint never makes a refresh wait on discovery.)
+    public func codeLoginServer() async throws(FetchFailure) -> CodeLoginServer {
+        let endpoints = try await endpoints()
+        let metadata = issuer != nil ? try await discover() : nil
+        guard let authorization = endpoints.authorization ?? metadata?.authorizationEndpoint else {
             throw .terminal("client configuration: no authorization endpoint (set AuthorizationEndpoint= or Issuer=)")
         }
         if let problem = EndpointPolicy.problem(with: authorization) { throw .transient("refused authorization endpoint: \(problem)") }
-        return endpoints
+        if let methods = metadata?.codeChallengeMethods, !methods.contains(PKCE.method) {
+            throw .terminal("the server's metadata lists no S256 among its PKCE methods (code_challenge_methods_supported)")
+        }
+        return CodeLoginServer(authorizationEndpoint: authorization, issuer: issuer, issuerInRedirect: metadata?.issuerInAuthorizationResponse == true)
     }
 
     /// Forgets the discovered metadata (on reload).

@@ -79,24 +79,44 @@ struct CodeLoginTests {
         return (status, headers, String(text[split.upperBound...]))
     }
 
+    /// A redirect URL the issuer sent the browser: it carries a code, so it prints as a
+    /// fingerprint, and so does its request-target (a test's failure message shows neither).
+    struct Redirect: Sendable, CustomStringConvertible {
+        let url: String
+        var description: String { "a redirect (\(fp(url)))" }
+
+        /// What the browser sends the listener: the path and query.
+        var target: Target {
+            let afterScheme = url.dropFirst("http://".count)
+            return Target(text: String(afterScheme[(afterScheme.firstIndex(of: "/") ?? afterScheme.endIndex)...]))
+        }
+
+        func replacingOccurrences(of old: String, with new: String) -> Redirect {
+            Redirect(url: url.replacingOccurrences(of: old, with: new))
+        }
+    }
+
+    struct Target: Sendable, CustomStringConvertible {
+        let text: String
+        var description: String { "a request-target (\(fp(text)))" }
+    }
+
+    static func get(_ port: Int, _ target: Target) -> (status: Int, headers: [String: String], body: String)? {
+        get(port, target.text)
+    }
+
     /// What a browser does with the authorization URL: the redirect it is sent (not followed).
-    static func authorize(_ issuer: DevIssuer, _ url: String) throws -> String {
+    static func authorize(_ issuer: DevIssuer, _ url: String) throws -> Redirect {
         #expect(url.hasPrefix(issuer.authorizationEndpoint + "?"))
         let answer = try #require(get(Int(issuer.port), String(url.dropFirst(issuer.baseURL.utf8.count))), "the issuer answers")
         #expect(answer.status == 302, "the authorization endpoint redirects (HTTP \(answer.status))")
-        return try #require(answer.headers["location"], "a Location")
+        return Redirect(url: try #require(answer.headers["location"], "a Location"))
     }
 
     /// The listener's port and path in a redirect URI.
     static func port(of uri: String) -> Int? {
         guard uri.hasPrefix("http://127.0.0.1:") else { return nil }
         return Int(uri.dropFirst("http://127.0.0.1:".count).prefix(while: \.isNumber))
-    }
-
-    /// The request-target of a redirect URL (what the browser sends the listener).
-    static func target(_ redirect: String) -> String {
-        let afterScheme = redirect.dropFirst("http://".count)
-        return String(afterScheme[(afterScheme.firstIndex(of: "/") ?? afterScheme.endIndex)...])
     }
 
     /// A CodeLogin call and its prompt, on a connection the caller keeps for the final reply.
@@ -132,8 +152,9 @@ struct CodeLoginTests {
             #expect(!out.contains("█"))
 
             let redirect = try Self.authorize(issuer, url)
-            #expect(redirect.hasPrefix(redirectURI + "?"))
-            let page = try #require(Self.get(port, Self.target(redirect)), "the listener answers")
+            let toListener = redirect.url.hasPrefix(redirectURI + "?")
+            #expect(toListener)
+            let page = try #require(Self.get(port, redirect.target), "the listener answers")
             #expect(page.status == 200 && page.body.contains("web is logged in (generation 1)"), "HTTP \(page.status)")
             #expect(page.headers["content-security-policy"] == "default-src 'none'" && page.headers["cache-control"] == "no-store")
             #expect(await login.wait() == 0, "\(login.stderr)")
@@ -155,10 +176,10 @@ struct CodeLoginTests {
             let redirect = try Self.authorize(issuer, url)
             login.write(toInput: "not an address\n")
             try await eventually("the hint") { login.stderr.contains("paste the whole address") }
-            login.write(toInput: redirect.replacingOccurrences(of: "state=", with: "state=x") + "\n")
+            login.write(toInput: redirect.replacingOccurrences(of: "state=", with: "state=x").url + "\n")
             try await eventually("the state refusal") { login.stderr.contains("the redirect's state is not the login's; the login is still waiting") }
             #expect(login.process.isRunning)
-            login.write(toInput: "  " + redirect + "  \n")
+            login.write(toInput: "  " + redirect.url + "  \n")
             #expect(await login.wait() == 0, "\(login.stderr)")
             #expect(login.stdout.hasSuffix("logged in web (generation 1)\n"))
             #expect(!login.stderr.contains("code="), "no redirect is echoed")
@@ -188,7 +209,7 @@ struct CodeLoginTests {
             let (client, url, redirectURI) = try Self.begin(broker)
             let redirect = try Self.authorize(issuer, url)
             let port = try #require(Self.port(of: redirectURI))
-            let page = try #require(Self.get(port, Self.target(redirect)))
+            let page = try #require(Self.get(port, redirect.target))
             #expect(page.status == 403 && page.body.contains("access_denied"))
             let end = try client.nextReply()
             #expect(Self.loginFailed(end) == "the authorization server refused: access_denied (The user denied the request.)")
@@ -204,14 +225,14 @@ struct CodeLoginTests {
             let port = try #require(Self.port(of: redirectURI))
             issuer.inject([.wrongState])
             let forged = try Self.authorize(issuer, url)
-            let refused = try #require(Self.get(port, Self.target(forged)))
+            let refused = try #require(Self.get(port, forged.target))
             #expect(refused.status == 400 && refused.body.contains("state is not the login") && refused.body.contains("still waiting"))
             #expect(Self.get(port, "/")?.status == 404)
             #expect(Self.get(port, "/callback/x?code=a&state=b")?.status == 404)
             #expect(Self.get(port, "/callback", method: "POST")?.status == 405)
             #expect(Self.raw(port, "garbage\r\n\r\n")?.status == 400)
             // The login still waits: its own redirect ends it.
-            let page = try #require(Self.get(port, Self.target(try Self.authorize(issuer, url))))
+            let page = try #require(Self.get(port, (try Self.authorize(issuer, url)).target))
             #expect(page.status == 200)
             #expect(try client.nextReply().parameters == ["event": "done", "generation": 1])
         }
@@ -222,16 +243,17 @@ struct CodeLoginTests {
         try await Self.withIssuerAndBroker { issuer, broker in
             let first = try Self.begin(broker)
             let redirect = try Self.authorize(issuer, first.authorizationUri)
-            #expect(Self.get(try #require(Self.port(of: first.redirectUri)), Self.target(redirect))?.status == 200)
+            #expect(Self.get(try #require(Self.port(of: first.redirectUri)), redirect.target)?.status == 200)
             #expect(try first.client.nextReply().parameters["generation"] == 1)
             // Pasted again: no login waits.
-            let again = try broker.call("CompleteCodeLogin", ["session": "web", "redirectUrl": .string(redirect)])
+            let again = try broker.call("CompleteCodeLogin", ["session": "web", "redirectUrl": .string(redirect.url)])
             #expect(Self.loginFailed(again)?.hasPrefix("no code login of this session is waiting") == true)
 
             // The spent code carried into a new login (with that login's state): redeemed, refused.
             let second = try Self.begin(broker)
             let state = try #require(second.authorizationUri.firstRange(of: "state=").map { second.authorizationUri[$0.upperBound...].prefix { $0 != "&" } })
-            let code = try #require(redirect.firstRange(of: "code=").map { redirect[$0.upperBound...].prefix { $0 != "&" } })
+            let spent = redirect.url.firstRange(of: "code=").map { redirect.url[$0.upperBound...].prefix { $0 != "&" } }
+            let code = try #require(spent, "the redirect has a code")
             let carried = second.redirectUri + "?code=\(code)&state=\(state)"
             let answer = try broker.call("CompleteCodeLogin", ["session": "web", "redirectUrl": .string(carried)])
             #expect(Self.loginFailed(answer)?.hasPrefix("the code was not redeemed: invalid_grant") == true, "\(answer.error ?? "")")
@@ -248,14 +270,14 @@ struct CodeLoginTests {
         try await Self.withIssuerAndBroker { issuer, broker in
             // Logged in once, so that the logout is a boundary between two generations.
             let first = try Self.begin(broker)
-            #expect(Self.get(Self.port(of: first.redirectUri)!, Self.target(try Self.authorize(issuer, first.authorizationUri)))?.status == 200)
+            #expect(Self.get(Self.port(of: first.redirectUri)!, (try Self.authorize(issuer, first.authorizationUri)).target)?.status == 200)
             #expect(try first.client.nextReply().parameters["generation"] == 1)
 
             let login = try Self.begin(broker)
             let redirect = try Self.authorize(issuer, login.authorizationUri)
             #expect(try broker.call("Logout", ["session": "web"]).error == nil)
             let revocationsBefore = issuer.counters.revocations
-            let answer = try broker.call("CompleteCodeLogin", ["session": "web", "redirectUrl": .string(redirect)])
+            let answer = try broker.call("CompleteCodeLogin", ["session": "web", "redirectUrl": .string(redirect.url)])
             #expect(Self.loginFailed(answer)?.hasPrefix("the session was logged out or logged in again while this login waited") == true,
                     "\(answer.error ?? "")")
             #expect(Self.loginFailed(try login.client.nextReply()) != nil)
@@ -270,10 +292,28 @@ struct CodeLoginTests {
             try String(Self.config(issuer).replacingOccurrences(of: "RequestTimeout=5s", with: "RequestTimeout=6s")
                 .replacingOccurrences(of: "@DIR@", with: broker.directory)).write(toFile: broker.configPath, atomically: true, encoding: .utf8)
             #expect(try broker.call("Reload").error == nil)
-            let answer = try broker.call("CompleteCodeLogin", ["session": "web", "redirectUrl": .string(redirect)])
+            let answer = try broker.call("CompleteCodeLogin", ["session": "web", "redirectUrl": .string(redirect.url)])
             #expect(Self.loginFailed(answer) == "the session was reconfigured during the login; log in again", "\(answer.error ?? "")")
             #expect(try broker.call("GetToken", ["session": "web"]).error == "io.tokenbroker.Broker.SignedOut")
             try await eventually("its refresh token is revoked") { issuer.counters.revocations == 1 }
+        }
+    }
+
+    @Test("a session with Issuer=: the redirect's iss must be that issuer (RFC 9207, which the dev issuer's metadata promises): another's, or none, is a 400 and the login goes on; its own logs in")
+    func issuerChecked() async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            let login = try Self.begin(broker, "api")
+            let port = try #require(Self.port(of: login.redirectUri))
+            let redirect = try Self.authorize(issuer, login.authorizationUri)
+            // (Booleans only: the redirect carries the code.)
+            let iss = redirect.url.firstRange(of: "&iss=").map { "&" + redirect.url[redirect.url.index(after: $0.lowerBound)...].prefix { $0 != "&" } }
+            let ownIssuer = try #require(iss, "the dev issuer sends iss")
+            let mixedUp = Self.get(port, (redirect.replacingOccurrences(of: ownIssuer, with: "&iss=https%3A%2F%2Fevil.example")).target)
+            #expect(mixedUp?.status == 400 && mixedUp?.body.contains("another issuer") == true)
+            let withoutIss = Self.get(port, (redirect.replacingOccurrences(of: ownIssuer, with: "")).target)
+            #expect(withoutIss?.status == 400 && withoutIss?.body.contains("no iss") == true)
+            #expect(Self.get(port, redirect.target)?.status == 200)
+            #expect(try login.client.nextReply().parameters == ["event": "done", "generation": 1])
         }
     }
 
@@ -327,7 +367,7 @@ struct CodeLoginTests {
             issuer.inject([.idTokenNonce("someone-elses")])
             let redirect = try Self.authorize(issuer, login.authorizationUri)
             let port = try #require(Self.port(of: login.redirectUri))
-            let page = try #require(Self.get(port, Self.target(redirect)))
+            let page = try #require(Self.get(port, redirect.target))
             #expect(page.status == 403 && page.body.contains("nonce"))
             #expect(Self.loginFailed(try login.client.nextReply()) == "the id_token's nonce is not the login's (a replayed or injected ID token)")
             #expect(try broker.call("GetToken", ["session": "web"]).error == "io.tokenbroker.Broker.SignedOut")
@@ -358,7 +398,7 @@ struct CodeLoginTests {
                 }
             }
             // The login was not answered by any of it.
-            let page = try #require(Self.get(port, Self.target(try Self.authorize(issuer, login.authorizationUri))))
+            let page = try #require(Self.get(port, (try Self.authorize(issuer, login.authorizationUri)).target))
             #expect(page.status == 200)
             #expect(try login.client.nextReply().parameters["generation"] == 1)
         }

@@ -407,10 +407,12 @@ struct AuthorizationCodeTests {
         let configured = HTTPTokenSource(grant: .refreshToken, configuration: configuration, endpoints: explicit, issuer: issuer.baseURL)
         let before = issuer.counters.metadataRequests
         #expect(try await configured.endpoints().authorization == nil && issuer.counters.metadataRequests == before)
-        #expect(try await configured.authorizationCodeEndpoints().authorization == issuer.authorizationEndpoint)
+        let seen = try await configured.codeLoginServer()
+        #expect(seen.authorizationEndpoint == issuer.authorizationEndpoint && seen.issuer == issuer.baseURL && seen.issuerInRedirect,
+                "the dev issuer's metadata promises iss on its redirects (RFC 9207)")
         let none = HTTPTokenSource(grant: .refreshToken, configuration: configuration, endpoints: explicit, issuer: nil)
         await #expect(throws: FetchFailure.terminal("client configuration: no authorization endpoint (set AuthorizationEndpoint= or Issuer=)")) {
-            try await none.authorizationCodeEndpoints()
+            try await none.codeLoginServer()
         }
 
         // Metadata that points the authorization endpoint at http:// off loopback is refused by a
@@ -427,10 +429,44 @@ struct AuthorizationCodeTests {
         defer { server.stop() }
         let hostile = HTTPTokenSource(grant: .refreshToken, configuration: configuration, endpoints: nil, issuer: "http://127.0.0.1:\(port)")
         #expect(try await hostile.endpoints().token == "http://127.0.0.1:\(port)/token")
-        let refused = await #expect(throws: FetchFailure.self) { try await hostile.authorizationCodeEndpoints() }
+        let refused = await #expect(throws: FetchFailure.self) { try await hostile.codeLoginServer() }
         #expect(refused?.reason.hasPrefix("refused authorization endpoint: http:// is allowed only for loopback") == true)
         let read = try await Discovery.fetch(issuer: "http://127.0.0.1:\(port)")
-        #expect(read.codeChallengeMethods == ["S256", "plain"])
+        #expect(read.codeChallengeMethods == ["S256", "plain"] && !read.issuerInAuthorizationResponse)
+
+        // A server whose PKCE methods do not include S256 cannot be logged in with.
+        let plainOnly = try LoopbackHTTPServer { request in
+            .respond(status: 200, headers: [("Content-Type", "application/json")], body: Array("""
+                {"issuer":"\(request.header("host").map { "http://" + $0 } ?? "")","token_endpoint":"http://127.0.0.1:1/token",
+                 "authorization_endpoint":"http://127.0.0.1:1/authorize","code_challenge_methods_supported":["plain"]}
+                """.utf8))
+        }
+        defer { plainOnly.stop() }
+        let weak = HTTPTokenSource(grant: .refreshToken, configuration: configuration, endpoints: nil, issuer: "http://127.0.0.1:\(plainOnly.port)")
+        await #expect(throws: FetchFailure.terminal("the server's metadata lists no S256 among its PKCE methods (code_challenge_methods_supported)")) {
+            try await weak.codeLoginServer()
+        }
+    }
+
+    @Test("RFC 9207: with the issuer named, a redirect's iss must be it; with iss promised by the metadata, a redirect without one is refused; without an issuer to compare, iss is ignored")
+    func issuerInRedirect() {
+        let request = AuthorizationRequest(redirectURI: Self.redirectURI, issuer: "https://as.example", issuerRequired: true)
+        func redirect(_ extra: String) -> String { Self.redirectURI + "?code=c1&state=\(request.state)" + extra }
+        #expect(AuthorizationRequest.readRedirect(redirect("&iss=https%3A%2F%2Fas.example"), expecting: request) == .code(Secret("c1")))
+        #expect(AuthorizationRequest.readRedirect(redirect("&iss=https%3A%2F%2Fevil.example"), expecting: request)
+                == .invalid("the redirect's iss names another issuer (RFC 9207 mix-up defence)"))
+        #expect(AuthorizationRequest.readRedirect(redirect(""), expecting: request)
+                == .invalid("the redirect has no iss, which the server's metadata says it always sends (RFC 9207)"))
+        let optional = AuthorizationRequest(redirectURI: Self.redirectURI, state: request.state, nonce: request.nonce, pkce: request.pkce,
+                                            issuer: "https://as.example")
+        #expect(AuthorizationRequest.readRedirect(redirect(""), expecting: optional) == .code(Secret("c1")))
+        #expect(AuthorizationRequest.readRedirect(redirect("&iss=x"), expecting: optional) != .code(Secret("c1")))
+        let unnamed = AuthorizationRequest(redirectURI: Self.redirectURI, state: request.state, nonce: request.nonce, pkce: request.pkce,
+                                           issuerRequired: true)
+        #expect(AuthorizationRequest.readRedirect(redirect("&iss=anything"), expecting: unnamed) == .code(Secret("c1")))
+        // An error answer from another issuer is not believed either.
+        #expect(AuthorizationRequest.readRedirect(Self.redirectURI + "?error=access_denied&state=\(request.state)&iss=https%3A%2F%2Fevil.example",
+                                                  expecting: request) == .invalid("the redirect's iss names another issuer (RFC 9207 mix-up defence)"))
     }
 
     @Test("HMAC-SHA-256 of the ID token's signature: RFC 4231 cases 2 and 6 (a key longer than a block)")
