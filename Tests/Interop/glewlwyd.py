@@ -9,7 +9,10 @@ BIN_DIR holds `tokenbroker` and `tokenbroker-daemon`. The Glewlwyd fixture
 API. The daemon runs as the current user with its own socket, state directory and configuration.
 
 Checks: login and refresh with rotation (client_secret_post and client_secret_basic), a storm of
-worker processes -> one refresh, discovery, client_credentials, logout revoking upstream, a
+worker processes -> one refresh, discovery, the device flow, the authorization code flow with PKCE
+(`ctl login --flow=code`: the fixture plays the browser; the redirect reaches the daemon's
+loopback listener, or is pasted into ctl; Glewlwyd's records of the code, its S256 challenge and
+nonce; Glewlwyd refusing a request without PKCE), client_credentials, logout revoking upstream, a
 refresh token revoked at the server -> the session ends after a bounded number of requests,
 short-lived tokens under the default RefreshAhead= -> no Throttled and at most one refresh per
 half lifetime, the journal line of each outcome, and DPoP (RFC 9449; what Glewlwyd 2.7.5 does
@@ -24,13 +27,16 @@ is printed: tokens are named by a short fingerprint.
 
 import base64
 import hashlib
+import http.client
 import json
 import os
+import queue
 import shutil
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -99,6 +105,13 @@ class Fixture:
         return code is not None and subprocess.run([sys.executable, FIXTURE, "approve-device", "--dir", self.directory,
                                                     "--user-code", code, "--plugin", plugin],
                                                    capture_output=True, timeout=60).returncode == 0
+
+    def authorize(self, url):
+        """Plays the browser for an authorization URL as the fixture user: (exit status, the
+        Location it ended on (a secret: it carries the code) or "", its stderr's tail)."""
+        out = subprocess.run([sys.executable, FIXTURE, "authorize", "--dir", self.directory, "--url", url],
+                             capture_output=True, text=True, timeout=STEP_TIMEOUT)
+        return out.returncode, out.stdout.strip(), out.stderr.strip()[:300]
 
     def revoke(self, token):
         """RFC 7009, as the post client."""
@@ -179,6 +192,84 @@ def finish_device_login(login):
     return login.returncode, login.stderr.read().strip()[:200]
 
 
+class CodeLogin:
+    """`ctl login NAME [flags]` for the authorization code flow, its stdin a pipe (a pasted
+    redirect) and its stdout read by a thread, so every wait has a deadline."""
+
+    def __init__(self, daemon, name, *flags):
+        self.process = subprocess.Popen([os.path.join(daemon.bin_dir, "tokenbroker"), "ctl", "--socket", daemon.socket,
+                                         "login", name, *flags],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines = queue.Queue()
+        self.printed = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.url = self.waiting = None
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while self.waiting is None:
+            line = self._next(deadline)
+            if line is None:
+                break
+            if line.strip().startswith("http") and "response_type=code" in line:
+                self.url = line.strip()
+            elif line.startswith("Waiting for the login"):
+                self.waiting = line.strip()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _next(self, deadline):
+        try:
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        if line is not None:
+            self.printed.append(line)
+        return line
+
+    def paste(self, text):
+        try:
+            self.process.stdin.write(text + "\n")
+            self.process.stdin.flush()
+        except OSError:
+            pass
+
+    def finish(self):
+        """Waits for ctl: (exit status, its last stdout line, its stderr)."""
+        try:
+            self.process.wait(timeout=STEP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.reader.join(timeout=STEP_TIMEOUT)
+        while self._next(time.monotonic()) is not None:
+            pass
+        last = next((line.strip() for line in reversed(self.printed) if line.strip()), "")
+        return self.process.returncode, last, self.process.stderr.read().strip()[:200]
+
+
+def listener_get(location):
+    """GET a redirect's path and query at the daemon's loopback listener, as the browser would
+    (no redirects): (HTTP status, the page as text)."""
+    target = urllib.parse.urlsplit(location)
+    connection = http.client.HTTPConnection(target.hostname, target.port, timeout=10)
+    try:
+        connection.request("GET", target.path + ("?" + target.query if target.query else ""))
+        response = connection.getresponse()
+        return response.status, response.read(65536).decode(errors="replace")
+    except OSError as error:
+        return None, str(error)
+    finally:
+        connection.close()
+
+
+def query_of(url):
+    """A URL's query parameters, the first value of each."""
+    return {key: values[0] for key, values in urllib.parse.parse_qs(urllib.parse.urlsplit(url or "").query).items()}
+
+
 def b64url_json(part):
     try:
         return json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
@@ -251,6 +342,8 @@ def main():
         config += session("glwd-out", clients["basic"], "client_secret_basic", **endpoints)
         config += session("glwd-device", clients["post"], "client_secret_post", Scope="api",
                           DeviceAuthorizationEndpoint=info["device_authorization_endpoint"], **endpoints)
+        config += session("glwd-code", clients["post"], "client_secret_post", Issuer=info["issuer"], Scope="openid api",
+                          LoginRedirectPorts=info["code_redirect_port"], LoginFlow="code")
         # DPoP sessions: the `oidc` plugin accepts DPoP; `oidcnonce` insists on its nonce.
         nonce_plugin = info["dpop_nonce_plugin"]
         config += session("glwd-dpop", clients["post"], "client_secret_post", Scope="api", DPoP="yes",
@@ -300,6 +393,102 @@ def main():
         secrets_seen.append(device_token.stdout.strip())
         check(returncode == 0 and device_token.returncode == 0 and device_token.stdout.strip(),
               "glwd-device: the device login completes and the session serves a token", errors)
+
+        # -- Authorization code + PKCE: ctl prints the URL, the fixture plays the browser at Glewlwyd
+        # (login, consent, g_continue), and the redirect comes back to the daemon: at its loopback
+        # listener (a), or pasted into ctl (b). Glewlwyd requires PKCE (pkce-required) and matches
+        # redirect URIs as exact strings, so LoginRedirectPorts= is the port the fixture registered
+        # (another port: a bare 403, no redirect). Without g_continue its authorization endpoint
+        # always sends the browser to login.html first, even with a session and a grant. Its ID
+        # token (HS256 here) has iss (= Issuer=), aud (the client id, a string), azp, nonce, sub
+        # (pairwise), auth_time, amr, at_hash, c_hash; a refresh answers no ID token.
+        redirect_uri = f"http://127.0.0.1:{info['code_redirect_port']}/callback"
+
+        def code_rows(challenge):
+            """Glewlwyd's code records carrying this S256 challenge: [(redirect URI, nonce, enabled, id)]."""
+            return server.query("SELECT gpoc_redirect_uri, gpoc_nonce, gpoc_enabled, gpoc_id FROM gpo_code "
+                                "WHERE gpoc_plugin_name='oidc' AND gpoc_client_id='postclient' AND gpoc_code_challenge=?",
+                                "{SHA256}" + (challenge or ""))
+
+        def code_refresh_tokens():
+            """Glewlwyd's refresh tokens of the code grant (authorization type 0) for postclient: (live, all)."""
+            rows = server.query("SELECT gpor_enabled FROM gpo_refresh_token WHERE gpor_plugin_name='oidc' "
+                                "AND gpor_client_id='postclient' AND gpor_authorization_type=0")
+            return sum(1 for (enabled,) in rows if enabled), len(rows)
+
+        login = CodeLogin(daemon, "glwd-code")          # LoginFlow=code chooses the flow
+        asked = query_of(login.url)
+        check(login.url is not None and login.url.split("?", 1)[0] == info["authorization_endpoint"] and login.waiting is not None,
+              "glwd-code: ctl login prints a URL at Glewlwyd's authorization endpoint (discovered) and waits",
+              "".join(login.printed)[-300:])
+        check(asked.get("response_type") == "code" and asked.get("client_id") == "postclient"
+              and asked.get("redirect_uri") == redirect_uri and asked.get("code_challenge_method") == "S256"
+              and len(asked.get("code_challenge", "")) == 43 and asked.get("scope") == "openid api"
+              and asked.get("state") and asked.get("nonce"),
+              f"glwd-code: the URL asks for a code to {redirect_uri} (LoginRedirectPorts=), S256 PKCE, scope, state, nonce",
+              str(sorted(asked)))
+        status, location, errors = server.authorize(login.url) if login.url else (None, "", "no URL")
+        answer = query_of(location)
+        secrets_seen.append(answer.get("code", ""))
+        check(status == 0 and location.startswith(redirect_uri + "?") and answer.get("code")
+              and answer.get("state") == asked.get("state"),
+              "glwd-code: Glewlwyd authorizes it (as alice) and redirects to the loopback URI with a code and the state", errors)
+        check(answer.get("iss") == info["issuer"], "glwd-code: ... and iss= its issuer (RFC 9207, oauth-as-iss-id), which the daemon ignores")
+        rows = code_rows(asked.get("code_challenge"))
+        check(len(rows) == 1 and rows[0][:2] == (redirect_uri, asked.get("nonce")),
+              "glwd-code: Glewlwyd's code record holds our S256 challenge, redirect URI and nonce", str(len(rows)))
+        page_status, page = listener_get(location) if location else (None, "")
+        check(page_status == 200 and "logged in" in page.lower(),
+              f"glwd-code: the redirect at the daemon's listener: 200, a 'logged in' page ({page_status})", page[:120])
+        returncode, said, errors = login.finish()
+        check(returncode == 0 and said == "logged in glwd-code (generation 1)",
+              "glwd-code: ctl login exits 0: logged in glwd-code (generation 1)", f"{said} {errors}")
+        rows = code_rows(asked.get("code_challenge"))
+        check(len(rows) == 1 and rows[0][2] == 0 and server.query("SELECT COUNT(*) FROM gpo_id_token WHERE gpoc_id=?", rows[0][3])[0][0] == 1,
+              "glwd-code: the code was redeemed with its verifier (Glewlwyd spent it, and issued an ID token for it)")
+        check(bool(daemon.lines("code login of session glwd-code done: generation 1")), "glwd-code: the journal logs the login")
+        first = daemon.ctl("token", "glwd-code")
+        secrets_seen.append(first.stdout.strip())
+        check(first.returncode == 0 and first.stdout.strip(), "glwd-code: a token", first.stderr.strip())
+        held_before = code_refresh_tokens()
+        forced = daemon.ctl("refresh", "glwd-code")
+        second = daemon.ctl("token", "glwd-code")
+        secrets_seen.append(second.stdout.strip())
+        check(forced.returncode == 0 and second.returncode == 0 and second.stdout.strip() not in ("", first.stdout.strip()),
+              f"glwd-code: a forced refresh with the code's refresh token (token {fingerprint(first.stdout.strip())} -> "
+              f"{fingerprint(second.stdout.strip())})", forced.stderr.strip())
+        held_after = code_refresh_tokens()
+        check(held_before == (1, 1) and held_after == (1, 2),
+              f"glwd-code: the code's refresh token rotated at Glewlwyd (live, all: {held_before} -> {held_after})")
+
+        # (b) The redirect pasted into ctl (a browser on another machine): the listener is never visited.
+        login = CodeLogin(daemon, "glwd-code", "--flow=code")
+        asked = query_of(login.url)
+        status, location, errors = server.authorize(login.url) if login.url else (None, "", "no URL")
+        secrets_seen.append(query_of(location).get("code", ""))
+        check(status == 0 and location.startswith(redirect_uri + "?"), "glwd-code: a second login (--flow=code), authorized at Glewlwyd",
+              errors)
+        login.paste(location)
+        returncode, said, errors = login.finish()
+        check(returncode == 0 and said == "logged in glwd-code (generation 2)",
+              "glwd-code: the redirect pasted into ctl's stdin: logged in glwd-code (generation 2)", f"{said} {errors}")
+        check(bool(daemon.lines("the code login of session glwd-code was answered by a redirect pasted by")),
+              "glwd-code: the journal says the redirect was pasted")
+        rows = code_rows(asked.get("code_challenge"))
+        check(len(rows) == 1 and rows[0][1] == asked.get("nonce") and rows[0][2] == 0,
+              "glwd-code: Glewlwyd recorded this login's challenge and nonce, and the code is spent")
+        third = daemon.ctl("token", "glwd-code")
+        secrets_seen.append(third.stdout.strip())
+        check(third.returncode == 0 and third.stdout.strip() not in ("", second.stdout.strip()),
+              f"glwd-code: the new login's token is served ({fingerprint(third.stdout.strip())})", third.stderr.strip())
+        # Glewlwyd enforces PKCE: the same request without the challenge is answered invalid_request.
+        bare = login.url and info["authorization_endpoint"] + "?" + urllib.parse.urlencode(
+            {k: v for k, v in asked.items() if k not in ("code_challenge", "code_challenge_method")})
+        status, location, _ = server.authorize(bare) if bare else (None, "", "")
+        refused = query_of(location)
+        check(status == 0 and refused.get("error") == "invalid_request" and "code" not in refused,
+              f"Glewlwyd (pkce-required): the request without code_challenge is redirected with error=invalid_request "
+              f"({refused.get('error')})")
 
         # -- client_credentials and discovery ---------------------------------------------------
         cc = daemon.ctl("token", "glwd-cc")

@@ -4,14 +4,20 @@
   up --dir DIR [--port P] [--access-token-duration S]   start + provision, print JSON
   refresh-token --dir DIR --client ID                     print one fresh refresh token
   approve-device --dir DIR --user-code CODE [--plugin P]  approve a device code as the user
+  authorize --dir DIR --url URL [--plugin P]              play the browser for an authorization
+                                                          URL as the user; print the redirect
   down --dir DIR                                          stop the server
 
 Standard library only.  Secrets are never printed by `up`: they are written to
 mode-0600 files under DIR whose paths are in the JSON.  The only command that
-prints a credential is `refresh-token` (one line, meant to be piped).
+prints a credential is `refresh-token` (one line, meant to be piped); `authorize` prints the
+redirect the browser would follow (it carries the authorization code) and nothing else.
 
 Two OIDC plugin instances: `oidc` (the one the state's endpoints name; DPoP accepted, not
 required) and `oidcnonce` (state["dpop_nonce_plugin"]: DPoP with a mandatory server nonce).
+The code flow requires PKCE (S256 only); each client also has the loopback redirect URI
+http://127.0.0.1:{state["code_redirect_port"]}/callback, a port free at `up` (Glewlwyd compares
+redirect URIs as exact strings: a loopback client must listen on that very port).
 """
 import argparse, base64, gzip, http.client as httpc, json, os, secrets, shutil
 import signal, socket
@@ -199,6 +205,15 @@ def oidc_plugin(base, at_duration, name="oidc", dpop_nonce=False):
         "introspection-revocation-allow-target-client": True,  # own credentials
         "device-authorization-expiration": 600, "device-authorization-interval": 5,
         "secret-type": "pairwise",
+        # PKCE (RFC 7636). 2.7.5's parameter check knows pkce-allowed, pkce-method-plain-allowed,
+        # pkce-mandatory, pkce-required, pkce-required-public-client and pkce-scopes, but its
+        # authorization endpoint (is_code_challenge_valid) reads only pkce-allowed,
+        # pkce-method-plain-allowed, pkce-required (every code request must carry a challenge),
+        # pkce-required-public-client and pkce-scopes: pkce-mandatory is checked and never used.
+        # A challenge is stored as "{SHA256}" + code_challenge (gpo_code.gpoc_code_challenge).
+        "pkce-allowed": True, "pkce-method-plain-allowed": False, "pkce-required": True,
+        # RFC 9207: the authorization response carries iss= (not advertised in discovery).
+        "oauth-as-iss-id": True,
         # DPoP (RFC 9449). The keys 2.7.5's parameter check knows (libprotocol_oidc.so):
         # oauth-dpop-allowed; oauth-dpop-iat-duration (mandatory once allowed: a proof's
         # maximum age, s); oauth-dpop-iat-gap-duration (clock skew into the future, default 0);
@@ -220,7 +235,7 @@ def oidc_plugin(base, at_duration, name="oidc", dpop_nonce=False):
             "order_rank": 0, "readonly": False, "parameters": p}
 
 
-def provision(port, base, at_duration, d):
+def provision(port, base, at_duration, d, redirect_port):
     cookie = {"Cookie": login(port, *ADMIN)}
 
     def post(path, payload):
@@ -244,7 +259,7 @@ def provision(port, base, at_duration, d):
         post("/api/client/", {
             "client_id": cid, "name": cid, "description": "", "enabled": True,
             "confidential": True, "password": secret, "scope": [SCOPE],
-            "redirect_uri": [base + "/cb"],
+            "redirect_uri": [base + "/cb", f"http://{HOST}:{redirect_port}/callback"],
             "authorization_type": ["code", "password", "client_credentials",
                                    "refresh_token", "device_authorization",
                                    "delete_token"],
@@ -297,7 +312,8 @@ def cmd_up(a):
         if time.monotonic() > deadline:
             raise FixtureError("glewlwyd not live within 20 s")
         time.sleep(0.05)
-    user, clients = provision(port, base, a.access_token_duration, d)
+    redirect_port = free_port()      # Glewlwyd holds `port`: this one differs
+    user, clients = provision(port, base, a.access_token_duration, d, redirect_port)
     discovery = {}
     for plugin in ("oidc", NONCE_PLUGIN):
         st, _, body = req(port, "GET", f"/api/{plugin}/.well-known/openid-configuration")
@@ -310,6 +326,9 @@ def cmd_up(a):
         "issuer": disc["issuer"],
         "discovery_url": base + "/api/oidc/.well-known/openid-configuration",
         "token_endpoint": disc["token_endpoint"],
+        "authorization_endpoint": disc["authorization_endpoint"],
+        "code_redirect_port": redirect_port,   # every client's http://127.0.0.1:PORT/callback
+        "code_challenge_methods_supported": disc.get("code_challenge_methods_supported"),
         "revocation_endpoint": disc.get("revocation_endpoint"),
         "introspection_endpoint": disc.get("introspection_endpoint"),
         "device_authorization_endpoint": disc.get("device_authorization_endpoint"),
@@ -372,7 +391,7 @@ def cmd_approve_device(a):
         raise FixtureError(f"user code rejected (HTTP {st}, prompt={q.get('prompt')})")
     client_id, scope = q["client_id"][0], q.get("scope", [""])[0]
     st, _, body = req(port, "PUT", f"/api/auth/grant/{urllib.parse.quote(client_id)}/",
-                       {"scope": ",".join(scope.split())}, cookie)
+                       {"scope": scope}, cookie)  # space-separated: scope.c splits on " "
     if st != 200:
         raise FixtureError(f"grant scopes -> HTTP {st} {body[:200]!r}")
     st, hd, _ = req(port, "GET", vpath + "&g_continue", headers=cookie)
@@ -380,6 +399,53 @@ def cmd_approve_device(a):
     if prompt != ["deviceComplete"]:
         raise FixtureError(f"device approval failed (HTTP {st}, prompt={prompt})")
     print(json.dumps({"approved": True, "client_id": client_id, "scope": scope}))
+
+
+def cmd_authorize(a):
+    """Play the browser for an authorization URL (response_type=code) as the fixture user, with
+    REST calls only: log in (cookie), GET the URL at Glewlwyd; without g_continue it always sends
+    the browser to its login page (login.html?...&client_id=...&scope=...), so grant those scopes
+    to the client (what the page's consent step does) and GET the URL again with g_continue (what
+    the page does once done). The answer must be a 302 to the URL's redirect_uri: its Location
+    (the code, or an error) is printed, one line. Errors name HTTP statuses and prompts only."""
+    s = load_state(a.dir)
+    port = s["port"]
+    url = urllib.parse.urlsplit(a.url)
+    if url.scheme != "http" or url.hostname != HOST or url.port != port \
+            or not url.path.startswith(f"/api/{a.plugin}/"):
+        raise FixtureError(f"not an authorization URL of this server's {a.plugin} plugin")
+    q = urllib.parse.parse_qs(url.query)
+    redirect_uri = q.get("redirect_uri", [""])[0]
+    if not redirect_uri:
+        raise FixtureError("the authorization URL has no redirect_uri")
+    cookie = {"Cookie": login(port, s["user"]["username"], s["user"]["_password"])}
+    target = url.path + "?" + url.query
+
+    def final(st, hd):
+        location = hd.get("Location", "")
+        return st == 302 and location.startswith(redirect_uri) and \
+            location[len(redirect_uri):len(redirect_uri) + 1] in ("", "?")
+
+    st, hd, _ = req(port, "GET", target, headers=cookie)
+    if not final(st, hd):
+        lq = urllib.parse.parse_qs(urllib.parse.urlsplit(hd.get("Location", "")).query)
+        if st != 302 or "client_id" not in lq:
+            raise FixtureError(f"authorization request refused (HTTP {st}, prompt={lq.get('prompt')})")
+        client_id = lq["client_id"][0]
+        scope = lq.get("scope", q.get("scope", [""]))[0]
+        st, _, body = req(port, "PUT", f"/api/auth/grant/{urllib.parse.quote(client_id)}/",
+                          {"scope": scope}, cookie)
+        if st != 200:
+            raise FixtureError(f"grant scopes -> HTTP {st}")
+        st, hd, _ = req(port, "GET", target + "&g_continue", headers=cookie)
+        if not final(st, hd):
+            lq = urllib.parse.parse_qs(urllib.parse.urlsplit(hd.get("Location", "")).query)
+            raise FixtureError(f"authorization not granted (HTTP {st}, prompt={lq.get('prompt')})")
+    location = hd["Location"]
+    error = urllib.parse.parse_qs(urllib.parse.urlsplit(location).query).get("error")
+    if error:
+        print(f"glewlwyd_fixture authorize: the redirect carries error={error[0]}", file=sys.stderr)
+    print(location)
 
 
 def cmd_down(a):
@@ -417,11 +483,16 @@ def main():
     p.add_argument("--dir", required=True)
     p.add_argument("--user-code", required=True)
     p.add_argument("--plugin", default="oidc", choices=["oidc", NONCE_PLUGIN])
+    p = sub.add_parser("authorize")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--url", required=True)
+    p.add_argument("--plugin", default="oidc", choices=["oidc", NONCE_PLUGIN])
     p = sub.add_parser("down")
     p.add_argument("--dir", required=True)
     a = ap.parse_args()
     fn = {"up": cmd_up, "refresh-token": cmd_refresh_token,
-          "approve-device": cmd_approve_device, "down": cmd_down}[a.cmd]
+          "approve-device": cmd_approve_device, "authorize": cmd_authorize,
+          "down": cmd_down}[a.cmd]
     try:
         fn(a)
     except (FixtureError, OSError, subprocess.CalledProcessError, KeyError,
