@@ -63,7 +63,7 @@ var package = Package(
         .target(name: "BrokerContract", dependencies: ["TokenBrokerCore", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The command line without the daemon: help, --version, every ctl verb (no libcurl, SQLite,
         // libcrypto or libsystemd: see `Command`).
-        .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "Varlink"]),
+        .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "CLinux", "Varlink"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve,
         // check-config.
         .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "DPoP", "TokenBrokerCore",

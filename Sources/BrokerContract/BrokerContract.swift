@@ -11,9 +11,10 @@ public enum BrokerContract {
     public static let text = String(decoding: PackageResources.io_tokenbroker_Broker_varlink, as: UTF8.self)
     public static let interface = VarlinkInterface(description: text, secretMembers: secretMembers)
     /// The members whose values are credentials (a token, a refresh token, a rejected token, a
-    /// redirect that carries an authorization code):
+    /// redirect that carries an authorization code, an authorization URL whose state a code
+    /// injected into the login would need):
     /// descriptions of calls and replies never show them (`VarlinkRedaction`).
-    public static let secretMembers: Set<String> = ["token", "refreshToken", "rejected", "proof", "redirectUrl"]
+    public static let secretMembers: Set<String> = ["token", "refreshToken", "rejected", "proof", "redirectUrl", "authorizationUri"]
     /// Registers `secretMembers` once, at the first request a client or the daemon makes or reads.
     static let secretsRegistered: Void = VarlinkRedaction.register(secretMembers)
     /// Where the broker listens unless configured otherwise (`Socket=`, `$TOKENBROKER_SOCKET`).

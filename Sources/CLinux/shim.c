@@ -1,9 +1,15 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stddef.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include "CLinux.h"
+
+int tb_terminal_columns(int fd) {
+    struct winsize size;
+    return ioctl(fd, TIOCGWINSZ, &size) == 0 ? size.ws_col : 0;
+}
 
 int tb_accept_nonblocking(int listen_fd) {
     return accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);

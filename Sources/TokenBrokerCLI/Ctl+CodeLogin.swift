@@ -3,15 +3,20 @@ import Glibc
 #endif
 import Basics
 import BrokerContract
+import CLinux
 import Varlink
 
 /// `ctl login` for the authorization code flow: the daemon listens for the browser's redirect;
 /// this prints where to send the browser, how to reach the listener from another machine, and
 /// takes the redirect pasted on standard input when it cannot be reached at all.
 extension Ctl {
-    /// Which flow the daemon says suits the session (`LoginFlow`).
+    /// Which flow the daemon says suits the session (`LoginFlow`); the device flow with a
+    /// daemon from before `LoginFlow`, as `ctl login` ran then.
     static func loginFlow(_ address: VarlinkAddress, _ session: String) throws(Failure) -> LoginFlow {
-        let reply = try call(address, .loginFlow(session: session))
+        let reply = try exchange(address, .loginFlow(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
+            let reply = try VarlinkClient(address: address, timeout: 60).call(call)
+            return reply.error == VarlinkServiceError.methodNotFound ? VarlinkReply(parameters: LoginFlowReply(flow: .device).parameters) : reply
+        }
         guard let flow = LoginFlowReply(reply.parameters)?.flow else {
             throw Failure(code: ExitCode.failure, message: "the broker named a login flow this ctl does not know; use --flow=code or --flow=device")
         }
@@ -50,7 +55,15 @@ extension Ctl {
     /// back, and the two ways to log in from a browser on another machine.
     static func prompt(_ session: String, _ uri: String, _ redirect: String, expiresIn: Int64, terminal: Bool) -> String {
         var text = "To log in '\(session)', open this address in a browser:\n\n  \(uri)\n\n"
-        if terminal, let code = QRCode.render(uri) { text += code + "\n" }
+        if terminal {
+            // (A terminal that does not say its width gets the code whatever its width.)
+            let columns = Int(tb_terminal_columns(STDOUT_FILENO))
+            if let code = QRCode.render(uri, columns: columns > 0 ? columns : .max) {
+                text += code + "\n"
+            } else if let width = QRCode.width(uri) {
+                text += "(A terminal \(width) columns wide would show this address as a QR code.)\n\n"
+            }
+        }
         let port = redirect.split(separator: ":").last.map { $0.prefix(while: \.isNumber) } ?? ""
         text += """
             The browser comes back to \(redirect) on this host, where the broker listens.
@@ -83,40 +96,47 @@ extension Ctl {
     private static func readPastedRedirects(_ address: VarlinkAddress, _ session: String, reported: SynchronizedBox<String?>) {
         spawnThread {
             var errors = FileOutput.standardError
+            /// Offers one line (`tooLong`: it was cut at `longestPaste`).
+            func offer(_ line: [UInt8], tooLong: Bool) {
+                if tooLong {
+                    errors.write("Error: that line is longer than \(longestPaste) bytes; paste only the address\n")
+                    return
+                }
+                let text = String(decoding: line, as: UTF8.self).trimmingSpaces()
+                guard !text.isEmpty else { return }
+                guard text.lowercased().hasPrefix("http://") || text.lowercased().hasPrefix("https://") else {
+                    errors.write("Error: paste the whole address the browser ends on, starting with http://127.0.0.1:\n")
+                    return
+                }
+                do {
+                    _ = try exchange(address, .completeCodeLogin(session: session, redirectUrl: text)) {
+                        (call) throws(VarlinkClientError) -> VarlinkReply in
+                        try VarlinkClient(address: address, timeout: 700).call(call)
+                    }
+                } catch {
+                    reported.value = error.message
+                    errors.write("Error: \(error.message)\n")
+                }
+            }
             var line: [UInt8] = []
             var tooLong = false
             var buffer = [UInt8](repeating: 0, count: 4096)
             while true {
                 let count = read(STDIN_FILENO, &buffer, buffer.count)
                 if count < 0 && errno == EINTR { continue }
-                guard count > 0 else { return }
+                guard count > 0 else {
+                    // The end of the input ends a last line too.
+                    offer(line, tooLong: tooLong)
+                    return
+                }
                 for byte in buffer[..<count] {
                     guard byte == UInt8(ascii: "\n") else {
                         if line.count < longestPaste { line.append(byte) } else { tooLong = true }
                         continue
                     }
-                    defer { line = []; tooLong = false }
-                    if tooLong {
-                        errors.write("Error: that line is longer than \(longestPaste) bytes; paste only the address\n")
-                        continue
-                    }
-                    let text = String(decoding: line, as: UTF8.self).trimmingSpaces()
-                    guard !text.isEmpty else { continue }
-                    guard text.lowercased().hasPrefix("http://") || text.lowercased().hasPrefix("https://") else {
-                        errors.write("Error: paste the whole address the browser ends on, starting with http://127.0.0.1:\n")
-                        continue
-                    }
-                    do {
-                        _ = try exchange(address, .completeCodeLogin(session: session, redirectUrl: text)) {
-                            (call) throws(VarlinkClientError) -> VarlinkReply in
-                            try VarlinkClient(address: address, timeout: 700).call(call)
-                        }
-                    } catch let failure as Failure {
-                        reported.value = failure.message
-                        errors.write("Error: \(failure.message)\n")
-                    } catch {
-                        errors.write("Error: \(error)\n")
-                    }
+                    offer(line, tooLong: tooLong)
+                    line = []
+                    tooLong = false
                 }
             }
         }

@@ -21,12 +21,21 @@ enum QRCode {
         return (0..<width).map { row in (0..<width).map { column in data[row * width + column] & 1 == 1 } }
     }
 
+    /// How many columns `render` needs for `text` (nil: no code can be drawn).
+    static func width(_ text: String) -> Int? {
+        modules(text).map { $0.count + 2 * quiet }
+    }
+
+    /// The standard's quiet zone around a code, in modules.
+    static let quiet = 4
+
     /// The code as text lines for a terminal with a dark background: a light module is drawn,
-    /// a dark one left blank, two rows per line, in a quiet zone of two modules.
-    static func render(_ text: String) -> String? {
+    /// a dark one left blank, two rows per line, in the quiet zone of four modules the standard
+    /// asks for; nil when it would be wider than `columns` (a wrapped code cannot be read).
+    static func render(_ text: String, columns: Int = .max) -> String? {
         guard let modules = modules(text) else { return nil }
-        let quiet = 2
         let width = modules.count + 2 * quiet
+        guard width <= columns else { return nil }
         func light(_ row: Int, _ column: Int) -> Bool {
             let (r, c) = (row - quiet, column - quiet)
             guard r >= 0, c >= 0, r < modules.count, c < modules.count else { return true }

@@ -12,8 +12,22 @@ extension BrokerService {
     func deviceLogin(_ session: SessionTable.Session, by peer: PeerCredentials) throws(BrokerError) -> VarlinkHandling {
         let name = session.configuration.name
         guard let upstream = session.upstream else { throw .loginFailed(session: name, reason: "this session has no OAuth upstream") }
+        try claimLogin(name)
         logger.notice("device login of session \(name) started by \(peer)", session: name)
-        return .async { [self] sink in await deviceLogin(session, upstream, sink) }
+        return .async { [self] sink in
+            await deviceLogin(session, upstream, sink)
+            interactiveLogins.release(name)
+        }
+    }
+
+    /// The session's one interactive login slot (device or code), or why not.
+    private func claimLogin(_ name: String) throws(BrokerError) {
+        switch interactiveLogins.claim(name) {
+        case .claimed: return
+        case .busy:
+            throw .loginFailed(session: name, reason: "a login of this session is under way already (finish it, or wait for it to end)")
+        case .full: throw .loginFailed(session: name, reason: "\(InteractiveLogins.mostAtOnce) interactive logins are under way already")
+        }
     }
 
     /// DeviceLogin: start the device grant, tell the caller where to approve it, poll, and log
@@ -66,15 +80,11 @@ extension BrokerService {
         guard settings.grant == .refreshToken else {
             throw .loginFailed(session: name, reason: "a Grant=client_credentials session needs no login")
         }
-        switch codeLogins.claim(name) {
-        case .claimed: break
-        case .busy: throw .loginFailed(session: name, reason: "a code login of this session is under way already (finish it, or wait for it to time out)")
-        case .full: throw .loginFailed(session: name, reason: "\(CodeLogins.mostAtOnce) code logins are under way already")
-        }
+        try claimLogin(name)
         logger.notice("code login of session \(name) started by \(peer)", session: name)
         return .async { [self] sink in
             await codeLogin(session, upstream, settings, sink)
-            codeLogins.release(name)
+            interactiveLogins.release(name)
         }
     }
 
@@ -101,7 +111,7 @@ extension BrokerService {
         } catch {
             return failed(error.message)
         }
-        guard let listener = RedirectListener.open(ports: settings.login.redirectPorts) else {
+        guard let listener = RedirectListener.open(ports: settings.login.redirectPorts, requestTimeout: settings.client.timeout) else {
             let ports = settings.login.redirectPorts.map(String.init).joined(separator: " ")
             return failed("no port of LoginRedirectPorts= (\(ports)) is free on 127.0.0.1")
         }
@@ -110,8 +120,9 @@ extension BrokerService {
         let request = AuthorizationRequest(redirectURI: "http://127.0.0.1:\(listener.port)\(RedirectListener.path)", issuer: server.issuer,
                                            issuerRequired: server.issuerInRedirect)
         let login = CodeLogin(session: name, request: request)
-        listener.start(route: { head, _ in RedirectListener.route(head, login) }, refused: { _ in })
-        codeLogins.publish(login)
+        let host = "127.0.0.1:\(listener.port)"
+        listener.start(route: { head, _ in RedirectListener.route(head, login, host: host) }, refused: { _ in })
+        interactiveLogins.publish(login)
         let scope = settings.client.scope
         let prompt = CodeLoginEvent.prompt(authorizationUri: request.url(authorizationEndpoint: server.authorizationEndpoint, clientID: settings.client.clientID,
                                                                          scope: scope),
@@ -142,27 +153,45 @@ extension BrokerService {
         case let .denied(error, description)?:
             return failed("the authorization server refused: \(error)" + (description.map { " (\($0))" } ?? ""))
         case let .code(code)?:
-            let token: FetchedToken
-            do {
-                token = try await client.redeem(code: code, request: login.request)
-            } catch {
-                return failed("the code was not redeemed: \(error.message)")
+            // Once a code is taken, its redemption runs to its end whatever becomes of the
+            // caller (cancelled, the request would spend the code and lose what the server
+            // issued, unrevoked): in the upstream pool, which the daemon drains at its stop.
+            return await withCheckedContinuation { continuation in
+                let started = revocations.enqueue { [self] in
+                    continuation.resume(returning: await redeem(code, login, name, upstream, client, settings, proofKey: proofKey, began: began))
+                }
+                if !started { continuation.resume(returning: failed("the daemon is stopping, or too many upstream requests wait")) }
             }
-            // An ID token must be this login's (its nonce); one is required when the scope
-            // asked for it (`openid`).
-            let openID = settings.client.scope?.split(separator: " ").contains("openid") == true
-            if let problem = login.request.idTokenProblem(in: token, clientID: settings.client.clientID, issuer: settings.issuer, required: openID) {
-                revokeInBackground(token, client, name, because: "its ID token was refused")
-                return failed(problem)
-            }
-            return await finishLogin(name, "code login", upstream, client, token, proofKey: proofKey, began: began)
         }
+    }
+
+    /// Redeems the code, checks the ID token, and installs the tokens.
+    private func redeem(_ code: Secret, _ login: CodeLogin, _ name: String, _ upstream: HTTPTokenSource, _ client: OAuthClient,
+                        _ settings: SessionConfiguration.OAuthSettings, proofKey: Secret?, began: Int) async -> Result<Int, BrokerError> {
+        func failed(_ reason: String) -> Result<Int, BrokerError> {
+            logger.warning("code login of session \(name) failed: \(reason)", session: name)
+            return .failure(.loginFailed(session: name, reason: reason))
+        }
+        let token: FetchedToken
+        do {
+            token = try await client.redeem(code: code, request: login.request)
+        } catch {
+            return failed("the code was not redeemed: \(error.message)")
+        }
+        // An ID token must be this login's (its nonce); one is required when the scope asked
+        // for it (`openid`).
+        let openID = settings.client.scope?.split(separator: " ").contains("openid") == true
+        if let problem = login.request.idTokenProblem(in: token, clientID: settings.client.clientID, issuer: settings.issuer, required: openID) {
+            revokeInBackground(token, client, name, because: "its ID token was refused")
+            return failed(problem)
+        }
+        return await finishLogin(name, "code login", upstream, client, token, proofKey: proofKey, began: began)
     }
 
     /// CompleteCodeLogin: the pasted redirect, offered to the session's waiting login.
     func completeCodeLogin(_ name: String, redirect: String, by peer: PeerCredentials) -> VarlinkHandling {
         .async { [self] sink in
-            guard let login = codeLogins.waiting(name) else {
+            guard let login = interactiveLogins.waiting(name) else {
                 sink.send(BrokerError.loginFailed(session: name, reason: "no code login of this session is waiting for its redirect "
                                                   + "(start one with `tokenbroker ctl login \(name) --flow=code`; it may have ended)").reply)
                 return
@@ -243,18 +272,24 @@ extension BrokerService {
         return result
     }
 
-    /// Revokes the refresh token of a login that was refused (RFC 7009), in the background.
+    /// Revokes what a refused login got (RFC 7009), in the background: its refresh token, or
+    /// its access token when it brought none.
     private func revokeInBackground(_ token: FetchedToken, _ client: OAuthClient, _ name: String, because reason: String) {
-        guard let refreshToken = token.refreshToken else { return }
+        let (credential, hint, kind) = token.refreshToken.map { ($0, "refresh_token", "refresh token") }
+            ?? (token.accessToken, "access_token", "access token")
         let logger = self.logger
-        _ = revocations.enqueue {
+        let started = revocations.enqueue {
             do throws(FetchFailure) {
-                let revoked = try await client.revoke(refreshToken)
-                logger.notice("session \(name): a login's refresh token " + (revoked ? "is revoked" : "stays valid upstream (no revocation endpoint)")
+                let revoked = try await client.revoke(credential, hint: hint)
+                logger.notice("session \(name): a login's \(kind) " + (revoked ? "is revoked" : "stays valid upstream (no revocation endpoint)")
                               + ": \(reason)", session: name)
             } catch {
-                logger.warning("session \(name): a login's refresh token was not revoked (\(error.message)): \(reason)", session: name)
+                logger.warning("session \(name): a login's \(kind) was not revoked (\(error.message)): \(reason)", session: name)
             }
+        }
+        if !started {
+            logger.warning("session \(name): a refused login's \(kind) is not revoked upstream: the daemon is stopping, "
+                           + "or \(revocations.backlogLimit) revocations are waiting already", session: name)
         }
     }
 }

@@ -26,8 +26,8 @@ final class BrokerService: VarlinkHandler {
     let metricsText: @Sendable () async -> String
     /// Where a logout's revocation runs (the daemon's pool, awaited at stop).
     let revocations: TaskPool
-    /// The authorization code logins waiting for their redirects.
-    let codeLogins = CodeLogins()
+    /// The interactive logins under way, one per session (code logins waiting for their redirects among them).
+    let interactiveLogins = InteractiveLogins()
 
     init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
          forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }, metrics: Metrics = Metrics(version: "test"),

@@ -358,6 +358,21 @@ final class HTTPListener: Sendable {
             + Array("Connection: close\r\n\r\n".utf8) + Array(body.utf8)
     }
 
+    /// The value of the header `name` (lower-case) in a request head, trimmed; nil when absent
+    /// (the first of several).
+    static func header(_ name: String, in head: [UInt8]) -> String? {
+        let text = String(decoding: head, as: UTF8.self)
+        for line in text.split(separator: "\r\n", omittingEmptySubsequences: false).dropFirst() {
+            if line.isEmpty { break }
+            guard let colon = line.firstIndex(of: ":"), line[..<colon].lowercased() == name else { continue }
+            var value = line[line.index(after: colon)...]
+            while value.first == " " || value.first == "\t" { value = value.dropFirst() }
+            while value.last == " " || value.last == "\t" { value = value.dropLast() }
+            return String(value)
+        }
+        return nil
+    }
+
     /// The request line of a head: its method and target, nil when it is not `METHOD TARGET HTTP/1.x`.
     static func requestLine(_ head: [UInt8]) -> (method: Substring, target: Substring)? {
         let end = head.firstIndex(of: 13) ?? head.endIndex

@@ -76,6 +76,24 @@ public struct AuthorizationRequest: Sendable {
         return authorizationEndpoint + separator + FormEncoding.encode(fields)
     }
 
+    /// The parameters `url` sends.
+    static let parameterNames: Set<String> = ["response_type", "client_id", "redirect_uri", "state", "code_challenge", "code_challenge_method",
+                                              "scope", "nonce"]
+
+    /// Why the authorization endpoint's own query (configured, or from metadata) cannot carry
+    /// a request: it sets a parameter the request sends too (a URL with both is read one way
+    /// or the other by a server), or one that does not decode. nil when it can.
+    public static func endpointQueryProblem(_ authorizationEndpoint: String) -> String? {
+        guard let mark = authorizationEndpoint.firstIndex(of: "?") else { return nil }
+        let query = ArraySlice(authorizationEndpoint[authorizationEndpoint.index(after: mark)...].utf8)
+        for pair in query.split(separator: UInt8(ascii: "&")) {
+            let name = pair.split(separator: UInt8(ascii: "="), maxSplits: 1, omittingEmptySubsequences: false).first ?? pair
+            guard let decoded = unescape(name) else { return "its own query has a malformed parameter" }
+            if parameterNames.contains(decoded) { return "its own query sets \(decoded), which the login sends itself" }
+        }
+        return nil
+    }
+
     /// The longest redirect read, in bytes.
     public static let longestRedirect = 8192
     /// The most parameters a redirect's query may have.

@@ -98,6 +98,7 @@ public final class HTTPTokenSource: TokenSource {
             throw .terminal("client configuration: no authorization endpoint (set AuthorizationEndpoint= or Issuer=)")
         }
         if let problem = EndpointPolicy.problem(with: authorization) { throw .transient("refused authorization endpoint: \(problem)") }
+        if let problem = AuthorizationRequest.endpointQueryProblem(authorization) { throw .terminal("refused authorization endpoint: \(problem)") }
         if let methods = metadata?.codeChallengeMethods, !methods.contains(PKCE.method) {
             throw .terminal("the server's metadata lists no S256 among its PKCE methods (code_challenge_methods_supported)")
         }

@@ -231,6 +231,14 @@ struct CodeLoginTests {
             #expect(Self.get(port, "/callback/x?code=a&state=b")?.status == 404)
             #expect(Self.get(port, "/callback", method: "POST")?.status == 405)
             #expect(Self.raw(port, "garbage\r\n\r\n")?.status == 400)
+            // Only a navigation to the redirect URI itself: not under another Host (a DNS
+            // rebinding page), nor a page's fetch of it; and refused pages name no session.
+            let own = try Self.authorize(issuer, url)
+            let rebound = Self.raw(port, "GET \(own.target.text) HTTP/1.1\r\nHost: attacker.example:\(port)\r\n\r\n")
+            #expect(rebound?.status == 400 && rebound?.body.contains("Wrong host") == true && rebound?.body.contains("web") == false)
+            let fetched = Self.raw(port, "GET \(own.target.text) HTTP/1.1\r\nHost: 127.0.0.1:\(port)\r\nSec-Fetch-Mode: no-cors\r\n\r\n")
+            #expect(fetched?.status == 403)
+            #expect(Self.raw(port, "GET / HTTP/1.1\r\n\r\n")?.status == 400, "no Host at all")
             // The login still waits: its own redirect ends it.
             let page = try #require(Self.get(port, (try Self.authorize(issuer, url)).target))
             #expect(page.status == 200)
@@ -322,7 +330,10 @@ struct CodeLoginTests {
         try await Self.withIssuerAndBroker { _, broker in
             var login: (client: VarlinkClient, authorizationUri: String, redirectUri: String)? = try Self.begin(broker)
             let second = try broker.client().call("io.tokenbroker.Broker.CodeLogin", ["session": "web"], more: true)
-            #expect(Self.loginFailed(second)?.hasPrefix("a code login of this session is under way already") == true)
+            #expect(Self.loginFailed(second)?.hasPrefix("a login of this session is under way already") == true)
+            // A device login shares the slot.
+            let device = try broker.client().call("io.tokenbroker.Broker.DeviceLogin", ["session": "web"], more: true)
+            #expect(Self.loginFailed(device)?.hasPrefix("a login of this session is under way already") == true)
             let port = try #require(Self.port(of: login?.redirectUri ?? ""))
             login = nil   // the connection closes
             #expect(login == nil)
@@ -331,6 +342,33 @@ struct CodeLoginTests {
                 let next = try broker.client().call("io.tokenbroker.Broker.CodeLogin", ["session": "web"], more: true)
                 return next.parameters["event"] == "prompt"
             }
+        }
+    }
+
+    @Test("a code taken is redeemed to the end even when the caller leaves meanwhile: the session is logged in, not left with a spent code and an unrevoked refresh token")
+    func callerLeavesDuringRedemption() async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            var login: (client: VarlinkClient, authorizationUri: String, redirectUri: String)? = try Self.begin(broker)
+            let port = try #require(Self.port(of: login?.redirectUri ?? ""))
+            let redirect = try Self.authorize(issuer, login?.authorizationUri ?? "")
+            issuer.inject([.hold])
+            // The browser's request waits for the login's result, in a thread of its own.
+            let page = Locked<Int?>(nil)
+            let target = redirect.target
+            let browser = Thread {
+                let status = Self.get(port, target)?.status
+                page.withLock { $0 = status }
+            }
+            browser.start()
+            try await eventually("the redemption is held at the issuer") { issuer.heldCount == 1 }
+            login = nil   // the caller goes away while the token request is under way
+            #expect(login == nil)
+            issuer.releaseHeld()
+            try await eventually("the login is installed") { try broker.status("web")?["generation"] == 1 }
+            try await eventually("the browser's page") { page.value != nil }
+            #expect(page.value == 200)
+            #expect(try broker.call("GetToken", ["session": "web"]).error == nil)
+            #expect(issuer.counters.revocations == 0)
         }
     }
 
@@ -393,7 +431,8 @@ struct CodeLoginTests {
                 for _ in 0..<Int.random(in: 0...12, using: &random) { query += random.pick(pieces) }
                 let target = random.pick(["/callback?", "/callback?state=\(state)&", "/callback", "/", "*"]) + query
                 let method = random.pick(["GET", "GET", "POST", "HEAD", "G\u{0}T"])
-                if let answer = Self.raw(port, "\(method) \(target) HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") {
+                let host = random.pick(["127.0.0.1:\(port)", "127.0.0.1:\(port)", "127.0.0.1", "evil.example:\(port)"])
+                if let answer = Self.raw(port, "\(method) \(target) HTTP/1.1\r\nHost: \(host)\r\n\r\n") {
                     #expect((400...499).contains(answer.status), "HTTP \(answer.status)")
                 }
             }

@@ -144,7 +144,7 @@ import WireJSON
     @Test("every member of the interface that carries a credential is declared secret, and only those")
     func secretMembersAreTheCredentials() {
         // Every member name of the IDL, and those that name a token or a rejected one, or carry
-        // an authorization code (a redirect URL).
+        // an authorization code (a redirect URL) or a login's state (its authorization URL).
         let members = Set(text.split(separator: "\n").compactMap { line -> String? in
             let line = line.drop { $0 == " " }
             guard !line.hasPrefix("#"), let colon = line.firstIndex(of: ":"), !line.hasPrefix("method"), !line.hasPrefix("type") else { return nil }
@@ -152,7 +152,7 @@ import WireJSON
         })
         let credentials = members.filter { name in
             let lower = name.lowercased()
-            return lower.contains("token") && !lower.hasSuffix("type") && !lower.hasSuffix("serial") || lower == "rejected" || lower == "proof" || lower == "redirecturl"
+            return lower.contains("token") && !lower.hasSuffix("type") && !lower.hasSuffix("serial") || lower == "rejected" || lower == "proof" || lower == "redirecturl" || lower == "authorizationuri"
         }
         #expect(credentials == BrokerContract.secretMembers)
         let call = VarlinkCall(method: "io.tokenbroker.Broker.Recover",

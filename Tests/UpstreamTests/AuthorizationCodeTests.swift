@@ -448,6 +448,16 @@ struct AuthorizationCodeTests {
         }
     }
 
+    @Test("an authorization endpoint whose own query sets a parameter the request sends, or does not decode, is refused; another query is kept")
+    func endpointQuery() {
+        #expect(AuthorizationRequest.endpointQueryProblem("https://as.example/authorize") == nil)
+        #expect(AuthorizationRequest.endpointQueryProblem("https://as.example/authorize?tenant=a&prompt=login") == nil)
+        #expect(AuthorizationRequest.endpointQueryProblem("https://as.example/authorize?tenant=a&redirect_uri=https://evil")
+                == "its own query sets redirect_uri, which the login sends itself")
+        #expect(AuthorizationRequest.endpointQueryProblem("https://as.example/authorize?st%61te=x") == "its own query sets state, which the login sends itself")
+        #expect(AuthorizationRequest.endpointQueryProblem("https://as.example/authorize?%zz=1") == "its own query has a malformed parameter")
+    }
+
     @Test("RFC 9207: with the issuer named, a redirect's iss must be it; with iss promised by the metadata, a redirect without one is refused; without an issuer to compare, iss is ignored")
     func issuerInRedirect() {
         let request = AuthorizationRequest(redirectURI: Self.redirectURI, issuer: "https://as.example", issuerRequired: true)

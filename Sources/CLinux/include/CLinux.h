@@ -31,4 +31,8 @@ int tb_set_undumpable(void);
 /// prctl(PR_GET_DUMPABLE): 1 when the process may dump core, 0 when not, -1 with errno.
 int tb_is_dumpable(void);
 
+/// The width of the terminal `fd` is, in columns (ioctl TIOCGWINSZ, variadic in C); 0 when it
+/// is not a terminal or does not say.
+int tb_terminal_columns(int fd);
+
 #endif

@@ -114,7 +114,7 @@ public enum ConfigSchema {
                   .oneOf(ClientAuthentication.self, [.basic, .post, .none],
                          message: "ClientAuthentication= must be client_secret_basic, client_secret_post or none"),
                   default: "client_secret_basic", change: .rebuildsSession, "how the client authenticates"),
-        ConfigKey("Scope", \.oauth.client.scope, .text, change: .rebuildsSession, "scope for client_credentials and device logins"),
+        ConfigKey("Scope", \.oauth.client.scope, .text, change: .rebuildsSession, "scope for client_credentials, device and code logins"),
         ConfigKey("CAFile", \.oauth.client.tls.caFile, .file, change: .rebuildsSession, "trust only this CA (PEM) for the authorization server"),
         ConfigKey("ClientCertificate", \.oauth.client.tls.clientCertificate, .file, change: .rebuildsSession,
                   "a client certificate (PEM) for mutual TLS"),

@@ -6,11 +6,14 @@ Python's own HTTP client as the browser. Off a terminal, no QR code is drawn.
 No code or token is printed: failures name them by a short fingerprint.
 """
 
+import fcntl
 import http.client
 import os
 import pty
 import select
+import struct
 import subprocess
+import termios
 import time
 import urllib.parse
 
@@ -80,8 +83,15 @@ def get(url):
         connection.close()
 
 
-def test_on_a_terminal_the_qr_code_decodes_to_the_printed_url_and_the_login_completes_through_the_listener(stack):
+def terminal(columns):
+    """A pty `columns` wide: (primary, secondary)."""
     primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    return primary, secondary
+
+
+def test_on_a_terminal_the_qr_code_decodes_to_the_printed_url_and_the_login_completes_through_the_listener(stack):
+    primary, secondary = terminal(200)
     login = subprocess.Popen([os.path.join(BIN, "tokenbroker"), "ctl", "--socket", stack.socket, "login", "api", "--flow=code"],
                              stdin=secondary, stdout=secondary, stderr=subprocess.PIPE)
     os.close(secondary)
@@ -107,6 +117,21 @@ def test_on_a_terminal_the_qr_code_decodes_to_the_printed_url_and_the_login_comp
             login.wait()
         os.close(primary)
     assert Broker(stack.socket).token("api")
+
+
+def test_a_terminal_too_narrow_for_the_code_gets_a_note_instead(stack):
+    primary, secondary = terminal(40)
+    login = subprocess.Popen([os.path.join(BIN, "tokenbroker"), "ctl", "--socket", stack.socket, "login", "api", "--flow=code"],
+                             stdin=secondary, stdout=secondary, stderr=subprocess.DEVNULL)
+    os.close(secondary)
+    try:
+        shown = read_until(primary, "Waiting for the login")
+        assert "█" not in shown
+        assert "columns wide would show this address as a QR code" in shown
+    finally:
+        login.kill()
+        login.wait()
+        os.close(primary)
 
 
 def test_off_a_terminal_no_qr_code_is_drawn(stack):

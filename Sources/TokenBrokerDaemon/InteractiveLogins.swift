@@ -3,13 +3,14 @@ import Synchronization
 import TokenBrokerCore
 import Upstream
 
-/// The authorization code logins under way: at most one per session, `mostAtOnce` in all.
-final class CodeLogins: Sendable {
+/// The interactive logins under way (device and code): at most one per session, `mostAtOnce`
+/// in all; a code login, once it waits for its redirect, can be found (`waiting`).
+final class InteractiveLogins: Sendable {
     static let mostAtOnce = 16
 
     private enum Slot {
-        /// Claimed, still finding its endpoints and its port.
-        case starting
+        /// Claimed: a device login, or a code login still finding its endpoints and its port.
+        case claimed
         case waiting(CodeLogin)
     }
 
@@ -22,7 +23,7 @@ final class CodeLogins: Sendable {
         slots.withLock { slots in
             if slots[session] != nil { return .busy }
             if slots.count >= Self.mostAtOnce { return .full }
-            slots[session] = .starting
+            slots[session] = .claimed
             return .claimed
         }
     }
@@ -172,32 +173,43 @@ final class CodeLogin: Sendable {
 /// The loopback listener of one code login (RFC 8252 §7.3): it answers `GET /callback` only,
 /// hands the redirect to the login, and shows the browser the login's result. Everything
 /// else is a 404 or a 405; a redirect that is not the login's answer a 400, and the login
-/// goes on waiting.
+/// goes on waiting. Only a browser's navigation to the redirect URI itself is heard: a `Host`
+/// other than the URI's (a DNS-rebinding page) is refused, and so is a request that says it
+/// is not a navigation (`Sec-Fetch-Mode`: a page's script or image fetching it). Pages for
+/// refused requests name no session.
 enum RedirectListener {
     static let path = "/callback"
 
-    static let limits = HTTPListenerLimits(maximumConnections: 16, maximumPerUser: 16, concurrentWork: 4, firstByteDeadline: .seconds(5),
-                                           requestDeadline: .seconds(10), answerDeadline: .seconds(5), workDeadline: .seconds(120))
-
-    /// Binds `127.0.0.1` on the first free port of `ports` (none: one the kernel picks).
-    static func open(ports: [UInt16]) -> HTTPListener? {
+    /// Binds `127.0.0.1` on the first free port of `ports` (none: one the kernel picks). The
+    /// browser's page waits for the redemption, which takes up to two token requests
+    /// (`requestTimeout` each: a DPoP nonce costs one more).
+    static func open(ports: [UInt16], requestTimeout: Duration) -> HTTPListener? {
+        let limits = HTTPListenerLimits(maximumConnections: 16, maximumPerUser: 16, concurrentWork: 4, firstByteDeadline: .seconds(5),
+                                        requestDeadline: .seconds(10), answerDeadline: .seconds(5),
+                                        workDeadline: requestTimeout * 2 + .seconds(10))
         for port in ports.isEmpty ? [0] : ports {
             if let listener = try? HTTPListener(.tcp(host: "127.0.0.1", port: port), limits: limits) { return listener }
         }
         return nil
     }
 
-    static func route(_ head: [UInt8], _ login: CodeLogin) -> HTTPRouting {
+    static func route(_ head: [UInt8], _ login: CodeLogin, host: String) -> HTTPRouting {
         guard let (method, target) = HTTPListener.requestLine(head) else { return .answer(page(400, "Bad request", "This is not an HTTP request."), refusal: nil) }
+        guard HTTPListener.header("host", in: head) == host else {
+            return .answer(page(400, "Wrong host", "This listener answers requests for \(host) only."), refusal: nil)
+        }
+        if let mode = HTTPListener.header("sec-fetch-mode", in: head), mode != "navigate" {
+            return .answer(page(403, "Forbidden", "Only a browser's navigation to the redirect is heard here."), refusal: nil)
+        }
         guard target.prefix(while: { $0 != "?" }) == path else {
             return .answer(page(404, "Not found", "This listener takes one thing: the login's redirect."), refusal: nil)
         }
         guard method == "GET" else { return .answer(page(405, "Method not allowed", "The login's redirect is a GET."), refusal: nil) }
         switch login.offer(String(target)) {
         case let .invalid(reason):
-            return .answer(page(400, "Not this login's answer", "\(reason). The login of \(login.session) is still waiting."), refusal: nil)
+            return .answer(page(400, "Not this login's answer", "\(reason). The login is still waiting."), refusal: nil)
         case .closed:
-            return .answer(page(409, "Login over", "The login of \(login.session) has its answer already, or has ended."), refusal: nil)
+            return .answer(page(409, "Login over", "The login has its answer already, or has ended."), refusal: nil)
         case .taken:
             return .work {
                 switch await login.result() {
