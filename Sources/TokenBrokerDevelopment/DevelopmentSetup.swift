@@ -73,6 +73,7 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
               curl -H "Authorization: Bearer $(\(ctl) token demo)" \(issuer.resourceURL)
               curl -H @<(\(ctl) proof demo-dpop GET \(issuer.resourceURL)) \(issuer.resourceURL)
               \(ctl) logout demo && \(ctl) login demo     (device flow: open the printed URL)
+              \(ctl) login demo --flow=code     (authorization code + PKCE: open the printed URL, or paste where it lands)
 
             Stop with Ctrl-C.
 

@@ -196,8 +196,11 @@ struct CodeLoginTests {
             #expect(bad.code == 64 && bad.err.hasPrefix("Error: --flow needs code or device\n"))
             let both = try await broker.ctl(["login", "web", "--flow=code", "--refresh-token-stdin"])
             #expect(both.code == 64)
+            // Admins only: CodeLogin, and LoginFlow when ctl asks which flow.
             let denied = try await broker.ctl(["login", "web", "--flow=code"], asUser: 65534)
-            #expect(denied.code != 0 && denied.err.contains("permission"), "\(denied.err)")
+            #expect(denied.code == 77 && denied.err.contains("permission denied: this user may not call CodeLogin"), "\(denied.err)")
+            let asked = try await broker.ctl(["login", "web"], asUser: 65534)
+            #expect(asked.code == 77 && asked.err.contains("permission denied: this user may not call LoginFlow"), "\(asked.err)")
         }
     }
 
@@ -239,6 +242,10 @@ struct CodeLoginTests {
             let fetched = Self.raw(port, "GET \(own.target.text) HTTP/1.1\r\nHost: 127.0.0.1:\(port)\r\nSec-Fetch-Mode: no-cors\r\n\r\n")
             #expect(fetched?.status == 403)
             #expect(Self.raw(port, "GET / HTTP/1.1\r\n\r\n")?.status == 400, "no Host at all")
+            // Pasted, a redirect to a port nobody listens on is refused as well, saying why.
+            let elsewhere = own.replacingOccurrences(of: ":\(port)/", with: ":\(port == 65535 ? 65534 : port + 1)/")
+            let pasted = try broker.call("CompleteCodeLogin", ["session": "web", "redirectUrl": .string(elsewhere.url)])
+            #expect(Self.loginFailed(pasted) == "the redirect is not to the login's redirect URI; the login is still waiting")
             // The login still waits: its own redirect ends it.
             let page = try #require(Self.get(port, (try Self.authorize(issuer, url)).target))
             #expect(page.status == 200)
