@@ -1,10 +1,13 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stddef.h>
+#include <sys/auxv.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include "CLinux.h"
+
+int tb_has_dynamic_loader(void) { return getauxval(AT_BASE) != 0; }
 
 int tb_terminal_columns(int fd) {
     struct winsize size;

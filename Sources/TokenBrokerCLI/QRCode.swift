@@ -1,11 +1,14 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import CLinux
 
 /// A QR code of a login's URL, for a phone to open, drawn with Unicode half blocks for a
 /// terminal. The encoder is libqrencode (Debian's libqrencode4), loaded only when a code is
 /// drawn: `ctl` and the credential helpers, which run by the thousand, never load it, and
-/// without it `ctl login` prints the URL alone.
+/// without it `ctl login` prints the URL alone. Only a dynamically linked process loads it
+/// (the static `tokenbroker` hands a `ctl login` on a terminal to `tokenbroker-daemon`):
+/// glibc's dlopen from a static executable is not to be relied on.
 enum QRCode {
     /// The modules of `text` (true: dark), row by row; nil when libqrencode is not installed or
     /// cannot encode it (byte mode, error correction level L: up to 2,953 bytes).
@@ -64,7 +67,7 @@ enum QRCode {
     }
 
     private static let library: Library? = {
-        guard let handle = dlopen("libqrencode.so.4", RTLD_NOW | RTLD_LOCAL),
+        guard tb_has_dynamic_loader() == 1, let handle = dlopen("libqrencode.so.4", RTLD_NOW | RTLD_LOCAL),
               let encode = dlsym(handle, "QRcode_encodeString"), let free = dlsym(handle, "QRcode_free") else { return nil }
         return Library(encode: unsafeBitCast(encode, to: (@convention(c) (UnsafePointer<CChar>, Int32, Int32, Int32, Int32) -> UnsafeMutableRawPointer?).self),
                        free: unsafeBitCast(free, to: (@convention(c) (UnsafeMutableRawPointer) -> Void).self))

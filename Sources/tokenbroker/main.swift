@@ -10,6 +10,12 @@ var output = FileOutput.standardOutput
 var errors = FileOutput.standardError
 // (Started as `docker-credential-tokenbroker` and the like: that helper.)
 let arguments = Command.arguments(invokedAs: CommandLine.arguments.first ?? "", Array(CommandLine.arguments.dropFirst()))
+// A login on a terminal may draw a QR code, with a library only a dynamically linked process
+// loads (QRCode): it runs in tokenbroker-daemon (here, without the code, if that cannot start).
+if arguments.first == "ctl", arguments.contains("login"), isatty(STDOUT_FILENO) == 1 {
+    var quiet = ""
+    _ = DaemonExecutable.exec("ctl", Array(arguments.dropFirst()), errors: &quiet)
+}
 switch Command.run(arguments, output: &output, errors: &errors) {
 case let .exit(code):
     exit(code)
