@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 BOOT_TIMEOUT = 60
@@ -183,6 +184,12 @@ class Container:
             raise RuntimeError(f"{' '.join(argv)} exited with {result.returncode}: {result.stderr.strip()[-1500:]}")
         return result
 
+    def spawn(self, argv):
+        """argv inside the container, as root, running: its stdin and stdout are pipes (text)."""
+        full = ["nsenter", "-t", str(self.leader), "-a", "--", "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+                "LANG=C.UTF-8", "HOME=/root", "TERM=dumb"] + argv
+        return subprocess.Popen(full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
     def show(self, unit, prop):
         return self.run(["systemctl", "show", "-P", prop, unit]).stdout.strip()
 
@@ -195,6 +202,13 @@ class Container:
         with open(path, "w") as f:
             f.write(text)
         os.chmod(path, mode)
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A browser's first step, read rather than followed: the redirect is an HTTPError."""
+
+    def redirect_request(self, *arguments):
+        return None
 
 
 def main():
@@ -357,6 +371,43 @@ def scenario(c, deb, issuer):
     check(reload.returncode == 0 and readme.returncode == 0 and issuer.counters()["client_credentials"] == 1,
           "the README's session (ClientSecretFile= in /etc/tokenbroker/secrets, AllowGroups=): reloaded, served to bob",
           reload.stderr + readme.stderr + c.show("tokenbroker.service", "StatusText"))
+
+    # -- A code login as installed: the sandboxed daemon (user tokenbroker) listens on loopback
+    # for the browser's redirect; the browser is played from the host, which shares loopback.
+    c.write("/etc/tokenbroker/tokenbroker.conf.d/browser.conf",
+            f"[Session]\nName=browser\nTokenEndpoint={issuer.url}/token\nAuthorizationEndpoint={issuer.url}/authorize\n"
+            "ClientID=tokenbroker\nClientSecretCredential=work-secret\nScope=openid\n")
+    c.run(["systemctl", "reload", "tokenbroker.service"])
+    login = c.spawn(["tokenbroker", "ctl", "login", "browser"])
+    shown, deadline = "", time.monotonic() + STEP_TIMEOUT
+    while "Waiting for the login" not in shown and time.monotonic() < deadline and login.poll() is None:
+        shown += login.stdout.readline()
+    url = next((line.strip() for line in shown.splitlines() if line.startswith("  http")), "")
+    status, page = None, ""
+    try:
+        with urllib.request.build_opener(NoRedirect).open(url, timeout=STEP_TIMEOUT) as answer:
+            status = answer.status
+    except urllib.error.HTTPError as redirect:
+        location = redirect.headers.get("Location", "")
+        with urllib.request.urlopen(location, timeout=STEP_TIMEOUT) as answer:
+            status, page = answer.status, answer.read().decode()
+    except (OSError, ValueError) as error:
+        page = type(error).__name__
+    try:
+        login.wait(timeout=STEP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        login.kill()
+        login.wait()
+    done = login.stdout.read()
+    check(status == 200 and "browser is logged in" in page and login.returncode == 0 and "logged in browser (generation 1)" in done,
+          "ctl login (the code flow: no device endpoint): the daemon's loopback listener takes the browser's redirect, as installed",
+          f"HTTP {status}, exit {login.returncode}: {login.stderr.read().strip()[-300:]}")
+    browser = c.run(["tokenbroker", "ctl", "token", "browser"], check=False)
+    never_logged.append(browser.stdout.strip())
+    check(browser.returncode == 0 and issuer.accepts(browser.stdout.strip()), "... and the session serves the code's token")
+    os.remove(c.path("/etc/tokenbroker/tokenbroker.conf.d/browser.conf"))
+    c.run(["systemctl", "reload", "tokenbroker.service"])
+    c.run(["tokenbroker", "ctl", "forget", "browser"])
 
     # -- Reload: a good one, a broken one -------------------------------------------------------
     c.write("/etc/tokenbroker/tokenbroker.conf.d/extra.conf", "[Session]\nName=extra\nUpstream=test\nAllowUsers=alice bob\n")
