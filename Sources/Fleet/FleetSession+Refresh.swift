@@ -113,7 +113,7 @@ extension FleetSession {
         let budget = settings.flightLease - margin - flight.taken.duration(to: clock.now)
         let refreshToken = flight.claimed.refreshToken
         let answer = await within(budget) { [upstream, name] in
-            try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken))
+            try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken, timeLimit: budget))
         }
         guard case let .answered(outcome) = answer else {
             // Abandoned: the request may still be processed. Nobody tries again (this broker

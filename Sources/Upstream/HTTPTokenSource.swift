@@ -116,11 +116,18 @@ public final class HTTPTokenSource: TokenSource {
     /// session does not switch between bound and bearer tokens as the metadata changes);
     /// before one, the server's metadata decides `auto`, and a server that lists algorithms
     /// without ES256 (the one tokenbroker signs with) cannot be used with `DPoP=yes`.
-    public func client(proofKey: Secret? = nil, tokenType: String? = nil) async throws(FetchFailure) -> OAuthClient {
+    /// `timeLimit`: the time its requests have left (under `RequestTimeout=`).
+    public func client(proofKey: Secret? = nil, tokenType: String? = nil, timeLimit: Duration? = nil) async throws(FetchFailure) -> OAuthClient {
         let endpoints = try await endpoints()
         var dpop: DPoPBinding?
         if let proofKey, try await provesKeys(tokenType: tokenType) {
             dpop = DPoPBinding(key: try self.proofKey(proofKey), client: configuration.clientID, required: self.dpop == .on, nonces: nonces)
+        }
+        var configuration = self.configuration
+        if let timeLimit {
+            guard timeLimit > .milliseconds(10) else { throw .transient("no time left for the request") }
+            configuration.timeout = min(configuration.timeout, timeLimit)
+            configuration.connectTimeout = min(configuration.connectTimeout, timeLimit)
         }
         return OAuthClient(endpoints: endpoints, configuration: configuration, dpop: dpop, loop: loop)
     }
@@ -168,8 +175,8 @@ public final class HTTPTokenSource: TokenSource {
     /// rotated already would otherwise leave the new refresh token alive, known to nobody, and
     /// revoking the old one changes nothing at many servers.
     public func fetch(_ request: FetchRequest) async throws -> FetchedToken {
-        // Without a handler (a fleet session: its holder abandons a request when its lease runs
-        // out, and cutting the transfer off is the best it can do), cancelling ends the transfer.
+        // Without a handler, cancelling ends the transfer. (A fleet holder's request goes on
+        // too, but never past its `timeLimit`: the flight lease.)
         guard abandoned.withLock({ $0 != nil }) else { return try await fetchNow(request) }
         try Task.checkCancellation()   // nothing sent yet: nothing to abandon
         let race = AbandonableResult<FetchedToken>()
@@ -195,6 +202,7 @@ public final class HTTPTokenSource: TokenSource {
     private let abandoned = Mutex<(@Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)?>(nil)
 
     private func fetchNow(_ request: FetchRequest) async throws -> FetchedToken {
+        let started = ContinuousClock.now
         if dpop == .on, request.proofKey == nil {
             // (Its refresh token would stay alive upstream, known to nobody: revoked first.)
             if let refreshToken = request.refreshToken { _ = await revoke(refreshToken) }
@@ -202,7 +210,8 @@ public final class HTTPTokenSource: TokenSource {
         }
         let client: OAuthClient
         do {
-            client = try await self.client(proofKey: request.proofKey, tokenType: request.tokenType)
+            client = try await self.client(proofKey: request.proofKey, tokenType: request.tokenType,
+                                           timeLimit: request.timeLimit.map { $0 - started.duration(to: .now) })
         } catch {
             // Ending the session before anything was sent (a kept key damaged, a server that
             // takes no ES256): its refresh token is revoked first, as above.

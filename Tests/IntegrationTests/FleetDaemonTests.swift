@@ -22,6 +22,9 @@ struct FleetDaemonTests {
         var brokers: [Broker] = []
         /// Where the brokers reach etcd (by default, every member).
         var endpoints: [String]?
+        /// The flight lease, and the session's RequestTimeout=, of the brokers started next.
+        var flightLease = FleetDaemonTests.lease
+        var sessionRequestTimeout = "1s"
 
         init(cluster: EtcdCluster, issuer: DevIssuer, keyPath: String) {
             self.cluster = cluster
@@ -38,7 +41,7 @@ struct FleetDaemonTests {
             Endpoints=\((endpoints ?? cluster.clientURLs).joined(separator: " "))
             Prefix=/tokenbroker-test
             KeyFile=\(keyPath)
-            FlightLease=\(FleetDaemonTests.lease)s
+            FlightLease=\(flightLease)s
             RequestTimeout=500ms
             Name=host-\(member)
 
@@ -49,7 +52,7 @@ struct FleetDaemonTests {
             RevocationEndpoint=\(issuer.revocationEndpoint)
             ClientID=tokenbroker
             ClientSecretFile=@DIR@/client-secret
-            RequestTimeout=1s
+            RequestTimeout=\(sessionRequestTimeout)
             BackoffInitial=100ms
             BackoffMax=500ms
 
@@ -76,8 +79,9 @@ struct FleetDaemonTests {
 
         /// Makes broker `member` refresh (its worker rejected `token`) and the issuer hold that
         /// request; returns once it is held, with the box that receives the worker's reply.
-        func holdRefresh(on member: Int, rejecting token: String) async throws -> ReplyBox {
-            issuer.inject([.hold])
+        /// `fault`: `.hold` (before the issuer processes the request) or `.holdAfterProcessing`.
+        func holdRefresh(on member: Int, rejecting token: String, fault: DevIssuer.Fault = .hold) async throws -> ReplyBox {
+            issuer.inject([fault])
             let broker = brokers[member]
             let reply = ReplyBox()
             Thread {
@@ -115,11 +119,12 @@ struct FleetDaemonTests {
         var reply: VarlinkReply? { value.withLock { $0 } }
     }
 
-    static func withFleet(brokers count: Int = 3, prepare: (Fleet) throws -> Void = { _ in }, _ body: (Fleet) async throws -> Void) async throws {
+    static func withFleet(brokers count: Int = 3, issuer options: DevIssuer.Options = DevIssuer.Options(), prepare: (Fleet) throws -> Void = { _ in },
+                          _ body: (Fleet) async throws -> Void) async throws {
         let cluster = try await EtcdCluster(members: 3) { url in
             (try? await EtcdClient(endpoints: [url], timeout: .milliseconds(500)).get(Array("ready".utf8))) != nil
         }
-        let issuer = try DevIssuer()
+        let issuer = try DevIssuer(options: options)
         let keyDirectory = try Paths.temporaryDirectory()
         let keyPath = keyDirectory + "/fleet.key"
         try (0..<32).map { _ in String(format: "%02x", UInt8.random(in: 0...255)) }.joined().write(toFile: keyPath, atomically: true, encoding: .utf8)
@@ -251,6 +256,43 @@ struct FleetDaemonTests {
             try await eventually("the restarted broker has read the fleet") { fleet.status(1)?["fleetHealth"]?.stringValue == "healthy" }
             #expect(try fleet.brokers[1].call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut")
             #expect((fleet.status(1)?["fleetGeneration"]?.intValue ?? 0) > loggedIn)
+            #expect(fleet.issuer.counters.replays == 0)
+        }
+    }
+
+    @Test("logout race, the issuer having rotated: the refresh token the holder's late answer brings is revoked upstream (the request goes on, within its flight lease, after the logout ended its generation)")
+    func logoutRaceRevokesTheLateAnswer() async throws {
+        // As many servers do: revoking a rotated refresh token leaves its family alive.
+        var options = DevIssuer.Options()
+        options.revokingARotatedTokenEndsItsFamily = false
+        try await Self.withFleet(issuer: options, prepare: { fleet in
+            // Time for the logout to reach every host while the answer is held.
+            fleet.flightLease = 30
+            fleet.sessionRequestTimeout = "20s"
+        }) { fleet in
+            let refreshToken = fleet.issuer.issueRefreshToken()
+            #expect(try fleet.brokers[0].call("Login", ["session": "api", "refreshToken": .string(refreshToken)]).error == nil)
+            let first = try #require(fleet.token(0), "no token after the login")
+            try await eventually("every broker holds the fleet's first token") { (0..<3).allSatisfy { fleet.token($0) == first } }
+            // B's refresh is processed (the issuer rotates), its answer held.
+            let before = try #require(fleet.issuer.lineage(of: refreshToken)?.newest)
+            let waiter = try await fleet.holdRefresh(on: 1, rejecting: first, fault: .holdAfterProcessing)
+            #expect(fleet.issuer.lineage(of: refreshToken)?.newest == before + 1, "the issuer rotated")
+
+            #expect(try fleet.brokers[0].call("Logout", ["session": "api"]).error == nil)
+            try await eventually("B's waiter is told SignedOut") { waiter.reply != nil }
+            #expect(waiter.reply?.error == "io.tokenbroker.Broker.SignedOut")
+            try await eventually("B has followed the logout") { fleet.status(1)?["state"]?.stringValue == "signedOut" }
+            // The logout revoked the refresh token the fleet held, which the issuer had retired:
+            // the family lives on in the token only the held answer carries.
+            try await eventually("the logout's revocation") { fleet.issuer.counters.revocations >= 1 }
+            #expect(fleet.issuer.family(of: refreshToken)?.revoked == false)
+
+            fleet.issuer.releaseHeld()
+            try await eventually("the late answer's refresh token is revoked upstream") { fleet.issuer.family(of: refreshToken)?.revoked == true }
+            for member in 0..<3 {
+                #expect(try fleet.brokers[member].call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut")
+            }
             #expect(fleet.issuer.counters.replays == 0)
         }
     }

@@ -27,14 +27,23 @@ extension SessionFactory {
     /// deadline, and a refresh token it brings (the issuer rotated already) is revoked, in the
     /// request's own task, so that the logout leaves nothing usable upstream. What cannot be
     /// revoked is said.
-    func abandonedRequestRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource)
+    ///
+    /// `fleetGeneration`: a fleet session's, read when the answer comes. A holder's request goes
+    /// on no longer than its flight lease allows (`FetchRequest.timeLimit`), so that no broker
+    /// taking over can overlap it, and what it brings is revoked only when a logout or login
+    /// (here, or followed from elsewhere) has ended its generation, and only a rotated refresh
+    /// token. One that comes after the holder gave up for want of time is not: its generation
+    /// goes on, the fleet may still use its predecessor (an issuer with a reuse grace period),
+    /// and revoking could end that grant too.
+    func abandonedRequestRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource, fleetGeneration: (@Sendable () -> Int)? = nil)
         -> (@Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)? {
         guard case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return nil }
         let (logger, name) = (self.logger, session.name)
         return { request, result in
+            if let fleetGeneration, fleetGeneration() == request.generation { return }
             switch result {
             case let .success(fetched):
-                guard let refreshToken = fetched.refreshToken else { return }
+                guard let refreshToken = fetched.refreshToken, fleetGeneration == nil || refreshToken != request.refreshToken else { return }
                 switch await upstream.revoke(refreshToken) {
                 case .revoked:
                     logger.log(.info, "session \(name): a refresh answer that came after the logout (or login) had ended its request "

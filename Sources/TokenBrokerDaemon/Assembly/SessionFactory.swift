@@ -76,6 +76,10 @@ struct SessionFactory: Sendable {
                                       },
                                       summaries: { [census] summary in census.tell(slot, summary) })
         census.begin(slot, coordinator.summary)
+        if fleet != nil, let upstream,
+           let revocation = abandonedRequestRevocation(session, upstream, fleetGeneration: { coordinator.statusSnapshot().generation }) {
+            upstream.whenAbandoned(revocation)
+        }
         if let fleet {
             // The sync loop's first read of etcd logs the session in or out here as the fleet has it.
             await fleet.attach(coordinator)
@@ -102,8 +106,7 @@ struct SessionFactory: Sendable {
     func httpSource(_ session: SessionConfiguration, _ settings: SessionConfiguration.OAuthSettings, grant: OAuthGrant) -> HTTPTokenSource {
         let http = HTTPTokenSource(grant: grant, configuration: settings.client.configuration, endpoints: settings.endpoints,
                                    issuer: settings.issuer, tasks: transfers, dpop: settings.dpop)
-        // (Not for fleet sessions: a holder whose lease runs out abandons its request so that
-        // another broker may take over, and that request must not go on.)
+        // (A fleet session's handler needs its coordinator: see `make`.)
         if session.fleet == nil, let revocation = abandonedRequestRevocation(session, http) { http.whenAbandoned(revocation) }
         return http
     }
