@@ -112,8 +112,10 @@ extension FleetSession {
         let margin = min(.seconds(2), settings.flightLease / 4) + min(settings.commitReserve, settings.flightLease / 4)
         let budget = settings.flightLease - margin - flight.taken.duration(to: clock.now)
         let refreshToken = flight.claimed.refreshToken
+        // The request is cut off when the budget is spent, whoever still waits for it.
+        let deadline = ContinuousClock.now.advanced(by: budget)
         let answer = await within(budget) { [upstream, name] in
-            try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken, timeLimit: budget))
+            try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken, deadline: deadline))
         }
         guard case let .answered(outcome) = answer else {
             // Abandoned: the request may still be processed. Nobody tries again (this broker
@@ -149,8 +151,11 @@ extension FleetSession {
             var after: FleetState?
             var ended: FleetState?
             if cancelled {
-                // Cancelled here (a logout or the stop of this broker): the flight is released.
-                after = flight.claimed.released()
+                // Cancelled here (a logout or login ended the generation): the request goes on to
+                // its deadline, so nobody may take the flight before the lease would lapse.
+                let left = max(settings.flightLease - flight.taken.duration(to: clock.now), .seconds(1))
+                after = flight.claimed.failed(BackoffNote(until: FleetStateMachine.milliseconds(wall.unixTime()) + left.milliseconds,
+                                                          reason: "the refresh was left to run out by a logout or login"))
             } else if case .terminal = failure.kind, failure.reason != "invalid_grant" {
                 // This broker's own configuration (its client credentials, scope, endpoint): it
                 // ends here only, and the others go on.

@@ -25,19 +25,19 @@ public struct FetchRequest: Sendable, Equatable {
     /// The type of the generation's current token, if it has one: a generation keeps the kind
     /// of token its first one was (DPoP-bound or bearer).
     public var tokenType: String?
-    /// The most the request may take, from when the source starts it, whether or not its
-    /// caller waits that long (under the source's own timeout): a fleet holder's request ends
-    /// before its flight lease can lapse for the others.
-    public var timeLimit: Duration?
+    /// When the request is cut off, whether or not its caller still waits (under the source's
+    /// own timeouts): a fleet holder's request ends before its flight lease can lapse for the
+    /// others, discovery included.
+    public var deadline: ContinuousClock.Instant?
 
     public init(session: String, generation: Int, refreshToken: Secret?, proofKey: Secret? = nil, tokenType: String? = nil,
-                timeLimit: Duration? = nil) {
+                deadline: ContinuousClock.Instant? = nil) {
         self.session = session
         self.generation = generation
         self.refreshToken = refreshToken
         self.proofKey = proofKey
         self.tokenType = tokenType
-        self.timeLimit = timeLimit
+        self.deadline = deadline
     }
 }
 

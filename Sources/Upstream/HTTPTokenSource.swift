@@ -116,15 +116,18 @@ public final class HTTPTokenSource: TokenSource {
     /// session does not switch between bound and bearer tokens as the metadata changes);
     /// before one, the server's metadata decides `auto`, and a server that lists algorithms
     /// without ES256 (the one tokenbroker signs with) cannot be used with `DPoP=yes`.
-    /// `timeLimit`: the time its requests have left (under `RequestTimeout=`).
-    public func client(proofKey: Secret? = nil, tokenType: String? = nil, timeLimit: Duration? = nil) async throws(FetchFailure) -> OAuthClient {
+    /// `deadline`: when its requests must be over (their timeouts, under `RequestTimeout=`, are
+    /// the time left after discovery).
+    public func client(proofKey: Secret? = nil, tokenType: String? = nil, deadline: ContinuousClock.Instant? = nil) async throws(FetchFailure)
+        -> OAuthClient {
         let endpoints = try await endpoints()
         var dpop: DPoPBinding?
         if let proofKey, try await provesKeys(tokenType: tokenType) {
             dpop = DPoPBinding(key: try self.proofKey(proofKey), client: configuration.clientID, required: self.dpop == .on, nonces: nonces)
         }
         var configuration = self.configuration
-        if let timeLimit {
+        if let deadline {
+            let timeLimit = ContinuousClock.now.duration(to: deadline)
             guard timeLimit > .milliseconds(10) else { throw .transient("no time left for the request") }
             configuration.timeout = min(configuration.timeout, timeLimit)
             configuration.connectTimeout = min(configuration.connectTimeout, timeLimit)
@@ -176,7 +179,7 @@ public final class HTTPTokenSource: TokenSource {
     /// revoking the old one changes nothing at many servers.
     public func fetch(_ request: FetchRequest) async throws -> FetchedToken {
         // Without a handler, cancelling ends the transfer. (A fleet holder's request goes on
-        // too, but never past its `timeLimit`: the flight lease.)
+        // too, but never past its `deadline`: the flight lease.)
         guard abandoned.withLock({ $0 != nil }) else { return try await fetchNow(request) }
         try Task.checkCancellation()   // nothing sent yet: nothing to abandon
         let race = AbandonableResult<FetchedToken>()
@@ -201,8 +204,24 @@ public final class HTTPTokenSource: TokenSource {
 
     private let abandoned = Mutex<(@Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)?>(nil)
 
+    /// The request, cut off at its deadline if it has one.
     private func fetchNow(_ request: FetchRequest) async throws -> FetchedToken {
-        let started = ContinuousClock.now
+        guard let deadline = request.deadline else { return try await fetchUnbounded(request) }
+        return try await withThrowingTaskGroup(of: FetchedToken?.self) { group in
+            group.addTask { try await self.fetchUnbounded(request) }
+            group.addTask {
+                try await Task.sleep(until: deadline, clock: .continuous)
+                return nil
+            }
+            defer { group.cancelAll() }
+            guard let first = try await group.next(), let token = first else {
+                throw FetchFailure.transient("the request was cut off at its deadline (the fleet's flight lease)")
+            }
+            return token
+        }
+    }
+
+    private func fetchUnbounded(_ request: FetchRequest) async throws -> FetchedToken {
         if dpop == .on, request.proofKey == nil {
             // (Its refresh token would stay alive upstream, known to nobody: revoked first.)
             if let refreshToken = request.refreshToken { _ = await revoke(refreshToken) }
@@ -210,8 +229,7 @@ public final class HTTPTokenSource: TokenSource {
         }
         let client: OAuthClient
         do {
-            client = try await self.client(proofKey: request.proofKey, tokenType: request.tokenType,
-                                           timeLimit: request.timeLimit.map { $0 - started.duration(to: .now) })
+            client = try await self.client(proofKey: request.proofKey, tokenType: request.tokenType, deadline: request.deadline)
         } catch {
             // Ending the session before anything was sent (a kept key damaged, a server that
             // takes no ES256): its refresh token is revoked first, as above.

@@ -24,6 +24,42 @@ struct OAuthClientTests {
                                                             timeout: timeout))
     }
 
+    @Test("a request's deadline (a fleet holder's lease) cuts it off, discovery included, whether or not its caller still waits; its abandoned transfer ends there too")
+    func deadlineCutsTheRequestOff() async throws {
+        let issuer = try Self.issuer()
+        defer { issuer.stop() }
+        let configuration = OAuthClientConfiguration(clientID: "tokenbroker", clientSecret: Secret("dev-secret"), timeout: .seconds(20))
+        let source = HTTPTokenSource(grant: .refreshToken, configuration: configuration, endpoints: nil, issuer: issuer.baseURL)
+        let ended = Locked<(Bool, ContinuousClock.Instant)?>(nil)
+        source.whenAbandoned { _, result in
+            let failed = if case .failure = result { true } else { false }
+            ended.withLock { $0 = (failed, .now) }
+        }
+        issuer.inject([.hold])
+        let started = ContinuousClock.now
+        let request = FetchRequest(session: "s", generation: 1, refreshToken: Secret(issuer.issueRefreshToken()), deadline: started + .milliseconds(600))
+        // Waited for: the deadline, not RequestTimeout=, ends it.
+        await #expect(throws: FetchFailure.transient("the request was cut off at its deadline (the fleet's flight lease)")) {
+            try await source.fetch(request)
+        }
+        let waited = started.duration(to: .now)
+        #expect(waited >= .milliseconds(550) && waited < .seconds(5), "cut off after \(waited)")
+        issuer.releaseHeld()
+
+        // Abandoned by its caller: the transfer goes on, to the deadline and no further.
+        issuer.inject([.hold])
+        let second = ContinuousClock.now
+        let abandoned = Task { try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: Secret(issuer.issueRefreshToken()),
+                                                                  deadline: second + .milliseconds(600))) }
+        try await eventually("the request is held") { issuer.heldCount == 1 }
+        abandoned.cancel()
+        _ = await abandoned.result
+        try await eventually("the abandoned transfer ends") { ended.value != nil }
+        let (failed, at) = try #require(ended.value)
+        #expect(failed && second.duration(to: at) < .seconds(5), "ended after \(second.duration(to: at))")
+        issuer.releaseHeld()
+    }
+
     @Test("refresh rotates; a replayed refresh token is invalid_grant and kills its family")
     func rotationAndReuseDetection() async throws {
         let issuer = try Self.issuer()

@@ -29,7 +29,7 @@ extension SessionFactory {
     /// revoked is said.
     ///
     /// `fleetGeneration`: a fleet session's, read when the answer comes. A holder's request goes
-    /// on no longer than its flight lease allows (`FetchRequest.timeLimit`), so that no broker
+    /// on no longer than its flight lease allows (`FetchRequest.deadline`), so that no broker
     /// taking over can overlap it, and what it brings is revoked only when a logout or login
     /// (here, or followed from elsewhere) has ended its generation, and only a rotated refresh
     /// token. One that comes after the holder gave up for want of time is not: its generation
@@ -40,7 +40,16 @@ extension SessionFactory {
         guard case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return nil }
         let (logger, name) = (self.logger, session.name)
         return { request, result in
-            if let fleetGeneration, fleetGeneration() == request.generation { return }
+            if let fleetGeneration, fleetGeneration() == request.generation {
+                // The holder gave up for want of time, and the issuer rotated after all: the fleet
+                // holds a spent refresh token, and its next refresh ends the session.
+                if case let .success(fetched) = result, fetched.refreshToken.map({ $0 != request.refreshToken }) ?? false {
+                    logger.log(.warning, "session \(name): a refresh answer came after this broker had given up on it for its flight lease; "
+                               + "the issuer rotated the refresh token, so the next refresh may fail (log in again then)",
+                               session: name, generation: request.generation)
+                }
+                return
+            }
             switch result {
             case let .success(fetched):
                 guard let refreshToken = fetched.refreshToken, fleetGeneration == nil || refreshToken != request.refreshToken else { return }
