@@ -1,3 +1,4 @@
+import Basics
 import BrokerContract
 import TokenBrokerCore
 import Upstream
@@ -31,7 +32,10 @@ extension BrokerService {
     }
 
     /// DeviceLogin: start the device grant, tell the caller where to approve it, poll, and log
-    /// the session in with what it yields. The caller disconnecting cancels the polling.
+    /// the session in with what it yields. The caller disconnecting stops the polling, but a
+    /// poll under way runs to its answer: it may carry the tokens of a login the user
+    /// approved, which the server gives only once (so the polling runs in the upstream pool,
+    /// which the daemon drains at its stop).
     private func deviceLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, _ sink: VarlinkReplySink) async {
         let name = session.configuration.name
         func failed(_ reason: String) {
@@ -59,11 +63,27 @@ extension BrokerService {
                                              expiresIn: Int64(authorization.expiresIn.seconds),
                                              verificationUriComplete: authorization.verificationURIComplete)
         sink.send(VarlinkReply(parameters: prompt.parameters, continues: true))
+        let abandoned = SynchronizedBox(false)
+        let polled: Result<FetchedToken, DeviceLoginError> = await withTaskCancellationHandler {
+            await withCheckedContinuation { continuation in
+                let started = revocations.enqueue {
+                    do throws(DeviceLoginError) {
+                        continuation.resume(returning: .success(try await client.completeDeviceLogin(authorization, clock: ContinuousClock(),
+                                                                                                   stop: { abandoned.value })))
+                    } catch {
+                        continuation.resume(returning: .failure(error))
+                    }
+                }
+                if !started { continuation.resume(returning: .failure(.failed(.transient("the daemon is stopping")))) }
+            }
+        } onCancel: {
+            abandoned.value = true
+        }
         let token: FetchedToken
-        do {
-            token = try await client.completeDeviceLogin(authorization, clock: ContinuousClock())
-        } catch {
-            if Task.isCancelled { return }
+        switch polled {
+        case let .success(fetched): token = fetched
+        case let .failure(error):
+            if abandoned.value { return }
             return failed(error.description)
         }
         switch await finishLogin(name, "device login", upstream, client, token, proofKey: proofKey, began: began) {

@@ -86,9 +86,10 @@ extension OAuthClient {
     /// Polls the token endpoint until the user approves or denies, the code expires, or a hard
     /// error ends it (RFC 8628 §3.4–3.5): `authorization_pending` waits `interval`, `slow_down`
     /// adds 5 s to it for good, transient failures back off up to a minute. Cancelling the
-    /// task stops it.
-    public func completeDeviceLogin<C: Clock>(_ authorization: DeviceAuthorization, clock: C) async throws(DeviceLoginError) -> FetchedToken
-    where C.Duration == Duration {
+    /// task stops it; so does `stop` turning true, checked after each wait, which never cuts
+    /// off a poll under way (its answer may carry the tokens of an approved login).
+    public func completeDeviceLogin<C: Clock>(_ authorization: DeviceAuthorization, clock: C, stop: @Sendable () -> Bool = { false })
+        async throws(DeviceLoginError) -> FetchedToken where C.Duration == Duration {
         let deadline = clock.now.advanced(by: authorization.expiresIn)
         var interval = authorization.interval
         var wait = interval
@@ -98,6 +99,7 @@ extension OAuthClient {
             } catch {
                 throw .failed(.transient("cancelled"))
             }
+            if stop() { throw .failed(.transient("cancelled")) }
             guard clock.now < deadline else { throw .expired }
             let response: HTTPResponse
             do {

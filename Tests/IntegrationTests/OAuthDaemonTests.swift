@@ -194,6 +194,23 @@ struct OAuthDaemonTests {
         }
     }
 
+    @Test("device login: the caller leaving while the poll that carries the approved login's tokens is under way loses nothing: the poll runs to its answer and the session is logged in")
+    func deviceCallerLeaves() async throws {
+        try await Self.withIssuerAndBroker(loggedIn: false) { issuer, broker in
+            let login = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "login", "api"], directory: broker.directory)
+            try await eventually("a device code waits") { !issuer.pendingUserCodes.isEmpty }
+            let code = try #require(issuer.pendingUserCodes.first)
+            issuer.inject([.hold])
+            try await eventually("a poll is held at the issuer") { issuer.heldCount == 1 }
+            issuer.decide(userCode: code, approve: true)
+            login.kill()   // the caller goes away while that poll is under way
+            issuer.releaseHeld()
+            try await eventually("the session is logged in") { try broker.status("api")?["generation"] == 1 }
+            let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            #expect(issuer.isValidAccessToken(token) && issuer.counters.deviceGrants >= 1)
+        }
+    }
+
     @Test("device login with client_secret_basic against a server that requires client_id in the form (oauthlib); the server's error_description reaches ctl, Status and the journal, not the workers' reason")
     func strictServer() async throws {
         var options = DevIssuer.Options()
