@@ -205,8 +205,12 @@ struct OAuthDaemonTests {
             issuer.decide(userCode: code, approve: true)
             login.kill()   // the caller goes away while that poll is under way
             issuer.releaseHeld()
-            try await eventually("the session is logged in") { try broker.status("api")?["generation"] == 1 }
+            // (Its generation shows as soon as the login begins; its token once it is stored.)
+            try await eventually("the session is logged in and serves the login's token") {
+                (try? broker.call("GetToken", ["session": "api"]))?.parameters["token"]?.stringValue != nil
+            }
             let token = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            #expect(try broker.status("api")?["generation"] == 1)
             #expect(issuer.isValidAccessToken(token) && issuer.counters.deviceGrants >= 1)
         }
     }
