@@ -21,6 +21,13 @@ extension BrokerService {
         }
     }
 
+    /// The client of a login, and the new generation's DPoP key for a DPoP session: made
+    /// first, so that the grant's token request proves it and the tokens are bound to it.
+    private func loginClient(_ upstream: HTTPTokenSource) async throws(FetchFailure) -> (OAuthClient, Secret?) {
+        let proofKey = try upstream.newProofKey()
+        return (try await upstream.client(proofKey: proofKey), proofKey)
+    }
+
     /// The session's one interactive login slot (device or code), or why not.
     private func claimLogin(_ name: String) throws(BrokerError) {
         switch interactiveLogins.claim(name) {
@@ -43,13 +50,10 @@ extension BrokerService {
             sink.send(BrokerError.loginFailed(session: name, reason: reason).reply)
         }
         let began = await session.coordinator.status().generation
-        // A DPoP session's login makes its key first: the grant's token request proves it, so
-        // the tokens it yields are bound to it.
         let client: OAuthClient
         let proofKey: Secret?
         do {
-            proofKey = try upstream.newProofKey()
-            client = try await upstream.client(proofKey: proofKey)
+            (client, proofKey) = try await loginClient(upstream)
         } catch {
             return failed(error.message)
         }
@@ -126,8 +130,7 @@ extension BrokerService {
         let server: HTTPTokenSource.CodeLoginServer
         do {
             server = try await upstream.codeLoginServer()
-            proofKey = try upstream.newProofKey()
-            client = try await upstream.client(proofKey: proofKey)
+            (client, proofKey) = try await loginClient(upstream)
         } catch {
             return failed(error.message)
         }

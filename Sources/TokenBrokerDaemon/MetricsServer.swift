@@ -115,14 +115,7 @@ final class MetricsServer: Sendable {
         guard words.count == 3, words[2].hasPrefix("HTTP/1.") else { return .answer(HTTPListener.response(400, "bad request\n"), refusal: nil) }
         guard words[0] == "GET" || words[0] == "HEAD" else { return .answer(HTTPListener.response(405, "only GET\n"), refusal: nil) }
         guard words[1] == "/metrics" || words[1].hasPrefix("/metrics?") else { return .answer(HTTPListener.response(404, "try /metrics\n"), refusal: nil) }
-        func header(_ name: String) -> String? {
-            for line in lines.dropFirst() {
-                if line.isEmpty { break }   // the end of the header: what follows is not one
-                guard let colon = line.firstIndex(of: ":"), line[..<colon].lowercased() == name else { continue }
-                return line[line.index(after: colon)...].trimmingCharacters(in: " \t")
-            }
-            return nil
-        }
+        func header(_ name: String) -> String? { HTTPListener.header(name, in: request) }
         let openMetrics = header("accept")?.lowercased().contains("application/openmetrics-text") == true
         switch authorization.view(peer: peer, authorization: header("authorization")) {
         case .full: return .render(openMetrics: openMetrics, full: true, head: words[0] == "HEAD")
@@ -131,14 +124,5 @@ final class MetricsServer: Sendable {
         case .unauthorized:
             return .answer(HTTPListener.response(401, "a bearer token is needed\n", extra: "WWW-Authenticate: Bearer realm=\"tokenbroker\"\r\n"), refusal: "unauthorized")
         }
-    }
-}
-
-private extension Substring {
-    func trimmingCharacters(in set: String) -> String {
-        var text = self
-        while let first = text.first, set.contains(first) { text = text.dropFirst() }
-        while let last = text.last, set.contains(last) { text = text.dropLast() }
-        return String(text)
     }
 }
