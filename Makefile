@@ -89,8 +89,8 @@ system-test: deps deb
 # against the real daemon and the development issuer.
 PY_CLIENT_VENV = .build/tools/python-client
 python-test: build
-	@[ -x $(PY_CLIENT_VENV)/bin/keyring ] && $(PY_CLIENT_VENV)/bin/python -c 'import pydpop, zxingcpp' 2>/dev/null || { python3 -m venv $(PY_CLIENT_VENV) && \
-	  $(PY_CLIENT_VENV)/bin/pip install -q pytest requests httpx keyring pydpop zxing-cpp numpy; }
+	@[ -x $(PY_CLIENT_VENV)/bin/keyring ] && $(PY_CLIENT_VENV)/bin/python -c 'import pydpop, zxingcpp, ada_url' 2>/dev/null || { python3 -m venv $(PY_CLIENT_VENV) && \
+	  $(PY_CLIENT_VENV)/bin/pip install -q pytest requests httpx keyring pydpop zxing-cpp numpy ada-url; }
 	$(PY_CLIENT_VENV)/bin/pip install -q --force-reinstall --no-deps ./clients/python
 	cd clients/python && TOKENBROKER_BIN="$$($(SWIFT) build --show-bin-path)" $(CURDIR)/$(PY_CLIENT_VENV)/bin/pytest -q -p no:cacheprovider tests
 

@@ -23,26 +23,14 @@ public enum DPoPProof {
     }
 
     /// `url` as `htu` says it (RFC 3986 §6.2.2-6.2.3 normalization, as RFC 9449 §4.3 compares):
-    /// scheme and authority lower-cased, the scheme's default port left out, an empty path `/`,
-    /// without query and fragment; nil unless it is an http or https URL with a host.
+    /// scheme and host lower-cased, the scheme's default port left out, an empty path `/`,
+    /// without query and fragment; nil unless it is an http or https URL with a host and no user
+    /// part, read alike by every common reader (`StrictURL`: `http://h:8080:80/` is refused, not
+    /// normalised).
     public static func target(_ url: String) -> String? {
-        guard url.utf8.count <= 4096, url.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else { return nil }
-        var text = Substring(url)
-        if let cut = text.firstIndex(where: { $0 == "?" || $0 == "#" }) { text = text[..<cut] }
-        let lower = text.lowercased()
-        let scheme: String
-        if lower.hasPrefix("https://") { scheme = "https://" } else if lower.hasPrefix("http://") { scheme = "http://" } else { return nil }
-        let rest = text.dropFirst(scheme.count)
-        let authorityEnd = rest.firstIndex(of: "/") ?? rest.endIndex
-        var authority = rest[..<authorityEnd].lowercased()
-        guard !authority.isEmpty, !authority.contains("@") else { return nil }
-        let defaultPort = scheme == "https://" ? ":443" : ":80"
-        if authority.hasSuffix(defaultPort) { authority.removeLast(defaultPort.count) }
-        if authority.hasSuffix(":") { authority.removeLast() }
-        // A host is left: not a bare port, not an empty IPv6 literal.
-        guard !authority.isEmpty, !authority.hasPrefix(":"), authority != "[]" else { return nil }
-        let path = rest[authorityEnd...]
-        return scheme + authority + (path.isEmpty ? "/" : String(path))
+        guard let parsed = StrictURL(url), let scheme = parsed.scheme, scheme == "https" || scheme == "http", !parsed.hasUserInfo else { return nil }
+        let port = parsed.port.map { $0 == StrictURL.defaultPort(scheme) ? "" : ":\($0)" } ?? ""
+        return scheme + "://" + parsed.host + port + (parsed.path.isEmpty ? "/" : parsed.path)
     }
 
     /// 16 random bytes, base64url.

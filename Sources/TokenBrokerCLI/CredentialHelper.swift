@@ -31,6 +31,8 @@ public enum CredentialHelper {
         public var standardInput: () -> [UInt8]?
         public var variable: (String) -> String?
         public var now: () -> Int64
+        /// What decides a registry's bare host's scheme (the docker protocol).
+        var registries: RegistryTransport = .process
 
         public static var process: Environment {
             Environment(socket: getenv("TOKENBROKER_SOCKET").map { String(cString: $0) } ?? BrokerContract.defaultSocket,
@@ -180,6 +182,13 @@ public enum CredentialHelper {
         }
     }
 
+    /// The lines of `text`, split at LF, a CR before it dropped.
+    static func lines(_ text: String) -> [Substring] {
+        text.utf8.split(separator: 0x0A, omittingEmptySubsequences: false).map { line in
+            Substring(line.last == 0x0D ? line.dropLast() : line)
+        }
+    }
+
     /// Text input: valid UTF-8 without NUL, or nil.
     static func text(_ bytes: [UInt8]?) -> String? {
         guard let bytes, !bytes.contains(0) else { return nil }
@@ -203,8 +212,7 @@ public enum CredentialHelper {
         }
         var fields: [String: String] = [:]
         var capabilities: Set<String> = []
-        for line in input.split(separator: "\n", omittingEmptySubsequences: false) {
-            let line = line.hasSuffix("\r") ? line.dropLast() : line
+        for line in lines(input) {
             if line.isEmpty { break }
             guard let equals = line.firstIndex(of: "=") else { continue }
             let key = String(line[..<equals]), value = String(line[line.index(after: equals)...])
@@ -313,15 +321,21 @@ public enum CredentialHelper {
             output.write("unreadable input\n")
             return ExitCode.failure
         }
-        var server = Substring(input)
-        while let last = server.last, last == "\n" || last == "\r" || last == " " { server = server.dropLast() }
+        // (On bytes: "\r\n" is one Character, which neither "\r" nor "\n" equals.)
+        func isSpace(_ byte: UInt8) -> Bool { byte == 0x0A || byte == 0x0D || byte == 0x20 || byte == 0x09 }
+        var trimmed = input.utf8[...]
+        while let last = trimmed.last, isSpace(last) { trimmed = trimmed.dropLast() }
+        while let first = trimmed.first, isSpace(first) { trimmed = trimmed.dropFirst() }
+        let server = String(Substring(trimmed))
         guard !server.isEmpty else {
             output.write("no server URL given\n")
             return ExitCode.failure
         }
-        switch relay.lookup(String(server)) {
+        // The protocol names no scheme: this tool's way to the registry decides it.
+        let found = relay.environment.registries.requestURL(for: server).map { relay.lookup($0) } ?? .success(.notFound)
+        switch found {
         case let .success(.found(reply)):
-            output.write(JSON.object(["ServerURL": .string(String(server)), "Username": .string(username),
+            output.write(JSON.object(["ServerURL": .string(server), "Username": .string(username),
                                       "Secret": .string(reply.token.token)]).text + "\n")
             return ExitCode.ok
         case .success(.notFound):
@@ -347,7 +361,9 @@ public enum CredentialHelper {
             if operands[0] == "store" { _ = relay.environment.standardInput() }
             return ExitCode.ok
         }
-        switch relay.lookup(operands[1]) {
+        // Terraform finds a host's services over https only (its remote service discovery).
+        let host = operands[1]
+        switch relay.lookup(host.contains("://") ? host : "https://" + host) {
         case let .success(.found(reply)):
             output.write(JSON.object(["token": .string(reply.token.token)]).text + "\n")
             return ExitCode.ok

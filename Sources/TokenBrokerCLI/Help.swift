@@ -32,7 +32,9 @@ public enum Help {
         Each call asks the broker for the token of the session that serves the URL (Serves= in
         the daemon's configuration; among the sessions this user may use). It never refreshes by
         itself: every process shares the session's one refresh. A URL no session serves gets the
-        protocol's "not found", so the tool asks its next helper.
+        protocol's "not found", so the tool asks its next helper. A registry's bare host means
+        https, unless the tool may reach it in clear (loopback, --tls-verify=false, insecure in
+        registries.conf or daemon.json): then http, which only an http:// entry serves.
 
         USAGE: tokenbroker credential git [--username <name>] get|store|erase
                tokenbroker credential kubectl [--url <url> | --session <name>]

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Basics
 import CCurl
 
 /// Which endpoint URLs tokenbroker will talk to: `https://` anywhere, `http://` only to a
@@ -8,8 +9,8 @@ import CCurl
 /// text. It applies to configured and discovered endpoints alike, and once more right before a
 /// request that carries a credential is sent.
 ///
-/// A URL passes only if it passes on two readings: tokenbroker's own, strict one (RFC 3986
-/// with no percent-encoding, backslash or empty port in the authority), and libcurl's — the
+/// A URL passes only if it passes on two readings: tokenbroker's own, strict one (`StrictURL`:
+/// no percent-encoding, backslash, empty port or numeric name in the authority), and libcurl's — the
 /// parser of the library that will connect — so the host checked is the host reached
 /// (`http://127.0.0.1.attacker.example/`, `http://x\@127.0.0.1/` and the like cannot pass as
 /// loopback). Names, `localhost` included, are not loopback here: only the address itself is.
@@ -32,7 +33,7 @@ public enum EndpointPolicy {
             return "URL with spaces, control or non-ASCII characters (percent-encode them)"
         }
         guard let parts = strictParse(url) else {
-            return "not a URL (scheme://host[:port][/path]; no backslash, percent-encoding or empty port before the path): \(url)"
+            return "not a URL (scheme://host[:port][/path]; no backslash, percent-encoding, empty port or IPv4 address in another form than a.b.c.d before the path): \(url)"
         }
         return problem(with: parts)
     }
@@ -50,51 +51,11 @@ public enum EndpointPolicy {
         }
     }
 
-    /// Scheme (lowercase) and host (IPv6 in brackets) on the strict reading, and whether the
-    /// authority holds user information; `nil` when the URL is not of the form
-    /// `scheme://[userinfo@]host[:port][/path][?query][#fragment]` with a host of letters,
-    /// digits, `-._~` or a bracketed IPv6 address, and a port of 1 to 65535.
+    /// Scheme (lowercase) and host (IPv6 in brackets) on the strict reading (`StrictURL`), and
+    /// whether the authority holds user information; `nil` when it is not a URL there.
     static func strictParse(_ url: String) -> (scheme: String, host: String, hasUserInfo: Bool)? {
-        let bytes = Array(url.utf8)
-        guard !bytes.contains(UInt8(ascii: "\\")) else { return nil }
-        guard let colon = bytes.firstIndex(of: UInt8(ascii: ":")), colon > 0,
-              bytes[colon...].starts(with: Array("://".utf8)) else { return nil }
-        let scheme = bytes[..<colon]
-        func isLetter(_ byte: UInt8) -> Bool { (0x61...0x7A).contains(byte | 0x20) }
-        func isDigit(_ byte: UInt8) -> Bool { (0x30...0x39).contains(byte) }
-        guard isLetter(scheme[scheme.startIndex]),
-              scheme.allSatisfy({ isLetter($0) || isDigit($0) || $0 == UInt8(ascii: "+") || $0 == UInt8(ascii: "-") || $0 == UInt8(ascii: ".") })
-        else { return nil }
-        let start = colon + 3
-        let end = bytes[start...].firstIndex(where: { $0 == UInt8(ascii: "/") || $0 == UInt8(ascii: "?") || $0 == UInt8(ascii: "#") }) ?? bytes.endIndex
-        var authority = bytes[start..<end]
-        var hasUserInfo = false
-        if let at = authority.lastIndex(of: UInt8(ascii: "@")) {
-            hasUserInfo = true
-            authority = authority[(at + 1)...]
-        }
-        let host: ArraySlice<UInt8>
-        var rest: ArraySlice<UInt8>
-        if authority.first == UInt8(ascii: "[") {
-            guard let close = authority.firstIndex(of: UInt8(ascii: "]")) else { return nil }
-            host = authority[authority.startIndex...close]
-            let inside = host.dropFirst().dropLast()
-            guard !inside.isEmpty, inside.allSatisfy({ isDigit($0) || (0x61...0x66).contains($0 | 0x20) || $0 == UInt8(ascii: ":") || $0 == UInt8(ascii: ".") })
-            else { return nil }
-            rest = authority[(close + 1)...]
-        } else {
-            let colon = authority.firstIndex(of: UInt8(ascii: ":")) ?? authority.endIndex
-            host = authority[..<colon]
-            guard !host.isEmpty, host.allSatisfy({ isLetter($0) || isDigit($0) || $0 == UInt8(ascii: "-") || $0 == UInt8(ascii: ".")
-                                                     || $0 == UInt8(ascii: "_") || $0 == UInt8(ascii: "~") })
-            else { return nil }
-            rest = authority[colon...]
-        }
-        if !rest.isEmpty {
-            guard rest.removeFirst() == UInt8(ascii: ":"), (1...5).contains(rest.count), rest.allSatisfy(isDigit),
-                  let port = Int(String(decoding: rest, as: UTF8.self)), (1...65535).contains(port) else { return nil }
-        }
-        return (String(decoding: scheme, as: UTF8.self).lowercased(), String(decoding: host, as: UTF8.self), hasUserInfo)
+        guard let parts = StrictURL(url), let scheme = parts.scheme else { return nil }
+        return (scheme, parts.host, parts.hasUserInfo)
     }
 
     /// Scheme (lowercase) and host as libcurl reads them, and whether a user or password is in

@@ -106,6 +106,28 @@ struct CredentialHelperTests {
             let docker = try await Self.helper(broker, ["get"], stdin: "registry.example.test\n", as: "docker-credential-tokenbroker")
             let check5 = docker.code == 0 && docker.out == #"{"ServerURL":"registry.example.test","Username":"oauth2","Secret":"\#(repos)"}"# + "\n"
             #expect(check5, "\(fp(docker.out)) \(docker.err)")
+            // Windows-style input (one Character in Swift, "\r\n") is trimmed like any line end.
+            let crlf = try await Self.helper(broker, ["get"], stdin: "registry.example.test\r\n", as: "docker-credential-tokenbroker")
+            let check5a = crlf.code == 0 && crlf.out == #"{"ServerURL":"registry.example.test","Username":"oauth2","Secret":"\#(repos)"}"# + "\n"
+            #expect(check5a, "\(fp(crlf.out)) \(crlf.err)")
+            // A registry the tool may reach in clear gets no https entry's token: loopback (docker's
+            // engine takes it as insecure), registries.conf marking it insecure, the tool started
+            // with --tls-verify=false.
+            let work = broker.directory + "/xdg"
+            try FileManager.default.createDirectory(atPath: work + "/containers", withIntermediateDirectories: true)
+            try "[[registry]]\nlocation = \"registry.example.test\"\ninsecure = true\n".write(toFile: work + "/containers/registries.conf", atomically: true, encoding: .utf8)
+            let loopback = try await Self.helper(broker, ["get"], stdin: "127.0.0.1:6443\n", as: "docker-credential-tokenbroker")
+            let configured = try await Self.helper(broker, ["get"], stdin: "registry.example.test\n", as: "docker-credential-tokenbroker",
+                                                   environment: ["XDG_CONFIG_HOME": work])
+            let link = broker.directory + "/docker-credential-tokenbroker"
+            let flagged = try Child("/usr/bin/python3", ["-c", "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:3]).returncode)", link, "get", "--tls-verify=false"],
+                                    environment: ProcessInfo.processInfo.environment.merging(["TOKENBROKER_SOCKET": broker.socket]) { $1 },
+                                    directory: broker.directory, stdin: "registry.example.test\n")
+            let flaggedCode = await flagged.wait()
+            for (answer, code) in [(loopback.out, loopback.code), (configured.out, configured.code), (flagged.stdout, flaggedCode)] {
+                let notFound = code == 1 && answer == "credentials not found in native keychain\n"
+                #expect(notFound, "\(fp(answer))")
+            }
             let missing = try await Self.helper(broker, ["get"], stdin: "other.test\n", as: "docker-credential-tokenbroker")
             let check103 = missing.code == 1 && missing.out == "credentials not found in native keychain\n"
             #expect(check103)
@@ -525,7 +547,7 @@ extension CredentialHelperTests {
         FileManager.default.isExecutableFile(atPath: "/usr/bin/skopeo") && FileManager.default.isExecutableFile(atPath: "/usr/bin/docker-registry")
     }
 
-    @Test("real skopeo and docker-registry with token authentication: docker-credential-tokenbroker gives the broker's token, the registry's token service accepts it; push, inspect; 8 parallel inspects after the token expired cost one refresh",
+    @Test("real skopeo and docker-registry with token authentication: a plain-http registry gets no https entry's token; with http:// written, docker-credential-tokenbroker gives the broker's token, the registry's token service accepts it; push, inspect; 8 parallel inspects after the token expired cost one refresh",
           .enabled(if: CredentialHelperTests.registryTools, "no skopeo or docker-registry here"))
     func realRegistry() async throws {
         let issuer = try Self.shortLivedIssuer()
@@ -556,8 +578,9 @@ extension CredentialHelperTests {
         let published = try #require(FileManager.default.contents(atPath: work + "/ports.json"))
         let ports = try #require(try JSONParser.parse(ArraySlice(published)).objectValue)
         let registry = try #require(ports["registry"]?.intValue)
-        let broker = try await Broker(config: "[Broker]\nSocketMode=0666\n\n" + Broker.oauthSession(issuer.tokenEndpoint, name: "images")
-                                      + "RefreshAhead=0\nServes=127.0.0.1:\(registry)\n")
+        // First a bare entry (https): the registry is plain HTTP, so skopeo must get nothing.
+        let config = "[Broker]\nSocketMode=0666\n\n" + Broker.oauthSession(issuer.tokenEndpoint, name: "images") + "RefreshAhead=0\nServes=%@127.0.0.1:\(registry)\n"
+        let broker = try await Broker(config: config.replacingOccurrences(of: "%@", with: ""))
         defer { try? FileManager.default.removeItem(atPath: broker.directory) }
         #expect(try broker.call("Login", ["session": "images", "refreshToken": .string(issuer.issueRefreshToken())]).error == nil)
         // docker-credential-tokenbroker on PATH, named in the auth file's credHelpers.
@@ -576,6 +599,15 @@ extension CredentialHelperTests {
             return (code, child.stdout, child.stderr)
         }
         let image = "docker://127.0.0.1:\(registry)/demo:1"
+        let refused = try await skopeo(["copy", "--dest-tls-verify=false", "--authfile", authfile, "oci:\(work)/image:1", image])
+        #expect(refused.code != 0, "skopeo copy to a plain-http registry went through with an https entry's token")
+        let seen = FileManager.default.contents(atPath: work + "/counts.json").flatMap { try? JSONParser.parse(ArraySlice($0)).objectValue }
+        #expect((seen?["granted"]?.intValue ?? 0) == 0, "the token service was handed the broker's token over plain HTTP: \(seen ?? [:])")
+        let refusedBefore = seen?["refused"]?.intValue ?? 0
+        // `http://` written: the operator accepts the token in clear to this (loopback) registry.
+        try config.replacingOccurrences(of: "%@", with: "http://").replacingOccurrences(of: "@DIR@", with: broker.directory)
+            .write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+        #expect(try broker.call("Reload").error == nil)
         let push = try await skopeo(["copy", "--dest-tls-verify=false", "--authfile", authfile, "oci:\(work)/image:1", image])
         #expect(push.code == 0, "skopeo copy: \(push.err)")
         let inspect = try await skopeo(["inspect", "--tls-verify=false", "--authfile", authfile, image])
@@ -594,7 +626,7 @@ extension CredentialHelperTests {
         // The token service never saw a password it refused.
         let countsFile = try #require(FileManager.default.contents(atPath: work + "/counts.json"))
         let counts = try #require(try JSONParser.parse(ArraySlice(countsFile)).objectValue)
-        #expect(counts["refused"]?.intValue == 0 && (counts["granted"]?.intValue ?? 0) >= 10, "token service: \(counts)")
+        #expect(counts["refused"]?.intValue == refusedBefore && (counts["granted"]?.intValue ?? 0) >= 10, "token service: \(counts)")
         _ = await broker.stop()
     }
 

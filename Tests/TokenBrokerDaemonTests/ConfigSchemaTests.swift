@@ -143,22 +143,35 @@ struct ConfigSchemaTests {
         ])
     }
 
-    @Test("Serves= entries: a bare one means https on any port; http only when written; one user part at most; ports are digits; paths at segment boundaries")
+    @Test("Serves= entries: a bare one means https on any port; http only when written; a request must name its scheme; one user part at most; ports are digits; paths at segment boundaries; nothing two URL readers read differently")
     func servedURLs() throws {
         func matches(_ entry: String, _ url: String) throws -> Bool {
             try #require(ServedURL(entry)).specificity(for: try #require(ServedURL(url))) != nil
         }
         #expect(try matches("git.example.test", "https://git.example.test:8443/a"))
-        #expect(try matches("git.example.test", "git.example.test"))
         #expect(try !matches("git.example.test", "http://git.example.test/a"))
         #expect(try matches("http://127.0.0.1:8080", "http://127.0.0.1:8080/x"))
-        #expect(try matches("http://127.0.0.1:8080", "127.0.0.1:8080"), "an operator who wrote http:// serves the host:port")
         #expect(try !matches("http://127.0.0.1:8080", "https://127.0.0.1:8080"))
+        // A request without a scheme may go over either: no entry answers it (issue 32: pip's
+        // netloc and skopeo's bare host took an https entry's token to a plain-http server).
+        #expect(try !matches("git.example.test", "git.example.test") && !matches("127.0.0.1:8443", "127.0.0.1:8443"))
+        #expect(try !matches("http://127.0.0.1:8080", "127.0.0.1:8080"))
         #expect(try matches("https://h/org", "https://h/org/repo") && !matches("https://h/org", "https://h/organization"))
         #expect(try matches("h:6443", "https://h:6443") && !matches("h:6443", "https://h"))
         #expect(try matches("https://h", "https://user@h/x"))
-        for refused in ["https://a@b@h/", "h:+443", "h:0", "https://h/a/../b", "https://h/./a", "", "h h", "https://[zz]/"] {
+        for refused in ["https://a@b@h/", "h:+443", "h:0", "https://h/a/../b", "https://h/./a", "", "h h", "https://[zz]/",
+                        // WHATWG and urllib3 end the authority at a backslash: they reach 127.0.0.1.
+                        #"http://127.0.0.1:8080\@good.test/api"#, #"https://good.test\.evil.test/"#, #"https://good.test/org\..\x"#,
+                        // Encoded dot segments and slashes a server may resolve out of a path scope.
+                        "https://h/org/%2e%2e/x", "https://h/org/%2E%2e/x", "https://h/org/..%2fx", "https://h/org/%2fx", "https://h/org/%5c..",
+                        "https://h/org/..;/x", "https://h/org/%zz", "https://h/org/%2",
+                        // Numbers that are IPv4 addresses to WHATWG and libcurl, names to RFC 3986.
+                        "http://127.1/", "http://0x7f.0.0.1/", "http://2130706433/", "http://127.0.0.01/", "http://1.2.3.256/", "http://127.0.0.1./",
+                        "h:8080:80", "https://h:/", "https://h:123456/"] {
             #expect(ServedURL(refused) == nil, "\(refused)")
+        }
+        for kept in ["https://h/org/%41", "https://h/org/a.b", "https://h/org/...", "https://v1.example.test/", "https://127.0.0.1/", "https://[::1]:8443/"] {
+            #expect(ServedURL(kept) != nil, "\(kept)")
         }
     }
 }

@@ -256,7 +256,7 @@ struct OAuthClientTests {
         #expect((strict == nil) == allowed, "\(url) (strict reading): \(strict ?? "allowed")")
     }
 
-    @Test("endpoint policy: whatever the strict reading (configuration) allows, libcurl's reading allows too (seeded random URLs)")
+    @Test("endpoint policy: whatever the strict reading (configuration) allows, libcurl's reading allows too, with the same scheme and host (seeded random URLs)")
     func strictReadingIsNarrower() {
         let pieces = ["http", "https", "HTTP", "://", ":", "/", "//", "@", "[", "]", "::1", ".", "127", "0", "1", "8080", "65536",
                       "#", "?", "a", "example", "%2e", "\\", "-", "_", "~", "x", "0x7f", "[::1]", "127.0.0.1", "user:pw@"]
@@ -270,6 +270,9 @@ struct OAuthClientTests {
             allowed += 1
             let problem = EndpointPolicy.problem(with: url)
             #expect(problem == nil, "the strict reading allows \(url), libcurl's does not: \(problem ?? "")")
+            // And both read the same host (what Serves= and DPoP's htu decide on).
+            let strict = EndpointPolicy.strictParse(url), curl = EndpointPolicy.parse(url)
+            #expect(strict?.host == curl?.host.lowercased() && strict?.scheme == curl?.scheme, "\(url): \(strict?.host ?? "-") against libcurl's \(curl?.host ?? "-")")
         }
         #expect(allowed > iterations / 50, "too few allowed URLs (\(allowed)) for the comparison to mean anything")
     }

@@ -130,14 +130,16 @@ class Daemon:
     """tokenbroker serve with `Upstream=test` sessions: `index` serves the index's whole host
     and port, `other` a deeper path of it."""
 
-    def __init__(self, port):
+    def __init__(self, port, sessions=None):
         if not BIN or not os.path.exists(os.path.join(BIN, "tokenbroker")):
             pytest.skip("TOKENBROKER_BIN does not hold a build (run through make python-test)")
         self.directory = tempfile.mkdtemp(prefix="tb-keyring-")
         self.config = os.path.join(self.directory, "tokenbroker.conf")
+        if sessions is None:
+            sessions = {"index": f"http://127.0.0.1:{port}/", "other": f"http://127.0.0.1:{port}/simple/other"}
         with open(self.config, "w") as f:
-            f.write(f"[Broker]\nSocketMode=0600\n\n[Session]\nName=index\nUpstream=test\nServes=http://127.0.0.1:{port}/\n\n"
-                    f"[Session]\nName=other\nUpstream=test\nServes=http://127.0.0.1:{port}/simple/other\n")
+            f.write("[Broker]\nSocketMode=0600\n\n" + "".join(f"[Session]\nName={name}\nUpstream=test\nServes={serves}\n\n"
+                                                             for name, serves in sessions.items()))
         self.socket = os.path.join(self.directory, "broker.sock")
         self.process = subprocess.Popen([os.path.join(BIN, "tokenbroker"), "serve", "--config", self.config, "--socket", self.socket,
                                          "--state-dir", self.directory + "/state"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -203,9 +205,10 @@ def test_credential_answers_with_the_session_that_serves_the_url(broker, index):
     assert answer.token.token_type == "Bearer" and answer.token.expires_at and answer.token.generation >= 1
     leaked = answer.token.token in repr(answer)
     assert not leaked, "the token in Credential's repr"
-    # pip asks with the index URL, then with its host:port.
-    got = fingerprint(broker.credential(f"127.0.0.1:{index.port}").token.token)
-    assert got == current
+    # pip asks with the index URL, then with its host:port, which may be either scheme: nobody
+    # serves a URL without one (a token for an https entry must not reach a plain-http index).
+    with pytest.raises(tokenbroker.NotServed):
+        broker.credential(f"127.0.0.1:{index.port}")
     # The most specific entry wins.
     deeper = broker.credential(f"http://127.0.0.1:{index.port}/simple/other/x")
     got, other = fingerprint(deeper.token.token), fingerprint(broker.token("other").token)
@@ -252,8 +255,8 @@ def test_get_password_and_get_credential(backend, broker, index, monkeypatch):
     monkeypatch.delenv("TOKENBROKER_KEYRING_USERNAME", raising=False)
     got = fingerprint(backend.get_password(index.url, "anyone"))
     assert got == current
-    got = fingerprint(backend.get_password(f"127.0.0.1:{index.port}", None))
-    assert got == current
+    # A bare host:port (pip's second question) may be either scheme: nobody's.
+    assert backend.get_password(f"127.0.0.1:{index.port}", None) is None
     credential = backend.get_credential(index.url, None)
     assert isinstance(credential, keyring.credentials.SimpleCredential)
     got = fingerprint(credential.password)
@@ -416,6 +419,27 @@ def test_pip_gets_no_token_for_an_index_nobody_serves(venv, daemon, broker, whee
         unserved.stop()
 
 
+def test_pip_sends_no_token_for_an_https_entry_to_a_plain_http_index(venv, wheel, tmp_path):
+    """`Serves=127.0.0.1:PORT` means https; pip, refused by the index's URL (http), asks keyring
+    again with the bare host:port (issue 32: it then sent the token in clear)."""
+    plain = Index(wheel)
+    daemon = Daemon(plain.port, sessions={"index": f"127.0.0.1:{plain.port}"})
+    try:
+        with Broker(daemon.socket) as client:
+            current = client.token("index").token
+        plain.expected = lambda: current   # the index would take it
+        environment = pip_environment(TOKENBROKER_SOCKET=daemon.socket, PYTHON_KEYRING_BACKEND=BACKEND)
+        done = run_pip_download(venv, plain.url, tmp_path, environment)
+        log = plain.entries()
+        figures = f"pip exited {done.returncode}; the index saw {log}; pip said: {shown(done.stdout + done.stderr, current)}"
+        assert done.returncode != 0 and not os.path.exists(tmp_path / WHEEL), figures
+        leaked = [entry for entry in log if entry[2] == fingerprint(current)]
+        assert log and not leaked and all(entry[1:] == (None, "-", 401) for entry in log), figures
+    finally:
+        daemon.stop()
+        plain.stop()
+
+
 def test_pip_goes_on_without_keyring_when_the_broker_cannot_be_reached(venv, index, tmp_path):
     environment = pip_environment(TOKENBROKER_SOCKET=str(tmp_path / "no-broker.sock"), PYTHON_KEYRING_BACKEND=BACKEND)
     index.log.clear()
@@ -440,3 +464,125 @@ def test_the_keyring_command_answers_for_the_url(venv, daemon, broker, index):
     refused = subprocess.run([command, "set", index.url, "oauth2"], input="a-password\n", env=environment,
                              capture_output=True, text=True, timeout=30)
     assert refused.returncode != 0 and "stores no passwords" in refused.stderr + refused.stdout, shown(refused.stderr, current)
+
+
+# -- URL readings: what the broker serves for a URL, every common reader of it reaches
+
+
+SERVED = {"scoped": ("https", "good.test", None, "/org"), "plain": ("http", "127.0.0.1", 8080, "/api"),
+          "bare": ("https", "bare.test", 8443, "")}
+
+
+@pytest.fixture(scope="module")
+def readings_daemon():
+    running = Daemon(0, sessions={"scoped": "https://good.test/org", "plain": "http://127.0.0.1:8080/api", "bare": "bare.test:8443"})
+    yield running
+    running.stop()
+
+
+def curl_reading(url):
+    """libcurl's reading (its URL API, through ctypes): (scheme, host, port, path), or None."""
+    import ctypes
+    import ctypes.util
+    curl = ctypes.CDLL(ctypes.util.find_library("curl") or "libcurl.so.4")
+    curl.curl_url.restype = ctypes.c_void_p
+    curl.curl_url_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    curl.curl_url_get.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.c_uint]
+    curl.curl_url_cleanup.argtypes = [ctypes.c_void_p]
+    handle = curl.curl_url()
+    try:
+        if curl.curl_url_set(handle, 0, url.encode(), 0) != 0:   # CURLUPART_URL, no scheme guessing
+            return None
+        def part(which, flags=0):
+            value = ctypes.c_char_p()
+            return value.value.decode() if curl.curl_url_get(handle, which, ctypes.byref(value), flags) == 0 else None
+        port = part(6, 1)   # CURLUPART_PORT with CURLU_DEFAULT_PORT
+        return part(1), part(5), int(port) if port else None, part(7) or "/"
+    finally:
+        curl.curl_url_cleanup(handle)
+
+
+def urllib3_reading(url):
+    """urllib3's (requests', pip's) reading, or None."""
+    from urllib3.util import parse_url
+    try:
+        parsed = parse_url(url)
+    except Exception:
+        return None
+    if not parsed.scheme or not parsed.host:
+        return None
+    return parsed.scheme, parsed.host, parsed.port or {"http": 80, "https": 443}.get(parsed.scheme), parsed.path or "/"
+
+
+def whatwg_reading(url):
+    """The WHATWG URL standard's reading (browsers'; ada), or None."""
+    import ada_url
+    try:
+        parsed = ada_url.URL(url)
+    except ValueError:
+        return None
+    scheme = parsed.protocol.rstrip(":")
+    return scheme, parsed.hostname, int(parsed.port) if parsed.port else {"http": 80, "https": 443}.get(scheme), parsed.pathname or "/"
+
+
+def resolved(path):
+    """Where a lenient server may take `path`: percent-encoded dots, slashes and backslashes
+    decoded, backslashes as slashes, ";" parameters dropped from segments, dot segments removed."""
+    import re
+    path = re.sub("%2[eE]", ".", re.sub("%2[fF]|%5[cC]", "/", path)).replace("\\", "/")
+    out = []
+    for segment in path.split("/"):
+        name = segment.split(";", 1)[0]
+        if name == "..":
+            if out:
+                out.pop()
+        elif name != ".":
+            out.append(segment)
+    return "/".join(out) or "/"
+
+
+def tricky_urls():
+    port = 8080
+    hosts = ["good.test", "GOOD.test", "good.test.", "127.0.0.1", f"127.0.0.1:{port}", "127.1", "0x7f.0.0.1", "2130706433",
+             "bare.test:8443", "bare.test:08443", "bare.test:8443:443", "bare.test:", "[::1]"]
+    tricks = ["", "evil.test@", "good.test@", "good.test:443@", f"127.0.0.1:{port}\\@", "good.test\\@", "a@b@", "good.test#@",
+              "good.test?@", "good.test%40"]
+    paths = ["", "/", "/org", "/org/", "/org/x", "/organization", "/org/../x", "/org/%2e%2e/x", "/org/%2E%2e/x", "/org/..%2fx",
+             "/org/%2fx", "/org\\..\\x", "/org/..;/x", "/org/.%2e/x", "/api", "/api/x", "/api/../x", "/api/%2e%2e/x", "/api%2f..%2fx",
+             "/org?x=/../y", "/org#/../y", "/org//x", "/org/./x", "/org/%zz", "/ORG/x"]
+    urls = []
+    for scheme in ["https://", "http://", "HTTPS://", "https:/", "https:", "//", ""]:
+        for trick in tricks:
+            for host in hosts:
+                for path in paths:
+                    urls.append(scheme + trick + host + path)
+    return urls
+
+
+def test_what_the_broker_serves_for_a_url_every_reader_reaches_within_its_entry(readings_daemon):
+    """Every tricky URL (schemes, user parts, backslashes, numeric hosts, ports, encoded dot
+    segments): when the broker answers it with a session, libcurl, urllib3 and WHATWG (ada) each
+    read the same scheme, host and port as the session's entry, and a path inside its scope even
+    after a lenient server's decoding; and the broker refuses the known differentials."""
+    served, disagreements = 0, []
+    with Broker(readings_daemon.socket) as broker:
+        for url in tricky_urls():
+            try:
+                session = broker.credential(url).session
+            except (tokenbroker.NotServed, ValueError):
+                continue
+            served += 1
+            scheme, host, port, scope = SERVED[session]
+            for reader in (curl_reading, urllib3_reading, whatwg_reading):
+                reading = reader(url)
+                inside = reading is not None and reading[0].lower() == scheme and reading[1].lower() == host \
+                    and (port is None or reading[2] == port) \
+                    and (not scope or resolved(reading[3]) == scope or resolved(reading[3]).startswith(scope + "/"))
+                if not inside:
+                    disagreements.append((url, session, reader.__name__, reading))
+        assert not disagreements, f"{len(disagreements)} readings leave the entry: {disagreements[:20]}"
+        assert served >= 20, f"only {served} URLs served: the table means nothing"
+        for url in ["http://127.0.0.1:8080\\@good.test/org", "https://good.test/org/%2e%2e/x", "https://good.test/org/..%2fx",
+                    "https://good.test/org/..;/x", "bare.test:8443", "http://127.1:8080/api", "https://bare.test:8443:443/"]:
+            with pytest.raises(tokenbroker.NotServed):
+                broker.credential(url)

@@ -289,9 +289,9 @@ class Broker:
         return Proof(token=Token.from_parameters(reply), proof=reply.get("proof"))
 
     def credential(self, url: str, rejected: Optional[str] = None) -> Credential:
-        """The token for `url` (or a host, `host:port`), for credential helpers: that of the
-        session whose `Serves=` entry matches it most specifically among the sessions this caller
-        may use. With `rejected` (the token a request to it was refused with), as `recover`.
+        """The token for `url`, for credential helpers: that of the session whose `Serves=` entry
+        matches it most specifically among the sessions this caller may use. A URL without a
+        scheme (a bare `host:port`) is served by none: it could be sent over plain HTTP. With `rejected` (the token a request to it was refused with), as `recover`.
 
         Raises NotServed (a NoSuchSession) when no such session serves the URL, ValueError for an
         empty URL or one longer than the contract's 2048 bytes, and the session's errors as

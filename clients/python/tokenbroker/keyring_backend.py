@@ -2,7 +2,8 @@
 
 `get_password(service, username)` asks the broker's Credential for `service` (pip passes the
 index URL, then its `host:port`; twine the repository URL): the token of the session whose
-`Serves=` entry matches it for this user, as the password, whatever the username. A URL that
+`Serves=` entry matches it for this user, as the password, whatever the username. A service
+without a scheme (pip's `host:port`) is nobody's: it may be an `http://` index. A URL that
 no session serves for this user is None, so keyring's chainer and pip fall through to what
 comes next (another backend, a prompt, or the server's 401). So is a URL a DPoP session
 (`DPoP=yes`) serves: its token is bound to the broker's key and good only with a proof for each
