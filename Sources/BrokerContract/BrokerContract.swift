@@ -449,6 +449,9 @@ public struct StatusEntry: Sendable, Equatable {
     public var fleetRevision: Int64?
     /// The broker refreshing the session for the fleet now.
     public var flightHolder: String?
+    /// The uids whose share of the refresh budget is spent (their refreshes are refused, the
+    /// others' are not): every one for an admin, else the caller's own at most.
+    public var throttledUsers: [UInt32] = []
 
     public init(name: String, state: String, generation: Int) {
         self.name = name
@@ -462,6 +465,7 @@ public struct StatusEntry: Sendable, Equatable {
         (tokenSerial, expiresAt, lastRefresh) = (status.tokenSerial, status.expiresAt, status.lastRefresh)
         (refreshing, backoffRemaining) = (status.refreshing, status.backoffRemaining?.seconds)
         (lastError, degraded, counters) = (status.lastError, status.degraded, status.counters)
+        throttledUsers = status.throttled.map(\.uid)
     }
 
     public init(_ object: JSONObject) {
@@ -481,6 +485,7 @@ public struct StatusEntry: Sendable, Equatable {
         fleetGeneration = object["fleetGeneration"]?.intValue
         fleetRevision = object["fleetRevision"]?.intValue
         flightHolder = object["flightHolder"]?.stringValue
+        throttledUsers = (object["throttledUsers"]?.arrayValue ?? []).prefix(4096).compactMap { $0.intValue.flatMap(UInt32.init(exactly:)) }
     }
 
     public var parameters: JSONObject {
@@ -503,6 +508,7 @@ public struct StatusEntry: Sendable, Equatable {
         if let fleetGeneration { entry.append(("fleetGeneration", .int(fleetGeneration))) }
         if let fleetRevision { entry.append(("fleetRevision", .int(fleetRevision))) }
         if let flightHolder { entry.append(("flightHolder", .string(flightHolder))) }
+        if !throttledUsers.isEmpty { entry.append(("throttledUsers", .array(throttledUsers.map { .int(Int64($0)) }))) }
         return JSONObject(entry)
     }
 

@@ -335,6 +335,7 @@ public enum Ctl {
             if entry.degraded { flags.append("degraded") }
             if entry.inert { flags.append("inert (not configured; ctl forget)") }
             if let backoff = entry.backoffRemaining { flags.append("backoff \(seconds(backoff))") }
+            if !entry.throttledUsers.isEmpty { flags.append("throttled uid " + entry.throttledUsers.map(String.init).joined(separator: "+")) }
             rows.append([
                 entry.name,
                 entry.state,

@@ -57,6 +57,9 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         struct State {
             var status: SessionStatus
             var backoffUntil: Duration?
+            /// The demanders whose share is spent, and until when (`status.throttled` is
+            /// those still throttled when it is read).
+            var throttledUntil: [(demander: Demander, until: Duration)]
             var summary: SessionSummary
             /// Counts the changes of `status` (a cache of what was made of it knows when it is stale).
             var version: UInt64 = 0
@@ -118,22 +121,22 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         let machine = RefreshStateMachine(session: session, policy: policy, restored: restored, pendingWrite: pendingWrite,
                                           counters: counters, now: .zero, unixNow: wall.unixTime())
         self.machine = machine
-        let observation = Observation(Self.observed(machine, watched: false), observer: summaries)
+        let observation = Observation(Self.observed(machine, watched: false, now: .zero), observer: summaries)
         self.observation = observation
         watchers = WatcherList(countChanged: { count in observation.update { $0.summary.watched = count > 0 } })
         published.withLock { $0 = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil) } }
     }
 
-    private static func observed(_ machine: RefreshStateMachine, watched: Bool) -> Observation.State {
-        var status = machine.status(now: .zero)
+    private static func observed(_ machine: RefreshStateMachine, watched: Bool, now: Duration) -> Observation.State {
+        var status = machine.status(now: now)
         status.backoffRemaining = nil
-        return Observation.State(status: status, backoffUntil: machine.backoffUntil,
+        return Observation.State(status: status, backoffUntil: machine.backoffUntil, throttledUntil: machine.spentShares(now: now),
                                  summary: SessionSummary(state: status.state, degraded: status.degraded, lastRefresh: status.lastRefresh,
                                                          watched: watched))
     }
 
     private func observe() {
-        let next = Self.observed(machine, watched: false)
+        let next = Self.observed(machine, watched: false, now: now())
         observation.update { state in
             let (watched, version) = (state.summary.watched, state.version)
             state = next
@@ -170,8 +173,11 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// The worker's request was rejected with `rejected`, the token it actually sent. If that is
     /// no longer the current token, the current one comes back at once (guarantee 2); otherwise
     /// the caller joins the one shared refresh (guarantee 1).
-    public func recover(rejected: Secret) async throws -> IssuedToken {
-        try await run(machine.demand(.recover(rejected: rejected), now: now()))
+    ///
+    /// A refresh it starts is charged to `demander` (`RefreshBudget`): a peer that spent its
+    /// share is throttled alone.
+    public func recover(rejected: Secret, by demander: Demander? = nil) async throws -> IssuedToken {
+        try await run(machine.demand(.recover(rejected: rejected), now: now(), by: demander), by: demander)
     }
 
     /// Starts the refresh a demand would start now — refresh-ahead inside the window, or a
@@ -193,11 +199,11 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
 
     /// Refreshes now, whatever the current token (an operator's `ctl refresh`): joins the
     /// flight under way or starts one; backoff and the refresh guard still apply.
-    public func refresh() async throws -> IssuedToken {
-        try await run(machine.demand(.refresh, now: now()))
+    public func refresh(by demander: Demander? = nil) async throws -> IssuedToken {
+        try await run(machine.demand(.refresh, now: now(), by: demander), by: demander)
     }
 
-    private func run(_ action: RefreshStateMachine.DemandAction) async throws -> IssuedToken {
+    private func run(_ action: RefreshStateMachine.DemandAction, by demander: Demander? = nil) async throws -> IssuedToken {
         switch action {
         case let .deliver(token):
             return token
@@ -211,7 +217,10 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
             return try await wait(on: id)
         case let .fail(error):
             if case let .throttled(retryAfter) = error {
-                outcomes(RefreshOutcome(session: session, generation: machine.generation, duration: .zero, result: .throttled(retryAfter: retryAfter)))
+                // Whose budget is spent: this demander's share (it alone is turned away), or the session's.
+                let alone = demander.flatMap { machine.hasSpentShare($0, now: now()) ? $0 : nil }
+                outcomes(RefreshOutcome(session: session, generation: machine.generation, duration: .zero,
+                                        result: .throttled(retryAfter: retryAfter, demander: alone)))
             }
             throw error
         }
@@ -496,18 +505,22 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// What `status()` answers, read without entering the actor (Status, metrics and systemd's
     /// STATUS= line of a daemon with many sessions).
     public nonisolated func statusSnapshot() -> SessionStatus {
-        let (status, until) = observation.state.withLock { ($0.status, $0.backoffUntil) }
+        let (status, until, throttled) = observation.state.withLock { ($0.status, $0.backoffUntil, $0.throttledUntil) }
         var snapshot = status
         let now = now()
         snapshot.backoffRemaining = until.flatMap { $0 > now ? $0 - now : nil }
+        snapshot.throttled = throttled.filter { $0.until > now }.map(\.demander)
         return snapshot
     }
 
     /// A number that changes with every change of `statusSnapshot()`, while the snapshot does
-    /// not change by itself (`nil` during a backoff, whose time left does).
+    /// not change by itself (`nil` during a backoff, whose time left does, and while a peer is
+    /// throttled, which ends by itself).
     public nonisolated var steadyStatusVersion: UInt64? {
-        let (version, until) = observation.state.withLock { ($0.version, $0.backoffUntil) }
-        if let until, until > now() { return nil }
+        let (version, until, throttled) = observation.state.withLock { ($0.version, $0.backoffUntil, $0.throttledUntil) }
+        let now = now()
+        if let until, until > now { return nil }
+        if throttled.contains(where: { $0.until > now }) { return nil }
         return version
     }
 

@@ -10,8 +10,9 @@ public struct RefreshOutcome: Sendable, Equatable {
         case ended(reason: String)
         /// The answer came after a logout or login had ended its generation; nothing installed.
         case dropped
-        /// No request was sent: the refresh guard's budget is spent for `retryAfter`.
-        case throttled(retryAfter: Duration)
+        /// No request was sent: the refresh budget is spent for `retryAfter` — `demander`'s own
+        /// share (it alone is turned away), or the session's when `nil`.
+        case throttled(retryAfter: Duration, demander: Demander?)
     }
 
     public var session: String

@@ -146,7 +146,7 @@ public struct RefreshStateMachine: Sendable {
     private var current: Current?
     private var flight: Flight?
     private var backoff: BackoffState?
-    private var refreshGuard: RefreshGuard
+    private var budget: RefreshBudget
     private var nextFlight: UInt64 = 0
     private var lastSerial: UInt64
     private var lastRefresh: Int64?
@@ -161,7 +161,7 @@ public struct RefreshStateMachine: Sendable {
         self.session = session
         self.counters = counters
         self.policy = policy
-        self.refreshGuard = RefreshGuard(limit: policy.guardLimit, window: policy.guardWindow)
+        self.budget = RefreshBudget(limit: policy.guardLimit, window: policy.guardWindow)
         if let pendingWrite {
             self.pendingWrite = pendingWrite
             lastError = "store: a write is still pending"
@@ -221,45 +221,56 @@ public struct RefreshStateMachine: Sendable {
     /// When the backoff after a failure ends (monotonic offset), if one is in force.
     public var backoffUntil: Duration? { backoff?.until }
 
+    /// Whether `demander` is turned away by its own share of the refresh budget (not the
+    /// session's) at `now`.
+    public func hasSpentShare(_ demander: Demander, now: Duration) -> Bool { budget.hasSpentShare(demander, now: now) }
+
+    /// The demanders whose share of the refresh budget is spent at `now`, and until when.
+    public func spentShares(now: Duration) -> [(demander: Demander, until: Duration)] { budget.spentShares(now: now) }
+
     public func status(now: Duration) -> SessionStatus {
         let state = phase.state
         let remaining = backoff.flatMap { $0.until > now ? $0.until - now : nil }
         return SessionStatus(name: session, state: state, generation: generation, tokenSerial: current?.serial,
                              expiresAt: current?.expiresAt, lastRefresh: lastRefresh, refreshing: flight != nil,
                              backoffRemaining: remaining, lastError: lastError, degraded: pendingWrite != nil,
-                             counters: counters)
+                             counters: counters, throttled: budget.spentShares(now: now).map(\.demander))
     }
 
     // MARK: - Demands
 
-    public mutating func demand(_ demand: Demand, now: Duration) -> DemandAction {
+    /// - Parameter demander: who a refresh this demand starts is charged to (`RefreshBudget`):
+    ///   the peer behind a `recover` or `refresh`. A `get` is charged to nobody: it starts a
+    ///   refresh only when the token has expired, which no caller can hasten.
+    public mutating func demand(_ demand: Demand, now: Duration, by demander: Demander? = nil) -> DemandAction {
         if isShutDown { return .fail(.shuttingDown) }
         switch phase {
         case .signedOut: return .fail(.signedOut)
         case let .ended(reason): return .fail(.refreshFailed(reason: reason, retryable: false, retryAfter: nil))
         case .active: break
         }
-        if case .refresh = demand { return refresh(now: now) }
+        if case .refresh = demand { return refresh(now: now, by: demander) }
         if case let .recover(rejected) = demand {
             // Guarantee 2: a rejection of a token that is no longer current is stale. The
             // worker gets the current token (refreshed first only if it has itself expired).
-            guard let current, current.token != rejected else { return refresh(now: now) }
+            guard let current, current.token != rejected else { return refresh(now: now, by: demander) }
             counters.staleRejections += 1
         }
-        guard let current, !isExpired(current, now: now) else { return refresh(now: now) }
+        guard let current, !isExpired(current, now: now) else { return refresh(now: now, by: nil) }
         let token = issued(current)
         // A refresh ahead of expiry is advisory: it never spends the last half of the guard's
         // budget, which stays for refreshes the session cannot do without.
         guard policy.refreshAhead > .zero, let opens = current.windowOpens(ahead: policy.refreshAhead), now >= opens,
-              flight == nil, !isRetiring, !inBackoff(now: now), refreshGuard.retryAfter(now: now, allowing: expiryRefreshes) == nil,
-              refreshGuard.count(now: now) < expiryRefreshes + policy.guardLimit / 2
+              flight == nil, !isRetiring, !inBackoff(now: now), budget.retryAfter(now: now, for: nil, allowing: expiryRefreshes) == nil,
+              budget.count(now: now) < expiryRefreshes + policy.guardLimit / 2
         else { return .deliver(token) }
-        let (request, id) = startFlight(now: now, refreshAhead: true)
+        let (request, id) = startFlight(now: now, refreshAhead: true, charging: nil)
         return .deliverAndStart(token, request, id)
     }
 
-    /// A demand that needs a new token: join the flight, or start one if backoff and guard allow.
-    private mutating func refresh(now: Duration) -> DemandAction {
+    /// A demand that needs a new token: join the flight, or start one if backoff and the budget
+    /// allow (joining costs nobody's budget).
+    private mutating func refresh(now: Duration, by demander: Demander?) -> DemandAction {
         if let flight {
             counters.joinedWaiters += 1
             return .wait(flight.id)
@@ -268,11 +279,11 @@ public struct RefreshStateMachine: Sendable {
         if let backoff, now < backoff.until {
             return .fail(.refreshFailed(reason: backoff.reason, retryable: true, retryAfter: backoff.until - now))
         }
-        if let wait = refreshGuard.retryAfter(now: now, allowing: expiryRefreshes) {
+        if let wait = budget.retryAfter(now: now, for: demander, allowing: expiryRefreshes) {
             counters.throttled += 1
             return .fail(.throttled(retryAfter: wait))
         }
-        let (request, id) = startFlight(now: now, refreshAhead: false)
+        let (request, id) = startFlight(now: now, refreshAhead: false, charging: demander)
         return .startAndWait(request, id)
     }
 
@@ -284,11 +295,11 @@ public struct RefreshStateMachine: Sendable {
         return policy.expiryRefreshes(lifetime: deadline - current.since)
     }
 
-    private mutating func startFlight(now: Duration, refreshAhead: Bool) -> (FetchRequest, FlightID) {
+    private mutating func startFlight(now: Duration, refreshAhead: Bool, charging demander: Demander?) -> (FetchRequest, FlightID) {
         nextFlight += 1
         let id = FlightID(nextFlight)
         flight = Flight(id: id, generation: generation, refreshAhead: refreshAhead)
-        refreshGuard.record(now: now)
+        budget.record(now: now, for: demander)
         counters.fetches += 1
         return (FetchRequest(session: session, generation: generation, refreshToken: refreshToken, proofKey: proofKey,
                              tokenType: current?.tokenType), id)

@@ -39,9 +39,13 @@ public struct SessionStatus: Sendable, Equatable {
     /// A write to the store failed and is pending; the session is served from memory.
     public var degraded: Bool
     public var counters: SessionCounters
+    /// The peers whose share of the refresh budget is spent: their refreshes are refused, the
+    /// others' are not (`RefreshBudget`).
+    public var throttled: [Demander]
 
     public init(name: String, state: State, generation: Int, tokenSerial: UInt64?, expiresAt: Int64?, lastRefresh: Int64?,
-                refreshing: Bool, backoffRemaining: Duration?, lastError: String?, degraded: Bool, counters: SessionCounters) {
+                refreshing: Bool, backoffRemaining: Duration?, lastError: String?, degraded: Bool, counters: SessionCounters,
+                throttled: [Demander] = []) {
         self.name = name
         self.state = state
         self.generation = generation
@@ -53,6 +57,7 @@ public struct SessionStatus: Sendable, Equatable {
         self.lastError = lastError
         self.degraded = degraded
         self.counters = counters
+        self.throttled = throttled
     }
 }
 

@@ -1,3 +1,4 @@
+import TokenBrokerCore
 import Varlink
 
 /// Who may do what (guarantee 9), from the peer's credentials as the kernel reported them at
@@ -32,4 +33,9 @@ struct Access: Sendable, Equatable {
     func isMember(_ peer: PeerCredentials, of gid: UInt32) -> Bool {
         gid != overflowGID && peer.isMember(of: gid)
     }
+}
+
+extension PeerCredentials {
+    /// Who a refresh this peer's demand starts is charged to (`RefreshBudget`).
+    var demander: Demander { Demander(uid: uid) }
 }

@@ -70,9 +70,9 @@ final class BrokerService: VarlinkHandler {
 
     static let methods: [BrokerMethod: Method] = [
         .getToken: Method(access: .sessionUser, handler: .session { service, _, _, session in service.getToken(session) }),
-        .recover: Method(access: .sessionUser, handler: .session { service, request, _, session in
+        .recover: Method(access: .sessionUser, handler: .session { service, request, peer, session in
             guard case let .recover(_, rejected) = request else { throw BrokerError.internalError }
-            return service.recover(session, rejected: Secret(rejected))
+            return service.recover(session, rejected: Secret(rejected), by: peer)
         }),
         .watch: Method(access: .sessionUser, streams: true, handler: .session { service, _, peer, session in
             .async { sink in await service.watch(session, peer, sink) }
@@ -101,9 +101,9 @@ final class BrokerService: VarlinkHandler {
             guard case let .credential(url, rejected) = request else { throw BrokerError.internalError }
             return service.credential(url, rejected: rejected.map(Secret.init), for: peer)
         }),
-        .getProof: Method(access: .sessionUser, handler: .session { service, request, _, session in
+        .getProof: Method(access: .sessionUser, handler: .session { service, request, peer, session in
             guard case let .getProof(_, method, uri, nonce, rejected) = request else { throw BrokerError.internalError }
-            return service.getProof(session, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init))
+            return service.getProof(session, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init), by: peer)
         }),
         .metrics: Method(access: .admin, handler: .other { service, _, _ in
             .async { sink in sink.send(VarlinkReply(parameters: MetricsReply(text: await service.metricsText()).parameters)) }
@@ -203,7 +203,8 @@ final class BrokerService: VarlinkHandler {
     /// GetProof: the token as GetToken (or, with `rejected`, Recover) has it, with a proof for
     /// the one request signed by the session's key. A fresh token is answered inline like
     /// GetToken's (one signature, tens of microseconds); the key is opened once per generation.
-    private func getProof(_ session: SessionTable.Session, method: String, uri: String, nonce: String?, rejected: Secret?) -> VarlinkHandling {
+    private func getProof(_ session: SessionTable.Session, method: String, uri: String, nonce: String?, rejected: Secret?,
+                          by peer: PeerCredentials) -> VarlinkHandling {
         let name = session.configuration.name
         // The same URLs for every session, bearer or not: those a proof can name.
         guard DPoPProof.target(uri) != nil else { return .reply(ParameterError(name: "uri").reply) }
@@ -233,7 +234,7 @@ final class BrokerService: VarlinkHandler {
         return .async { [self] sink in
             do {
                 let token: IssuedToken
-                if let rejected { token = try await session.coordinator.recover(rejected: rejected) } else { token = try await session.coordinator.token() }
+                if let rejected { token = try await session.coordinator.recover(rejected: rejected, by: peer.demander) } else { token = try await session.coordinator.token() }
                 sink.send(try answer(token))
             } catch is CancellationError {
                 // The client is gone; nobody to answer.
@@ -245,8 +246,10 @@ final class BrokerService: VarlinkHandler {
         }
     }
 
-    private func recover(_ session: SessionTable.Session, rejected: Secret) -> VarlinkHandling {
-        asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.recover(rejected: rejected)) }
+    /// Recover: a refresh it starts is charged to `peer`, which alone is throttled once it spent
+    /// its share (`RefreshBudget`).
+    private func recover(_ session: SessionTable.Session, rejected: Secret, by peer: PeerCredentials) -> VarlinkHandling {
+        asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.recover(rejected: rejected, by: peer.demander)) }
     }
 
     /// Credential: the token of the session that serves `url` for `peer`, as GetToken (or, with
@@ -265,7 +268,7 @@ final class BrokerService: VarlinkHandler {
             let name = session.configuration.name
             do {
                 let token: IssuedToken
-                if let rejected { token = try await session.coordinator.recover(rejected: rejected) } else { token = try await session.coordinator.token() }
+                if let rejected { token = try await session.coordinator.recover(rejected: rejected, by: peer.demander) } else { token = try await session.coordinator.token() }
                 sink.send(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
             } catch is CancellationError {
                 // The client is gone; nobody to answer.
@@ -307,7 +310,7 @@ final class BrokerService: VarlinkHandler {
     private func refresh(_ session: SessionTable.Session, by peer: PeerCredentials) -> VarlinkHandling {
         logger.notice("forced refresh of session \(session.configuration.name) by \(peer)", session: session.configuration.name)
         return asyncReply(session.configuration.name) {
-            let token = try await session.coordinator.refresh()
+            let token = try await session.coordinator.refresh(by: peer.demander)
             return VarlinkReply(parameters: RefreshReply(generation: token.generation, tokenSerial: token.serial, expiresAt: token.expiresAt).parameters)
         }
     }
@@ -316,7 +319,8 @@ final class BrokerService: VarlinkHandler {
     private func status(for peer: PeerCredentials) -> VarlinkHandling {
         let snapshot = sessions.snapshot
         let visible = snapshot.order.compactMap { snapshot.sessions[$0] }.filter { snapshot.access.mayUse($0.configuration, peer) }
-        let inert = snapshot.access.isAdmin(peer) ? snapshot.inert : []
+        let admin = snapshot.access.isAdmin(peer)
+        let inert = admin ? snapshot.inert : []
         return .async { sink in
             // Each entry encoded once per change of its session (a host's thousands of idle
             // sessions cost a copy each); a fleet session's, or one in backoff (its time left
@@ -325,7 +329,11 @@ final class BrokerService: VarlinkHandler {
             entries.reserveCapacity(visible.count + inert.count)
             for session in visible {
                 let fresh = { () -> [UInt8] in
-                    Self.statusEntry(session.coordinator.statusSnapshot(), fleet: session.fleet?.status).encoded
+                    var status = session.coordinator.statusSnapshot()
+                    // Who is throttled: admins see every peer, others only themselves. (Only
+                    // while someone is: the snapshot is then never steady, so never cached.)
+                    if !admin { status.throttled.removeAll { $0 != peer.demander } }
+                    return Self.statusEntry(status, fleet: session.fleet?.status).encoded
                 }
                 if session.fleet == nil, let version = session.coordinator.steadyStatusVersion {
                     entries.append(session.statusEntry.bytes(version: version, fresh))

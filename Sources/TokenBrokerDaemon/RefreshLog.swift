@@ -38,7 +38,13 @@ struct RefreshLog: Sendable {
             logger.log(.notice, "session \(name): a refresh answer was discarded (a logout, login or stop overtook it, "
                        + "or a newer generation was stored), after \(took)",
                        session: name, generation: outcome.generation)
-        case let .throttled(retryAfter):
+        case let .throttled(retryAfter, demander?):
+            // One peer spent its share: said per peer, and only of it (the others still refresh).
+            logger.limited(.warning, key: "throttled:\(name):\(demander.uid)",
+                           "session \(name): \(demander) has spent its share of refreshes (\(RefreshBudget.share(of: policy.guardLimit)) per "
+                           + "RefreshLimitInterval=\(Self.seconds(policy.guardWindow)), half of RefreshLimitBurst=\(policy.guardLimit)): "
+                           + "its refreshes are refused for \(Self.seconds(retryAfter)), other callers' are not")
+        case let .throttled(retryAfter, nil):
             logger.limited(.warning, key: "throttled:\(name)",
                            "session \(name): refresh limit reached (RefreshLimitBurst=\(policy.guardLimit) per "
                            + "RefreshLimitInterval=\(Self.seconds(policy.guardWindow)), beyond the refreshes the tokens' lifetime needs); "

@@ -303,6 +303,42 @@ struct DaemonTests {
         }
     }
 
+    @Test("one worker that rejects the current token again and again spends only its share of refreshes: it alone is throttled (Status and the journal name its uid), another worker's genuine Recover right after is served (issue 32)")
+    func fairRefreshBudget() async throws {
+        let hog = Broker.workerUID, victim = Broker.workerUID + 1
+        try await withBroker(config: "[Broker]\nSocketMode=0666\n\n[Session]\nName=api\nUpstream=test\nAllowUsers=\(hog) \(victim)\n") { broker in
+            var token = try #require(broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            var refreshed = 0, throttled = 0
+            for _ in 0..<30 {
+                let run = try await broker.ctl(["recover", "api"], asUser: hog, stdin: token)
+                if run.code == 0 {
+                    refreshed += 1
+                    token = String(run.out.dropLast())
+                } else if run.err.contains("refresh limit reached") {
+                    throttled += 1
+                }
+            }
+            #expect(refreshed == 5 && throttled == 25, "the hog: \(refreshed) refreshes, \(throttled) throttled")
+            // The victim, with the current token the hog's refreshes left, is refused by the server
+            // and asks for the next one: served.
+            let current = try #require(try await broker.ctl(["token", "api"], asUser: victim).out.split(separator: "\n").first.map(String.init))
+            let before = try broker.status("api")?["fetches"]?.intValue ?? 0
+            let genuine = try await broker.ctl(["recover", "api"], asUser: victim, stdin: current)
+            let served = genuine.code == 0 && genuine.out != current + "\n"
+            #expect(served, "the victim's Recover: \(genuine.code) \(genuine.err)")
+            #expect(try broker.status("api")?["fetches"]?.intValue == before + 1)
+            // Who is throttled: every uid for an admin, only itself for a worker.
+            #expect(try broker.status("api")?["throttledUsers"]?.arrayValue?.compactMap(\.intValue) == [Int64(hog)])
+            let asHog = try await broker.ctl(["status"], asUser: hog), asVictim = try await broker.ctl(["status"], asUser: victim)
+            #expect(asHog.out.contains("throttled uid \(hog)") && !asVictim.out.contains("throttled"), "\(asHog.out)\n\(asVictim.out)")
+            try await eventually("the journal names the hog once") {
+                broker.child.stderr.contains("session api: uid \(hog) has spent its share of refreshes (5 per RefreshLimitInterval=60s")
+            }
+            let said = broker.child.stderr.components(separatedBy: "\n").filter { $0.contains("has spent its share") }
+            #expect(said.count <= 5 && !broker.child.stderr.contains("uid \(victim) has spent"), "\(said.count) lines")
+        }
+    }
+
     @Test("SIGTERM: exit 0 at once (an open watch stream is not waited for) and the socket file is gone")
     func sigterm() async throws {
         let broker = try await Broker()

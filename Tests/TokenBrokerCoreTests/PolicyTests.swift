@@ -28,6 +28,51 @@ struct BackoffAndGuardTests {
     }
 }
 
+@Suite("Refresh budget (guarantee 4, fairly)")
+struct RefreshBudgetTests {
+    let hog = Demander(uid: 1001), victim = Demander(uid: 1002), third = Demander(uid: 1003)
+
+    @Test("a demander that spent its share (half the limit) is turned away alone; another still refreshes; the session's own needs only see the session's budget")
+    func shares() {
+        var budget = RefreshBudget(limit: 10, window: .seconds(60))
+        #expect(budget.share == 5)
+        for second in 0..<5 {
+            #expect(budget.retryAfter(now: .seconds(second), for: hog) == nil)
+            budget.record(now: .seconds(second), for: hog)
+        }
+        #expect(budget.retryAfter(now: .seconds(5), for: hog) == .seconds(55))
+        #expect(budget.hasSpentShare(hog, now: .seconds(5)) && !budget.hasSpentShare(victim, now: .seconds(5)))
+        #expect(budget.spentShares(now: .seconds(5)).map(\.demander) == [hog] && budget.spentShares(now: .seconds(5)).first?.until == .seconds(60))
+        #expect(budget.retryAfter(now: .seconds(5), for: victim) == nil && budget.retryAfter(now: .seconds(5), for: nil) == nil)
+        // The window slides for the hog too.
+        #expect(budget.retryAfter(now: .seconds(60), for: hog) == nil && budget.spentShares(now: .seconds(60)).isEmpty)
+    }
+
+    @Test("with the session's budget spent by others, a demander with nothing in the window gets one, up to twice the limit; one that has demanded waits with the rest")
+    func newcomers() {
+        var budget = RefreshBudget(limit: 4, window: .seconds(60))
+        for (second, demander) in [(0, hog), (1, hog), (2, victim), (3, victim)] { budget.record(now: .seconds(second), for: demander) }
+        #expect(budget.retryAfter(now: .seconds(4), for: nil) == .seconds(56), "the session's own need waits")
+        #expect(budget.retryAfter(now: .seconds(4), for: hog) == .seconds(56), "spent its share")
+        #expect(budget.retryAfter(now: .seconds(4), for: third) == nil, "a newcomer gets its one refresh")
+        budget.record(now: .seconds(4), for: third)
+        #expect(budget.retryAfter(now: .seconds(5), for: third) != nil, "and only one")
+        for uid in 2000..<2003 { budget.record(now: .seconds(5), for: Demander(uid: UInt32(uid))) }
+        #expect(budget.count(now: .seconds(5)) == 8)
+        #expect(budget.retryAfter(now: .seconds(5), for: Demander(uid: 9)) == .seconds(55), "twice the limit bounds the newcomers")
+        // Lifetimes that need more refreshes widen both.
+        #expect(budget.retryAfter(now: .seconds(5), for: Demander(uid: 9), allowing: 1) == nil)
+    }
+
+    @Test("only demanders with a request in the window are kept")
+    func bounded() {
+        var budget = RefreshBudget(limit: 10, window: .seconds(10))
+        for uid in 0..<1000 { budget.record(now: .seconds(uid * 20), for: Demander(uid: UInt32(uid))) }
+        #expect(budget.spentShares(now: .seconds(20_000)).isEmpty)
+        #expect(budget.share == 5 && RefreshBudget(limit: 1, window: .seconds(1)).share == 1 && RefreshBudget.share(of: 3) == 1)
+    }
+}
+
 @Suite("AuthRetryPolicy (guarantee 4)")
 struct AuthRetryPolicyTests {
     typealias Policy = AuthRetryPolicy

@@ -300,6 +300,27 @@ struct RefreshStateMachineTests {
         #expect(spent.demand(.recover(rejected: current), now: .zero) == .fail(.throttled(retryAfter: .seconds(600))))
     }
 
+    @Test("one worker's Recovers of the current token spend its share alone: it is throttled, another worker's genuine Recover and an expiry still refresh, a stale rejection still costs nothing (issue 32)")
+    func fairBudget() throws {
+        var machine = Self.active()
+        let hog = Demander(uid: 1001), victim = Demander(uid: 1002)
+        func land(_ action: Machine.DemandAction, _ n: Int) throws {
+            let id = try #require(action.startedFlight, "refresh \(n) refused: \(action)").id
+            _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("a\(n)"), expiresIn: .seconds(3600)), now: .zero, unixNow: Self.unix)
+            _ = machine.commitFinished(id, .applied)
+        }
+        for n in 0..<5 { try land(machine.demand(.recover(rejected: machine.publishable!.token.token), now: .seconds(n), by: hog), n) }
+        var current = machine.publishable!.token.token
+        let refused = machine.demand(.recover(rejected: current), now: .seconds(6), by: hog)
+        #expect(refused == .fail(.throttled(retryAfter: .seconds(54))))
+        #expect(machine.hasSpentShare(hog, now: .seconds(6)) && machine.status(now: .seconds(6)).throttled == [hog])
+        #expect(machine.demand(.recover(rejected: Secret("a0")), now: .seconds(6), by: hog).isDelivery, "a stale rejection is answered, throttled or not")
+        try land(machine.demand(.recover(rejected: current), now: .seconds(6), by: victim), 5)
+        current = machine.publishable!.token.token
+        #expect(machine.demand(.recover(rejected: current), now: .seconds(7), by: hog) == .fail(.throttled(retryAfter: .seconds(53))))
+        #expect(machine.status(now: .seconds(60)).throttled.isEmpty, "the share comes back as the window slides")
+    }
+
     @Test("shutdown fails the flight's waiters and later demands")
     func shutdown() throws {
         var machine = Self.active()

@@ -82,6 +82,7 @@ import WireJSON
         (entry.counters.fetches, entry.counters.joinedWaiters, entry.counters.failures) = (1, 2, 3)
         (entry.counters.staleRejections, entry.counters.throttled, entry.counters.droppedResults, entry.inert) = (4, 5, 6, true)
         (entry.fleetHealth, entry.fleetGeneration, entry.fleetRevision, entry.flightHolder) = ("healthy", 4, 812, "host-b pid 7 1f")
+        entry.throttledUsers = [1001, 4_000_000_000]
         let parameters = entry.parameters
         #expect(StatusEntry(parameters) == entry)
         let declared = try #require(text.range(of: "type SessionStatus (").flatMap { start in
