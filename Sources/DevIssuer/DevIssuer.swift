@@ -40,6 +40,9 @@ public final class DevIssuer: Sendable {
     public struct Options: Sendable {
         public var port: UInt16 = 0
         public var accessTokenLifetime: Duration = .seconds(3600)
+        /// Access tokens end at the whole second their request arrived in plus the lifetime, as
+        /// servers that compute expiry in whole seconds do (else at the arrival itself plus it).
+        public var wholeSecondExpiry = false
         /// Registered clients: id → secret.
         public var clients: [String: String] = ["tokenbroker": "dev-secret"]
         /// Polling interval the device flow asks for.
@@ -411,6 +414,11 @@ public final class DevIssuer: Sendable {
     /// The `state`s of the authorization requests waiting for consent.
     public var pendingAuthorizationStates: [String] {
         state.withLock { Array($0.pendingConsents.keys) }
+    }
+
+    /// When an access token this issuer minted ends (Unix seconds), if it minted it.
+    public func expiry(ofAccessToken token: String) -> Double? {
+        state.withLock { $0.accessTokens[token]?.expiresAt }
     }
 
     /// Revokes one access token (the resource then answers 401 `invalid_token` for it).
@@ -842,7 +850,8 @@ public final class DevIssuer: Sendable {
     /// An access token: a Bearer one, or, bound to the key `jkt` names, JWT-shaped with
     /// `cnf.jkt` (RFC 9449 §6.1; unsigned: the broker only reads the claim).
     func mintAccess(_ state: inout State, family: Int?, jkt: String? = nil) -> (token: String, bound: Bool) {
-        let expiresAt = Self.now() + options.accessTokenLifetime.secondsValue
+        let now = Self.now()
+        let expiresAt = (options.wholeSecondExpiry ? now.rounded(.down) : now) + options.accessTokenLifetime.secondsValue
         guard var jkt else {
             // `+` and `/` on purpose: a client must form-encode tokens correctly.
             let token = "dev-at." + Self.random(24) + "+/="

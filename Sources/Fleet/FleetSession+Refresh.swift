@@ -208,8 +208,9 @@ extension FleetSession {
             await keep(nil)
             machine.installed(state.position)
             settle()
-            return FetchedToken(accessToken: pending.fetched.accessToken, tokenType: pending.fetched.tokenType,
-                                expiresIn: pending.fetched.expiresIn, refreshToken: state.refreshToken)
+            var answered = pending.fetched
+            (answered.refreshToken, answered.idToken) = (state.refreshToken, nil)
+            return answered
         case .overtakenByBoundary:
             // Never installed anywhere; its refresh token is revoked upstream (the fleet's session
             // it belonged to is over).

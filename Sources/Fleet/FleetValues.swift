@@ -89,7 +89,7 @@ struct FleetState: Sendable, Equatable {
         guard var next = next() else { return nil }
         next.accessToken = fetched.accessToken
         next.tokenType = fetched.tokenType
-        next.expiresAt = fetched.expiresIn.map { FleetCodec.expiry(unixNow + $0.seconds) }
+        next.expiresAt = fetched.expiresAt(receivedAt: unixNow).map(FleetCodec.expiry)
         next.refreshToken = fetched.refreshToken(replacing: refreshToken)
         next.lastRefresh = FleetCodec.expiry(unixNow)
         return next

@@ -326,9 +326,9 @@ public struct RefreshStateMachine: Sendable {
             counters.droppedResults += 1
             return nil
         }
-        let expiresAt = fetched.expiresIn.map { Int64((unixNow + $0.seconds).rounded(.down)) }
+        let (expiresAt, deadline) = Self.ending(of: fetched, now: now, unixNow: unixNow)
         let next = Current(token: fetched.accessToken, tokenType: fetched.tokenType, expiresAt: expiresAt,
-                           deadline: fetched.expiresIn.map { now + $0 }, serial: lastSerial + 1, since: now)
+                           deadline: deadline, serial: lastSerial + 1, since: now)
         let nextRefreshToken = fetched.refreshToken(replacing: refreshToken)
         let stamp = Int64(unixNow.rounded(.down))
         flight.committing = (next, nextRefreshToken, stamp)
@@ -440,9 +440,9 @@ public struct RefreshStateMachine: Sendable {
         record.proofKey = proofKey
         if let initial {
             let serial = lastSerial + 1
-            pendingLogin = Current(token: initial.accessToken, tokenType: initial.tokenType,
-                                   expiresAt: initial.expiresIn.map { Int64((unixNow + $0.seconds).rounded(.down)) },
-                                   deadline: initial.expiresIn.map { now + $0 }, serial: serial, since: now)
+            let (expiresAt, deadline) = Self.ending(of: initial, now: now, unixNow: unixNow)
+            pendingLogin = Current(token: initial.accessToken, tokenType: initial.tokenType, expiresAt: expiresAt,
+                                   deadline: deadline, serial: serial, since: now)
             record.accessToken = initial.accessToken
             record.tokenType = initial.tokenType
             record.expiresAt = pendingLogin?.expiresAt
@@ -538,6 +538,15 @@ public struct RefreshStateMachine: Sendable {
     /// behind: a later write must advance it too (it carries the whole newer state).
     private func writeGuard(_ wanted: StoreWrite.Guard) -> StoreWrite.Guard {
         pendingWrite?.guardedBy == .newerGeneration ? .newerGeneration : wanted
+    }
+
+    /// A fetched token's end (`FetchedToken.expiresAt(receivedAt:)`), as Unix seconds rounded
+    /// down and on the monotonic line, for an answer received at `now` (`unixNow`).
+    private static func ending(of fetched: FetchedToken, now: Duration, unixNow: Double) -> (expiresAt: Int64?, deadline: Duration?) {
+        guard let end = fetched.expiresAt(receivedAt: unixNow), end.isFinite else { return (nil, nil) }
+        // (Bounded by Upstream's longest lifetime; clamped here all the same: no input traps.)
+        let left = min(max(end - unixNow, -3e8), 3e8)
+        return (Int64((unixNow + left).rounded(.down)), now + .milliseconds(Int64((left * 1000).rounded(.down))))
     }
 
     private func isExpired(_ current: Current, now: Duration) -> Bool {

@@ -46,8 +46,16 @@ public struct FetchedToken: Sendable {
     public var accessToken: Secret
     /// `Bearer` unless the server says otherwise.
     public var tokenType: String
-    /// The lifetime the server gave (`expires_in`), or `nil` when it gave none.
+    /// The lifetime the server gave (`expires_in`, or less where a JWT access token says so), or
+    /// `nil` when it gave none.
     public var expiresIn: Duration?
+    /// When `expiresIn` counts from, Unix seconds: the whole second the request was sent in (a
+    /// server counts from its own receipt of it, in whole seconds at the earliest). `nil`: from
+    /// the answer's arrival (tokens that come from elsewhere than a request of this host).
+    public var lifetimeStart: Int64?
+    /// An instant after which the token is dead whatever `expiresIn` says (a JWT's `exp` with no
+    /// `iat` to count a lifetime from), Unix seconds.
+    public var notAfter: Int64?
     /// A rotated refresh token; `nil` keeps the one that was sent.
     public var refreshToken: Secret?
     /// The OpenID Connect ID token of a login's answer (`id_token`), if it brought one: read for
@@ -70,6 +78,16 @@ extension FetchedToken {
     /// coordinator and for a fleet's shared record alike.
     public func refreshToken(replacing sent: Secret?) -> Secret? {
         refreshToken ?? sent
+    }
+
+    /// When the token ends, Unix seconds, for an answer received at `unixNow`: `expiresIn` from
+    /// `lifetimeStart` (never later than the arrival), or `notAfter` if that is earlier; `nil`
+    /// when neither says. The one expiry rule, for the coordinator and a fleet's shared record
+    /// alike: never a later instant than the issuer meant.
+    public func expiresAt(receivedAt unixNow: Double) -> Double? {
+        let counted = expiresIn.map { (lifetimeStart.map { min(Double($0), unixNow) } ?? unixNow) + $0.seconds }
+        guard let notAfter else { return counted }
+        return min(counted ?? Double(notAfter), Double(notAfter))
     }
 }
 

@@ -69,11 +69,23 @@ public struct DPoPBinding: Sendable {
     /// The key an access token says it is bound to (`cnf.jkt` of a JWT; the token is at most
     /// 16 KiB, so is the work).
     public static func binding(ofAccessToken token: String) -> Binding {
-        let parts = token.utf8.split(separator: UInt8(ascii: "."), omittingEmptySubsequences: false)
-        guard parts.count == 3, let payload = Base64.urlDecode(String(decoding: parts[1], as: UTF8.self)),
-              case let .object(claims)? = try? JSONParser.parse(ArraySlice(payload)), let cnf = claims["cnf"] else { return .none }
+        binding(ofClaims: claims(ofAccessToken: token))
+    }
+
+    static func binding(ofClaims claims: JSONObject?) -> Binding {
+        guard let cnf = claims?["cnf"] else { return .none }
         guard let jkt = cnf.objectValue?["jkt"]?.stringValue else { return .unreadable }
         return .key(jkt)
+    }
+
+    /// The claims of an access token that is a JWT (three base64url parts, a JSON object in the
+    /// middle; its signature is the resource's to check, not ours), else nil. Bounded by the
+    /// token's own bound (16 KiB).
+    static func claims(ofAccessToken token: String) -> JSONObject? {
+        let parts = token.utf8.split(separator: UInt8(ascii: "."), omittingEmptySubsequences: false)
+        guard parts.count == 3, let payload = Base64.urlDecode(String(decoding: parts[1], as: UTF8.self)),
+              case let .object(claims)? = try? JSONParser.parse(ArraySlice(payload)) else { return nil }
+        return claims
     }
 }
 

@@ -59,6 +59,9 @@ public struct HTTPResponse: Sendable {
     public var body: [UInt8]
     /// The server's `Retry-After`, in seconds (libcurl parses both forms).
     public var retryAfter: Int?
+    /// The whole second (Unix) the request this answers was sent in, or a first one of the
+    /// same exchange (a token answer's lifetime counts from it: `OAuthClient.tokenEndpointPost`).
+    public var requestedAt: Int64?
 
     public func header(_ name: String) -> String? {
         let lower = name.lowercased()

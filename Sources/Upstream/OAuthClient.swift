@@ -126,7 +126,18 @@ public struct OAuthClient: Sendable {
     /// POSTs to the token endpoint, with a DPoP proof when the session has a key. A server that
     /// answers `use_dpop_nonce` with a nonce other than the one sent is asked once more with it
     /// (RFC 9449 §8): at most one extra request per nonce change, inside the caller's one flight.
+    ///
+    /// The answer carries `requestedAt`, the second its first request was sent in: a token's
+    /// lifetime is counted from there, never from the answer's arrival (a server that counts in
+    /// whole seconds ended tokens up to a second before the broker did).
     func tokenEndpointPost(_ fields: [(String, String)], clientIDInBody: Bool = false) async throws(FetchFailure) -> HTTPResponse {
+        let requestedAt = UTCTime.unixSeconds()
+        var response = try await tokenEndpointPostOnce(fields, clientIDInBody: clientIDInBody)
+        response.requestedAt = requestedAt
+        return response
+    }
+
+    private func tokenEndpointPostOnce(_ fields: [(String, String)], clientIDInBody: Bool) async throws(FetchFailure) -> HTTPResponse {
         guard let dpop else { return try await post(endpoints.token, fields, clientIDInBody: clientIDInBody) }
         let url = endpoints.token
         let (proof, sent) = try dpop.proof(method: "POST", url: url)
@@ -201,7 +212,8 @@ public struct OAuthClient: Sendable {
         // request proved a key of the session's (workers then get proofs signed with it).
         // Other types (mTLS-bound, …) need a key the broker does not hold.
         let tokenType: String
-        let binding = dpop == nil ? .none : DPoPBinding.binding(ofAccessToken: accessToken)
+        let claims = DPoPBinding.claims(ofAccessToken: accessToken)
+        let binding = dpop == nil ? .none : DPoPBinding.binding(ofClaims: claims)
         switch type.lowercased() {
         case "bearer":
             if let dpop, binding == .key(dpop.key.thumbprint) {
@@ -229,11 +241,26 @@ public struct OAuthClient: Sendable {
         default:
             throw .terminal("unsupported token_type \(type.prefix(20))")
         }
-        let expiresIn = UpstreamNumbers.seconds(object["expires_in"], atMost: UpstreamNumbers.longestLifetime)
+        var expiresIn = UpstreamNumbers.seconds(object["expires_in"], atMost: UpstreamNumbers.longestLifetime)
+        // A JWT access token (RFC 9068) says its own end: the earlier of the two counts. Its
+        // lifetime, exp - iat, counts from the request like expires_in (the issuer's clock and
+        // ours need not agree); an exp with no iat is an instant, taken only while it lies ahead
+        // (one behind this clock says more of the clocks than of the token).
+        var notAfter: Int64?
+        if let exp = claims?["exp"]?.intValue {
+            if let iat = claims?["iat"]?.intValue, case let (span, false) = exp.subtractingReportingOverflow(iat), span >= 0,
+               let lifetime = UpstreamNumbers.seconds(.int(span), atMost: UpstreamNumbers.longestLifetime) {
+                expiresIn = min(expiresIn ?? lifetime, lifetime)
+            } else if claims?["iat"] == nil, exp > UTCTime.unixSeconds() {
+                notAfter = exp
+            }
+        }
         let refreshToken = object["refresh_token"]?.stringValue.flatMap { $0.isEmpty ? nil : Secret($0) }
         // (Read only for its claims, by `IDTokenClaims`, which checks its form: kept as it came, bounded.)
         let idToken = object["id_token"]?.stringValue.flatMap { $0.isEmpty || $0.utf8.count > IDTokenClaims.longestToken ? nil : Secret($0) }
-        return FetchedToken(accessToken: Secret(accessToken), tokenType: tokenType, expiresIn: expiresIn, refreshToken: refreshToken, idToken: idToken)
+        var token = FetchedToken(accessToken: Secret(accessToken), tokenType: tokenType, expiresIn: expiresIn, refreshToken: refreshToken, idToken: idToken)
+        (token.lifetimeStart, token.notAfter) = (response.requestedAt, notAfter)
+        return token
     }
 
     /// A failed token response as a classified failure (see the type's documentation).

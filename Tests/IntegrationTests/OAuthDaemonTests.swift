@@ -64,6 +64,36 @@ struct OAuthDaemonTests {
         #expect(login.code == 0 && login.out == "logged in api (generation 1)\n", "\(login.err)")
     }
 
+    @Test("a token is never served after the issuer ends it: its lifetime counts from the request's sending, not the answer's arrival (an issuer that counts in whole seconds and answers 1.2 s late); expiresAt names no later second (issue 32)")
+    func neverPastExpiry() async throws {
+        let issuer = try Self.issuer { options in
+            options.accessTokenLifetime = .seconds(3)
+            options.wholeSecondExpiry = true
+        }
+        defer { issuer.stop() }
+        let config = Self.config(issuer).replacingOccurrences(of: "RequestTimeout=5s\n", with: "RequestTimeout=5s\nRefreshAhead=0\n")
+        try await withBroker(config: config) { broker in
+            try await Self.logIn(broker, issuer)
+            issuer.inject([.delay(.milliseconds(1200))])
+            #expect(try broker.call("Refresh", ["session": "api"]).error == nil)
+            let reply = try broker.call("GetToken", ["session": "api"])
+            let token = try #require(reply.parameters["token"]?.stringValue)
+            let end = try #require(issuer.expiry(ofAccessToken: token))
+            let reported = try #require(reply.parameters["expiresAt"]?.intValue)
+            #expect(reported <= Int64(end), "expiresAt \(reported), the issuer's end \(end)")
+            // Served until the broker takes it for expired: never after the issuer's end.
+            var late: [Double] = [], served = 0
+            while Date().timeIntervalSince1970 < end + 5 {
+                let before = Date().timeIntervalSince1970
+                guard try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue == token else { break }
+                served += 1
+                if before > end { late.append(before - end) }
+                try await Task.sleep(for: .milliseconds(20))
+            }
+            #expect(served > 0 && late.isEmpty, "served \(served) times, \(late.count) of them after the issuer's end (up to \(late.max() ?? 0) s)")
+        }
+    }
+
     @Test("libcurl is mapped only once a session needs HTTP: not by a daemon with test sessions alone, then at the reload that adds an oauth session")
     func libcurlOnlyWhenNeeded() async throws {
         try await withBroker { broker in

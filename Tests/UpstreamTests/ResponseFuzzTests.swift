@@ -1,4 +1,5 @@
 import Testing
+import Basics
 import TestSupport
 import TokenBrokerCore
 @testable import Upstream
@@ -89,6 +90,35 @@ struct ResponseFuzzTests {
             }
         }
         print("upstream fuzz: \(tokens) token answers, \(devices) device authorizations, \(metadata) metadata documents accepted")
+    }
+
+    @Test("a token's lifetime counts from the second its request was sent in, and a JWT access token's exp shortens it: exp - iat as a lifetime, an exp without iat as an instant while it lies ahead; nothing traps (issue 32)")
+    func lifetimes() throws {
+        func answer(_ accessToken: String, expiresIn: Int? = 3600, requestedAt: Int64? = 1_800_000_000) throws -> FetchedToken {
+            var body: JSONObject = ["access_token": .string(accessToken), "token_type": "Bearer"]
+            if let expiresIn { body["expires_in"] = .int(Int64(expiresIn)) }
+            var response = HTTPResponse(status: 200, headers: [], body: JSON.object(body).encoded, retryAfter: nil)
+            response.requestedAt = requestedAt
+            return try OAuthClient.parseToken(response)
+        }
+        func jwt(_ claims: JSON) -> String {
+            Base64.urlEncode(JSON.object(["alg": "none"]).encoded) + "." + Base64.urlEncode(claims.encoded) + ".sig"
+        }
+        let opaque = try answer("opaque")
+        #expect(opaque.expiresIn == .seconds(3600) && opaque.lifetimeStart == 1_800_000_000 && opaque.notAfter == nil)
+        // Received 0.9 s into the second after the one it was sent in: counted from the sending.
+        #expect(opaque.expiresAt(receivedAt: 1_800_000_001.9) == 1_800_003_600)
+        #expect(try answer(jwt(["iat": 1_000, "exp": 1_060])).expiresIn == .seconds(60), "exp - iat is shorter")
+        #expect(try answer(jwt(["iat": 1_000, "exp": 9_000])).expiresIn == .seconds(3600), "expires_in is shorter")
+        #expect(try answer(jwt(["iat": 1_000, "exp": 1_060]), expiresIn: nil).expiresIn == .seconds(60), "a JWT alone says the lifetime")
+        let now = UTCTime.unixSeconds()
+        let instant = try answer(jwt(["exp": .int(now + 30)]))
+        #expect(instant.notAfter == now + 30 && instant.expiresAt(receivedAt: Double(now)) == Double(now + 30))
+        #expect(try answer(jwt(["exp": .int(now - 30)])).notAfter == nil, "an exp behind this clock, with no iat: the clocks disagree")
+        for claims: JSON in [["iat": .int(.min), "exp": .int(.max)], ["iat": 5, "exp": 1], ["exp": "soon"], ["exp": 1e300], "x"] {
+            #expect(try answer(jwt(claims)).expiresIn == .seconds(3600), "\(claims)")
+        }
+        #expect(try answer("a.b.c").expiresIn == .seconds(3600) && answer("opaque", requestedAt: nil).lifetimeStart == nil)
     }
 
     @Test("the answer that crashed the daemon: device authorization expires_in 1e300, interval 1e300")
