@@ -49,8 +49,9 @@ public enum BrokerRequest: Sendable, Equatable {
     case credential(url: String, rejected: String?)
     /// The token with a DPoP proof for one request; with `rejected`, as Recover answers.
     case getProof(session: String, method: String, uri: String, nonce: String?, rejected: String?)
-    /// An authorization code login (PKCE), waiting for the browser's redirect at the daemon's listener.
-    case codeLogin(session: String)
+    /// An authorization code login (PKCE), waiting for the browser's redirect at the daemon's
+    /// listener; with `refusals`, each request the listener refuses is told (`refused` events).
+    case codeLogin(session: String, refusals: Bool = false)
     /// The redirect that ends a code login, pasted (the browser was on another host).
     case completeCodeLogin(session: String, redirectUrl: String)
     /// Which interactive login `ctl login` uses for the session.
@@ -82,7 +83,7 @@ public enum BrokerRequest: Sendable, Equatable {
         switch self {
         case let .getToken(session), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
              let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _),
-             let .codeLogin(session), let .completeCodeLogin(session, _), let .loginFlow(session):
+             let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session):
             return session
         case .status, .reload, .metrics, .credential:
             return nil
@@ -145,7 +146,9 @@ public enum BrokerRequest: Sendable, Equatable {
             let rejected = try parameters.optionalString("rejected")
             if let rejected, rejected.isEmpty { throw ParameterError(name: "rejected") }
             self = .getProof(session: name, method: method, uri: uri, nonce: nonce, rejected: rejected)
-        case .codeLogin: self = .codeLogin(session: try session())
+        case .codeLogin:
+            let name = try session(["refusals"])
+            self = .codeLogin(session: name, refusals: try parameters.optionalBool("refusals") ?? false)
         case .completeCodeLogin:
             let name = try session(["redirectUrl"])
             let redirect = try parameters.string("redirectUrl")
@@ -160,8 +163,9 @@ public enum BrokerRequest: Sendable, Equatable {
         BrokerContract.secretsRegistered
         switch self {
         case let .getToken(session), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
-             let .forget(session), let .codeLogin(session), let .loginFlow(session):
+             let .forget(session), let .codeLogin(session, false), let .loginFlow(session):
             return ["session": .string(session)]
+        case let .codeLogin(session, true): return ["session": .string(session), "refusals": true]
         case let .completeCodeLogin(session, redirect): return ["session": .string(session), "redirectUrl": .string(redirect)]
         case let .recover(session, rejected): return ["session": .string(session), "rejected": .string(rejected)]
         case let .login(session, refreshToken): return ["session": .string(session), "refreshToken": .string(refreshToken)]
@@ -287,12 +291,18 @@ public enum CodeLoginEvent: Sendable, Equatable {
     /// Open `authorizationUri` within `expiresIn` seconds; the server sends the browser back to
     /// `redirectUri`, the daemon's loopback listener (or its URL is pasted to `CompleteCodeLogin`).
     case prompt(authorizationUri: String, redirectUri: String, expiresIn: Int64)
+    /// The listener refused a request that was not the login's answer (`reason`: why, with
+    /// nothing of the request but a sanitized Host); the login goes on waiting. Only to a call
+    /// that asked (`refusals`).
+    case refused(reason: String)
     case done(LoginReply)
 
     public init(_ parameters: JSONObject) {
         if parameters["event"] == "prompt" {
             self = .prompt(authorizationUri: parameters["authorizationUri"]?.stringValue ?? "?",
                            redirectUri: parameters["redirectUri"]?.stringValue ?? "?", expiresIn: parameters["expiresIn"]?.intValue ?? 0)
+        } else if parameters["event"] == "refused" {
+            self = .refused(reason: parameters["reason"]?.stringValue ?? "?")
         } else {
             self = .done(LoginReply(parameters))
         }
@@ -302,6 +312,8 @@ public enum CodeLoginEvent: Sendable, Equatable {
         switch self {
         case let .prompt(uri, redirect, expiresIn):
             return ["event": "prompt", "authorizationUri": .string(uri), "redirectUri": .string(redirect), "expiresIn": .int(expiresIn)]
+        case let .refused(reason):
+            return ["event": "refused", "reason": .string(reason)]
         case let .done(login):
             return ["event": "done", "generation": .int(Int64(login.generation))]
         }

@@ -31,7 +31,8 @@ extension Ctl {
         } catch {
             throw Failure(code: ExitCode.unavailable, message: "cannot reach the broker at \(address.path): \(error) (is tokenbroker running?)")
         }
-        var reply = try exchange(address, .codeLogin(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
+        let request = BrokerRequest.codeLogin(session: session, refusals: true)
+        var reply = try exchange(address, request) { (call) throws(VarlinkClientError) -> VarlinkReply in
             try client.call(call)
         }
         let reported = SynchronizedBox<String?>(nil)
@@ -39,8 +40,15 @@ extension Ctl {
             output.write(prompt(session, uri, redirect, expiresIn: expiresIn, terminal: isatty(STDOUT_FILENO) == 1))
             readPastedRedirects(address, session, reported: reported)
             do {
-                reply = try exchange(address, .codeLogin(session: session)) { (_) throws(VarlinkClientError) -> VarlinkReply in
-                    try client.nextReply()
+                // Each request the listener refuses is said (a line each; the daemon bounds them),
+                // until the login's end.
+                var errors = FileOutput.standardError
+                while true {
+                    reply = try exchange(address, request) { (_) throws(VarlinkClientError) -> VarlinkReply in
+                        try client.nextReply()
+                    }
+                    guard case let .refused(reason) = CodeLoginEvent(reply.parameters) else { break }
+                    errors.write("The listener refused \(reason.prefix(300)); the login is still waiting.\n")
                 }
             } catch {
                 // The paste's answer said it already.

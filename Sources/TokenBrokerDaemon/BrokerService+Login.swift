@@ -96,7 +96,7 @@ extension BrokerService {
         }
     }
 
-    func codeLogin(_ session: SessionTable.Session, by peer: PeerCredentials) throws(BrokerError) -> VarlinkHandling {
+    func codeLogin(_ session: SessionTable.Session, by peer: PeerCredentials, tellingRefusals: Bool = false) throws(BrokerError) -> VarlinkHandling {
         let name = session.configuration.name
         guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream else {
             throw .loginFailed(session: name, reason: "this session has no OAuth upstream")
@@ -107,7 +107,7 @@ extension BrokerService {
         try claimLogin(name)
         logger.notice("code login of session \(name) started by \(peer)", session: name)
         return .async { [self] sink in
-            await codeLogin(session, upstream, settings, sink)
+            await codeLogin(session, upstream, settings, sink, tellingRefusals: tellingRefusals)
             interactiveLogins.release(name)
         }
     }
@@ -115,9 +115,12 @@ extension BrokerService {
     /// CodeLogin: find the authorization endpoint, open the redirect listener, tell the caller
     /// where to send the browser, wait for the redirect (from the listener or pasted), redeem
     /// the code once, check the ID token, and log the session in. The caller disconnecting, or
-    /// `LoginTimeout=` passing, abandons the login; the listener closes when it ends.
+    /// `LoginTimeout=` passing, abandons the login; the listener closes when it ends. Each
+    /// request the listener refuses goes to the journal (bounded) and, with `tellingRefusals`,
+    /// to the caller as a `refused` event: a user whose server sends an unusable redirect is not
+    /// left waiting for `LoginTimeout=` with a message only the browser saw.
     private func codeLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, _ settings: SessionConfiguration.OAuthSettings,
-                           _ sink: VarlinkReplySink) async {
+                           _ sink: VarlinkReplySink, tellingRefusals: Bool) async {
         let name = session.configuration.name
         let logger = self.logger
         func failed(_ reason: String) {
@@ -153,8 +156,18 @@ extension BrokerService {
         sink.send(VarlinkReply(parameters: prompt.parameters, continues: true))
         logger.info("code login of session \(name) waits for its redirect at \(request.redirectURI)", session: name)
 
-        let result = await redeem(login, within: settings.login.timeout, name, upstream, client, settings, proofKey: proofKey, began: began)
-        login.finish(result)
+        let result = await withTaskGroup(of: Void.self) { group in
+            // (Ends with the login: `finish` ends the refusals.)
+            group.addTask {
+                for await reason in login.refusals {
+                    logger.limited(.notice, key: "login-refused:\(name)", "code login of session \(name): the redirect listener refused a request: \(reason)")
+                    if tellingRefusals { sink.send(VarlinkReply(parameters: CodeLoginEvent.refused(reason: reason).parameters, continues: true)) }
+                }
+            }
+            let result = await redeem(login, within: settings.login.timeout, name, upstream, client, settings, proofKey: proofKey, began: began)
+            login.finish(result)
+            return result
+        }
         if Task.isCancelled { return }
         switch result {
         case let .success(generation): sink.send(VarlinkReply(parameters: CodeLoginEvent.done(LoginReply(generation: generation)).parameters))

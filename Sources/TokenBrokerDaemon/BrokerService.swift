@@ -86,8 +86,9 @@ final class BrokerService: VarlinkHandler {
         .deviceLogin: Method(access: .admin, streams: true, handler: .session { service, _, peer, session in
             try service.deviceLogin(session, by: peer)
         }),
-        .codeLogin: Method(access: .admin, streams: true, handler: .session { service, _, peer, session in
-            try service.codeLogin(session, by: peer)
+        .codeLogin: Method(access: .admin, streams: true, handler: .session { service, request, peer, session in
+            guard case let .codeLogin(_, refusals) = request else { throw BrokerError.internalError }
+            return try service.codeLogin(session, by: peer, tellingRefusals: refusals)
         }),
         .completeCodeLogin: Method(access: .admin, handler: .session { service, request, peer, session in
             guard case let .completeCodeLogin(_, redirect) = request else { throw BrokerError.internalError }

@@ -80,10 +80,32 @@ final class CodeLogin: Sendable {
     }
 
     private let state = Mutex(State())
+    /// The requests the listener refused, in words (`refuse`), until the login ends.
+    let refusals: AsyncStream<String>
+    private let refused: AsyncStream<String>.Continuation
+    private let refusalsTold = Mutex(0)
+    /// Refusals told at most, per login; the last one says that more are not.
+    static let mostRefusalsTold = 20
 
     init(session: String, request: AuthorizationRequest) {
         self.session = session
         self.request = request
+        (refusals, refused) = AsyncStream.makeStream(of: String.self, bufferingPolicy: .bufferingOldest(Self.mostRefusalsTold + 1))
+    }
+
+    /// The listener refused a request that came for the login (never the request's values in
+    /// `reason` but a sanitized Host): said to the journal and the caller, up to
+    /// `mostRefusalsTold` per login.
+    func refuse(_ reason: String) {
+        let told = refusalsTold.withLock { count in
+            defer { count += 1 }
+            return count
+        }
+        if told < Self.mostRefusalsTold {
+            refused.yield(reason)
+        } else if told == Self.mostRefusalsTold {
+            refused.yield("more requests were refused; they are not told one by one")
+        }
     }
 
     /// Offers a redirect (a request-target from the listener, or a pasted URL); the first that
@@ -149,6 +171,7 @@ final class CodeLogin: Sendable {
 
     /// Ends the login: everyone waiting for `result()` hears it.
     func finish(_ result: Result<Int, BrokerError>) {
+        refused.finish()
         let waiters = state.withLock { state in
             state.closed = true
             state.result = result
@@ -193,20 +216,30 @@ enum RedirectListener {
         return nil
     }
 
+    /// Refusals of requests that came for the login (another Host, not a navigation, not a GET,
+    /// not its answer) are told to it (`CodeLogin.refuse`); requests for other paths (a
+    /// browser's `/favicon.ico`) and what is not HTTP are not.
     static func route(_ head: [UInt8], _ login: CodeLogin, host: String) -> HTTPRouting {
         guard let (method, target) = HTTPListener.requestLine(head) else { return .answer(page(400, "Bad request", "This is not an HTTP request."), refusal: nil) }
-        guard HTTPListener.header("host", in: head) == host else {
+        let forLogin = target.prefix(while: { $0 != "?" }) == path
+        guard let asked = HTTPListener.header("host", in: head), asked == host else {
+            if forLogin { login.refuse("a request for Host \(shown(HTTPListener.header("host", in: head))), not \(host) (the redirect URI's host and port, exactly)") }
             return .answer(page(400, "Wrong host", "This listener answers requests for \(host) only."), refusal: nil)
         }
         if let mode = HTTPListener.header("sec-fetch-mode", in: head), mode != "navigate" {
+            if forLogin { login.refuse("a request that was not a browser's navigation (Sec-Fetch-Mode: \(shown(mode)))") }
             return .answer(page(403, "Forbidden", "Only a browser's navigation to the redirect is heard here."), refusal: nil)
         }
-        guard target.prefix(while: { $0 != "?" }) == path else {
+        guard forLogin else {
             return .answer(page(404, "Not found", "This listener takes one thing: the login's redirect."), refusal: nil)
         }
-        guard method == "GET" else { return .answer(page(405, "Method not allowed", "The login's redirect is a GET."), refusal: nil) }
+        guard method == "GET" else {
+            login.refuse("a \(shown(method)) request (the redirect is a GET)")
+            return .answer(page(405, "Method not allowed", "The login's redirect is a GET."), refusal: nil)
+        }
         switch login.offer(String(target)) {
         case let .invalid(reason):
+            login.refuse("a redirect that is not this login's answer: \(reason)")
             return .answer(page(400, "Not this login's answer", "\(reason). The login is still waiting."), refusal: nil)
         case .closed:
             return .answer(page(409, "Login over", "The login has its answer already, or has ended."), refusal: nil)
@@ -222,6 +255,13 @@ enum RedirectListener {
                 }
             }
         }
+    }
+
+    /// A request's value as a refusal shows it: visible ASCII, at most 64 bytes, else a note.
+    static func shown(_ value: (some StringProtocol)?) -> String {
+        guard let value else { return "(none)" }
+        guard value.utf8.count <= 64, value.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else { return "(unprintable or long)" }
+        return String(value)
     }
 
     /// A small HTML page that loads nothing, is not cached, and sends no referrer.

@@ -96,6 +96,14 @@ public struct Parameters {
         return value
     }
 
+    public func optionalBool(_ name: String) throws(ParameterError) -> Bool? {
+        switch object[name] {
+        case nil, .null?: return nil
+        case let .bool(value)?: return value
+        default: throw ParameterError(name: name)
+        }
+    }
+
     public func int(_ name: String) throws(ParameterError) -> Int64 {
         guard let value = object[name]?.intValue else { throw ParameterError(name: name) }
         return value

@@ -120,9 +120,10 @@ struct CodeLoginTests {
     }
 
     /// A CodeLogin call and its prompt, on a connection the caller keeps for the final reply.
-    static func begin(_ broker: Broker, _ session: String = "web") throws -> (client: VarlinkClient, authorizationUri: String, redirectUri: String) {
+    static func begin(_ broker: Broker, _ session: String = "web", refusals: Bool = false) throws -> (client: VarlinkClient, authorizationUri: String, redirectUri: String) {
         let client = try broker.client(timeout: 30)
-        let prompt = try client.call("io.tokenbroker.Broker.CodeLogin", ["session": .string(session)], more: true)
+        let prompt = try client.call("io.tokenbroker.Broker.CodeLogin", refusals ? ["session": .string(session), "refusals": true] : ["session": .string(session)],
+                                     more: true)
         #expect(prompt.error == nil && prompt.continues, "\(prompt)")
         #expect(prompt.parameters["event"] == "prompt")
         return (client, prompt.parameters["authorizationUri"]?.stringValue ?? "", prompt.parameters["redirectUri"]?.stringValue ?? "")
@@ -329,6 +330,73 @@ struct CodeLoginTests {
             #expect(withoutIss?.status == 400 && withoutIss?.body.contains("no iss") == true)
             #expect(Self.get(port, redirect.target)?.status == 200)
             #expect(try login.client.nextReply().parameters == ["event": "done", "generation": 1])
+            // Not only the browser hears of a refusal: the journal says each (issue 32: a server
+            // that sends no iss left the user waiting for LoginTimeout=).
+            try await eventually("the journal says the refusals") {
+                broker.child.stderr.contains("code login of session api: the redirect listener refused a request: a redirect that is not this login's answer: the redirect's iss names another issuer")
+                    && broker.child.stderr.contains("code login of session api: the redirect listener refused a request: a redirect that is not this login's answer: the redirect has no iss")
+            }
+        }
+    }
+
+    @Test("a caller that asks (refusals: true) hears each request the listener refuses as a refused event, bounded per login, before the done; one that does not hears none; ctl login prints each on stderr (issue 32)")
+    func refusalsTold() async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            let login = try Self.begin(broker, refusals: true)
+            let port = try #require(Self.port(of: login.redirectUri))
+            let redirect = try Self.authorize(issuer, login.authorizationUri)
+            // Another state, another Host, a fetch, a POST: each told; another path is not.
+            #expect(Self.get(port, redirect.replacingOccurrences(of: "state=", with: "state=x").target)?.status == 400)
+            #expect(Self.raw(port, "GET \(redirect.target.text) HTTP/1.1\r\nHost: localhost:\(port)\r\n\r\n")?.status == 400)
+            #expect(Self.raw(port, "GET \(redirect.target.text) HTTP/1.1\r\nHost: 127.0.0.1:\(port)\r\nSec-Fetch-Mode: cors\r\n\r\n")?.status == 403)
+            #expect(Self.get(port, "/callback", method: "POST")?.status == 405)
+            #expect(Self.get(port, "/favicon.ico")?.status == 404)
+            var told: [String] = []
+            for _ in 0..<4 {
+                let event = try login.client.nextReply()
+                guard event.parameters["event"] == "refused", let reason = event.parameters["reason"]?.stringValue else {
+                    Issue.record("not a refusal: \(event)")
+                    break
+                }
+                told.append(reason)
+            }
+            #expect(told == ["a redirect that is not this login's answer: the redirect's state is not the login's",
+                             "a request for Host localhost:\(port), not 127.0.0.1:\(port) (the redirect URI's host and port, exactly)",
+                             "a request that was not a browser's navigation (Sec-Fetch-Mode: cors)",
+                             "a POST request (the redirect is a GET)"])
+            // No code is in a refusal; at most 20 are told, then one line says more were not.
+            let code = redirect.url.firstRange(of: "code=").map { redirect.url[$0.upperBound...].prefix { $0 != "&" } } ?? ""
+            let leaked = told.contains { !code.isEmpty && $0.contains(code) }
+            #expect(!leaked)
+            for _ in 0..<30 { _ = Self.get(port, "/callback?state=nothing") }
+            var more = 0
+            while true {
+                let event = try login.client.nextReply()
+                guard event.parameters["event"] == "refused" else {
+                    Issue.record("the login ended: \(event)")
+                    break
+                }
+                more += 1
+                if event.parameters["reason"] == "more requests were refused; they are not told one by one" { break }
+            }
+            #expect(more == 17, "refusals told after the first four: \(more)")
+            #expect(Self.get(port, redirect.target)?.status == 200)
+            #expect(try login.client.nextReply().parameters == ["event": "done", "generation": 1])
+        }
+        try await Self.withIssuerAndBroker { issuer, broker in
+            let login = try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "login", "web"], directory: broker.directory, pipeInput: true)
+            try await eventually("the prompt") { login.stdout.contains("Waiting for the login") || !login.process.isRunning }
+            let url = try #require(login.stdout.split(separator: "\n").first { $0.hasPrefix("  http") }.map { String($0.dropFirst(2)) })
+            issuer.inject([.wrongState])
+            let forged = try Self.authorize(issuer, url)
+            let port = try #require(Self.port(of: String(forged.url.prefix { $0 != "?" })))
+            #expect(Self.get(port, forged.target)?.status == 400)
+            try await eventually("ctl says the refusal") {
+                login.stderr.contains("The listener refused a redirect that is not this login's answer: the redirect's state is not the login's; the login is still waiting.")
+            }
+            #expect(login.process.isRunning)
+            #expect(Self.get(port, try Self.authorize(issuer, url).target)?.status == 200)
+            #expect(await login.wait() == 0, "\(login.stderr)")
         }
     }
 
@@ -384,7 +452,9 @@ struct CodeLoginTests {
         try await Self.withIssuerAndBroker(timeout: "1s") { _, broker in
             let login = try Self.begin(broker)
             #expect(Self.loginFailed(try login.client.nextReply()) == "no redirect came within 1 s (LoginTimeout=): log in again")
-            #expect(LoopbackTCP.connect(try #require(Self.port(of: login.redirectUri))).closing() < 0)
+            // (It closes as the login ends, right after the reply: not at the same instant.)
+            let port = try #require(Self.port(of: login.redirectUri))
+            try await eventually("the listener is closed") { LoopbackTCP.connect(port).closing() < 0 }
         }
     }
 
