@@ -34,7 +34,8 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
 
 /// A call, decoded once from its parameters (unknown parameters are refused).
 public enum BrokerRequest: Sendable, Equatable {
-    case getToken(session: String)
+    /// With `minValid` (seconds), a token that stays valid that long (`LifetimeTooShort` if none can).
+    case getToken(session: String, minValid: Int64? = nil)
     case recover(session: String, rejected: String)
     case watch(session: String)
     case logout(session: String)
@@ -46,9 +47,9 @@ public enum BrokerRequest: Sendable, Equatable {
     case forget(session: String)
     case metrics
     /// The token for `url`, for credential helpers; with `rejected`, as Recover answers.
-    case credential(url: String, rejected: String?)
+    case credential(url: String, rejected: String?, minValid: Int64? = nil)
     /// The token with a DPoP proof for one request; with `rejected`, as Recover answers.
-    case getProof(session: String, method: String, uri: String, nonce: String?, rejected: String?)
+    case getProof(session: String, method: String, uri: String, nonce: String?, rejected: String?, minValid: Int64? = nil)
     /// An authorization code login (PKCE), waiting for the browser's redirect at the daemon's
     /// listener; with `refusals`, each request the listener refuses is told (`refused` events).
     case codeLogin(session: String, refusals: Bool = false)
@@ -81,8 +82,8 @@ public enum BrokerRequest: Sendable, Equatable {
     /// The session the call names, if any.
     public var session: String? {
         switch self {
-        case let .getToken(session), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
-             let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _),
+        case let .getToken(session, _), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
+             let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _, _),
              let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session):
             return session
         case .status, .reload, .metrics, .credential:
@@ -99,7 +100,7 @@ public enum BrokerRequest: Sendable, Equatable {
             return try parameters.string("session")
         }
         switch method {
-        case .getToken: self = .getToken(session: try session())
+        case .getToken: self = .getToken(session: try session(["minValid"]), minValid: try Self.minValid(of: parameters))
         case .recover: self = .recover(session: try session(["rejected"]), rejected: try parameters.string("rejected"))
         case .watch: self = .watch(session: try session())
         case .logout: self = .logout(session: try session())
@@ -121,14 +122,14 @@ public enum BrokerRequest: Sendable, Equatable {
             try parameters.only([])
             self = .metrics
         case .credential:
-            try parameters.only(["url", "rejected"])
+            try parameters.only(["url", "rejected", "minValid"])
             let url = try parameters.string("url")
             guard !url.isEmpty, url.utf8.count <= 2048 else { throw ParameterError(name: "url") }
             let rejected = try parameters.optionalString("rejected")
             if let rejected, rejected.isEmpty { throw ParameterError(name: "rejected") }
-            self = .credential(url: url, rejected: rejected)
+            self = .credential(url: url, rejected: rejected, minValid: try Self.minValid(of: parameters, rejected: rejected))
         case .getProof:
-            let name = try session(["method", "uri", "nonce", "rejected"])
+            let name = try session(["method", "uri", "nonce", "rejected", "minValid"])
             let method = try parameters.string("method")
             guard (1...16).contains(method.utf8.count), method.utf8.allSatisfy({ (0x41...0x5A).contains($0) }) else {
                 throw ParameterError(name: "method")
@@ -145,7 +146,8 @@ public enum BrokerRequest: Sendable, Equatable {
             }
             let rejected = try parameters.optionalString("rejected")
             if let rejected, rejected.isEmpty { throw ParameterError(name: "rejected") }
-            self = .getProof(session: name, method: method, uri: uri, nonce: nonce, rejected: rejected)
+            self = .getProof(session: name, method: method, uri: uri, nonce: nonce, rejected: rejected,
+                             minValid: try Self.minValid(of: parameters, rejected: rejected))
         case .codeLogin:
             let name = try session(["refusals"])
             self = .codeLogin(session: name, refusals: try parameters.optionalBool("refusals") ?? false)
@@ -158,11 +160,25 @@ public enum BrokerRequest: Sendable, Equatable {
         }
     }
 
+    /// The longest `minValid` taken: a year.
+    public static let longestMinValid: Int64 = 31_536_000
+
+    /// `minValid`, 1 to `longestMinValid` seconds; not beside `rejected` (a Recover asks for
+    /// the next token, whatever its life).
+    private static func minValid(of parameters: Parameters, rejected: String? = nil) throws(ParameterError) -> Int64? {
+        switch parameters.object["minValid"] {
+        case nil, .null?: return nil
+        case let .int(seconds)? where (1...longestMinValid).contains(seconds) && rejected == nil: return seconds
+        default: throw ParameterError(name: "minValid")
+        }
+    }
+
     /// The parameters to send.
     public var parameters: JSONObject {
         BrokerContract.secretsRegistered
         switch self {
-        case let .getToken(session), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
+        case let .getToken(session, minValid?): return ["session": .string(session), "minValid": .int(minValid)]
+        case let .getToken(session, nil), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
              let .forget(session), let .codeLogin(session, false), let .loginFlow(session):
             return ["session": .string(session)]
         case let .codeLogin(session, true): return ["session": .string(session), "refusals": true]
@@ -170,14 +186,16 @@ public enum BrokerRequest: Sendable, Equatable {
         case let .recover(session, rejected): return ["session": .string(session), "rejected": .string(rejected)]
         case let .login(session, refreshToken): return ["session": .string(session), "refreshToken": .string(refreshToken)]
         case .status, .reload, .metrics: return [:]
-        case let .credential(url, rejected):
+        case let .credential(url, rejected, minValid):
             var parameters: JSONObject = ["url": .string(url)]
             if let rejected { parameters["rejected"] = .string(rejected) }
+            if let minValid { parameters["minValid"] = .int(minValid) }
             return parameters
-        case let .getProof(session, method, uri, nonce, rejected):
+        case let .getProof(session, method, uri, nonce, rejected, minValid):
             var parameters: JSONObject = ["session": .string(session), "method": .string(method), "uri": .string(uri)]
             if let nonce { parameters["nonce"] = .string(nonce) }
             if let rejected { parameters["rejected"] = .string(rejected) }
+            if let minValid { parameters["minValid"] = .int(minValid) }
             return parameters
         }
     }
@@ -538,6 +556,7 @@ public enum BrokerError: Error, Sendable, Equatable {
     case permissionDenied
     case refreshFailed(session: String, reason: String, retryable: Bool, retryAfter: Double?)
     case throttled(session: String, retryAfter: Double)
+    case lifetimeTooShort(session: String, lifetime: Double, minValid: Double)
     case storeFailed(session: String, reason: String)
     case configurationError(reason: String)
     case loginFailed(session: String, reason: String)
@@ -558,6 +577,7 @@ public enum BrokerError: Error, Sendable, Equatable {
         case .permissionDenied: "PermissionDenied"
         case .refreshFailed: "RefreshFailed"
         case .throttled: "Throttled"
+        case .lifetimeTooShort: "LifetimeTooShort"
         case .storeFailed: "StoreFailed"
         case .configurationError: "ConfigurationError"
         case .loginFailed: "LoginFailed"
@@ -572,6 +592,7 @@ public enum BrokerError: Error, Sendable, Equatable {
     public static let tokenCallErrors: [BrokerError] = [
         .signedOut(session: ""), .refreshFailed(session: "", reason: "", retryable: false, retryAfter: nil), .throttled(session: "", retryAfter: 0),
         .permissionDenied, .noSuchSession(session: ""), .storeFailed(session: "", reason: ""), .shuttingDown, .internalError,
+        .lifetimeTooShort(session: "", lifetime: 0, minValid: 0),
     ]
 
     public var reply: VarlinkReply {
@@ -587,6 +608,8 @@ public enum BrokerError: Error, Sendable, Equatable {
             parameters = failed
         case let .throttled(session, retryAfter):
             parameters = ["session": .string(session), "retryAfter": .double(retryAfter)]
+        case let .lifetimeTooShort(session, lifetime, minValid):
+            parameters = ["session": .string(session), "lifetime": .double(lifetime), "minValid": .double(minValid)]
         case let .storeFailed(session, reason), let .loginFailed(session, reason):
             parameters = ["session": .string(session), "reason": .string(reason)]
         case let .configurationError(reason), let .protocolError(reason):
@@ -610,6 +633,8 @@ public enum BrokerError: Error, Sendable, Equatable {
             self = .refreshFailed(session: session, reason: reason, retryable: parameters["retryable"]?.boolValue ?? false,
                                   retryAfter: parameters["retryAfter"]?.doubleValue)
         case BrokerContract.name + ".Throttled": self = .throttled(session: session, retryAfter: parameters["retryAfter"]?.doubleValue ?? 0)
+        case BrokerContract.name + ".LifetimeTooShort":
+            self = .lifetimeTooShort(session: session, lifetime: parameters["lifetime"]?.doubleValue ?? 0, minValid: parameters["minValid"]?.doubleValue ?? 0)
         case BrokerContract.name + ".StoreFailed": self = .storeFailed(session: session, reason: reason)
         case BrokerContract.name + ".ConfigurationError": self = .configurationError(reason: reason)
         case BrokerContract.name + ".LoginFailed": self = .loginFailed(session: session, reason: reason)

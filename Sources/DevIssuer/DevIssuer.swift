@@ -153,6 +153,8 @@ public final class DevIssuer: Sendable {
     struct AccessRecord {
         var family: Int?
         var expiresAt: Double
+        /// The `expires_in` its answer gives.
+        var lifetime: Duration = .zero
         var revoked = false
         /// The thumbprint of the DPoP key the token is bound to (`cnf.jkt`); nil for a Bearer token.
         var jkt: String?
@@ -228,6 +230,8 @@ public final class DevIssuer: Sendable {
         var familySize: [Int: Int] = [:]
         var held = 0
         var resourceRejectsAll = false
+        /// Set by `setAccessTokenLifetime`: the lifetime of tokens minted from then on.
+        var accessTokenLifetime: Duration?
         /// The DPoP key's thumbprint each bound refresh token family is bound to.
         var familyJKT: [Int: String] = [:]
         /// The server nonces (RFC 9449 §8, §9), one for the token endpoint, one for the resource.
@@ -390,6 +394,11 @@ public final class DevIssuer: Sendable {
     }
 
     /// How `GET /authorize` answers from now on (in place of `Options.consent`).
+    /// The lifetime of the access tokens minted from now on (the options' until this is called).
+    public func setAccessTokenLifetime(_ lifetime: Duration) {
+        state.withLock { $0.accessTokenLifetime = lifetime }
+    }
+
     public func setConsent(_ consent: Consent) {
         state.withLock { $0.consent = consent }
     }
@@ -849,14 +858,15 @@ public final class DevIssuer: Sendable {
 
     /// An access token: a Bearer one, or, bound to the key `jkt` names, JWT-shaped with
     /// `cnf.jkt` (RFC 9449 §6.1; unsigned: the broker only reads the claim).
-    func mintAccess(_ state: inout State, family: Int?, jkt: String? = nil) -> (token: String, bound: Bool) {
+    func mintAccess(_ state: inout State, family: Int?, jkt: String? = nil) -> (token: String, bound: Bool, lifetime: Duration) {
         let now = Self.now()
-        let expiresAt = (options.wholeSecondExpiry ? now.rounded(.down) : now) + options.accessTokenLifetime.secondsValue
+        let lifetime = state.accessTokenLifetime ?? options.accessTokenLifetime
+        let expiresAt = (options.wholeSecondExpiry ? now.rounded(.down) : now) + lifetime.secondsValue
         guard var jkt else {
             // `+` and `/` on purpose: a client must form-encode tokens correctly.
             let token = "dev-at." + Self.random(24) + "+/="
-            state.accessTokens[token] = AccessRecord(family: family, expiresAt: expiresAt)
-            return (token, false)
+            state.accessTokens[token] = AccessRecord(family: family, expiresAt: expiresAt, lifetime: lifetime)
+            return (token, false, lifetime)
         }
         if state.bindToOtherKey {
             state.bindToOtherKey = false
@@ -865,13 +875,13 @@ public final class DevIssuer: Sendable {
         let header: JSON = ["alg": "none", "typ": "at+jwt"]
         let claims: JSON = ["cnf": ["jkt": .string(jkt)], "jti": .string(Self.random(24)), "exp": .int(Int64(expiresAt))]
         let token = Base64.urlEncode(header.encoded) + "." + Base64.urlEncode(claims.encoded) + "." + Base64.urlEncode(Self.randomBytes(32))
-        state.accessTokens[token] = AccessRecord(family: family, expiresAt: expiresAt, jkt: jkt)
-        return (token, true)
+        state.accessTokens[token] = AccessRecord(family: family, expiresAt: expiresAt, lifetime: lifetime, jkt: jkt)
+        return (token, true, lifetime)
     }
 
-    func tokenAnswer(_ access: (token: String, bound: Bool), refresh: String?, idToken: String? = nil) -> HTTPServerAction {
+    func tokenAnswer(_ access: (token: String, bound: Bool, lifetime: Duration), refresh: String?, idToken: String? = nil) -> HTTPServerAction {
         var body: JSONObject = ["access_token": .string(access.token), "token_type": access.bound ? "DPoP" : "Bearer",
-                                "expires_in": .int(Int64(options.accessTokenLifetime.secondsValue))]
+                                "expires_in": .int(Int64(access.lifetime.secondsValue))]
         if let refresh { body["refresh_token"] = .string(refresh) }
         if let idToken { body["id_token"] = .string(idToken) }
         return Self.json(200, .object(body), extra: [("Cache-Control", "no-store"), ("Pragma", "no-cache")])

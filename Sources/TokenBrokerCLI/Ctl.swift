@@ -22,6 +22,7 @@ public enum Ctl {
         var showToken = false
         var nonce: String?
         var flow: LoginFlow?
+        var minValid: Int64?
         var index = 0
         while index < arguments.count {
             let argument = arguments[index]
@@ -43,6 +44,12 @@ public enum Ctl {
                 guard index + 1 < arguments.count else { return .exit(usage("--nonce needs the server's nonce", &errors)) }
                 nonce = arguments[index + 1]
                 index += 1
+            case "--min-valid":
+                guard index + 1 < arguments.count, let seconds = duration(arguments[index + 1]) else {
+                    return .exit(usage("--min-valid needs a duration such as 10m, 90s or 1h30m (at most a year)", &errors))
+                }
+                minValid = seconds
+                index += 1
             case "--flow":
                 guard index + 1 < arguments.count, let chosen = LoginFlow(rawValue: arguments[index + 1]) else {
                     return .exit(usage("--flow needs code or device", &errors))
@@ -50,7 +57,12 @@ public enum Ctl {
                 flow = chosen
                 index += 1
             default:
-                if argument.hasPrefix("--flow=") {
+                if argument.hasPrefix("--min-valid=") {
+                    guard let seconds = duration(String(argument.dropFirst("--min-valid=".count))) else {
+                        return .exit(usage("--min-valid needs a duration such as 10m, 90s or 1h30m (at most a year)", &errors))
+                    }
+                    minValid = seconds
+                } else if argument.hasPrefix("--flow=") {
                     guard let chosen = LoginFlow(rawValue: String(argument.dropFirst("--flow=".count))) else {
                         return .exit(usage("--flow needs code or device", &errors))
                     }
@@ -69,17 +81,45 @@ public enum Ctl {
             index += 1
         }
         return .exit(perform(words, socket: socket, json: json, refreshTokenFromStdin: refreshTokenFromStdin, showToken: showToken,
-                             nonce: nonce, flow: flow, output: &output, errors: &errors))
+                             nonce: nonce, flow: flow, minValid: minValid, output: &output, errors: &errors))
+    }
+
+    /// A duration on the command line: `90`, `90s`, `10m`, `1h30m`, `2d` (seconds, 1 to a year).
+    static func duration(_ text: String) -> Int64? {
+        guard !text.isEmpty, text.utf8.count <= 32 else { return nil }
+        var total: Int64 = 0, number: Int64?
+        for byte in text.utf8 {
+            if (0x30...0x39).contains(byte) {
+                number = (number ?? 0) * 10 + Int64(byte - 0x30)
+                guard number! <= BrokerRequest.longestMinValid else { return nil }
+                continue
+            }
+            let unit: Int64
+            switch byte {
+            case UInt8(ascii: "s"): unit = 1
+            case UInt8(ascii: "m"): unit = 60
+            case UInt8(ascii: "h"): unit = 3600
+            case UInt8(ascii: "d"): unit = 86400
+            default: return nil
+            }
+            guard let value = number else { return nil }
+            total += value * unit
+            number = nil
+            guard total <= BrokerRequest.longestMinValid else { return nil }
+        }
+        total += number ?? 0
+        return (1...BrokerRequest.longestMinValid).contains(total) ? total : nil
     }
 
     private static func perform(_ words: [String], socket: String, json: Bool, refreshTokenFromStdin: Bool, showToken: Bool,
-                                nonce: String?, flow: LoginFlow?, output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
+                                nonce: String?, flow: LoginFlow?, minValid: Int64?, output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
         guard let verb = words.first else { return usage("missing verb", &errors) }
         if refreshTokenFromStdin && verb != "login" { return usage("--refresh-token-stdin belongs to login", &errors) }
         if flow != nil && verb != "login" { return usage("--flow belongs to login", &errors) }
         if flow != nil && refreshTokenFromStdin { return usage("--flow and --refresh-token-stdin are two ways to log in: choose one", &errors) }
         if showToken && verb != "watch" { return usage("--show-token belongs to watch", &errors) }
         if nonce != nil && verb != "proof" { return usage("--nonce belongs to proof", &errors) }
+        if minValid != nil && verb != "token" && verb != "proof" { return usage("--min-valid belongs to token and proof", &errors) }
         let operands = Array(words.dropFirst())
         guard let address = address(socket) else {
             return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", &errors)
@@ -92,7 +132,7 @@ public enum Ctl {
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : statusTable(StatusEntry.entries(of: reply)))
             case "token":
                 guard operands.count == 1 else { return usage("token needs exactly one SESSION", &errors) }
-                let reply = try call(address, .getToken(session: operands[0]))
+                let reply = try call(address, .getToken(session: operands[0], minValid: minValid))
                 guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
             case "recover":
@@ -104,7 +144,8 @@ public enum Ctl {
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
             case "proof":
                 guard operands.count == 3 else { return usage("proof needs a SESSION, a METHOD and a URL", &errors) }
-                let reply = try call(address, .getProof(session: operands[0], method: operands[1], uri: operands[2], nonce: nonce, rejected: nil))
+                let reply = try call(address, .getProof(session: operands[0], method: operands[1], uri: operands[2], nonce: nonce, rejected: nil,
+                                                        minValid: minValid))
                 let proof = ProofReply(reply.parameters)
                 guard !proof.token.token.isEmpty else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : proof.headers.map { "\($0.name): \($0.value)\n" }.joined())
@@ -292,6 +333,9 @@ public enum Ctl {
             return Failure(code: ExitCode.failure, message: message)
         case let .throttled(session, retryAfter):
             return Failure(code: ExitCode.failure, message: "refresh limit reached for '\(session)': retry in \(seconds(retryAfter))")
+        case let .lifetimeTooShort(session, lifetime, minValid):
+            return Failure(code: ExitCode.failure, message: "the tokens of '\(session)' live \(seconds(lifetime)), less than the \(seconds(minValid)) asked (--min-valid): "
+                           + "no refresh gives a longer one; ask for less")
         case let .sessionConfigured(session):
             return Failure(code: ExitCode.failure, message: "'\(session)' is still configured: remove it from the configuration and reload first")
         case let .storeFailed(session, reason):

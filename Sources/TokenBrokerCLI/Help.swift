@@ -171,15 +171,20 @@ public enum Help {
         OVERVIEW: Print the session's current access token.
 
         Prints the token alone on stdout (refreshed first if it has expired), for use in $(…).
+        With --min-valid, a token that stays valid that long: one that ends sooner is refreshed
+        first, in the session's one refresh; if the issuer's tokens live less, it fails saying
+        how long they live.
 
-        USAGE: tokenbroker ctl [--socket <path>] token <session> [--json]
+        USAGE: tokenbroker ctl [--socket <path>] token <session> [--min-valid <duration>] [--json]
 
         OPTIONS:
+          --min-valid <duration>  How long the token must stay valid: 90s, 10m, 1h30m (at most a year).
           --json                  The whole GetToken reply as JSON (token, type, expiry, generation).
           -h, --help              Show this help.
 
-        EXAMPLE:
+        EXAMPLES:
           export TOKEN=$(tokenbroker ctl token api)
+          TOKEN=$(tokenbroker ctl token api --min-valid 10m) && ./job-of-ten-minutes
 
         """
 
@@ -258,11 +263,12 @@ public enum Help {
         names the method and the URL (without query and fragment) and is good once, for about a
         minute. A bearer session prints `Authorization: Bearer <token>` alone.
 
-        USAGE: tokenbroker ctl [--socket <path>] proof <session> <method> <url> [--nonce <nonce>] [--json]
+        USAGE: tokenbroker ctl [--socket <path>] proof <session> <method> <url> [--nonce <nonce>] [--min-valid <duration>] [--json]
 
         OPTIONS:
           --nonce <nonce>         The nonce the resource server asked for (its DPoP-Nonce header,
                                   with a 401 use_dpop_nonce).
+          --min-valid <duration>  How long the token must stay valid, as for ctl token.
           --json                  The whole GetProof reply as JSON.
           -h, --help              Show this help.
 

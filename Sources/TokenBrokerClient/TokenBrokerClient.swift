@@ -50,6 +50,8 @@ public enum TokenBrokerError: Error, Sendable, Equatable, CustomStringConvertibl
     case permissionDenied
     case refreshFailed(session: String, reason: String, retryable: Bool, retryAfter: Double?)
     case throttled(session: String, retryAfter: Double)
+    /// A token valid for `minValid` seconds was asked for; the issuer's tokens live `lifetime`.
+    case lifetimeTooShort(session: String, lifetime: Double, minValid: Double)
     /// The broker could not be reached (not running, wrong socket, no permission on it).
     case unavailable(String)
     /// The broker answered something unexpected (another error name, a malformed reply).
@@ -62,6 +64,8 @@ public enum TokenBrokerError: Error, Sendable, Equatable, CustomStringConvertibl
         case .permissionDenied: return "permission denied"
         case let .refreshFailed(session, reason, retryable, _): return "refresh of '\(session)' failed: \(reason)\(retryable ? "" : " (session ended)")"
         case let .throttled(session, retryAfter): return "refresh limit reached for '\(session)'; retry in \(retryAfter)s"
+        case let .lifetimeTooShort(session, lifetime, minValid):
+            return "the tokens of '\(session)' live \(lifetime)s, less than the \(minValid)s asked"
         case let .unavailable(reason): return "broker unavailable: \(reason)"
         case let .unexpected(reason): return "unexpected answer from the broker: \(reason)"
         }
@@ -98,9 +102,12 @@ public final class TokenBrokerClient: Sendable {
         self.timeout = Double(timeout.components.seconds) + Double(timeout.components.attoseconds) / 1e18
     }
 
-    /// The session's current token (refreshed first by the broker if it has expired).
-    public func token(session: String) async throws(TokenBrokerError) -> AccessToken {
-        AccessToken(TokenReply(try await call(.getToken(session: session)).parameters))
+    /// The session's current token (refreshed first by the broker if it has expired). With
+    /// `minValid`, one that stays valid at least that long (a job's length): a token that ends
+    /// sooner is refreshed first, in the session's one refresh; `lifetimeTooShort` when the
+    /// issuer's tokens live less (whole seconds, rounded up).
+    public func token(session: String, minValid: Duration? = nil) async throws(TokenBrokerError) -> AccessToken {
+        AccessToken(TokenReply(try await call(.getToken(session: session, minValid: minValid.map(Self.wholeSeconds))).parameters))
     }
 
     /// The token to retry with after `rejected` was refused (`401 invalid_token`): the current
@@ -113,9 +120,17 @@ public final class TokenBrokerClient: Sendable {
     /// (`GetProof`); `nonce` is the resource server's (`DPoP-Nonce`), `rejected` a token the
     /// server refused (then the token to retry with, as `recover` answers).
     public func proof(session: String, method: String, url: String, nonce: String? = nil,
-                      rejected: String? = nil) async throws(TokenBrokerError) -> ProvenToken {
-        let reply = ProofReply(try await call(.getProof(session: session, method: method, uri: url, nonce: nonce, rejected: rejected)).parameters)
+                      rejected: String? = nil, minValid: Duration? = nil) async throws(TokenBrokerError) -> ProvenToken {
+        let request = BrokerRequest.getProof(session: session, method: method, uri: url, nonce: nonce, rejected: rejected,
+                                             minValid: minValid.map(Self.wholeSeconds))
+        let reply = ProofReply(try await call(request).parameters)
         return ProvenToken(token: AccessToken(reply.token), proof: reply.proof)
+    }
+
+    /// A duration as the contract's whole seconds: rounded up, 1 to a year.
+    static func wholeSeconds(_ duration: Duration) -> Int64 {
+        let (seconds, atto) = duration.components
+        return min(max(seconds + (atto > 0 ? 1 : 0), 1), BrokerRequest.longestMinValid)
     }
 
     /// The session's events: the current token at once, every new token, and the logout
@@ -234,6 +249,7 @@ public final class TokenBrokerClient: Sendable {
         case let .refreshFailed(session, reason, retryable, retryAfter)?:
             return .refreshFailed(session: session, reason: reason, retryable: retryable, retryAfter: retryAfter)
         case let .throttled(session, retryAfter)?: return .throttled(session: session, retryAfter: retryAfter)
+        case let .lifetimeTooShort(session, lifetime, minValid)?: return .lifetimeTooShort(session: session, lifetime: lifetime, minValid: minValid)
         default: return .unexpected(name)
         }
     }

@@ -89,6 +89,8 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         /// Monotonic offset until which the token may be handed out without the actor;
         /// `nil`: no expiry.
         var freshUntil: Duration?
+        /// When it expires (monotonic); `nil`: no expiry.
+        var deadline: Duration?
     }
 
     /// - Parameters:
@@ -124,7 +126,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         let observation = Observation(Self.observed(machine, watched: false, now: .zero), observer: summaries)
         self.observation = observation
         watchers = WatcherList(countChanged: { count in observation.update { $0.summary.watched = count > 0 } })
-        published.withLock { $0 = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil) } }
+        published.withLock { $0 = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil, deadline: $0.deadline) } }
     }
 
     private static func observed(_ machine: RefreshStateMachine, watched: Bool, now: Duration) -> Observation.State {
@@ -159,6 +161,18 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         }
     }
 
+    /// `freshToken()` for a caller that needs the token valid for `minimum` more; `nil`: ask
+    /// `token(validFor:)`.
+    public nonisolated func freshToken(validFor minimum: Duration) -> IssuedToken? {
+        published.withLock { published in
+            guard let published else { return nil }
+            let now = now()
+            if let freshUntil = published.freshUntil, now >= freshUntil { return nil }
+            if let deadline = published.deadline, deadline - now < minimum { return nil }
+            return published.token
+        }
+    }
+
     /// The token the hot path hands out now, fresh or not (`nil` when there is none).
     public nonisolated func currentToken() -> IssuedToken? {
         published.withLock { $0?.token }
@@ -168,6 +182,16 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// Inside the refresh-ahead window it answers at once and starts one background refresh.
     public func token() async throws -> IssuedToken {
         try await run(machine.demand(.get, now: now()))
+    }
+
+    /// The current token if it is valid for `minimum` more; else it waits for the session's one
+    /// refresh (a refresh it starts is charged to `demander`), then answers with the new token,
+    /// or `lifetimeTooShort` when the issuer's tokens live less than `minimum` (no second
+    /// refresh: at most one more demand, which delivers or says so).
+    public func token(validFor minimum: Duration, by demander: Demander? = nil) async throws -> IssuedToken {
+        let token = try await run(machine.demand(.valid(for: minimum), now: now(), by: demander), by: demander)
+        guard let published = machine.publishable, let deadline = published.deadline, deadline - now() < minimum else { return token }
+        return try await run(machine.demand(.valid(for: minimum), now: now(), by: demander), by: demander)
     }
 
     /// The worker's request was rejected with `rejected`, the token it actually sent. If that is
@@ -546,7 +570,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     }
 
     private func republish() {
-        let snapshot = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil) }
+        let snapshot = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil, deadline: $0.deadline) }
         published.withLock { $0 = snapshot }
     }
 

@@ -43,6 +43,11 @@ public struct RefreshStateMachine: Sendable {
     public enum Demand: Sendable {
         /// `GetToken`: the current token, refreshed if it has expired.
         case get
+        /// `GetToken` with a minimum validity: the current token if it is valid for `minimum`
+        /// more, else the session's one refresh (joined, or started: charged to the demander,
+        /// who could otherwise make a refresh of every call); `lifetimeTooShort` when the
+        /// issuer's tokens live less than that here, with no refresh.
+        case valid(for: Duration)
         /// `Recover`: the worker's request was rejected with `rejected`.
         case recover(rejected: Secret)
         /// An operator's forced refresh: joins the flight under way or starts one (backoff
@@ -100,6 +105,9 @@ public struct RefreshStateMachine: Sendable {
         var serial: UInt64
         /// When it was installed or restored (monotonic): with `deadline`, the lifetime it had.
         var since: Duration = .zero
+        /// Restored from the store: `deadline - since` is what was left of it, not the
+        /// lifetime the issuer gave.
+        var restored = false
 
         /// When the refresh-ahead window opens: `ahead` before expiry, but never earlier than
         /// half-way through the lifetime the token had here. A server whose tokens live less
@@ -188,7 +196,7 @@ public struct RefreshStateMachine: Sendable {
                 // (A stored expiry is ours, but a damaged database must not trap: clamp to ±10 years.)
                 let deadline = record.expiresAt.map { now + .milliseconds(Int64(min(max(Double($0) - unixNow, -3e8), 3e8) * 1000)) }
                 current = Current(token: token, tokenType: record.tokenType, expiresAt: record.expiresAt,
-                                  deadline: deadline, serial: record.tokenSerial, since: now)
+                                  deadline: deadline, serial: record.tokenSerial, since: now, restored: true)
             }
         }
     }
@@ -203,9 +211,9 @@ public struct RefreshStateMachine: Sendable {
 
     /// The current token and how long the hot path may hand it out without asking the state
     /// machine: until the refresh-ahead window opens (or expiry). `nil` outside `active`.
-    public var publishable: (token: IssuedToken, freshUntil: Duration?)? {
+    public var publishable: (token: IssuedToken, freshUntil: Duration?, deadline: Duration?)? {
         guard phase == .active, !isShutDown, let current else { return nil }
-        return (issued(current), current.windowOpens(ahead: policy.refreshAhead))
+        return (issued(current), current.windowOpens(ahead: policy.refreshAhead), current.deadline)
     }
 
     /// What the store should hold now (secrets included; never printed).
@@ -250,6 +258,15 @@ public struct RefreshStateMachine: Sendable {
         case .active: break
         }
         if case .refresh = demand { return refresh(now: now, by: demander) }
+        if case let .valid(minimum) = demand, let current, !isExpired(current, now: now), let deadline = current.deadline,
+           deadline - now < minimum {
+            // Not valid long enough. A refresh helps only if the issuer's tokens live longer
+            // than asked: said at once when the last one it gave did not.
+            if !current.restored, deadline - current.since < minimum {
+                return .fail(.lifetimeTooShort(lifetime: deadline - current.since, asked: minimum))
+            }
+            return refresh(now: now, by: demander)
+        }
         if case let .recover(rejected) = demand {
             // Guarantee 2: a rejection of a token that is no longer current is stale. The
             // worker gets the current token (refreshed first only if it has itself expired).

@@ -14,6 +14,9 @@ public enum SessionError: Error, Sendable, Equatable {
     case shuttingDown
     /// An interactive login ended after a logout or another login: it changed nothing.
     case superseded
+    /// A demand for a token valid for at least `asked` (`RefreshStateMachine.Demand.valid`): the
+    /// issuer's tokens live only `lifetime` here, so no refresh would give one.
+    case lifetimeTooShort(lifetime: Duration, asked: Duration)
 }
 
 extension SessionError: CustomStringConvertible {
@@ -34,6 +37,8 @@ extension SessionError: CustomStringConvertible {
             return "shutting down"
         case .superseded:
             return "a logout or another login came first"
+        case let .lifetimeTooShort(lifetime, asked):
+            return "the issuer's tokens live \(lifetime.seconds)s, less than the \(asked.seconds)s asked"
         }
     }
 }

@@ -69,7 +69,10 @@ final class BrokerService: VarlinkHandler {
     }
 
     static let methods: [BrokerMethod: Method] = [
-        .getToken: Method(access: .sessionUser, handler: .session { service, _, _, session in service.getToken(session) }),
+        .getToken: Method(access: .sessionUser, handler: .session { service, request, peer, session in
+            guard case let .getToken(_, minValid) = request else { throw BrokerError.internalError }
+            return service.getToken(session, validFor: minValid, by: peer)
+        }),
         .recover: Method(access: .sessionUser, handler: .session { service, request, peer, session in
             guard case let .recover(_, rejected) = request else { throw BrokerError.internalError }
             return service.recover(session, rejected: Secret(rejected), by: peer)
@@ -99,12 +102,12 @@ final class BrokerService: VarlinkHandler {
         .forget: Method(access: .admin, handler: .other { service, request, peer in try service.forget(request.session ?? "", by: peer) }),
         .reload: Method(access: .admin, handler: .other { service, _, peer in service.reload(by: peer) }),
         .credential: Method(access: .anyone, handler: .other { service, request, peer in
-            guard case let .credential(url, rejected) = request else { throw BrokerError.internalError }
-            return service.credential(url, rejected: rejected.map(Secret.init), for: peer)
+            guard case let .credential(url, rejected, minValid) = request else { throw BrokerError.internalError }
+            return service.credential(url, rejected: rejected.map(Secret.init), validFor: minValid, for: peer)
         }),
         .getProof: Method(access: .sessionUser, handler: .session { service, request, peer, session in
-            guard case let .getProof(_, method, uri, nonce, rejected) = request else { throw BrokerError.internalError }
-            return service.getProof(session, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init), by: peer)
+            guard case let .getProof(_, method, uri, nonce, rejected, minValid) = request else { throw BrokerError.internalError }
+            return service.getProof(session, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init), validFor: minValid, by: peer)
         }),
         .metrics: Method(access: .admin, handler: .other { service, _, _ in
             .async { sink in sink.send(VarlinkReply(parameters: MetricsReply(text: await service.metricsText()).parameters)) }
@@ -195,17 +198,33 @@ final class BrokerService: VarlinkHandler {
     // MARK: - The methods
 
     /// GetToken: a fresh token inline, from the coordinator's snapshot; otherwise wait for it.
-    private func getToken(_ session: SessionTable.Session) -> VarlinkHandling {
-        if let token = session.coordinator.freshToken() { return .reply(session.replies.reply(for: token, Self.tokenReply)) }
-        session.replies.clear()
-        return asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.token()) }
+    /// With `minValid`, fresh means valid that long too (else the session's one refresh, charged
+    /// to `peer` when this call starts it).
+    private func getToken(_ session: SessionTable.Session, validFor minValid: Int64?, by peer: PeerCredentials) -> VarlinkHandling {
+        if let token = Self.freshToken(session, validFor: minValid) { return .reply(session.replies.reply(for: token, Self.tokenReply)) }
+        if minValid == nil { session.replies.clear() }
+        return asyncReply(session.configuration.name) { Self.tokenReply(try await Self.token(session, validFor: minValid, by: peer)) }
+    }
+
+    /// The coordinator's fresh token, valid for `minValid` seconds more when that is given.
+    private static func freshToken(_ session: SessionTable.Session, validFor minValid: Int64?) -> IssuedToken? {
+        guard let minValid else { return session.coordinator.freshToken() }
+        return session.coordinator.freshToken(validFor: .seconds(minValid))
+    }
+
+    /// The session's token (or, with `rejected`, Recover's), valid for `minValid` more if given.
+    private static func token(_ session: SessionTable.Session, rejected: Secret? = nil, validFor minValid: Int64?,
+                              by peer: PeerCredentials) async throws -> IssuedToken {
+        if let rejected { return try await session.coordinator.recover(rejected: rejected, by: peer.demander) }
+        guard let minValid else { return try await session.coordinator.token() }
+        return try await session.coordinator.token(validFor: .seconds(minValid), by: peer.demander)
     }
 
     /// GetProof: the token as GetToken (or, with `rejected`, Recover) has it, with a proof for
     /// the one request signed by the session's key. A fresh token is answered inline like
     /// GetToken's (one signature, tens of microseconds); the key is opened once per generation.
     private func getProof(_ session: SessionTable.Session, method: String, uri: String, nonce: String?, rejected: Secret?,
-                          by peer: PeerCredentials) -> VarlinkHandling {
+                          validFor minValid: Int64?, by peer: PeerCredentials) -> VarlinkHandling {
         let name = session.configuration.name
         // The same URLs for every session, bearer or not: those a proof can name.
         guard DPoPProof.target(uri) != nil else { return .reply(ParameterError(name: "uri").reply) }
@@ -227,15 +246,14 @@ final class BrokerService: VarlinkHandler {
             }
             return VarlinkReply(parameters: ProofReply(token: TokenReply(token), proof: proof).parameters)
         }
-        if rejected == nil, let token = session.coordinator.freshToken() {
+        if rejected == nil, let token = Self.freshToken(session, validFor: minValid) {
             do { return .reply(try answer(token)) } catch let error as ParameterError { return .reply(error.reply) } catch {
                 return .reply(reply(for: error, session: name))
             }
         }
         return .async { [self] sink in
             do {
-                let token: IssuedToken
-                if let rejected { token = try await session.coordinator.recover(rejected: rejected, by: peer.demander) } else { token = try await session.coordinator.token() }
+                let token = try await Self.token(session, rejected: rejected, validFor: minValid, by: peer)
                 sink.send(try answer(token))
             } catch is CancellationError {
                 // The client is gone; nobody to answer.
@@ -259,7 +277,7 @@ final class BrokerService: VarlinkHandler {
     ///
     /// Resolved in a task, never on the I/O thread: a host thousands of sessions serve costs
     /// the caller its scan, and nobody else.
-    private func credential(_ url: String, rejected: Secret?, for peer: PeerCredentials) -> VarlinkHandling {
+    private func credential(_ url: String, rejected: Secret?, validFor minValid: Int64?, for peer: PeerCredentials) -> VarlinkHandling {
         let sessions = self.sessions
         return .async { [self] sink in
             guard let served = ServedURL(url), let session = sessions.serving(served, for: peer) else {
@@ -268,8 +286,7 @@ final class BrokerService: VarlinkHandler {
             }
             let name = session.configuration.name
             do {
-                let token: IssuedToken
-                if let rejected { token = try await session.coordinator.recover(rejected: rejected, by: peer.demander) } else { token = try await session.coordinator.token() }
+                let token = try await Self.token(session, rejected: rejected, validFor: minValid, by: peer)
                 sink.send(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
             } catch is CancellationError {
                 // The client is gone; nobody to answer.
@@ -447,6 +464,7 @@ final class BrokerService: VarlinkHandler {
             case let .refreshFailed(reason, retryable, retryAfter):
                 return .refreshFailed(session: session, reason: reason, retryable: retryable, retryAfter: retryAfter?.seconds)
             case let .throttled(retryAfter): return .throttled(session: session, retryAfter: retryAfter.seconds)
+            case let .lifetimeTooShort(lifetime, asked): return .lifetimeTooShort(session: session, lifetime: lifetime.seconds, minValid: asked.seconds)
             case let .storeFailed(reason): return .storeFailed(session: session, reason: reason)
             case .shuttingDown: return .shuttingDown
             case .superseded:

@@ -94,6 +94,54 @@ struct OAuthDaemonTests {
         }
     }
 
+    @Test("ctl token --min-valid: 50 processes that need the token longer than it has left cost one refresh; when the issuer's tokens live less than asked, all 50 hear so after one refresh, and the next ask costs none (issue 33)")
+    func minimumValidity() async throws {
+        let issuer = try Self.issuer { $0.accessTokenLifetime = .seconds(900) }
+        defer { issuer.stop() }
+        var broker = try await Broker(config: Self.config(issuer))
+        defer { try? FileManager.default.removeItem(atPath: broker.directory) }
+        try await Self.logIn(broker, issuer)
+        #expect(try broker.call("GetToken", ["session": "api"]).error == nil)
+        /// 50 `ctl token api --min-valid 20m` at once, on a daemon restarted over the state (its
+        /// token restored, with less than 20 minutes left); their exit codes, outputs and errors.
+        func fifty() async throws -> [(code: Int32, out: String, err: String)] {
+            _ = await broker.stop()
+            broker = try await Broker(config: Self.config(issuer), reusing: broker.directory)
+            let runs = try (0..<50).map { _ in
+                try Child(Paths.tokenbroker, ["ctl", "--socket", broker.socket, "token", "api", "--min-valid", "20m"], directory: broker.directory)
+            }
+            var results: [(Int32, String, String)] = []
+            for run in runs { results.append((await run.wait(), run.stdout, run.stderr)) }
+            return results
+        }
+        // The issuer's tokens live 15 minutes: one refresh, then each caller hears so.
+        var before = issuer.counters.refreshGrants
+        let short = try await fifty()
+        // (The lifetime as counted here: from the second the request was sent in, so 899 or 900.)
+        let said = short.allSatisfy {
+            $0.code == 1 && ($0.err.hasPrefix("Error: the tokens of 'api' live 89") || $0.err.hasPrefix("Error: the tokens of 'api' live 900s"))
+                && $0.err.hasSuffix("s, less than the 1200s asked (--min-valid): no refresh gives a longer one; ask for less\n")
+        }
+        #expect(said, "\(short.map { "\($0.code) \($0.err)" }.prefix(3))")
+        #expect(issuer.counters.refreshGrants == before + 1)
+        let again = try await broker.ctl(["token", "api", "--min-valid", "20m"])
+        #expect(again.code == 1 && issuer.counters.refreshGrants == before + 1, "no refresh loop")
+        #expect(try await broker.ctl(["token", "api", "--min-valid", "10m"]).code == 0, "what it can give is given")
+        // An hour now: one refresh for all 50, and each gets its token.
+        issuer.setAccessTokenLifetime(.seconds(3600))
+        before = issuer.counters.refreshGrants
+        let long = try await fifty()
+        #expect(long.allSatisfy { $0.code == 0 } && Set(long.map(\.out)).count == 1, "\(long.first { $0.code != 0 }?.err ?? "")")
+        #expect(issuer.counters.refreshGrants == before + 1)
+        let current = try #require(try broker.call("GetToken", ["session": "api"]).parameters["expiresAt"]?.intValue)
+        #expect(current - Int64(Date().timeIntervalSince1970) > 1200)
+        // A bad duration is a usage error, and minValid beside rejected is refused.
+        #expect(try await broker.ctl(["token", "api", "--min-valid", "soon"]).code == 64)
+        #expect(try broker.call("GetProof", ["session": "api", "method": "GET", "uri": "https://rs.example/", "rejected": "x", "minValid": 60]).error
+                == "org.varlink.service.InvalidParameter")
+        _ = await broker.stop()
+    }
+
     @Test("libcurl is mapped only once a session needs HTTP: not by a daemon with test sessions alone, then at the reload that adds an oauth session")
     func libcurlOnlyWhenNeeded() async throws {
         try await withBroker { broker in

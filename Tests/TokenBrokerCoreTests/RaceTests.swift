@@ -366,6 +366,33 @@ struct RaceTests {
         #expect(try await racer.all().first?.value?.serial == 6)
     }
 
+    @Test("G1 one flight with a minimum validity: 50 callers that need the token for 10 minutes more, while it has 5, cause one refresh and all get its token; a lifetime shorter than asked is said at once, with no refresh loop (issue 33)")
+    func minimumValidity() async throws {
+        let h = Harness(policy: RefreshPolicy(refreshAhead: .zero), expiresIn: 300)
+        #expect(h.coordinator.freshToken(validFor: .seconds(600)) == nil && h.coordinator.freshToken(validFor: .seconds(200))?.serial == 1)
+        #expect(try await h.coordinator.token(validFor: .seconds(200)).serial == 1 && h.source.fetchCount == 0)
+        let callers = Racers(50) { n in try await h.coordinator.token(validFor: .seconds(600), by: Demander(uid: UInt32(1000 + n % 3))) }
+        try await h.source.started(1)
+        try await eventually("50 parked") { h.coordinator.parkedWaiters == 50 }
+        h.source.succeed(1, with: FakeTokenSource.token(2, expiresIn: .seconds(3600)))
+        let answers = try await callers.all()
+        #expect(answers.allSatisfy { $0.value?.serial == 2 } && h.source.fetchCount == 1)
+        #expect(h.coordinator.freshToken(validFor: .seconds(600))?.serial == 2)
+
+        // The issuer's tokens now live 300 s: the refresh for 3000 s gives one too short, and
+        // says so; the next demand says so without another refresh.
+        h.clock.advance(by: .seconds(700))
+        let first = Racers(1) { _ in try await h.coordinator.token(validFor: .seconds(3000)) }
+        try await h.source.started(2)
+        h.source.succeed(2, with: FakeTokenSource.token(3, expiresIn: .seconds(300)))
+        #expect(try await first.all().first?.error as? SessionError == .lifetimeTooShort(lifetime: .seconds(300), asked: .seconds(3000)))
+        await #expect(throws: SessionError.lifetimeTooShort(lifetime: .seconds(300), asked: .seconds(3000))) {
+            try await h.coordinator.token(validFor: .seconds(3000))
+        }
+        #expect(h.source.fetchCount == 2)
+        #expect(try await h.coordinator.token(validFor: .seconds(200)).serial == 3, "what it can give is given")
+    }
+
     @Test("G1 one flight: refresh-ahead is served at once, with one background refresh shared with reactive demands")
     func refreshAhead() async throws {
         let h = Harness(policy: RefreshPolicy(refreshAhead: .seconds(60)), expiresIn: 300)

@@ -18,7 +18,7 @@ import WireJSON
         .noSuchSession(session: "a"), .signedOut(session: "a"), .permissionDenied,
         .refreshFailed(session: "a", reason: "upstream said 503", retryable: true, retryAfter: 2.5),
         .refreshFailed(session: "a", reason: "invalid_grant", retryable: false, retryAfter: nil),
-        .throttled(session: "a", retryAfter: 1), .storeFailed(session: "a", reason: "disk full"),
+        .throttled(session: "a", retryAfter: 1), .lifetimeTooShort(session: "a", lifetime: 300, minValid: 600), .storeFailed(session: "a", reason: "disk full"),
         .configurationError(reason: "line 3"), .loginFailed(session: "a", reason: "denied"),
         .sessionConfigured(session: "a"), .shuttingDown, .internalError, .protocolError(reason: "not JSON"),
     ]
@@ -135,10 +135,27 @@ import WireJSON
         #expect(MetricsReply(metrics.parameters) == metrics && Set(metrics.parameters.keys) == metricsFields)
     }
 
+    @Test("ctl's durations (--min-valid): seconds, s, m, h, d, combined; nothing outside 1 s to a year; minValid refused beside rejected and outside its range")
+    func durations() throws {
+        for (text, seconds) in [("90", 90), ("90s", 90), ("10m", 600), ("1h30m", 5400), ("2d", 172_800), ("1m1s", 61), ("365d", 31_536_000)] {
+            #expect(Ctl.duration(text) == Int64(seconds), "\(text)")
+        }
+        for bad in ["", "0", "0s", "m", "10x", "-5", "1.5m", "366d", String(repeating: "9", count: 40), "10m ", "1h-1m"] {
+            #expect(Ctl.duration(bad) == nil, "\(bad)")
+        }
+        #expect(try BrokerRequest(.getToken, ["session": "a", "minValid": 600]) == .getToken(session: "a", minValid: 600))
+        for bad: JSON in [0, -1, 31_536_001, "600", 1.5, true] {
+            #expect(throws: ParameterError.self) { try BrokerRequest(.getToken, ["session": "a", "minValid": bad]) }
+        }
+        #expect(throws: ParameterError.self) { try BrokerRequest(.credential, ["url": "https://h/", "rejected": "t", "minValid": 60]) }
+        #expect(BrokerRequest.getToken(session: "a", minValid: 60).parameters == ["session": "a", "minValid": 60])
+        #expect(BrokerRequest.getToken(session: "a").parameters == ["session": "a"])
+    }
+
     @Test("the errors a token call counts by are the contract's, by their names")
     func tokenCallErrorNames() {
         #expect(BrokerError.tokenCallErrors.map(\.name) == ["SignedOut", "RefreshFailed", "Throttled", "PermissionDenied", "NoSuchSession",
-                                                             "StoreFailed", "ShuttingDown", "InternalError"])
+                                                             "StoreFailed", "ShuttingDown", "InternalError", "LifetimeTooShort"])
         for error in Self.errors { #expect(error.reply.error == BrokerContract.name + "." + error.name) }
     }
 

@@ -82,6 +82,27 @@ def test_token_recover_status_and_errors(stack):
     assert raised.value.session == "api"
 
 
+def test_token_with_a_minimum_validity(stack):
+    """min_valid: the token if it stays valid that long (the dev issuer's live an hour), else
+    LifetimeTooShort saying how long they live; bad values refused before asking."""
+    broker = Broker(stack.socket)
+    token = broker.token("api")
+    grants = stack.counters()["refresh_token"]
+    assert broker.token("api", min_valid=600).token == token.token and broker.token("api", min_valid=59.5).token == token.token
+    with pytest.raises(tokenbroker.LifetimeTooShort) as raised:
+        broker.token("api", min_valid=2 * 3600)
+    assert raised.value.session == "api" and 3590 <= raised.value.lifetime <= 3600 and raised.value.min_valid == 7200
+    assert stack.counters()["refresh_token"] == grants, "no refresh: the lifetime is known"
+    for bad in (0, -1, 10**9, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            broker.token("api", min_valid=bad)
+    for bad in ("10m", True, None.__class__):
+        with pytest.raises(TypeError):
+            broker.token("api", min_valid=bad)
+    with pytest.raises(ValueError):
+        broker.proof("api", "GET", "https://rs.example/", rejected="x", min_valid=60)
+
+
 def test_reconnects_after_a_broker_restart(stack):
     broker = Broker(stack.socket)
     first = broker.token("api")

@@ -2,6 +2,7 @@
 a Unix stream socket."""
 
 import json
+import math
 import os
 import re
 import socket
@@ -65,6 +66,20 @@ class Proof:
 
     def __repr__(self) -> str:
         return f"Proof(token={self.token!r}, proof={'<DPoP proof>' if self.proof is not None else None})"
+
+
+#: The longest minimum validity the broker takes, in seconds (a year).
+MAX_MIN_VALID = 31_536_000
+
+
+def whole_seconds(duration: float) -> int:
+    """A minimum validity as the contract's whole seconds (rounded up); ValueError outside 1
+    second to a year, TypeError for what is not a number."""
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)):
+        raise TypeError("min_valid must be a number of seconds")
+    if not 0 < duration <= MAX_MIN_VALID:
+        raise ValueError(f"min_valid must lie between 1 and {MAX_MIN_VALID} seconds")
+    return max(1, math.ceil(duration))
 
 
 def proof_url(url: str) -> Optional[str]:
@@ -239,9 +254,15 @@ class Broker:
             raise error_from_reply(reply["error"], reply.get("parameters") or {})
         return reply.get("parameters") or {}
 
-    def token(self, session: str) -> Token:
-        """The session's current access token (refreshed first when it has expired)."""
-        return Token.from_parameters(self.call("GetToken", {"session": session}))
+    def token(self, session: str, min_valid: Optional[float] = None) -> Token:
+        """The session's current access token (refreshed first when it has expired). With
+        `min_valid` (seconds, rounded up to whole ones, 1 to a year), one that stays valid that
+        long: a token that ends sooner is refreshed first, in the session's one refresh;
+        LifetimeTooShort when the issuer's tokens live less than that."""
+        parameters: Dict[str, Any] = {"session": session}
+        if min_valid is not None:
+            parameters["minValid"] = whole_seconds(min_valid)
+        return Token.from_parameters(self.call("GetToken", parameters))
 
     def recover(self, session: str, rejected: str) -> Token:
         """A request made with `rejected` was refused as an invalid token: the token to retry
@@ -249,7 +270,7 @@ class Broker:
         return Token.from_parameters(self.call("Recover", {"session": session, "rejected": rejected}))
 
     def proof(self, session: str, method: str, url: str, nonce: Optional[str] = None,
-              rejected: Optional[str] = None) -> Proof:
+              rejected: Optional[str] = None, min_valid: Optional[float] = None) -> Proof:
         """The session's current token with a DPoP proof for one request of `method` to `url`
         (GetProof), signed in the broker with the session's key, which never leaves it; send
         `Proof.headers()` with that request only. A bearer session's answer has no proof (and
@@ -285,6 +306,10 @@ class Broker:
             parameters["nonce"] = nonce
         if rejected is not None:
             parameters["rejected"] = rejected
+        if min_valid is not None:
+            if rejected is not None:
+                raise ValueError("min_valid does not go with rejected (a recovery takes the next token, whatever its life)")
+            parameters["minValid"] = whole_seconds(min_valid)
         reply = self.call("GetProof", parameters)
         return Proof(token=Token.from_parameters(reply), proof=reply.get("proof"))
 

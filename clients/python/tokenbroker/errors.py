@@ -64,6 +64,18 @@ class Throttled(BrokerError):
         self.retry_after = self.parameters.get("retryAfter")
 
 
+class LifetimeTooShort(BrokerError):
+    """A token valid for `min_valid` seconds was asked for, but the issuer's tokens live only
+    `lifetime` seconds: no refresh would give one."""
+
+    name = "io.tokenbroker.Broker.LifetimeTooShort"
+
+    def __init__(self, message: str = "", parameters: Optional[Dict[str, Any]] = None):
+        super().__init__(message, parameters)
+        self.lifetime = self.parameters.get("lifetime")
+        self.min_valid = self.parameters.get("minValid")
+
+
 class SessionConfigured(BrokerError):
     name = "io.tokenbroker.Broker.SessionConfigured"
 
@@ -103,7 +115,7 @@ class InvalidParameter(BrokerError, ValueError):
         self.parameter = self.parameters.get("parameter", "")
 
 
-_BY_NAME = {cls.name: cls for cls in (NoSuchSession, SignedOut, PermissionDenied, RefreshFailed, Throttled, SessionConfigured,
+_BY_NAME = {cls.name: cls for cls in (NoSuchSession, SignedOut, PermissionDenied, RefreshFailed, Throttled, LifetimeTooShort, SessionConfigured,
                                       StoreFailed, ConfigurationError, LoginFailed, ShuttingDown, InternalError, ProtocolError,
                                       InvalidParameter)}
 
