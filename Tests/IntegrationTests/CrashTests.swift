@@ -65,7 +65,7 @@ struct CrashTests {
             #expect(reply.error == nil, "login: \(reply.error ?? "")")
         }
         func stored() async throws -> SessionRecord? {
-            try await SQLiteSessionStore(directory: stateDirectory).load("api")
+            try await StateDatabase.open(stateDirectory).load("api")
         }
 
         var deathWindow = 0

@@ -122,8 +122,8 @@ struct PersistenceTests {
     @Test("one daemon per state directory: a second one refuses to start before it touches the database (no re-encryption under the first)")
     func oneDaemonPerState() async throws {
         try await withBroker { broker in
-            #expect(try broker.call("GetToken", ["session": "api"]).error == nil)   // a token stored in clear
-            // The second daemon has a state key: opening the database would seal the clear rows.
+            #expect(try broker.call("GetToken", ["session": "api"]).error == nil)   // a token stored, sealed under state/state.key
+            // The second daemon has another state key: opening the database would seal it again under that one.
             try SecretFile.write(String(repeating: "ab", count: 32), to: broker.directory + "/state.key")
             try (Broker.defaultConfig + "[Broker]\nStateKeyFile=\(broker.directory)/state.key\n")
                 .write(toFile: broker.directory + "/keyed.conf", atomically: true, encoding: .utf8)
@@ -132,9 +132,14 @@ struct PersistenceTests {
                                    directory: broker.directory)
             #expect(await second.wait() == 1)
             #expect(second.stderr.contains("another tokenbroker is using \(broker.directory)/state"))
-            let files = try FileManager.default.contentsOfDirectory(atPath: broker.directory + "/state").filter { $0.hasPrefix("state.db") }
-            let clear = try files.contains { try Data(contentsOf: URL(fileURLWithPath: broker.directory + "/state/" + $0)).range(of: Data("tbtest.".utf8)) != nil }
-            #expect(clear, "the second daemon rewrote the first one's database")
+            // A copy of the state still opens under the first daemon's key.
+            let copy = try Paths.temporaryDirectory()
+            for name in try FileManager.default.contentsOfDirectory(atPath: broker.directory + "/state")
+            where name.hasPrefix("state.db") || name == "state.key" {
+                try FileManager.default.copyItem(atPath: broker.directory + "/state/" + name, toPath: copy + "/" + name)
+            }
+            let kept = try await StateDatabase.open(copy).load("api")
+            #expect(kept?.accessToken != nil, "the second daemon rewrote the first one's database")
             #expect(try broker.call("GetToken", ["session": "api"]).error == nil)
         }
     }
