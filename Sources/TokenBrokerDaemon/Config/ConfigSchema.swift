@@ -52,7 +52,8 @@ public enum ConfigSchema {
                   "members may read the per-session series on a Unix MetricsListen="),
         metricsBearerToken("MetricsBearerTokenFile"),
         metricsBearerToken("MetricsBearerTokenCredential"),
-        ConfigKey("StateKeyCredential", \.stateKey, .key, change: .atStart, "encrypt the tokens in the state database with this key"),
+        ConfigKey("StateKeyCredential", \.stateKey, .key, change: .atStart,
+                  "seal the tokens in the state database with this key, not the package's or state.key"),
         ConfigKey("StateKeyFile", \.stateKey, .key, change: .atStart, "the state key from a file instead of a credential"),
     ]
 
