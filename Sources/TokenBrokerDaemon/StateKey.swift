@@ -86,8 +86,13 @@ extension StateKey {
         switch FileSystem.readSecret(path, flags: O_NOFOLLOW) {
         case let .success(file):
             if let refusal = file.access.refusal(path) { throw StateKeyProblem(description: "the state key file \(refusal)") }
-            guard file.owner == geteuid() else {
-                throw StateKeyProblem(description: "the state key file \(path) belongs to uid \(file.owner), not to the daemon's user (uid \(geteuid()))")
+            // The daemon's own, or the state directory owner's (root running the daemon on the
+            // service's directory): nobody else may have put it there.
+            var directoryInfo = stat()
+            let directoryOwner = stat(directory, &directoryInfo) == 0 ? directoryInfo.st_uid : geteuid()
+            guard file.owner == geteuid() || file.owner == directoryOwner else {
+                throw StateKeyProblem(description: "the state key file \(path) belongs to uid \(file.owner), not to the daemon's user "
+                                      + "(uid \(geteuid())) or the state directory's owner (uid \(directoryOwner))")
             }
             if let warning = file.access.warning(path) { warn("the state key file \(warning)") }
             keys.append(StateKey(cipher: try cipher(file.bytes, path), source: .file(path)))

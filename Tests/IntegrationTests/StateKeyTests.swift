@@ -161,7 +161,7 @@ struct StateKeyTests {
                 "\(refused.stderr)")
     }
 
-    @Test("state.key must be the daemon's own file: a symbolic link, one every user may read, or one that cannot be read is refused (78); one its group may read warns")
+    @Test("state.key must be the daemon's own file: a symbolic link, one every user may read, another user's, or one that cannot be read is refused (78); one its group may read warns")
     func keyFileChecks() async throws {
         let (broker, _) = try await Self.stoppedBroker()
         defer { try? FileManager.default.removeItem(atPath: broker.directory) }
@@ -182,6 +182,10 @@ struct StateKeyTests {
         try FileManager.default.copyItem(atPath: broker.directory + "/saved.key", toPath: path)
         chmod(path, 0o644)
         try await refusedWith("the state key file \(path) is readable by every user (mode 0644): refusing a secret in it")
+        chmod(path, 0o600)
+        chown(path, Broker.workerUID, Broker.workerUID)
+        try await refusedWith("the state key file \(path) belongs to uid \(Broker.workerUID), not to the daemon's user")
+        chown(path, geteuid(), getegid())
         chmod(path, 0o640)
         let warned = try Self.serve(broker)
         try await waitForSocket(broker.socket, server: warned)
