@@ -14,6 +14,14 @@ public struct StoreError: Error, Sendable, Equatable, CustomStringConvertible {
     public var description: String { message }
 }
 
+/// The database's sealed values open under none of the keys the store was given: it was
+/// sealed under another state key. Names the first session that did not open, never a value.
+public struct WrongStateKey: Error, Sendable, Equatable, CustomStringConvertible {
+    public var session: String
+    public init(session: String) { self.session = session }
+    public var description: String { "the state database is sealed under another state key (session \(session) does not decrypt)" }
+}
+
 /// Durable session state in SQLite (`state.db` in the state directory).
 ///
 /// - WAL journal with `synchronous=FULL`: a commit returns only after its WAL frames are
@@ -25,7 +33,8 @@ public struct StoreError: Error, Sendable, Equatable, CustomStringConvertible {
 ///   and ends, and an upsert that applies only over an older generation for logins and logouts.
 /// - The directory is 0700 and the files 0600 (the daemon's umask is tightened while SQLite
 ///   creates them). With a `TokenCipher` the token columns are encrypted (AES-256-GCM); rows
-///   written before the key was configured are encrypted when the store opens.
+///   written before the key was configured are encrypted when the store opens, and rows sealed
+///   under a former key are sealed again under the new one.
 /// - A database that cannot be read as one (corrupt, not a database) is moved aside as
 ///   `state.db.corrupt-<unix time>` and a new one is created; the caller is told.
 ///
@@ -83,7 +92,13 @@ public final class SQLiteSessionStore: SessionStore {
     public let movedAside: String?
 
     /// Opens (or creates) `directory/state.db`; with `cipher`, token columns are encrypted.
-    public init(directory: String, cipher: TokenCipher? = nil) throws {
+    ///
+    /// With `cipher`, values stored in clear (written before a key was used) are sealed, and a
+    /// database sealed under one of `formerCiphers` instead (a key that was in force before) is
+    /// sealed again under `cipher`: `resealedFrom` says which. A database sealed under none of
+    /// them is refused (`WrongStateKey`), never read as signed out. Either way the clear or old
+    /// versions are then erased from the file, its free pages and the WAL.
+    public init(directory: String, cipher: TokenCipher? = nil, formerCiphers: [TokenCipher] = []) throws {
         self.cipher = cipher
         try Self.prepareDirectory(directory)
         path = directory + "/state.db"
@@ -95,24 +110,98 @@ public final class SQLiteSessionStore: SessionStore {
             moved = try Self.moveAside(path, reason: error.reason)
             handle = try Self.open(path)
         }
-        connection = Connection(handle)
+        let opened = Connection(handle)
+        connection = opened
         movedAside = moved
-        if let cipher { try Self.sealPlaintextRows(handle, cipher) }
+        let sealing = try cipher.map { try Self.seal(opened, under: $0, formerCiphers) }
+        resealedFrom = sealing?.former
+        sealedInClear = sealing?.clear ?? 0
     }
 
-    /// Encrypts token values stored in clear (written before a key was configured).
-    private static func sealPlaintextRows(_ db: OpaquePointer, _ cipher: TokenCipher) throws {
+    /// Which of the former keys the database was sealed under when it opened (it is sealed under
+    /// the new one now); nil when none was.
+    public let resealedFrom: Int?
+    /// How many sessions had values stored in clear when it opened (sealed now).
+    public let sealedInClear: Int
+
+    /// Whether `directory/state.db` holds a value sealed under some key: a store opened there
+    /// without that key could not read its sessions, and a new key would not open them.
+    public static func holdsSealedValues(directory: String) throws -> Bool {
+        let path = directory + "/state.db"
+        guard access(path, F_OK) == 0 else { return false }
+        // Read only: the probe writes nothing, not even a checkpoint at its close (SQLite may
+        // make the WAL's index files, 0600 like the others).
+        let previous = umask(0o077)
+        defer { umask(previous) }
+        var handle: OpaquePointer?
+        guard sqlite3_open_v2(path, &handle, SQLITE_OPEN_READONLY | SQLITE_OPEN_FULLMUTEX, nil) == SQLITE_OK, let db = handle else {
+            let message = handle.map { String(cString: sqlite3_errmsg($0)) } ?? "cannot open"
+            sqlite3_close_v2(handle)
+            throw StoreError("cannot open \(path): \(message)")
+        }
+        defer { sqlite3_close_v2(db) }
+        sqlite3_busy_timeout(db, 5000)
+        do {
+            // (A database of an older schema lacks the later columns: proof_key came with 4.)
+            let info = try Statement(db, "SELECT name FROM pragma_table_info('sessions')")
+            var columns: [String] = []
+            while try info.step() {
+                if let name = info.text(0), ["refresh_token", "access_token", "proof_key"].contains(name) { columns.append(name) }
+            }
+            guard !columns.isEmpty else { return false }
+            let query = try Statement(db, "SELECT 1 FROM sessions WHERE "
+                                      + columns.map { "substr(\($0), 1, 7) = ?1" }.joined(separator: " OR ") + " LIMIT 1")
+            query.bind(1, TokenCipher.sealedPrefix)
+            return try query.step()
+        } catch let error as StoreError where ["not a database", "malformed"].contains(where: error.message.contains) {
+            // Unreadable (opening it moves it aside) or not yet made: nothing sealed to lose.
+            return false
+        }
+    }
+
+    /// Seals the token values stored in clear under `cipher`, and those sealed under one of
+    /// `formers` again under `cipher`; returns the index of that former key, if any, and how many
+    /// sessions had values in clear.
+    private static func seal(_ connection: Connection, under cipher: TokenCipher, _ formers: [TokenCipher]) throws -> (former: Int?, clear: Int) {
+        let db = connection.db
+        let columns = ["refresh_token", "access_token", "proof_key"]
         let rows = try Statement(db, "SELECT name, refresh_token, access_token, proof_key FROM sessions")
-        var updates: [(name: String, values: [String?])] = []
+        var stored: [(name: String, values: [String?])] = []
         while try rows.step() {
             guard let name = rows.text(0) else { continue }
-            let values = [rows.text(1), rows.text(2), rows.text(3)]
-            guard values.contains(where: { $0.map { !TokenCipher.isEncrypted($0) } == true }) else { continue }
-            updates.append((name, try zip(values, ["refresh_token", "access_token", "proof_key"]).map { value, column in
-                try value.map { try seal($0, cipher, name, column) }
+            stored.append((name, [rows.text(1), rows.text(2), rows.text(3)]))
+        }
+        // The key the database is under: the one that opens its first sealed value.
+        var former: (index: Int, cipher: TokenCipher)?
+        let sealed = stored.lazy.flatMap { row in zip(row.values, columns).compactMap { value, column in
+            value.flatMap { TokenCipher.isEncrypted($0) ? (row.name, column, $0) : nil }
+        } }.first
+        if let (name, column, value) = sealed, (try? cipher.open(value, associatedData: name + "/" + column)) == nil {
+            guard let index = formers.firstIndex(where: { (try? $0.open(value, associatedData: name + "/" + column)) != nil }) else {
+                throw WrongStateKey(session: name)
+            }
+            former = (index, formers[index])
+        }
+        var updates: [(name: String, values: [String?])] = []
+        var clear = 0
+        for (name, values) in stored {
+            if values.contains(where: { $0.map { !TokenCipher.isEncrypted($0) } == true }) { clear += 1 }
+            guard values.contains(where: { $0.map { former != nil || !TokenCipher.isEncrypted($0) } == true }) else { continue }
+            updates.append((name, try zip(values, columns).map { (value, column) throws -> String? in
+                guard let value else { return nil }
+                let associatedData = name + "/" + column
+                if TokenCipher.isEncrypted(value) {
+                    guard let former else { return value }
+                    do {
+                        return try cipher.seal(try former.cipher.open(value, associatedData: associatedData), associatedData: associatedData)
+                    } catch {
+                        throw StoreError("session \(name): \(error)")
+                    }
+                }
+                return try seal(value, cipher, name, column)
             }))
         }
-        guard !updates.isEmpty else { return }
+        guard !updates.isEmpty else { return (nil, 0) }
         try execute(db, "BEGIN IMMEDIATE")
         do {
             for (name, values) in updates {
@@ -126,9 +215,12 @@ public final class SQLiteSessionStore: SessionStore {
             try? execute(db, "ROLLBACK")
             throw error
         }
-        // Rewrite the file and empty the WAL, so the clear-text versions are gone from disk.
+        // Rewrite the file (no free page keeps an old version) and empty the WAL, so the clear
+        // or formerly sealed versions are gone from disk; a checkpoint a reader blocks is owed
+        // (tried again at the next commit).
         try execute(db, "VACUUM")
-        try execute(db, "PRAGMA wal_checkpoint(TRUNCATE)")
+        do { try checkpoint(db) } catch { connection.checkpointOwed = true }
+        return (former?.index, clear)
     }
 
     private static func seal(_ value: String, _ cipher: TokenCipher, _ name: String, _ column: String) throws -> String {

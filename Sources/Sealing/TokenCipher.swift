@@ -14,7 +14,9 @@ public struct TokenCipher: Sendable {
         public init(_ description: String) { self.description = description }
     }
 
-    static let prefix = "tbenc1:"
+    /// What every sealed value starts with.
+    public static let sealedPrefix = "tbenc1:"
+    static let prefix = sealedPrefix
     private let key: [UInt8]
     /// What the key is called where operators configure it ("state key", "fleet key"), for the
     /// message of a value that does not open.
@@ -34,6 +36,15 @@ public struct TokenCipher: Sendable {
             throw Failure("the key must be 32 bytes or 64 hexadecimal digits")
         }
         key = decoded
+    }
+
+    /// A new key from libcrypto's random generator, as 64 hexadecimal digits (text, so that no
+    /// byte of it is a trailing newline the reader would drop).
+    public static func newKeyMaterial() throws(Failure) -> [UInt8] {
+        var bytes = [UInt8](repeating: 0, count: 32)
+        guard RAND_bytes(&bytes, 32) == 1 else { throw Failure("no random bytes for a new key") }
+        let digits = Array("0123456789abcdef".utf8)
+        return bytes.flatMap { [digits[Int($0 >> 4)], digits[Int($0 & 0x0F)]] }
     }
 
     public static func isEncrypted(_ value: String) -> Bool { value.hasPrefix(prefix) }

@@ -108,6 +108,9 @@ public final class Daemon: Sendable {
         let state: StateStore
         do {
             state = try StateStore.open(options, stateKey: configuration.stateKey, logger: logger)
+        } catch let problem as StateKeyProblem {
+            logger.error("cannot open the state database: \(problem)")
+            return ExitCode.config
         } catch {
             logger.error("cannot open the state database: \(error)")
             return ExitCode.failure

@@ -222,7 +222,7 @@ def main():
     # 5. Idle with an OAuth session too: libcurl (loaded once a session needs HTTP) and its TLS
     # stack mapped. The endpoint is never called; only the libraries count here.
     oauth_config = os.path.join(scratch, "oauth.conf")
-    with open(os.path.join(scratch, "secret"), "w") as f:
+    with open(os.open(os.path.join(scratch, "secret"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:   # owner only
         f.write("bench\n")
     with open(config) as f, open(oauth_config, "w") as out:
         out.write(f.read() + f"\n[Session]\nName=remote\nTokenEndpoint=http://127.0.0.1:9/token\nClientID=bench\n"

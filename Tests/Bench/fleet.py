@@ -95,9 +95,10 @@ def main():
                "--advertise-client-urls", clients[i], "--listen-peer-urls", peers[i], "--initial-advertise-peer-urls", peers[i],
                "--initial-cluster", initial, "--initial-cluster-state", "new", "--log-level", "warn"],
               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    with open(f"{work}/client-secret", "w") as f:
+    # Secret files readable by their owner only (the daemon refuses one every user may read).
+    with open(os.open(f"{work}/client-secret", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write("dev-secret\n")
-    with open(f"{work}/fleet.key", "w") as f:
+    with open(os.open(f"{work}/fleet.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(os.urandom(32).hex())
     issuer = spawn([os.path.join(bin_dir, "dev-issuer"), "--client-secret-file", f"{work}/client-secret",
                     "--refresh-token-file", f"{work}/refresh-token"], stdout=subprocess.PIPE, text=True)

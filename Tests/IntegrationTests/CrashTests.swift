@@ -38,7 +38,7 @@ struct CrashTests {
         defer { try? FileManager.default.removeItem(atPath: directory) }
         let socket = directory + "/crash.sock"
         let stateDirectory = directory + "/state"
-        try "dev-secret\n".write(toFile: directory + "/secret", atomically: true, encoding: .utf8)
+        try SecretFile.write("dev-secret\n", to: directory + "/secret")
         try """
             [Session]
             Name=api
@@ -65,7 +65,7 @@ struct CrashTests {
             #expect(reply.error == nil, "login: \(reply.error ?? "")")
         }
         func stored() async throws -> SessionRecord? {
-            try await SQLiteSessionStore(directory: stateDirectory).load("api")
+            try await StateDatabase.open(stateDirectory).load("api")
         }
 
         var deathWindow = 0

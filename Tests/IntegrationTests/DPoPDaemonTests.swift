@@ -231,7 +231,7 @@ struct DPoPDaemonTests {
         let issuer = try Self.issuer(nonces: false)
         defer { issuer.stop() }
         let directory = try Paths.temporaryDirectory()
-        try Self.stateKey.write(toFile: directory + "/state.key", atomically: true, encoding: .utf8)
+        try SecretFile.write(Self.stateKey, to: directory + "/state.key")
         let broker = try await Broker(config: Self.config(issuer, directory: directory))
         defer { try? FileManager.default.removeItem(atPath: broker.directory) }
         #expect(try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n").code == 0)

@@ -127,7 +127,7 @@ struct FleetDaemonTests {
         let issuer = try DevIssuer(options: options)
         let keyDirectory = try Paths.temporaryDirectory()
         let keyPath = keyDirectory + "/fleet.key"
-        try (0..<32).map { _ in String(format: "%02x", UInt8.random(in: 0...255)) }.joined().write(toFile: keyPath, atomically: true, encoding: .utf8)
+        try SecretFile.write((0..<32).map { _ in String(format: "%02x", UInt8.random(in: 0...255)) }.joined(), to: keyPath)
         let fleet = Fleet(cluster: cluster, issuer: issuer, keyPath: keyPath)
         func tearDown() async {
             for broker in fleet.brokers {

@@ -95,7 +95,7 @@ struct PersistenceTests {
         let issuer = try DevIssuer()
         defer { issuer.stop() }
         let directory = try Paths.temporaryDirectory()
-        try String(repeating: "0123456789abcdef", count: 4).write(toFile: directory + "/state.key", atomically: true, encoding: .utf8)
+        try SecretFile.write(String(repeating: "0123456789abcdef", count: 4), to: directory + "/state.key")
         let config = "[Broker]\nStateKeyFile=\(directory)/state.key\n" + Self.config(issuer)
         let broker = try await Broker(config: config)
         let refreshToken = issuer.issueRefreshToken()
@@ -113,7 +113,7 @@ struct PersistenceTests {
         #expect(fp(try broker.call("GetToken", ["session": "api"]).parameters["token"]) == fp(token))
 
         try "[Broker]\nStateKeyFile=\(directory)/state.key\n".write(toFile: directory + "/bad.conf", atomically: true, encoding: .utf8)
-        try "too short".write(toFile: directory + "/state.key", atomically: true, encoding: .utf8)
+        try SecretFile.write("too short", to: directory + "/state.key")
         let check = try Child(Paths.tokenbroker, ["check-config", "--config", directory + "/bad.conf"], directory: directory)
         #expect(await check.wait() == 78)
         #expect(check.stderr.contains("bad.conf:2: StateKeyFile=: the key must be 32 bytes or 64 hexadecimal digits"))
@@ -122,9 +122,9 @@ struct PersistenceTests {
     @Test("one daemon per state directory: a second one refuses to start before it touches the database (no re-encryption under the first)")
     func oneDaemonPerState() async throws {
         try await withBroker { broker in
-            #expect(try broker.call("GetToken", ["session": "api"]).error == nil)   // a token stored in clear
-            // The second daemon has a state key: opening the database would seal the clear rows.
-            try String(repeating: "ab", count: 32).write(toFile: broker.directory + "/state.key", atomically: true, encoding: .utf8)
+            #expect(try broker.call("GetToken", ["session": "api"]).error == nil)   // a token stored, sealed under state/state.key
+            // The second daemon has another state key: opening the database would seal it again under that one.
+            try SecretFile.write(String(repeating: "ab", count: 32), to: broker.directory + "/state.key")
             try (Broker.defaultConfig + "[Broker]\nStateKeyFile=\(broker.directory)/state.key\n")
                 .write(toFile: broker.directory + "/keyed.conf", atomically: true, encoding: .utf8)
             let second = try Child(Paths.tokenbroker, ["serve", "--config", broker.directory + "/keyed.conf",
@@ -132,9 +132,14 @@ struct PersistenceTests {
                                    directory: broker.directory)
             #expect(await second.wait() == 1)
             #expect(second.stderr.contains("another tokenbroker is using \(broker.directory)/state"))
-            let files = try FileManager.default.contentsOfDirectory(atPath: broker.directory + "/state").filter { $0.hasPrefix("state.db") }
-            let clear = try files.contains { try Data(contentsOf: URL(fileURLWithPath: broker.directory + "/state/" + $0)).range(of: Data("tbtest.".utf8)) != nil }
-            #expect(clear, "the second daemon rewrote the first one's database")
+            // A copy of the state still opens under the first daemon's key.
+            let copy = try Paths.temporaryDirectory()
+            for name in try FileManager.default.contentsOfDirectory(atPath: broker.directory + "/state")
+            where name.hasPrefix("state.db") || name == "state.key" {
+                try FileManager.default.copyItem(atPath: broker.directory + "/state/" + name, toPath: copy + "/" + name)
+            }
+            let kept = try await StateDatabase.open(copy).load("api")
+            #expect(kept?.accessToken != nil, "the second daemon rewrote the first one's database")
             #expect(try broker.call("GetToken", ["session": "api"]).error == nil)
         }
     }
@@ -146,7 +151,7 @@ struct PersistenceTests {
         let directory = try Paths.temporaryDirectory()
         try FileManager.default.createDirectory(atPath: directory + "/state", withIntermediateDirectories: true)
         try Data(repeating: 0x42, count: 4096).write(to: URL(fileURLWithPath: directory + "/state/state.db"))
-        try "dev-secret\n".write(toFile: directory + "/client-secret", atomically: true, encoding: .utf8)
+        try SecretFile.write("dev-secret\n", to: directory + "/client-secret")
         try Self.config(issuer).replacingOccurrences(of: "@DIR@", with: directory)
             .write(toFile: directory + "/tokenbroker.conf", atomically: true, encoding: .utf8)
         let daemon = try Child(Paths.tokenbroker, ["serve", "--config", directory + "/tokenbroker.conf", "--socket", directory + "/s.sock",

@@ -99,7 +99,7 @@ struct ReloadBoundaryTests {
             // Room again: the pending write lands (the daemon retries it).
             try FileManager.default.removeItem(atPath: disk + "/filler")
             try await eventually("a written", timeout: .seconds(30)) { try broker.status("a")?["degraded"] == false }
-            let stored = try #require(try await SQLiteSessionStore(directory: disk + "/state").load("a"))
+            let stored = try #require(try await StateDatabase.open(disk + "/state").load("a"))
             let lineage = try #require(issuer.lineage(of: stored.refreshToken?.reveal ?? ""))
             #expect(lineage.index == 1 && lineage.newest == 1 && !lineage.revoked, "the stored refresh token is not the rotated one")
             // And the next refresh presents the newest token: no replay.

@@ -261,7 +261,7 @@ struct SystemdTests {
         try await eventually("the caller's answer") { answered.withLock { $0 } != nil }
         let token = try #require(answered.withLock { $0 }?.parameters["token"]?.stringValue)
         #expect(issuer.isValidAccessToken(token))
-        let stored = try #require(try await SQLiteSessionStore(directory: broker.directory + "/state").load("api"))
+        let stored = try #require(try await StateDatabase.open(broker.directory + "/state").load("api"))
         let lineage = try #require(issuer.lineage(of: stored.refreshToken?.reveal ?? ""))
         #expect(lineage.index == lineage.newest && lineage.index == 1 && fp(stored.accessToken?.reveal) == fp(token))
     }
@@ -291,7 +291,7 @@ struct SystemdTests {
         try await eventually("the daemon stops accepting") { !FileManager.default.fileExists(atPath: broker.socket) }
         issuer.releaseHeld()
         #expect(await broker.child.wait() == 0)
-        let stored = try #require(try await SQLiteSessionStore(directory: broker.directory + "/state").load("api"))
+        let stored = try #require(try await StateDatabase.open(broker.directory + "/state").load("api"))
         let lineage = try #require(issuer.lineage(of: stored.refreshToken?.reveal ?? ""))
         #expect(lineage.index == 1 && lineage.newest == 1, "the rotated refresh token was not committed")
     }

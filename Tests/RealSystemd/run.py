@@ -3,7 +3,8 @@
 
 Boots systemd as PID 1 in a container (systemd-nspawn; the root directory is small and its /usr
 is an overlay over the host's), installs the Debian package with apt the way a user would, and
-checks what users meet: socket activation, non-root workers, credentials, reload, stop, crash
+checks what users meet: socket activation, non-root workers, credentials, the state sealed with
+no key configured (under the key systemd-creds made at installation), reload, stop, crash
 and watchdog restarts, the journal, the exposure score, upgrade and purge. The container's
 units are the package's, unmodified; the test adds only drop-ins, as an operator would.
 
@@ -31,6 +32,9 @@ import urllib.error
 import urllib.request
 
 BOOT_TIMEOUT = 60
+# The state key the package makes at installation (systemd-creds), and where the unit puts it.
+CREDENTIAL = "/etc/credstore.encrypted/tokenbroker.default-state-key"
+LOADED_CREDENTIAL = "/run/credentials/tokenbroker.service/tokenbroker.default-state-key"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "PyCommon"))
 from checks import FAILURES, STEP_TIMEOUT, check, eventually, fingerprint  # noqa: E402
 
@@ -315,6 +319,13 @@ def scenario(c, deb, issuer):
           and c.show("tokenbroker.service", "ActiveState") == "inactive", "the package's service unit is loaded, not running yet")
     mode = os.stat(c.path("/var/lib/tokenbroker")).st_mode & 0o777 if os.path.exists(c.path("/var/lib/tokenbroker")) else None
     check(mode == 0o700, "the state directory exists, mode 0700", oct(mode) if mode else "missing")
+    made = os.lstat(c.path(CREDENTIAL)) if os.path.exists(c.path(CREDENTIAL)) else None
+    store = os.stat(c.path(os.path.dirname(CREDENTIAL))) if made else None
+    check(made is not None and made.st_uid == 0 and made.st_mode & 0o777 == 0o600 and store.st_mode & 0o777 == 0o700
+          and f"made the state key {CREDENTIAL}" in installed.stdout,
+          f"the package made the state key with systemd-creds: {CREDENTIAL}, root's, 0600, in a 0700 directory",
+          installed.stdout[-300:] + installed.stderr[-300:])
+    credential_bytes = open(c.path(CREDENTIAL), "rb").read() if made else b""
 
     # -- Configure: two workers, a session for one of them, secrets as credentials --------------
     for user in ["alice", "bob"]:
@@ -323,7 +334,8 @@ def scenario(c, deb, issuer):
     c.write("/etc/systemd/system/tokenbroker.service.d/credentials.conf",
             "[Service]\nLoadCredential=work-secret:/etc/credstore/tokenbroker.work-secret\n"
             "LoadCredential=state-key:/etc/credstore/tokenbroker.state-key\n")
-    session = (f"[Broker]\nStateKeyCredential=state-key\n\n[Session]\nName=work\nTokenEndpoint={issuer.url}/token\n"
+    # No state key configured: the database is to be sealed under the package's key.
+    session = (f"[Session]\nName=work\nTokenEndpoint={issuer.url}/token\n"
                f"RevocationEndpoint={issuer.url}/revoke\nClientID=tokenbroker\nClientSecretCredential=work-secret\nAllowUsers=alice\n")
     c.write("/etc/tokenbroker/tokenbroker.conf.d/work.conf", session)
     c.run(["systemctl", "daemon-reload"])
@@ -352,11 +364,72 @@ def scenario(c, deb, issuer):
     check(counters["refresh_token"] == 1, "one refresh at the issuer, authenticated with the secret from LoadCredential=",
           json.dumps(counters))
 
-    # -- Secrets at rest: nothing in clear in the state database ---------------------------------
-    state = [os.path.join(c.path("/var/lib/tokenbroker"), n) for n in os.listdir(c.path("/var/lib/tokenbroker")) if n.startswith("state.db")]
-    clear = [n for n in state if any(marker in open(n, "rb").read() for marker in (b"dev-at.", b"dev-rt.", token.encode()))]
-    check(state and not clear, "the state database (sealed with the key from StateKeyCredential=) holds no token in clear",
-          f"files {[os.path.basename(n) for n in state]}, clear in {clear}")
+    # -- Secrets at rest, no key configured: sealed under the key systemd-creds made ---------------
+    journal = lambda: c.run(["journalctl", "-u", "tokenbroker.service", "--after-cursor", cursor, "-o", "cat", "--no-pager"]).stdout
+    state_dir = c.path("/var/lib/tokenbroker")
+
+    def clear_in_state():
+        """The state.db files (the WAL included), and those that hold a token in clear."""
+        files = [os.path.join(state_dir, n) for n in os.listdir(state_dir) if n.startswith("state.db")]
+        markers = [b"dev-at.", b"dev-rt.", token.encode(), issuer.login_token.encode()]
+        return files, [os.path.basename(n) for n in files if any(m in open(n, "rb").read() for m in markers)]
+
+    files, clear = clear_in_state()
+    check(files and not clear, "with no state key configured, the state database holds no token in clear (state.db and its WAL)",
+          f"files {[os.path.basename(n) for n in files]}, clear in {clear}")
+    check(f"state key: the systemd credential {LOADED_CREDENTIAL}" in journal()
+          and not os.path.exists(os.path.join(state_dir, "state.key")),
+          "... sealed under the package's key, handed over by LoadCredentialEncrypted= (no key file made)")
+    decrypted = c.run(["systemd-creds", "decrypt", "--name=tokenbroker.default-state-key", CREDENTIAL], check=False)
+    default_key = decrypted.stdout.strip()
+    never_logged.append(default_key)
+    check(decrypted.returncode == 0 and re.fullmatch(r"[0-9a-f]{64}", default_key) is not None
+          and default_key.encode() not in credential_bytes,
+          f"... which is encrypted at rest: {CREDENTIAL} decrypts, for root, to a 64-hex-digit key found nowhere in the file",
+          decrypted.stderr.strip()[-300:])
+
+    def restart():
+        """Restarts the service: whether it came up, and the journal of that start."""
+        mark = c.run(["journalctl", "-n0", "--show-cursor", "-q"]).stdout.strip().removeprefix("-- cursor: ")
+        started = c.run(["systemctl", "restart", "tokenbroker.service"], check=False).returncode == 0
+        text = c.run(["journalctl", "-u", "tokenbroker.service", "--after-cursor", mark, "-o", "cat", "--no-pager"]).stdout
+        return started and c.show("tokenbroker.service", "ActiveState") == "active", text
+
+    # The key gone (its credential removed): the unit still gets to run the daemon, which refuses
+    # the sealed database with exit 78 (and no restart loop) rather than make a new key.
+    move_credential = lambda away: os.path.exists(c.path(CREDENTIAL + ("" if away else ".away"))) and os.rename(
+        c.path(CREDENTIAL + ("" if away else ".away")), c.path(CREDENTIAL + (".away" if away else "")))
+    move_credential(True)
+    started, text = restart()
+    check(not started and c.show("tokenbroker.service", "ExecMainStatus") == "78"
+          and "is sealed, but no state key was found" in text and "no new key is made over a sealed database" in text
+          and not os.path.exists(os.path.join(state_dir, "state.key")),
+          "the credential removed: the daemon refuses the sealed database (exit 78, saying why) and makes no key", text[-600:])
+    check(eventually(lambda: c.show("tokenbroker.service", "ActiveState") == "failed", timeout=5) is not None
+          and c.show("tokenbroker.service", "NRestarts") == "0", "... and is not restarted (RestartPreventExitStatus=78)",
+          c.show("tokenbroker.service", "ActiveState"))
+    move_credential(False)
+    c.run(["systemctl", "reset-failed", "tokenbroker.service"])
+    started, _ = restart()
+    check(started and c.run(["tokenbroker", "ctl", "token", "work"], user="alice", check=False).stdout.strip() == token,
+          "the credential back: the same session is served")
+
+    # An operator's key wins: the database is sealed again under it; without the package's
+    # credential the unit still starts.
+    c.write("/etc/tokenbroker/tokenbroker.conf.d/state-key.conf", "[Broker]\nStateKeyCredential=state-key\n")
+    started, text = restart()
+    again = c.run(["tokenbroker", "ctl", "token", "work"], user="alice", check=False).stdout.strip()
+    files, clear = clear_in_state()
+    check(started and again == token and not clear
+          and f"the state database was sealed under the systemd credential {LOADED_CREDENTIAL}; sealed again under StateKeyFile=/StateKeyCredential=" in text,
+          "StateKeyCredential= (LoadCredential=) wins: the database is sealed again under it, the session kept, no token in clear",
+          text[-600:])
+    move_credential(True)
+    started, text = restart()
+    check(started and c.run(["tokenbroker", "ctl", "token", "work"], user="alice", check=False).stdout.strip() == token
+          and "state key: StateKeyFile=/StateKeyCredential=" in text,
+          "... and with the package's credential missing, the unit starts as before (LoadCredentialEncrypted= by name)", text[-600:])
+    move_credential(False)
 
     # -- The README's first session: a secret file in /etc/tokenbroker/secrets, a drop-in --------
     # (The issuer registers one client, so this session uses the same client and secret.)
@@ -509,11 +582,13 @@ def scenario(c, deb, issuer):
     check(c.show("tokenbroker.service", "ActiveState") == "active" and after not in ("0", before)
           and c.run(["tokenbroker", "ctl", "token", "work"], user="alice", check=False).stdout.strip() == token,
           f"... restarts the running daemon (pid {before} -> {after}), which serves the same session")
+    check(os.path.exists(c.path(CREDENTIAL)) and open(c.path(CREDENTIAL), "rb").read() == credential_bytes,
+          "... and leaves the state key as it was (never made over an existing one)")
     purged = c.run(["apt-get", "purge", "-y", "tokenbroker"], check=False, timeout=120)
     check(purged.returncode == 0 and not os.path.exists(c.path("/var/lib/tokenbroker"))
-          and not os.path.exists(c.path("/etc/tokenbroker/secrets"))
+          and not os.path.exists(c.path("/etc/tokenbroker/secrets")) and not os.path.exists(c.path(CREDENTIAL))
           and c.show("tokenbroker.service", "ActiveState") == "inactive" and c.show("tokenbroker.socket", "ActiveState") == "inactive",
-          "apt purge stops the units and removes the state and secrets directories", purged.stderr[-500:])
+          "apt purge stops the units and removes the state and secrets directories and the state key", purged.stderr[-500:])
 
 
 def redact(text, values):

@@ -268,12 +268,13 @@ struct EncryptionTests {
             let store = try SQLiteSessionStore(directory: directory, cipher: Self.key)
             _ = try await store.write(StoreWrite(SQLiteStoreTests.record(1, .active, refresh: "r"), guardedBy: .newerGeneration))
         }
-        do {
-            _ = try await SQLiteSessionStore(directory: directory, cipher: Self.otherKey).load("api")
-            Issue.record("read with the wrong key")
-        } catch {
-            #expect("\(error)".contains("does not decrypt with this state key"))
+        #expect(try SQLiteSessionStore.holdsSealedValues(directory: directory))
+        // Refused at open, before anything is read or written.
+        #expect(throws: WrongStateKey(session: "api")) { try SQLiteSessionStore(directory: directory, cipher: Self.otherKey) }
+        #expect(throws: WrongStateKey(session: "api")) {
+            try SQLiteSessionStore(directory: directory, cipher: Self.otherKey, formerCiphers: [Self.otherKey])
         }
+        #expect(try await SQLiteSessionStore(directory: directory, cipher: Self.key).load("api")?.refreshToken == Secret("r"))
         do {
             _ = try await SQLiteSessionStore(directory: directory).load("api")
             Issue.record("read without a key")
@@ -293,6 +294,92 @@ struct EncryptionTests {
         let store = try SQLiteSessionStore(directory: directory, cipher: Self.key)
         #expect(try await store.load("api") == record)
         #expect(try !Self.fileContains(directory, "PLAIN"))
+    }
+
+    /// Every sealed value in the database's files (`tbenc1:` and its Base64).
+    static func sealedValues(_ directory: String) -> Set<String> {
+        var found = Set<String>()
+        for suffix in ["", "-wal"] {
+            guard let data = FileManager.default.contents(atPath: directory + "/state.db" + suffix) else { continue }
+            let text = String(decoding: data.map { $0 < 0x80 ? $0 : 0x20 }, as: UTF8.self)
+            // (Values may lie side by side in a record: each runs until the next one's prefix.)
+            for piece in text.components(separatedBy: "tbenc1:").dropFirst() {
+                found.insert("tbenc1:" + piece.prefix { $0.isASCII && ($0.isLetter || $0.isNumber || "+/=".contains($0)) })
+            }
+        }
+        return found
+    }
+
+    @Test("a database sealed under a former key is sealed again under the new one; the old sealed values are gone from its files")
+    func resealsUnderNewKey() async throws {
+        let directory = SQLiteStoreTests.directory()
+        let record = SQLiteStoreTests.record(3, .active, refresh: "refresh-SECRET", access: "access-SECRET", proofKey: "key-SECRET")
+        do {
+            let store = try SQLiteSessionStore(directory: directory, cipher: Self.otherKey)
+            #expect(try await store.write(StoreWrite(record, guardedBy: .newerGeneration)))
+        }
+        let before = Self.sealedValues(directory)
+        #expect(before.count == 3)
+        do {
+            let store = try SQLiteSessionStore(directory: directory, cipher: Self.key, formerCiphers: [Self.key, Self.otherKey])
+            #expect(store.resealedFrom == 1 && store.sealedInClear == 0)
+            #expect(try await store.load("api") == record)
+        }
+        #expect(Self.sealedValues(directory).isDisjoint(with: before), "a value sealed under the former key is still in the files")
+        #expect(throws: WrongStateKey(session: "api")) { try SQLiteSessionStore(directory: directory, cipher: Self.otherKey) }
+        let again = try SQLiteSessionStore(directory: directory, cipher: Self.key, formerCiphers: [Self.otherKey])
+        #expect(again.resealedFrom == nil && Self.sealedValues(directory).count == 3)
+        #expect(try !Self.fileContains(directory, "SECRET"))
+    }
+
+    @Test("an old database in clear — rotated tokens in its free pages, frames still in its WAL — holds no clear value in any file once sealed")
+    func sealsClearDatabaseEverywhere() async throws {
+        let directory = SQLiteStoreTests.directory()
+        let copy = SQLiteStoreTests.directory()
+        try FileManager.default.createDirectory(atPath: copy, withIntermediateDirectories: true)
+        let store = try SQLiteSessionStore(directory: directory)
+        for serial in 1...20 {
+            let padding = String(repeating: "x", count: serial % 2 == 0 ? 3000 : 10)
+            let record = SessionRecord(name: "api", generation: 1, state: .active, refreshToken: Secret("refresh-PLAIN-\(serial)-\(padding)"),
+                                       accessToken: Secret("access-PLAIN-\(serial)"), tokenSerial: UInt64(serial))
+            #expect(try await store.write(StoreWrite(record, guardedBy: serial == 1 ? .newerGeneration : .sameGeneration)))
+        }
+        // A copy taken while the store is open: the WAL holds every rotation's frames.
+        for suffix in ["", "-wal"] {
+            try FileManager.default.copyItem(atPath: directory + "/state.db" + suffix, toPath: copy + "/state.db" + suffix)
+        }
+        #expect(try Self.fileContains(copy, "refresh-PLAIN-3-") && !SQLiteSessionStore.holdsSealedValues(directory: copy))
+        let sealed = try SQLiteSessionStore(directory: copy, cipher: Self.key)
+        #expect(sealed.sealedInClear == 1)
+        #expect(try await sealed.load("api")?.refreshToken?.reveal.hasPrefix("refresh-PLAIN-20-") == true)
+        #expect(try !Self.fileContains(copy, "PLAIN"), "a clear token in state.db or its WAL")
+        #expect(try SQLiteSessionStore.holdsSealedValues(directory: copy))
+        _ = store
+    }
+
+    @Test("holdsSealedValues: no file, an empty or clear database, a file that is no database: no; sealed, of this schema or of 3 (before proof_key): yes; it changes no file")
+    func probe() async throws {
+        let directory = SQLiteStoreTests.directory()
+        #expect(try !SQLiteSessionStore.holdsSealedValues(directory: directory))
+        do { _ = try SQLiteSessionStore(directory: directory) }
+        #expect(try !SQLiteSessionStore.holdsSealedValues(directory: directory))
+        do {
+            _ = try await SQLiteSessionStore(directory: directory).write(StoreWrite(SQLiteStoreTests.record(1, .active, refresh: "r"),
+                                                                                    guardedBy: .newerGeneration))
+        }
+        #expect(try !SQLiteSessionStore.holdsSealedValues(directory: directory))
+        do { _ = try SQLiteSessionStore(directory: directory, cipher: Self.key) }
+        #expect(try SQLiteSessionStore.holdsSealedValues(directory: directory))
+        let python = try await Child.run("/usr/bin/env", ["python3", "-c",
+            "import sqlite3; c = sqlite3.connect('\(directory)/state.db'); c.execute('ALTER TABLE sessions DROP COLUMN proof_key');"
+            + " c.execute('PRAGMA user_version = 3'); c.commit()"])
+        #expect(python.code == 0, "\(python.stderr)")
+        let files = try FileManager.default.contentsOfDirectory(atPath: directory).sorted()
+        let bytes = try files.map { try Data(contentsOf: URL(fileURLWithPath: directory + "/" + $0)) }
+        #expect(try SQLiteSessionStore.holdsSealedValues(directory: directory), "a sealed database of schema 3")
+        #expect(try files.map { try Data(contentsOf: URL(fileURLWithPath: directory + "/" + $0)) } == bytes, "the probe wrote")
+        try Data(repeating: 0x42, count: 4096).write(to: URL(fileURLWithPath: directory + "/state.db"))
+        #expect(try !SQLiteSessionStore.holdsSealedValues(directory: directory))
     }
 
     @Test("a sealed value moved to another session or column does not open")

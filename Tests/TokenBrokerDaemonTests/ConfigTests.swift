@@ -1,5 +1,6 @@
 import Foundation
 import Testing
+import TestSupport
 import TokenBrokerCore
 @testable import TokenBrokerDaemon
 
@@ -114,7 +115,8 @@ struct ConfigTests {
         ("[Broker]\nMetricsGroup=no-such-group-xyz", 2, "MetricsGroup=: no such group 'no-such-group-xyz'"),
         ("[Broker]\nMetricsBearerTokenFile=metrics.token", 2, "MetricsBearerTokenFile= needs an absolute path"),
         ("[Broker]\nMetricsBearerTokenFile=/proc/sys/kernel/ostype", 2,
-         "MetricsBearerTokenFile=: the token must be 16 to 4096 visible ASCII characters (e.g. openssl rand -hex 32)"),
+         "MetricsBearerTokenFile=: /proc/sys/kernel/ostype is readable by every user (mode 0444): refusing a secret in it; "
+         + "make it readable by its owner only (chmod 600 /proc/sys/kernel/ostype)"),
         ("[Session]\nUpstream=test", 1, "[Session] needs Name="),
         ("[Session]\nName=a b\nUpstream=test", 2, "invalid session name 'a b' (1-64 of A-Z a-z 0-9 - _ .)"),
         ("[Session]\nName=a", 1, "[Session] a needs ClientID= (or Upstream=test)"),
@@ -148,9 +150,9 @@ struct ConfigTests {
     /// A fleet configuration's fixture: `@KEY@` stands for a valid key file, `@BADKEY@` for one that is not a key.
     static func fleetFixture(_ text: String) throws -> ConfigFixture {
         let fixture = try ConfigFixture(main: "")
-        try String(repeating: "ab", count: 32).write(toFile: fixture.directory + "/fleet.key", atomically: true, encoding: .utf8)
-        try "short".write(toFile: fixture.directory + "/bad.key", atomically: true, encoding: .utf8)
-        try "s3cret".write(toFile: fixture.directory + "/secret", atomically: true, encoding: .utf8)
+        try SecretFile.write(String(repeating: "ab", count: 32), to: fixture.directory + "/fleet.key")
+        try SecretFile.write("short", to: fixture.directory + "/bad.key")
+        try SecretFile.write("s3cret", to: fixture.directory + "/secret")
         try text.replacingOccurrences(of: "@KEY@", with: fixture.directory + "/fleet.key")
             .replacingOccurrences(of: "@BADKEY@", with: fixture.directory + "/bad.key")
             .replacingOccurrences(of: "@SECRET@", with: fixture.directory + "/secret")
@@ -210,7 +212,7 @@ struct ConfigTests {
     @Test("an OAuth session: endpoints, client, secret from a file (trailing newline dropped), TLS files")
     func oauthSession() throws {
         let fixture = try ConfigFixture(main: "")
-        try "s3cret\n".write(toFile: fixture.directory + "/secret", atomically: true, encoding: .utf8)
+        try SecretFile.write("s3cret\n", to: fixture.directory + "/secret")
         try "pem".write(toFile: fixture.directory + "/ca.pem", atomically: true, encoding: .utf8)
         try """
             [Session]
@@ -245,6 +247,66 @@ struct ConfigTests {
         #expect(configuration.warnings.count == 1)
         #expect(configuration.warnings.first?.description.contains("ClientSecret= puts a secret in a configuration file") == true)
         #expect(configuration.warnings.first?.description.contains("oops") == false)
+    }
+
+    /// Every key that names a file holding a secret, with the configuration around it: `@FILE@`
+    /// stands for the secret file, `@CERT@` for a certificate, `@KEY@` for a valid fleet key.
+    static let secretFileKeys: [(key: String, content: String, text: String)] = [
+        ("ClientSecretFile", "s3cret\n", "[Session]\nName=a\nClientID=c\nTokenEndpoint=https://as.example/t\nClientSecretFile=@FILE@\n"),
+        ("StateKeyFile", String(repeating: "ab", count: 32), "[Broker]\nStateKeyFile=@FILE@\n"),
+        ("MetricsBearerTokenFile", "metrics-test-bearer-0123456789abcdef\n", "[Broker]\nMetricsBearerTokenFile=@FILE@\n"),
+        ("ClientKey", "key", "[Session]\nName=a\nUpstream=test\nClientCertificate=@CERT@\nClientKey=@FILE@\n"),
+        ("KeyFile", String(repeating: "cd", count: 32), "[Fleet]\nEndpoints=https://e:2379\nKeyFile=@FILE@\n"),
+        ("ClientKey", "key", "[Fleet]\nEndpoints=https://e:2379\nKeyFile=@KEY@\nClientCertificate=@CERT@\nClientKey=@FILE@\n"),
+    ]
+
+    @Test("a secret file every user may read is refused at file:line, naming the file and its mode; one its group may read warns, naming the group",
+          arguments: secretFileKeys.indices)
+    func secretFileModes(index: Int) throws {
+        let (key, content, text) = Self.secretFileKeys[index]
+        let fixture = try ConfigFixture(main: "")
+        let file = fixture.directory + "/secret"
+        try SecretFile.write(content, to: file)
+        try SecretFile.write(String(repeating: "ef", count: 32), to: fixture.directory + "/fleet.key")
+        try "pem".write(toFile: fixture.directory + "/cert.pem", atomically: true, encoding: .utf8)
+        let configured = text.replacingOccurrences(of: "@FILE@", with: file).replacingOccurrences(of: "@CERT@", with: fixture.directory + "/cert.pem")
+            .replacingOccurrences(of: "@KEY@", with: fixture.directory + "/fleet.key")
+        try configured.write(toFile: fixture.main, atomically: true, encoding: .utf8)
+        let line = configured.split(separator: "\n").firstIndex { $0.hasPrefix(key + "=") }.map { $0 + 1 } ?? 0
+        let group = try #require(getgrgid(getegid())).pointee.gr_name.map { String(cString: $0) } ?? "?"
+        chown(file, geteuid(), getegid())
+
+        #expect(try fixture.load().warnings.isEmpty, "\(key)= 0600")
+        for mode in [0o620, 0o602, 0o400] as [mode_t] {
+            chmod(file, mode)
+            #expect(try fixture.load().warnings.isEmpty, "\(key)= \(String(mode, radix: 8))")
+        }
+        chmod(file, 0o640)
+        #expect(try fixture.load().warnings.map(\.description) == [
+            "\(fixture.main):\(line): \(key)=: \(file) is readable by group \(group) (mode 0640): every member can read the secret; "
+            + "chmod 600 \(file) unless that is meant",
+        ])
+        for mode in [0o644, 0o604, 0o4644] as [mode_t] {
+            chmod(file, mode)
+            do {
+                _ = try fixture.load()
+                Issue.record("\(key)= accepted with mode \(String(mode, radix: 8))")
+            } catch {
+                #expect(error.description == "\(fixture.main):\(line): \(key)=: \(file) is readable by every user (mode \(SecretFileAccess.octal(mode))): "
+                        + "refusing a secret in it; make it readable by its owner only (chmod 600 \(file))")
+            }
+        }
+    }
+
+    @Test("a bearer token file of the wrong shape is refused (0600: its content is what is wrong)")
+    func bearerTokenShape() throws {
+        let fixture = try ConfigFixture(main: "")
+        try SecretFile.write("short\n", to: fixture.directory + "/token")
+        try "[Broker]\nMetricsBearerTokenFile=\(fixture.directory)/token\n".write(toFile: fixture.main, atomically: true, encoding: .utf8)
+        #expect(throws: ConfigError(file: fixture.main, line: 2,
+                                    "MetricsBearerTokenFile=: the token must be 16 to 4096 visible ASCII characters (e.g. openssl rand -hex 32)")) {
+            try fixture.load()
+        }
     }
 
     @Test("a missing main file is an error when named, defaults otherwise")

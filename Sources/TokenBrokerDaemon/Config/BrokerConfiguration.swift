@@ -29,8 +29,8 @@ public struct BrokerConfiguration: Sendable, Equatable {
     public var messageTimeout: Duration = .seconds(10)
     /// Replies queued for all clients together (`MaxQueuedOutput=`).
     public var maxQueuedOutput = 32 << 20
-    /// The key that encrypts tokens in the state database (`StateKeyCredential=` or
-    /// `StateKeyFile=`); read at start only.
+    /// An operator's key for the tokens in the state database (`StateKeyCredential=` or
+    /// `StateKeyFile=`), which wins over the default one (`StateKey`); read at start only.
     public var stateKey: Secret?
     public var sessions: [SessionConfiguration] = []
     /// Where Prometheus scrapes `GET /metrics` (`MetricsListen=`): a loopback `host:port` or a

@@ -4,6 +4,7 @@ import Glibc
 import Sealing
 import TokenBrokerCore
 import Upstream
+import Varlink
 
 /// What a change of a key does to a running daemon.
 public enum ConfigChange: Sendable, Equatable, CustomStringConvertible {
@@ -182,6 +183,19 @@ extension ConfigParser {
         }
     }
 
+    /// A readable file holding a secret, such as a TLS private key (empty: none): readable by
+    /// every user is an error, by its group a warning (`SecretFileAccess`).
+    static var secretFile: ConfigParser<String?> {
+        ConfigParser<String?>(takes: "an absolute path to a file only the daemon's user reads") {
+            (entry: INIEntry, context: inout ConfigContext) throws(ConfigError) -> String? in
+            guard let path = try file.read(entry, &context) else { return nil }
+            var info = stat()
+            guard stat(path, &info) == 0 else { throw fail(entry, "\(entry.key)=: cannot read \(path)") }
+            try ConfigParsing.check(SecretFileAccess(info), of: path, entry, &context)
+            return path
+        }
+    }
+
     /// A group by name or number (empty: none); the kernel's overflow gid warns.
     static var group: ConfigParser<UInt32?> {
         ConfigParser<UInt32?>(takes: "a group name or gid") { (entry: INIEntry, context: inout ConfigContext) throws(ConfigError) -> UInt32? in
@@ -194,8 +208,8 @@ extension ConfigParser {
 
     /// A 32-byte key from a file or a systemd credential (empty: none).
     static var key: ConfigParser<Secret?> {
-        ConfigParser<Secret?>(takes: "a file or credential holding 32 bytes or 64 hex digits") { (entry: INIEntry, _: inout ConfigContext) throws(ConfigError) -> Secret? in
-            entry.value.isEmpty ? nil : try ConfigParsing.readKey(entry)
+        ConfigParser<Secret?>(takes: "a file or credential holding 32 bytes or 64 hex digits") { (entry: INIEntry, context: inout ConfigContext) throws(ConfigError) -> Secret? in
+            entry.value.isEmpty ? nil : try ConfigParsing.readKey(entry, &context)
         }
     }
 }
@@ -222,7 +236,7 @@ enum ConfigParsing {
 
     /// A 32-byte key (`StateKey…=`, `[Fleet] Key…=`) from a file or a systemd credential,
     /// checked, kept as Latin-1 text so that any 32 raw bytes round-trip.
-    static func readKey(_ entry: INIEntry) throws(ConfigError) -> Secret {
+    static func readKey(_ entry: INIEntry, _ context: inout ConfigContext) throws(ConfigError) -> Secret {
         let path: String
         if entry.key.hasSuffix("Credential") {
             guard let directory = getenv("CREDENTIALS_DIRECTORY").map({ String(cString: $0) }) else {
@@ -234,7 +248,7 @@ enum ConfigParsing {
             guard entry.value.hasPrefix("/") else { throw fail(entry, "\(entry.key)= needs an absolute path") }
             path = entry.value
         }
-        switch FileSystem.readBytes(path) {
+        switch try read(path, entry, &context) {
         case let .success(bytes):
             do {
                 _ = try TokenCipher(keyMaterial: bytes)
@@ -267,7 +281,7 @@ enum ConfigParsing {
             guard entry.value.hasPrefix("/") else { throw fail(entry, "\(entry.key)= needs an absolute path") }
             path = entry.value
         }
-        switch FileSystem.readText(path) {
+        switch try read(path, entry, &context).map({ String(decoding: $0, as: UTF8.self) }) {
         case let .success(text):
             var secret = Substring(text)
             while let last = secret.last, last == "\n" || last == "\r" { secret = secret.dropLast() }
@@ -276,6 +290,28 @@ enum ConfigParsing {
         case let .failure(error):
             throw fail(entry, "\(entry.key)=: cannot read \(path): \(error)")
         }
+    }
+}
+
+extension ConfigParsing {
+    /// A secret from `path`: a `…File=` key's file is checked for who may read it (refused when
+    /// anyone may, a warning when its group may); a systemd credential is systemd's to guard.
+    fileprivate static func read(_ path: String, _ entry: INIEntry, _ context: inout ConfigContext) throws(ConfigError)
+        -> Result<[UInt8], SocketError> {
+        guard !entry.key.hasSuffix("Credential") else { return FileSystem.readBytes(path) }
+        switch FileSystem.readSecret(path) {
+        case let .success(file):
+            try check(file.access, of: path, entry, &context)
+            return .success(file.bytes)
+        case let .failure(error):
+            return .failure(error)
+        }
+    }
+
+    /// Refuses a secret file every user may read; warns about one its group may.
+    static func check(_ access: SecretFileAccess, of path: String, _ entry: INIEntry, _ context: inout ConfigContext) throws(ConfigError) {
+        if let refusal = access.refusal(path) { throw fail(entry, "\(entry.key)=: \(refusal)") }
+        if let warning = access.warning(path) { context.warn(entry, "\(entry.key)=: \(warning)") }
     }
 }
 

@@ -52,7 +52,8 @@ public enum ConfigSchema {
                   "members may read the per-session series on a Unix MetricsListen="),
         metricsBearerToken("MetricsBearerTokenFile"),
         metricsBearerToken("MetricsBearerTokenCredential"),
-        ConfigKey("StateKeyCredential", \.stateKey, .key, change: .atStart, "encrypt the tokens in the state database with this key"),
+        ConfigKey("StateKeyCredential", \.stateKey, .key, change: .atStart,
+                  "seal the tokens in the state database with this key, not the package's or state.key"),
         ConfigKey("StateKeyFile", \.stateKey, .key, change: .atStart, "the state key from a file instead of a credential"),
     ]
 
@@ -118,7 +119,7 @@ public enum ConfigSchema {
         ConfigKey("CAFile", \.oauth.client.tls.caFile, .file, change: .rebuildsSession, "trust only this CA (PEM) for the authorization server"),
         ConfigKey("ClientCertificate", \.oauth.client.tls.clientCertificate, .file, change: .rebuildsSession,
                   "a client certificate (PEM) for mutual TLS"),
-        ConfigKey("ClientKey", \.oauth.client.tls.clientKey, .file, change: .rebuildsSession, "its key (PEM)"),
+        ConfigKey("ClientKey", \.oauth.client.tls.clientKey, .secretFile, change: .rebuildsSession, "its key (PEM)"),
         ConfigKey("ConnectTimeout", \.oauth.client.connectTimeout, .duration(.milliseconds(100)...Duration.seconds(300)), default: "5s",
                   change: .rebuildsSession, "connect timeout of each request"),
         ConfigKey("RequestTimeout", \.oauth.client.timeout, .duration(.milliseconds(100)...Duration.seconds(600)), default: "30s",
@@ -202,7 +203,7 @@ public enum ConfigSchema {
         },
         ConfigKey("CAFile", \.tls.caFile, .file, change: .rebuildsSession, "trust only this CA (PEM) for etcd"),
         ConfigKey("ClientCertificate", \.tls.clientCertificate, .file, change: .rebuildsSession, "a client certificate (PEM) for etcd"),
-        ConfigKey("ClientKey", \.tls.clientKey, .file, change: .rebuildsSession, "its key (PEM)"),
+        ConfigKey("ClientKey", \.tls.clientKey, .secretFile, change: .rebuildsSession, "its key (PEM)"),
         ConfigKey("KeyCredential", \.key, .key, change: .rebuildsSession, "the fleet key, sealing every value in etcd (required)"),
         ConfigKey("KeyFile", \.key, .key, change: .rebuildsSession, "the fleet key from a file instead of a credential"),
         ConfigKey("FlightLease", \.flightLease, .duration(.seconds(5)...Duration.seconds(3600)), default: "60s", change: .rebuildsSession,

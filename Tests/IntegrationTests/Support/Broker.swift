@@ -41,8 +41,8 @@ final class Broker: @unchecked Sendable {
         socket = directory + "/broker.sock"
         configPath = directory + "/tokenbroker.conf"
         // `@DIR@` in the configuration stands for this broker's directory (for secret files).
-        try "dev-secret\n".write(toFile: directory + "/client-secret", atomically: true, encoding: .utf8)
-        try (Broker.metricsToken + "\n").write(toFile: directory + "/metrics-token", atomically: true, encoding: .utf8)
+        try SecretFile.write("dev-secret\n", to: directory + "/client-secret")
+        try SecretFile.write(Broker.metricsToken + "\n", to: directory + "/metrics-token")
         try config.replacingOccurrences(of: "@DIR@", with: directory).write(toFile: configPath, atomically: true, encoding: .utf8)
         child = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"]
                           + extraArguments, environment: environment, directory: directory)

@@ -63,7 +63,8 @@ class Stack:
         if not BIN or not os.path.exists(os.path.join(BIN, "tokenbroker")):
             pytest.skip("TOKENBROKER_BIN does not hold a build (run through make python-test)")
         self.directory = tempfile.mkdtemp(prefix="tb-py-")
-        with open(os.path.join(self.directory, "client-secret"), "w") as f:
+        # Readable by its owner only: the daemon refuses a secret file every user may read.
+        with open(os.open(os.path.join(self.directory, "client-secret"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             f.write("dev-secret\n")
         arguments = [os.path.join(BIN, "dev-issuer"), "--client-secret-file", self.directory + "/client-secret",
                      "--refresh-token-file", self.directory + "/refresh-token"]
