@@ -114,10 +114,8 @@ extension FleetSession {
             } catch {
                 throw EtcdError(kind: .malformed, message: "cannot seal the fleet's state: \(error)")
             }
-            let done = try await backend.transaction(place.compare(keys.state), success: [.put(key: keys.state, value: sealed, lease: 0)],
-                                                     failure: [.get(key: keys.state)])
-            // An answer lost after etcd applied it, then sent again: the state is ours.
-            guard done.succeeded || (done.reads.first ?? nil)?.value == sealed else { continue }
+            // (Also ours when an answer lost after etcd applied it made the client send it again.)
+            guard try await putState(sealed, over: place).took else { continue }
             if case .create = plan {
                 machine.published(state, local: nil)
                 continue

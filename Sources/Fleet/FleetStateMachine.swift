@@ -15,6 +15,10 @@ import TokenBrokerCore
 ///   refreshed from or committed over: the session serves what it has and reports `rolledBack`.
 ///   Nor is a state written at an older etcd revision than one this broker has seen the key
 ///   hold (a restored backup, even at the position of the floor).
+/// - **A view is never older than this broker's own writes.** The session puts each write etcd
+///   acknowledged into its mirror of the key (`FleetSession.putState`) before it tells the
+///   machine (`installed`, `published`, `wrote`), ahead of the write's watch event: a view older
+///   than `floor` is one etcd showed after having shown more, never a watch that lags.
 /// - **Only authentic values decide.** A refused state changes nothing but health and counters.
 /// - **A flight claim holds for its lease from the moment this broker first saw it** (on its own
 ///   clock), and once more from scratch when etcd answers after it could not be reached (once
