@@ -5,7 +5,9 @@ public enum FleetEvent: Sendable, Equatable {
     case unavailable(String)
     case available
     /// A value that does not open, or opens at the wrong place in its key's history.
-    case valueRefused(field: String, problem: String, revision: Int64)
+    /// `serving`: this broker has followed the fleet since it started, and serves the token it
+    /// holds (if any); otherwise (restarted, or new) it serves nothing.
+    case valueRefused(field: String, problem: String, revision: Int64, serving: Bool)
     /// The fleet's state is usable again after values were refused or history went back.
     case trusted(FleetPosition)
     /// The fleet shows a state older than this broker has applied or published (nil: none).
@@ -45,7 +47,7 @@ public enum FleetEvent: Sendable, Equatable {
     /// Events of one kind share a rate limit (nil: every one is logged).
     public var limitKey: String? {
         switch self {
-        case let .valueRefused(field, _, _): return "fleet-refused-" + field
+        case let .valueRefused(field, _, _, _): return "fleet-refused-" + field
         case .rolledBack: return "fleet-rolled-back"
         case .watchEndingEarly: return "fleet-watch"
         default: return nil
@@ -58,9 +60,12 @@ public enum FleetEvent: Sendable, Equatable {
             return "the fleet is unavailable: \(why); serving cached tokens, no refresh"
         case .available:
             return "the fleet is available again"
-        case let .valueRefused(field, problem, revision):
+        case let .valueRefused(field, problem, revision, serving):
             return "the fleet's \(field) value written at etcd revision \(revision) \(problem); it is not taken "
-                + "(written by someone without the fleet key?); serving what this broker has"
+                + "(written by someone without the fleet key?); "
+                + (serving ? "serving the token this broker holds, if any, and refreshing nothing from it"
+                           : "this broker has followed nothing of the fleet since it started, so it serves nothing for the session "
+                             + "until a login moves the fleet on (tokenbroker ctl login)")
         case let .trusted(position):
             return "the fleet's state is trusted again (\(position))"
         case let .rolledBack(seen, floor):

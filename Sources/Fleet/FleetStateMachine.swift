@@ -164,7 +164,7 @@ struct FleetStateMachine: Sendable {
             if reported != place.modRevision {
                 reported = place.modRevision
                 counters.refusedValues += 1
-                events.append(.valueRefused(field: "state", problem: problem.description, revision: place.modRevision))
+                events.append(.valueRefused(field: "state", problem: problem.description, revision: place.modRevision, serving: bound != nil))
             }
             trust = .untrusted("the fleet's state \(problem)")
         case .absent where floor > .start:

@@ -96,6 +96,12 @@ struct FleetAttackTests {
             var served = 0
             for _ in 0..<50 { for member in 0..<4 where fleet.token(member) == first { served += 1 } }
             print("figure: rollback: \(served) of 200 GetToken calls (2 running, 1 restarted, 1 new broker) served the token the logout ended")
+            // What each says of it is what it does: the restarted and the new broker serve nothing.
+            for member in 2..<4 {
+                let log = fleet.brokers[member].child.stderr
+                #expect(log.contains("not taken") && log.contains("so it serves nothing for the session"), "host \(member): \(log)")
+                #expect(!log.contains("serving what this broker has") && !log.contains("serving the token"), "host \(member)")
+            }
             #expect(served == 0)
             for member in 0..<4 {
                 #expect(try fleet.brokers[member].call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut", "host \(member)")
