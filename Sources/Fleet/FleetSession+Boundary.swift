@@ -41,6 +41,10 @@ extension FleetSession {
 
     /// Moves the fleet on with this host's login or logout (under the serializer).
     private func publishBoundary(_ write: StoreWrite) async throws(EtcdError) {
+        if machine.isLocalOnly(write.record) {
+            changes.signal()   // the sync loop follows the fleet now, not at its next quiet read
+            return
+        }
         if write.record.state == .active {
             do throws(EtcdError) {
                 try await publish(write.record, ending: nil)

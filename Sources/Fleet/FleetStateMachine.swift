@@ -334,20 +334,28 @@ struct FleetStateMachine: Sendable {
         case exhausted
     }
 
+    /// Whether this host's login or logout `record` stays on this host, decided before etcd is
+    /// asked anything: this host is past its generation already (published, or superseded
+    /// here), or it is the end of a login that never reached the fleet — whose generation the
+    /// fleet never had, so its end is no logout of the fleet's (not even one owed for later,
+    /// while etcd cannot be reached): the sync loop follows the fleet afresh.
+    mutating func isLocalOnly(_ record: SessionRecord) -> Bool {
+        if let bound, bound.local >= record.generation { return true }
+        if failedLogin == record.generation, record.state != .active {
+            failedLogin = nil
+            bound = nil   // follow the fleet afresh
+            return true
+        }
+        return false
+    }
+
     /// What to publish for this host's login or logout `record` (nil: a logout this host owes
     /// from before), given a fresh `view`; `ending` is the fleet generation a logout that
     /// waited ends. The new generation is after every one this broker knows of, and after the
     /// revision read: every generation published stays below the revision of its own commit,
     /// so one published later is higher, whatever its publisher had seen.
     mutating func planPublish(_ record: SessionRecord?, view: FleetView, ending: Int64?, now: Duration) -> PublishPlan {
-        if let record {
-            if let bound, bound.local >= record.generation { return .localOnly }
-            if failedLogin == record.generation, record.state != .active {
-                failedLogin = nil
-                bound = nil   // follow the fleet afresh
-                return .localOnly
-            }
-        }
+        if let record, isLocalOnly(record) { return .localOnly }
         _ = check(view, now: now)
         let phase = record?.state ?? .signedOut
         if phase != .active, let ending, let current = view.validState, current.position.generation > ending {

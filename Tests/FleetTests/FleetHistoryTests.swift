@@ -3,10 +3,41 @@ import TestSupport
 import TokenBrokerCore
 @testable import Fleet
 
-/// What a broker says while it refuses the fleet's state, and does.
+/// What a login the fleet cannot take leaves behind (nothing), and what a broker says while it
+/// refuses the fleet's state, and does.
 @Suite("Fleet history: room below the limit, started anew on purpose")
 struct FleetHistoryTests {
     static func messages(_ broker: TestBroker) -> [String] { broker.events.value.map(\.message) }
+
+    @Test("a login that cannot be published (etcd refuses its write, or cannot be reached at all) fails and leaves the fleet as it was: once the login's end is written here (what maintenance does each second), this host serves the fleet's session again, with no watch event or quiet read to wake it, and no logout reaches the fleet when etcd answers again",
+          arguments: [false, true])
+    func failedLoginFollowsTheFleetAgain(unreachable: Bool) async throws {
+        let h = try await FleetHarness(brokers: 2)
+        let first = try await h.logIn()
+        let (a, b) = (h.brokers[0], h.brokers[1])
+        let before = try #require(try h.stored())
+        if unreachable { h.etcd.setUnavailable(true) } else { h.etcd.failNext(.transaction) }
+        await #expect(throws: SessionError.self) { _ = try await a.coordinator.login(refreshToken: h.issuer.login()) }
+        #expect(a.token == nil && b.token == first)
+        #expect(await a.coordinator.flushPendingWrite(), "the login's end is this host's alone to write")
+        try await eventually("A serves the fleet's session again") { a.token == first }
+        #expect(h.timeStood)
+        h.etcd.setUnavailable(false)
+        // The sync loops' pauses and quiet reads: anything A still owed the fleet goes out now.
+        for round in 0..<3 {
+            // (Once A's sync loop sleeps in its pause: advancing the clock earlier would move nothing.)
+            try await eventually("A's sync loop waits out its pause (round \(round))") {
+                let now = a.clock.now.offset
+                return a.clock.wakeTimes.contains { $0 > now && $0 <= now + .seconds(10) }
+            }
+            h.advance(by: .seconds(10))
+            try await eventually("A has read the fleet again (round \(round))") { a.fleet.status.health == .healthy }
+        }
+        let after = try h.stored()
+        #expect(after == before, "the fleet's state changed: \(String(describing: after?.position))")
+        #expect(a.token == first && b.token == first)
+        await h.stopAll()
+    }
 
     @Test("a broker restarted while the fleet's state is refused serves nothing, and its journal says so; a running one says it serves the token it holds")
     func restartedOnARefusedValue() async throws {
