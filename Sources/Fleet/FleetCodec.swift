@@ -12,12 +12,18 @@ enum FleetValueProblem: Error, Sendable, Equatable, CustomStringConvertible {
     /// It opens, but was written at another place in the key's history: an old value written
     /// back (a replay), or the key deleted and written anew.
     case misplaced
+    /// It opens, but its position leaves less than `FleetPosition.room` below the limit: no
+    /// broker counts there, and following it would leave the fleet no generations to log in with.
+    case nearLimit(FleetPosition)
 
     var description: String {
         switch self {
         case let .unsealed(why): return "does not open with the fleet key (\(why))"
         case let .malformed(why): return "is not a well-formed value (\(why))"
         case .misplaced: return "was written elsewhere in the key's history (an old value written back)"
+        case let .nearLimit(position):
+            return "is at \(position), within 2^48 of the limit where no broker counts (sealed with the fleet key by "
+                + "someone who should not hold it?); log in again"
         }
     }
 }
@@ -31,7 +37,8 @@ enum FleetValueProblem: Error, Sendable, Equatable, CustomStringConvertible {
 ///   deleted and written anew, is recognised whoever did it;
 /// - the flight claim and the backoff note are part of it, so they are as authentic, and as
 ///   placed, as the tokens;
-/// - every number is bounded, expiries are clamped to ±10 years, texts are cut and printable.
+/// - every number is bounded, expiries are clamped to ±10 years, texts are cut and printable; a
+///   position within `FleetPosition.room` of the limit is refused.
 struct FleetCodec: Sendable {
     static let version = "1"
     /// The largest value accepted, before it is opened.
@@ -109,6 +116,7 @@ struct FleetCodec: Sendable {
         } else {
             guard created == record.createRevision, version == record.version else { return .failure(.misplaced) }
         }
+        guard position.leavesRoom else { return .failure(.nearLimit(position)) }
         return .success(state)
     }
 

@@ -27,6 +27,8 @@ import TokenBrokerCore
 /// - `bound`, once set, pairs this host's local generation with the fleet generation it stands
 ///   for; `bound.generation <= floor.generation`. A demand of another local generation is
 ///   refused (`notCaughtUp`): its session is over here.
+/// - **Room below the limit.** No value read leaves less than `FleetPosition.room` below the
+///   limit (`FleetCodec` refuses it), so `floor` never rises that far by what etcd shows.
 /// - `applied` is the position of what this host's coordinator holds (within `bound`): a state
 ///   at or before it is never installed again.
 /// - While this host owes the fleet a logout, it follows no login it would end.

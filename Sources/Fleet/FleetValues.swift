@@ -9,6 +9,12 @@ public struct FleetPosition: Sendable, Hashable, Comparable, CustomStringConvert
     /// Both numbers stay below this (2^53): no successor can overflow, and JSON carries them
     /// exactly.
     public static let limit: Int64 = 1 << 53
+    /// The room kept below `limit`: a value read from etcd whose generation or serial is
+    /// `limit - room` (2^53 − 2^48) or more is refused, whoever sealed it. So whatever a broker
+    /// accepts leaves 2^48 more logins (65,536 even at the 2^32 a login can jump, from an etcd
+    /// member that lies about its revision) and 2^48 more writes of a generation: a value
+    /// sealed with the fleet key cannot use the fleet's numbers up.
+    public static let room: Int64 = 1 << 48
     public static let start = FleetPosition(checked: 0, 0)
 
     public let generation: Int64
@@ -25,6 +31,9 @@ public struct FleetPosition: Sendable, Hashable, Comparable, CustomStringConvert
         self.generation = generation
         self.serial = serial
     }
+
+    /// Whether both numbers leave `room` below the limit (what a value read must do).
+    public var leavesRoom: Bool { max(generation, serial) < Self.limit - Self.room }
 
     /// The next serial of this generation (nil at the limit: the session needs a new login).
     public var nextSerial: FleetPosition? { FleetPosition(generation: generation, serial: serial + 1) }

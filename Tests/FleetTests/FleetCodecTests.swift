@@ -84,9 +84,22 @@ struct FleetCodecTests {
                 continue
             }
         }
-        let limit = try forge(#""g":"9007199254740991","n":"9007199254740991","s":"active","at":"a""#).get()
-        #expect(limit.position.nextSerial == nil && FleetPosition.nextGeneration(after: [limit.position], atLeast: 0) == nil)
-        #expect(limit.refreshed(with: FetchedToken(accessToken: Secret("b")), unixNow: Self.now) == nil)
+        // Sealed with the key, but at the limit or within the room kept below it: refused, so that
+        // no value can use the fleet's numbers up.
+        let (limit, lowest) = (FleetPosition.limit, FleetPosition.limit - FleetPosition.room)
+        for fields in [#""g":"\#(limit - 1)","n":"\#(limit - 1)","s":"active","at":"a""#, #""g":"\#(lowest)","n":"1","s":"active""#,
+                       #""g":"2","n":"\#(lowest)","s":"active""#] {
+            guard case .failure(.nearLimit) = try forge(fields) else {
+                Issue.record("taken: \(fields)")
+                continue
+            }
+        }
+        let highest = try forge(#""g":"\#(lowest - 1)","n":"\#(lowest - 1)","s":"active","at":"a""#).get()
+        #expect(FleetPosition.nextGeneration(after: [highest.position], atLeast: 0)?.generation == lowest && highest.position.nextSerial != nil)
+        let last = try #require(FleetPosition(generation: limit - 1, serial: limit - 1))
+        #expect(last.nextSerial == nil && FleetPosition.nextGeneration(after: [last], atLeast: 0) == nil)
+        let full = FleetState(position: last, phase: .active, accessToken: Secret("a"))
+        #expect(full.refreshed(with: FetchedToken(accessToken: Secret("b")), unixNow: Self.now) == nil)
         #expect(FleetCodec.printable("a\nb\u{2028}" + String(repeating: "z", count: 400)).count == 200)
         #expect(!FleetCodec.printable("a\r\nb").contains("\n"))
     }

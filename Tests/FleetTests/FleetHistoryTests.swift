@@ -3,11 +3,46 @@ import TestSupport
 import TokenBrokerCore
 @testable import Fleet
 
-/// What a login the fleet cannot take leaves behind (nothing), and what a broker says while it
-/// refuses the fleet's state, and does.
+/// A fleet's numbers end somewhere: what a value sealed with the fleet key near that end does
+/// (nothing), what a login the fleet cannot take leaves behind (nothing), and what a broker says
+/// while it refuses the fleet's state, and does.
 @Suite("Fleet history: room below the limit, started anew on purpose")
 struct FleetHistoryTests {
+    /// The state etcd holds, changed and sealed with the fleet key over what it holds (as
+    /// someone with the key writes it, with a plain put).
+    static func forge(_ h: FleetHarness, _ change: (inout FleetState) -> Void) throws {
+        let entry = try #require(h.etcd.entry(FleetHarness.stateKey))
+        let record = EtcdKeyValue(key: Array(FleetHarness.stateKey.utf8), value: entry.value, createRevision: entry.createRevision,
+                                  modRevision: entry.modRevision, version: entry.version, lease: 0)
+        var state = try #require(try h.stored())
+        change(&state)
+        h.etcd.write(FleetHarness.stateKey, try FleetHarness.codec().seal(state, over: record))
+    }
+
     static func messages(_ broker: TestBroker) -> [String] { broker.events.value.map(\.message) }
+
+    @Test("a state sealed with the fleet key at the generation limit → refused and counted by every broker, none of whose marks rises; they serve what they hold, and a login on any broker works at once")
+    func valueAtTheLimitRefused() async throws {
+        let h = try await FleetHarness(brokers: 3)
+        let first = try await h.logIn()
+        try Self.forge(h) { state in
+            state.position = FleetPosition(generation: FleetPosition.limit - 1, serial: 0)!
+            state.accessToken = Secret("forged-access")
+        }
+        let brokers = h.brokers
+        try await eventually("every broker refuses the value") { brokers.allSatisfy { $0.fleet.status.counters.refusedValues == 1 } }
+        for broker in brokers {
+            #expect(broker.token == first, "\(broker.name) serves \(broker.token ?? "nothing")")
+            #expect((try await broker.store.mark("api")).map { $0.generation < FleetPosition.limit - FleetPosition.room } == true)
+            #expect(Self.messages(broker).contains { $0.contains("within 2^48 of the limit") }, "\(Self.messages(broker))")
+        }
+        _ = try await h.brokers[1].coordinator.login(refreshToken: h.issuer.login())
+        let fresh = try await h.brokers[1].coordinator.token().token.reveal
+        try await eventually("every broker follows the login") { brokers.allSatisfy { $0.token == fresh } }
+        #expect(brokers.allSatisfy { $0.fleet.status.health == .healthy })
+        #expect(h.issuer.counters.replays == 0)
+        await h.stopAll()
+    }
 
     @Test("a login that cannot be published (etcd refuses its write, or cannot be reached at all) fails and leaves the fleet as it was: once the login's end is written here (what maintenance does each second), this host serves the fleet's session again, with no watch event or quiet read to wake it, and no logout reaches the fleet when etcd answers again",
           arguments: [false, true])

@@ -132,7 +132,7 @@ struct FleetAttackTests {
         }
     }
 
-    @Test("values that open under the real fleet key but carry numbers no broker writes (an expiry in year 285 billion, the serial at and past its limit) → no broker stops, before or after a restart; the expiry is clamped, the refresh is refused with a reason, the state beyond the limit is untrusted")
+    @Test("values that open under the real fleet key but carry numbers no broker writes (an expiry in year 285 billion, the serial at and past its limit) → no broker stops, before or after a restart; the expiry is clamped, the states at and beyond the limit are untrusted, the refresh is refused with a reason")
     func forgedNumbers() async throws {
         try await FleetDaemonTests.withFleet(brokers: 2) { fleet in
             _ = try await fleet.logIn()
@@ -168,7 +168,12 @@ struct FleetAttackTests {
                 state.position = FleetPosition(generation: state.position.generation, serial: FleetPosition.limit - 1)!
                 state.accessToken = Secret("forged-access-2")
             }
-            try await eventually("host A's refresh is refused at the serial limit, saying what to do") {
+            // At the serial limit, sealed with the key: refused as leaving no room (before, taken,
+            // and its refresh refused); host A serves what it holds, and says what to do.
+            try await eventually("both brokers refuse the state at the serial limit") {
+                (0..<2).allSatisfy { Self.health(fleet, $0).hasPrefix("untrusted: the fleet's state is at generation") }
+            }
+            try await eventually("host A's refresh is refused, saying what to do") {
                 guard let held = fleet.token(0) else { return false }
                 let reply = try? fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(held)])
                 return reply?.parameters["reason"]?.stringValue?.contains("log in again") == true
@@ -176,7 +181,7 @@ struct FleetAttackTests {
 
             // Past the limit: the codec never writes it; written by hand under the real key.
             let record = try #require(try await etcd.get(key).record)
-            let generation = try codec.openState(record, unixNow: Date().timeIntervalSince1970).get().position.generation
+            let generation = try #require(fleet.status(0)?["fleetGeneration"]?.intValue)
             let plaintext = #"{"v":"1","c":"\#(record.createRevision)","k":"\#(record.version + 1)","g":"\#(generation)","n":"18446744073709551615","s":"active","tt":"Bearer","at":"x"}"#
             let key32 = try String(contentsOfFile: fleet.keyPath, encoding: .utf8)
             let sealed = try TokenCipher(keyMaterial: Array(key32.utf8)).seal(plaintext, associatedData: FleetCodec.associatedData(key))
@@ -261,6 +266,32 @@ struct FleetAttackTests {
                 print("figure: clean stop of host \(member): exit \(code), \(loud.count) line(s) at warning or worse")
                 #expect(code == 0 && loud.isEmpty, "host \(member): \(loud)")
             }
+        }
+    }
+}
+
+/// The end of a fleet's numbers, against whoever holds the fleet key.
+extension FleetAttackTests {
+    static let limit = FleetPosition.limit
+
+    @Test("a state sealed with the fleet key at the generation limit → refused and counted by every broker, which go on serving what they hold; a login on any broker works at once (before: every login failed, the fleet's generation having reached its limit)")
+    func generationAtTheLimit() async throws {
+        try await FleetDaemonTests.withFleet { fleet in
+            let first = try await fleet.logIn()
+            let (codec, etcd, key) = (try Self.codec(fleet), Self.etcd(fleet), Array((Self.base + "state").utf8))
+            let record = try #require(try await etcd.get(key).record)
+            var state = try codec.openState(record, unixNow: Date().timeIntervalSince1970).get()
+            state.position = try #require(FleetPosition(generation: Self.limit - 1, serial: 0))
+            try await etcd.put(key, try codec.seal(state, over: record))
+            try await eventually("every broker refuses the state at the generation limit") {
+                (0..<3).allSatisfy { Self.health(fleet, $0).hasPrefix("untrusted: the fleet's state is at generation \(Self.limit - 1)") }
+            }
+            for member in 0..<3 { #expect(fleet.token(member) == first, "host \(member) stopped serving its token") }
+            let metrics = try await fleet.brokers[1].ctl(["metrics"])
+            #expect(metrics.out.contains("tokenbroker_fleet_refused_values_total{session=\"api\"} 1"), "\(metrics.out)")
+            let next = try await fleet.logIn(on: 2)
+            print("figure: generation at the limit: refused by 3 of 3 brokers; a login afterwards: \(next == first ? "failed" : "worked")")
+            try await eventually("every broker trusts the fleet again") { (0..<3).allSatisfy { Self.health(fleet, $0) == "healthy" } }
         }
     }
 }
