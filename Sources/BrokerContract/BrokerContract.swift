@@ -27,6 +27,7 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
     case status = "Status", reload = "Reload", refresh = "Refresh", deviceLogin = "DeviceLogin", forget = "Forget"
     case metrics = "Metrics", credential = "Credential", getProof = "GetProof"
     case codeLogin = "CodeLogin", completeCodeLogin = "CompleteCodeLogin", loginFlow = "LoginFlow"
+    case resetFleetHistory = "ResetFleetHistory"
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
@@ -55,6 +56,8 @@ public enum BrokerRequest: Sendable, Equatable {
     case completeCodeLogin(session: String, redirectUrl: String)
     /// Which interactive login `ctl login` uses for the session.
     case loginFlow(session: String)
+    /// Starts a fleet session's history anew (an admin's way out of a generation at its limit).
+    case resetFleetHistory(session: String)
 
     public var method: BrokerMethod {
         switch self {
@@ -74,6 +77,7 @@ public enum BrokerRequest: Sendable, Equatable {
         case .codeLogin: return .codeLogin
         case .completeCodeLogin: return .completeCodeLogin
         case .loginFlow: return .loginFlow
+        case .resetFleetHistory: return .resetFleetHistory
         }
     }
 
@@ -82,7 +86,7 @@ public enum BrokerRequest: Sendable, Equatable {
         switch self {
         case let .getToken(session), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
              let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _),
-             let .codeLogin(session), let .completeCodeLogin(session, _), let .loginFlow(session):
+             let .codeLogin(session), let .completeCodeLogin(session, _), let .loginFlow(session), let .resetFleetHistory(session):
             return session
         case .status, .reload, .metrics, .credential:
             return nil
@@ -152,6 +156,7 @@ public enum BrokerRequest: Sendable, Equatable {
             guard !redirect.isEmpty, redirect.utf8.count <= 8192 else { throw ParameterError(name: "redirectUrl") }
             self = .completeCodeLogin(session: name, redirectUrl: redirect)
         case .loginFlow: self = .loginFlow(session: try session())
+        case .resetFleetHistory: self = .resetFleetHistory(session: try session())
         }
     }
 
@@ -160,7 +165,7 @@ public enum BrokerRequest: Sendable, Equatable {
         BrokerContract.secretsRegistered
         switch self {
         case let .getToken(session), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
-             let .forget(session), let .codeLogin(session), let .loginFlow(session):
+             let .forget(session), let .codeLogin(session), let .loginFlow(session), let .resetFleetHistory(session):
             return ["session": .string(session)]
         case let .completeCodeLogin(session, redirect): return ["session": .string(session), "redirectUrl": .string(redirect)]
         case let .recover(session, rejected): return ["session": .string(session), "rejected": .string(rejected)]
@@ -326,6 +331,20 @@ public struct LoginFlowReply: Sendable, Equatable {
     }
 
     public var parameters: JSONObject { ["flow": .string(flow.rawValue)] }
+}
+
+/// The reply of `ResetFleetHistory`: where the session's new fleet history starts.
+public struct FleetResetReply: Sendable, Equatable {
+    public var history: Int64
+    public var generation: Int64
+
+    public init(history: Int64, generation: Int64) { (self.history, self.generation) = (history, generation) }
+
+    public init(_ parameters: JSONObject) {
+        self.init(history: parameters["fleetHistory"]?.intValue ?? 0, generation: parameters["fleetGeneration"]?.intValue ?? 0)
+    }
+
+    public var parameters: JSONObject { ["fleetHistory": .int(history), "fleetGeneration": .int(generation)] }
 }
 
 /// The reply of `Metrics`: the exposition in the Prometheus text format.

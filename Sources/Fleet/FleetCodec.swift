@@ -60,6 +60,8 @@ struct FleetCodec: Sendable {
         var object: JSONObject = ["v": .string(Self.version), "c": .string(String(created)), "k": .string(String(version)),
                                   "g": .string(String(state.position.generation)), "n": .string(String(state.position.serial)),
                                   "s": .string(state.phase.rawValue), "tt": .string(state.tokenType)]
+        // (History 0 is written as none: a value of the first history reads the same to a broker of before resets.)
+        if state.position.history > 0 { object["h"] = .string(String(state.position.history)) }
         if let token = state.refreshToken { object["rt"] = .string(token.reveal) }
         if let token = state.accessToken { object["at"] = .string(token.reveal) }
         if let expiresAt = state.expiresAt { object["exp"] = .string(String(expiresAt)) }
@@ -87,7 +89,8 @@ struct FleetCodec: Sendable {
         guard let created = Self.number(object["c"], below: etcdNumberLimit), let version = Self.number(object["k"], below: etcdNumberLimit),
               let generation = Self.number(object["g"], below: FleetPosition.limit),
               let serial = Self.number(object["n"], below: FleetPosition.limit),
-              let position = FleetPosition(generation: generation, serial: serial),
+              let history = object["h"] == nil ? 0 : Self.number(object["h"], below: FleetPosition.limit),
+              let position = FleetPosition(history: history, generation: generation, serial: serial),
               let phase = object["s"]?.stringValue.flatMap(SessionState.init(rawValue:)) else {
             return .failure(.malformed("a state without its place, position or phase"))
         }

@@ -19,11 +19,17 @@ public enum FleetEvent: Sendable, Equatable {
     case loginNotApplied(String)
     case waitingForHolder(String)
     case published(login: Bool, FleetPosition)
-    case logoutOvertaken(generation: Int64)
+    case logoutOvertaken(generation: FleetGeneration)
+    /// This broker started the session's fleet history anew (an admin's reset), at this position.
+    case historyStarted(FleetPosition)
+    /// The fleet's state is in a later history than this broker had seen: someone started it
+    /// anew (an admin's reset on another broker, or whoever holds the fleet key); followed.
+    case newHistory(from: FleetPosition, to: FleetPosition)
     case lateAnswerDiscarded
     case overtakenByRefresh
     case commitFailed(String)
-    /// The session's serial reached its limit: it needs a new login.
+    /// The session's serial or generation reached its limit: it needs a new login (a serial), or
+    /// its history started anew (a generation).
     case exhausted
     case pendingLogoutNotDurable(path: String)
     /// A refresh waiting for its commit could not be kept in the state database.
@@ -38,7 +44,7 @@ public enum FleetEvent: Sendable, Equatable {
         switch self {
         case .valueRefused, .rolledBack, .earlierLayout, .loginNotApplied, .commitFailed, .exhausted, .pendingLogoutNotDurable,
              .pendingCommitNotDurable: return .error
-        case .unavailable, .overtakenByRefresh, .pendingLogoutIgnored, .watchEndingEarly: return .warning
+        case .unavailable, .overtakenByRefresh, .pendingLogoutIgnored, .watchEndingEarly, .historyStarted, .newHistory: return .warning
         case .available, .trusted, .loggedOut, .logoutOvertaken, .lateAnswerDiscarded: return .notice
         case .loggedIn, .waitingForHolder, .published: return .info
         }
@@ -95,8 +101,16 @@ public enum FleetEvent: Sendable, Equatable {
             return "the rotated refresh token could not be committed to the fleet (\(problem)); the next refresh will "
                 + "present the spent one, and the issuer may refuse it as a replay: log in again if so"
         case .exhausted:
-            return "the fleet's generation or token serial has reached its limit (a value written with the fleet key that no "
-                + "broker counts to); log in again (tokenbroker ctl login), or remove the session's keys in etcd if the generation is at its limit"
+            return "the fleet's generation or token serial has reached its limit (2^53); log in again (tokenbroker ctl login) "
+                + "if it is the serial; if it is the generation, start the session's fleet history anew "
+                + "(tokenbroker ctl reset-fleet-history, an admin's call on any broker), then log in"
+        case let .historyStarted(position):
+            return "the session's fleet history was started anew here, by an admin (fleet \(position)): every broker "
+                + "follows it as a logout, and positions of the earlier history are no longer compared; log in to go on"
+        case let .newHistory(from, to):
+            return "the fleet started the session's history anew (fleet \(to), after \(from) seen here): an admin's "
+                + "reset on another broker, or whoever holds the fleet key; followed, and positions of the earlier history "
+                + "are no longer compared"
         case let .pendingLogoutNotDurable(path):
             return "cannot remember the logout in \(path); it is kept in memory only"
         case let .pendingCommitNotDurable(why):

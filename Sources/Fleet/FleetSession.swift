@@ -122,7 +122,7 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
         if let pendingLogoutFile, let text = PendingLogoutFile.read(pendingLogoutFile) {
             // "<prefix> <generation or ->": a logout of this session under that prefix.
             if let space = text.lastIndex(of: " "), text[..<space] == settings.prefix {
-                machine.pendingLogout = .some(Int64(text[text.index(after: space)...]))
+                machine.pendingLogout = .some(PendingLogoutFile.generation(text[text.index(after: space)...]))
             } else {
                 report(.pendingLogoutIgnored(path: pendingLogoutFile))
             }
@@ -273,7 +273,7 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
             status.health = health
             status.revision = max(status.revision, revision)
             status.position = machine.floor
-            status.generation = machine.bound?.generation ?? view?.validState?.position.generation ?? status.generation
+            status.generation = machine.bound?.generation.generation ?? view?.validState?.position.generation ?? status.generation
             status.counters = machine.counters
             if let view { status.flightHolder = machine.holder(in: view, now: now()) }
         }

@@ -4,8 +4,8 @@ import TokenBrokerCore
 @testable import Fleet
 
 /// A fleet's numbers end somewhere: what a value sealed with the fleet key near that end does
-/// (nothing), what a login the fleet cannot take leaves behind (nothing), and what a broker says
-/// while it refuses the fleet's state, and does.
+/// (nothing), how a history that reached it is started anew on purpose (and what still counts
+/// as a rollback after), and what a broker says while it refuses the fleet's state.
 @Suite("Fleet history: room below the limit, started anew on purpose")
 struct FleetHistoryTests {
     /// The state etcd holds, changed and sealed with the fleet key over what it holds (as
@@ -20,6 +20,12 @@ struct FleetHistoryTests {
     }
 
     static func messages(_ broker: TestBroker) -> [String] { broker.events.value.map(\.message) }
+
+    /// A store whose mark is at the generation limit: what a broker kept after it followed a
+    /// value there, before such values were refused.
+    static func storeAtTheLimit() -> InMemoryFleetStore {
+        InMemoryFleetStore([], marks: ["api": FleetPosition(generation: FleetPosition.limit - 1, serial: 0)!])
+    }
 
     @Test("a state sealed with the fleet key at the generation limit → refused and counted by every broker, none of whose marks rises; they serve what they hold, and a login on any broker works at once")
     func valueAtTheLimitRefused() async throws {
@@ -40,6 +46,84 @@ struct FleetHistoryTests {
         let fresh = try await h.brokers[1].coordinator.token().token.reveal
         try await eventually("every broker follows the login") { brokers.allSatisfy { $0.token == fresh } }
         #expect(brokers.allSatisfy { $0.fleet.status.health == .healthy })
+        #expect(h.issuer.counters.replays == 0)
+        await h.stopAll()
+    }
+
+    @Test("marks at the generation limit (kept from before) and the key removed → a login fails saying how out, changing nothing; ResetFleetHistory on one broker → every broker follows it as a logout, says so, and keeps a mark of the new history; a login then works everywhere")
+    func resetPastTheLimit() async throws {
+        var h = try await FleetHarness(brokers: 0)
+        for index in 0..<3 { h.brokers.append(try await h.start("host-\(index)", store: Self.storeAtTheLimit())) }
+        let brokers = h.brokers
+        try await eventually("every broker reports the fleet behind its mark") { brokers.allSatisfy { $0.fleet.status.counters.rollbacks == 1 } }
+        let (a, b) = (h.brokers[0], h.brokers[1])
+        do {
+            _ = try await a.coordinator.login(refreshToken: h.issuer.login())
+            Issue.record("a login past the generation limit went through")
+        } catch let SessionError.storeFailed(reason) {
+            #expect(reason.contains("reached its limit") && reason.contains("reset-fleet-history"), "\(reason)")
+        }
+        #expect(h.etcd.entry(FleetHarness.stateKey) == nil)
+
+        let revoked = Locked<[String]>([])
+        let started = try await b.fleet.startHistoryAnew { token in revoked.withLock { $0.append(token.reveal) } }
+        #expect(started.history == 1 && started.generation < 1 << 32, "\(started)")
+        #expect(try h.stored()?.position == started && h.stored()?.phase == .signedOut)
+        try await eventually("every broker follows the new history") { brokers.allSatisfy { $0.fleet.status.position == started } }
+        #expect(b.saw { if case .historyStarted(started) = $0 { return true } else { return false } })
+        for other in [h.brokers[0], h.brokers[2]] {
+            #expect(other.saw { if case .newHistory(_, started) = $0 { return true } else { return false } }, "\(other.name): \(other.events.value)")
+        }
+        #expect(try await b.store.mark("api") == started, "the resetting broker's mark")
+        _ = try await a.coordinator.login(refreshToken: h.issuer.login())
+        let token = try await a.coordinator.token().token.reveal
+        try await eventually("every broker serves the new history's first login") { brokers.allSatisfy { $0.token == token } }
+        #expect(brokers.allSatisfy { $0.fleet.status.health == .healthy })
+        for broker in brokers {
+            let mark = try await broker.store.mark("api")
+            #expect(mark.map { $0.history == 1 && $0 > started } == true, "\(broker.name)'s mark: \(String(describing: mark))")
+        }
+        #expect(revoked.value.isEmpty, "nothing was in force to revoke")
+        await h.stopAll()
+    }
+
+    @Test("after ResetFleetHistory, a backup of the earlier history restored (its tokens, its revisions) → a rollback to every broker, running or restarted on its state: none serves or refreshes from it; the reset revoked the refresh token that was in force")
+    func earlierHistoryIsARollback() async throws {
+        var h = try await FleetHarness(brokers: 3)
+        // The earlier history far along (a member that lied about its revision moved its
+        // generation on by 2^32): past where the new one starts.
+        let before = h.brokers
+        try await eventually("every broker has read the fleet") { await before.asyncAllSatisfy { $0.fleet.status.health == .healthy } }
+        h.brokers[0].link.forgedRevision.withLock { $0 = 1 << 40 }
+        let first = try await h.logIn()
+        let backup = h.etcd.snapshot
+        #expect(try h.stored()!.position.generation > 1 << 32)
+        let revoked = Locked<[String]>([])
+        let started = try await h.brokers[0].fleet.startHistoryAnew { token in revoked.withLock { $0.append(token.reveal) } }
+        let brokers = h.brokers
+        try await eventually("every broker is logged out by the reset") { brokers.allSatisfy { $0.token == nil } }
+        #expect(revoked.value == ["refresh-2"], "the refresh token in force: \(revoked.value)")
+        _ = try await h.brokers[1].coordinator.login(refreshToken: h.issuer.login())
+        let fresh = try await h.brokers[1].coordinator.token().token.reveal
+        try await eventually("every broker follows the login") { brokers.allSatisfy { $0.token == fresh } }
+        let requests = h.issuer.counters.requests
+
+        h.etcd.restore(backup)
+        let c = h.brokers[2]
+        await c.kill()
+        h.brokers[2] = try await h.start("host-2", store: c.store)
+        let restarted = h.brokers[2]
+        try await eventually("the restarted broker reports the rollback") { restarted.fleet.status.counters.rollbacks == 1 }
+        h.advance(by: .seconds(11))   // the running brokers' quiet reads
+        let running = [h.brokers[0], h.brokers[1]]
+        try await eventually("the running brokers report the rollback") { running.allSatisfy { $0.fleet.status.counters.rollbacks == 1 } }
+        for broker in h.brokers {
+            #expect(broker.token != first, "\(broker.name) serves the earlier history's token")
+            #expect(broker.fleet.status.position >= started)
+        }
+        #expect(restarted.token == nil)
+        await #expect(throws: SessionError.self) { try await running[0].coordinator.recover(rejected: Secret(fresh)) }
+        #expect(h.issuer.counters.requests == requests, "a broker refreshed from the earlier history")
         #expect(h.issuer.counters.replays == 0)
         await h.stopAll()
     }

@@ -270,7 +270,8 @@ struct FleetAttackTests {
     }
 }
 
-/// The end of a fleet's numbers, against whoever holds the fleet key.
+/// The end of a fleet's numbers, against whoever holds the fleet key, and the way out an admin
+/// has when a history got there anyway.
 extension FleetAttackTests {
     static let limit = FleetPosition.limit
 
@@ -292,6 +293,52 @@ extension FleetAttackTests {
             let next = try await fleet.logIn(on: 2)
             print("figure: generation at the limit: refused by 3 of 3 brokers; a login afterwards: \(next == first ? "failed" : "worked")")
             try await eventually("every broker trusts the fleet again") { (0..<3).allSatisfy { Self.health(fleet, $0) == "healthy" } }
+        }
+    }
+
+    @Test("marks at the generation limit (kept by brokers that followed such a value before it was refused) and the state key removed → a login fails, saying to run ctl reset-fleet-history, and changes nothing; ctl reset-fleet-history (admins only) on one broker → every broker follows it as a logout and says so in its journal; a login then works everywhere, and a restarted broker keeps the new history")
+    func resetFleetHistory() async throws {
+        try await FleetDaemonTests.withFleet { fleet in
+            _ = try await fleet.logIn()
+            for member in 0..<3 { _ = await fleet.brokers[member].stop() }
+            for member in 0..<3 {
+                let database = fleet.brokers[member].directory + "/state/state.db"
+                let python = try await Child.run("/usr/bin/env", ["python3", "-c",
+                    "import sqlite3; c = sqlite3.connect('\(database)'); c.execute('UPDATE fleet_marks SET generation = \(Self.limit - 1), serial = 0');"
+                    + " c.commit()"])
+                #expect(python.code == 0, "\(python.stderr)")
+            }
+            _ = try await Self.etcd(fleet).transaction([], success: [.delete(key: Array((Self.base + "state").utf8))])
+            for member in 0..<3 { fleet.brokers[member] = try await fleet.start(member, reusing: fleet.brokers[member].directory) }
+            try await eventually("every broker reports the fleet behind its mark") {
+                (0..<3).allSatisfy { Self.health(fleet, $0).hasPrefix("untrusted: it shows no state, older than generation \(Self.limit - 1)") }
+            }
+            let refused = try fleet.brokers[0].call("Login", ["session": "api", "refreshToken": .string(fleet.issuer.issueRefreshToken())])
+            #expect(refused.error == "io.tokenbroker.Broker.StoreFailed", "\(refused)")
+            #expect(refused.parameters["reason"]?.stringValue?.contains("tokenbroker ctl reset-fleet-history api") == true, "\(refused)")
+
+            let denied = try await fleet.brokers[1].ctl(["reset-fleet-history", "api"], asUser: Broker.workerUID)
+            #expect(denied.code == 77, "\(denied)")
+            let reset = try await fleet.brokers[1].ctl(["reset-fleet-history", "api"])
+            #expect(reset.code == 0 && reset.out.hasPrefix("started the fleet history of api anew (history 1, fleet generation "), "\(reset)")
+            try await eventually("every broker says it follows the new history") {
+                fleet.brokers[1].child.stderr.contains("<4>session api: the session's fleet history was started anew here")
+                    && [0, 2].allSatisfy { fleet.brokers[$0].child.stderr.contains("<4>session api: the fleet started the session's history anew") }
+            }
+            #expect(fleet.brokers[1].child.stderr.contains("<4>the fleet history of session api was started anew by "))
+            let token = try await fleet.logIn(on: 0)
+            try await eventually("every broker trusts the fleet") { (0..<3).allSatisfy { Self.health(fleet, $0) == "healthy" } }
+            let restarted = fleet.brokers[2]
+            _ = await restarted.stop()
+            fleet.brokers[2] = try await fleet.start(2, reusing: restarted.directory)
+            try await eventually("the restarted broker serves the new history's login") { fleet.token(2) == token }
+            #expect(Self.health(fleet, 2) == "healthy")
+            let mark = try await Child.run("/usr/bin/env", ["python3", "-c",
+                "import sqlite3; print(sqlite3.connect('\(restarted.directory)/state/state.db').execute('SELECT history, generation FROM fleet_marks').fetchone())"])
+            print("figure: reset past the generation limit: login before the reset \(refused.error ?? "ok"); after it, every broker serves the login; "
+                  + "host 2's mark (history, generation) \(mark.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+            #expect(mark.stdout.hasPrefix("(1, "), "\(mark.stdout)")
+            #expect(fleet.issuer.counters.replays == 0)
         }
     }
 }
