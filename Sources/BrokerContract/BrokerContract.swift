@@ -27,6 +27,7 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
     case status = "Status", reload = "Reload", refresh = "Refresh", deviceLogin = "DeviceLogin", forget = "Forget"
     case metrics = "Metrics", credential = "Credential", getProof = "GetProof"
     case codeLogin = "CodeLogin", completeCodeLogin = "CompleteCodeLogin", loginFlow = "LoginFlow"
+    case resetFleetHistory = "ResetFleetHistory"
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
@@ -57,6 +58,8 @@ public enum BrokerRequest: Sendable, Equatable {
     case completeCodeLogin(session: String, redirectUrl: String)
     /// Which interactive login `ctl login` uses for the session.
     case loginFlow(session: String)
+    /// Starts a fleet session's history anew (an admin's way out of a generation at its limit).
+    case resetFleetHistory(session: String)
 
     public var method: BrokerMethod {
         switch self {
@@ -76,6 +79,7 @@ public enum BrokerRequest: Sendable, Equatable {
         case .codeLogin: return .codeLogin
         case .completeCodeLogin: return .completeCodeLogin
         case .loginFlow: return .loginFlow
+        case .resetFleetHistory: return .resetFleetHistory
         }
     }
 
@@ -84,7 +88,7 @@ public enum BrokerRequest: Sendable, Equatable {
         switch self {
         case let .getToken(session, _), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
              let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _, _),
-             let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session):
+             let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session), let .resetFleetHistory(session):
             return session
         case .status, .reload, .metrics, .credential:
             return nil
@@ -157,6 +161,7 @@ public enum BrokerRequest: Sendable, Equatable {
             guard !redirect.isEmpty, redirect.utf8.count <= 8192 else { throw ParameterError(name: "redirectUrl") }
             self = .completeCodeLogin(session: name, redirectUrl: redirect)
         case .loginFlow: self = .loginFlow(session: try session())
+        case .resetFleetHistory: self = .resetFleetHistory(session: try session())
         }
     }
 
@@ -179,7 +184,7 @@ public enum BrokerRequest: Sendable, Equatable {
         switch self {
         case let .getToken(session, minValid?): return ["session": .string(session), "minValid": .int(minValid)]
         case let .getToken(session, nil), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
-             let .forget(session), let .codeLogin(session, false), let .loginFlow(session):
+             let .forget(session), let .codeLogin(session, false), let .loginFlow(session), let .resetFleetHistory(session):
             return ["session": .string(session)]
         case let .codeLogin(session, true): return ["session": .string(session), "refusals": true]
         case let .completeCodeLogin(session, redirect): return ["session": .string(session), "redirectUrl": .string(redirect)]
@@ -356,6 +361,20 @@ public struct LoginFlowReply: Sendable, Equatable {
     }
 
     public var parameters: JSONObject { ["flow": .string(flow.rawValue)] }
+}
+
+/// The reply of `ResetFleetHistory`: where the session's new fleet history starts.
+public struct FleetResetReply: Sendable, Equatable {
+    public var history: Int64
+    public var generation: Int64
+
+    public init(history: Int64, generation: Int64) { (self.history, self.generation) = (history, generation) }
+
+    public init(_ parameters: JSONObject) {
+        self.init(history: parameters["fleetHistory"]?.intValue ?? 0, generation: parameters["fleetGeneration"]?.intValue ?? 0)
+    }
+
+    public var parameters: JSONObject { ["fleetHistory": .int(history), "fleetGeneration": .int(generation)] }
 }
 
 /// The reply of `Metrics`: the exposition in the Prometheus text format.

@@ -12,12 +12,18 @@ enum FleetValueProblem: Error, Sendable, Equatable, CustomStringConvertible {
     /// It opens, but was written at another place in the key's history: an old value written
     /// back (a replay), or the key deleted and written anew.
     case misplaced
+    /// It opens, but its position leaves less than `FleetPosition.room` below the limit: no
+    /// broker counts there, and following it would leave the fleet no generations to log in with.
+    case nearLimit(FleetPosition)
 
     var description: String {
         switch self {
         case let .unsealed(why): return "does not open with the fleet key (\(why))"
         case let .malformed(why): return "is not a well-formed value (\(why))"
         case .misplaced: return "was written elsewhere in the key's history (an old value written back)"
+        case let .nearLimit(position):
+            return "is at \(position), within 2^48 of the limit where no broker counts (sealed with the fleet key by "
+                + "someone who should not hold it?); log in again"
         }
     }
 }
@@ -31,7 +37,8 @@ enum FleetValueProblem: Error, Sendable, Equatable, CustomStringConvertible {
 ///   deleted and written anew, is recognised whoever did it;
 /// - the flight claim and the backoff note are part of it, so they are as authentic, and as
 ///   placed, as the tokens;
-/// - every number is bounded, expiries are clamped to ±10 years, texts are cut and printable.
+/// - every number is bounded, expiries are clamped to ±10 years, texts are cut and printable; a
+///   position within `FleetPosition.room` of the limit is refused.
 struct FleetCodec: Sendable {
     static let version = "1"
     /// The largest value accepted, before it is opened.
@@ -53,6 +60,8 @@ struct FleetCodec: Sendable {
         var object: JSONObject = ["v": .string(Self.version), "c": .string(String(created)), "k": .string(String(version)),
                                   "g": .string(String(state.position.generation)), "n": .string(String(state.position.serial)),
                                   "s": .string(state.phase.rawValue), "tt": .string(state.tokenType)]
+        // (History 0 is written as none: a value of the first history reads the same to a broker of before resets.)
+        if state.position.history > 0 { object["h"] = .string(String(state.position.history)) }
         if let token = state.refreshToken { object["rt"] = .string(token.reveal) }
         if let token = state.accessToken { object["at"] = .string(token.reveal) }
         if let expiresAt = state.expiresAt { object["exp"] = .string(String(expiresAt)) }
@@ -80,7 +89,8 @@ struct FleetCodec: Sendable {
         guard let created = Self.number(object["c"], below: etcdNumberLimit), let version = Self.number(object["k"], below: etcdNumberLimit),
               let generation = Self.number(object["g"], below: FleetPosition.limit),
               let serial = Self.number(object["n"], below: FleetPosition.limit),
-              let position = FleetPosition(generation: generation, serial: serial),
+              let history = object["h"] == nil ? 0 : Self.number(object["h"], below: FleetPosition.limit),
+              let position = FleetPosition(history: history, generation: generation, serial: serial),
               let phase = object["s"]?.stringValue.flatMap(SessionState.init(rawValue:)) else {
             return .failure(.malformed("a state without its place, position or phase"))
         }
@@ -109,6 +119,7 @@ struct FleetCodec: Sendable {
         } else {
             guard created == record.createRevision, version == record.version else { return .failure(.misplaced) }
         }
+        guard position.leavesRoom else { return .failure(.nearLimit(position)) }
         return .success(state)
     }
 

@@ -5,7 +5,9 @@ public enum FleetEvent: Sendable, Equatable {
     case unavailable(String)
     case available
     /// A value that does not open, or opens at the wrong place in its key's history.
-    case valueRefused(field: String, problem: String, revision: Int64)
+    /// `serving`: this broker has followed the fleet since it started, and serves the token it
+    /// holds (if any); otherwise (restarted, or new) it serves nothing.
+    case valueRefused(field: String, problem: String, revision: Int64, serving: Bool)
     /// The fleet's state is usable again after values were refused or history went back.
     case trusted(FleetPosition)
     /// The fleet shows a state older than this broker has applied or published (nil: none).
@@ -17,11 +19,17 @@ public enum FleetEvent: Sendable, Equatable {
     case loginNotApplied(String)
     case waitingForHolder(String)
     case published(login: Bool, FleetPosition)
-    case logoutOvertaken(generation: Int64)
+    case logoutOvertaken(generation: FleetGeneration)
+    /// This broker started the session's fleet history anew (an admin's reset), at this position.
+    case historyStarted(FleetPosition)
+    /// The fleet's state is in a later history than this broker had seen: someone started it
+    /// anew (an admin's reset on another broker, or whoever holds the fleet key); followed.
+    case newHistory(from: FleetPosition, to: FleetPosition)
     case lateAnswerDiscarded
     case overtakenByRefresh
     case commitFailed(String)
-    /// The session's serial reached its limit: it needs a new login.
+    /// The session's serial or generation reached its limit: it needs a new login (a serial), or
+    /// its history started anew (a generation).
     case exhausted
     case pendingLogoutNotDurable(path: String)
     /// A refresh waiting for its commit could not be kept in the state database.
@@ -36,7 +44,7 @@ public enum FleetEvent: Sendable, Equatable {
         switch self {
         case .valueRefused, .rolledBack, .earlierLayout, .loginNotApplied, .commitFailed, .exhausted, .pendingLogoutNotDurable,
              .pendingCommitNotDurable: return .error
-        case .unavailable, .overtakenByRefresh, .pendingLogoutIgnored, .watchEndingEarly: return .warning
+        case .unavailable, .overtakenByRefresh, .pendingLogoutIgnored, .watchEndingEarly, .historyStarted, .newHistory: return .warning
         case .available, .trusted, .loggedOut, .logoutOvertaken, .lateAnswerDiscarded: return .notice
         case .loggedIn, .waitingForHolder, .published: return .info
         }
@@ -45,7 +53,7 @@ public enum FleetEvent: Sendable, Equatable {
     /// Events of one kind share a rate limit (nil: every one is logged).
     public var limitKey: String? {
         switch self {
-        case let .valueRefused(field, _, _): return "fleet-refused-" + field
+        case let .valueRefused(field, _, _, _): return "fleet-refused-" + field
         case .rolledBack: return "fleet-rolled-back"
         case .watchEndingEarly: return "fleet-watch"
         default: return nil
@@ -58,9 +66,12 @@ public enum FleetEvent: Sendable, Equatable {
             return "the fleet is unavailable: \(why); serving cached tokens, no refresh"
         case .available:
             return "the fleet is available again"
-        case let .valueRefused(field, problem, revision):
+        case let .valueRefused(field, problem, revision, serving):
             return "the fleet's \(field) value written at etcd revision \(revision) \(problem); it is not taken "
-                + "(written by someone without the fleet key?); serving what this broker has"
+                + "(written by someone without the fleet key?); "
+                + (serving ? "serving the token this broker holds, if any, and refreshing nothing from it"
+                           : "this broker has followed nothing of the fleet since it started, so it serves nothing for the session "
+                             + "until a login moves the fleet on (tokenbroker ctl login)")
         case let .trusted(position):
             return "the fleet's state is trusted again (\(position))"
         case let .rolledBack(seen, floor):
@@ -90,8 +101,16 @@ public enum FleetEvent: Sendable, Equatable {
             return "the rotated refresh token could not be committed to the fleet (\(problem)); the next refresh will "
                 + "present the spent one, and the issuer may refuse it as a replay: log in again if so"
         case .exhausted:
-            return "the fleet's generation or token serial has reached its limit (a value written with the fleet key that no "
-                + "broker counts to); log in again (tokenbroker ctl login), or remove the session's keys in etcd if the generation is at its limit"
+            return "the fleet's generation or token serial has reached its limit (2^53); log in again (tokenbroker ctl login) "
+                + "if it is the serial; if it is the generation, start the session's fleet history anew "
+                + "(tokenbroker ctl reset-fleet-history, an admin's call on any broker), then log in"
+        case let .historyStarted(position):
+            return "the session's fleet history was started anew here, by an admin (fleet \(position)): every broker "
+                + "follows it as a logout, and positions of the earlier history are no longer compared; log in to go on"
+        case let .newHistory(from, to):
+            return "the fleet started the session's history anew (fleet \(to), after \(from) seen here): an admin's "
+                + "reset on another broker, or whoever holds the fleet key; followed, and positions of the earlier history "
+                + "are no longer compared"
         case let .pendingLogoutNotDurable(path):
             return "cannot remember the logout in \(path); it is kept in memory only"
         case let .pendingCommitNotDurable(why):

@@ -79,7 +79,8 @@ public struct FleetPendingCommit: Sendable, Equatable {
 /// are applied through it, so that they reach watchers and the store the usual way.
 public protocol FleetFollower: AnyObject, Sendable {
     func login(refreshToken: Secret?, initial: FetchedToken?, replicated: Bool) async throws -> Int
-    func logoutReplicated() async -> Int
+    /// A logout made elsewhere, applied here; `handingOver` receives the refresh token in force.
+    func logoutReplicated(handingOver: @Sendable (Secret) -> Void) async -> Int
     func adopt(_ fetched: FetchedToken, generation: Int, replacing expected: Secret?) async -> AdoptOutcome
     /// Returns once no flight is under way (after the one that was has landed and committed).
     func awaitFlight() async

@@ -41,6 +41,10 @@ extension FleetSession {
 
     /// Moves the fleet on with this host's login or logout (under the serializer).
     private func publishBoundary(_ write: StoreWrite) async throws(EtcdError) {
+        if machine.isLocalOnly(write.record) {
+            changes.signal()   // the sync loop follows the fleet now, not at its next quiet read
+            return
+        }
         if write.record.state == .active {
             do throws(EtcdError) {
                 try await publish(write.record, ending: nil)
@@ -57,7 +61,7 @@ extension FleetSession {
         // retry, or one remembered across a restart) gives way to a newer boundary made meanwhile.
         let waiting = machine.pendingLogout
         if waiting == nil {
-            remember(pendingLogout: machine.bound?.generation ?? currentView().validState?.position.generation ?? machine.floor.generation)
+            remember(pendingLogout: machine.bound?.generation ?? currentView().validState?.position.fleetGeneration ?? machine.floor.fleetGeneration)
         }
         try await publish(write.record, ending: waiting ?? nil)
         forgetPendingLogout()
@@ -85,7 +89,7 @@ extension FleetSession {
     /// One boundary: a new fleet generation holding `record`'s state (its tokens only for a
     /// login; nil: a logout this host owes from before), in a transaction on the state key's
     /// revision. A logout that ends `ending` is dropped once the fleet has gone past it.
-    private func publish(_ record: SessionRecord?, ending: Int64?) async throws(EtcdError) {
+    private func publish(_ record: SessionRecord?, ending: FleetGeneration?) async throws(EtcdError) {
         for _ in 0..<16 {
             let view = try await readView()
             let plan = machine.planPublish(record, view: view, ending: ending, now: now())
@@ -97,8 +101,8 @@ extension FleetSession {
                 return
             case .exhausted:
                 // (9: failed precondition, as gRPC names it.)
-                throw EtcdError(kind: .refused(code: 9), message: "the fleet's generation has reached its limit; "
-                                + "remove the session's key (\(keys.base)state) to start its history anew")
+                throw EtcdError(kind: .refused(code: 9), message: "the fleet's generation has reached its limit; start the session's "
+                                + "fleet history anew (tokenbroker ctl reset-fleet-history \(name)), then log in")
             case let .overtaken(generation):
                 report(.logoutOvertaken(generation: generation))
                 changes.signal()
@@ -114,10 +118,8 @@ extension FleetSession {
             } catch {
                 throw EtcdError(kind: .malformed, message: "cannot seal the fleet's state: \(error)")
             }
-            let done = try await backend.transaction(place.compare(keys.state), success: [.put(key: keys.state, value: sealed, lease: 0)],
-                                                     failure: [.get(key: keys.state)])
-            // An answer lost after etcd applied it, then sent again: the state is ours.
-            guard done.succeeded || (done.reads.first ?? nil)?.value == sealed else { continue }
+            // (Also ours when an answer lost after etcd applied it made the client send it again.)
+            guard try await putState(sealed, over: place).took else { continue }
             if case .create = plan {
                 machine.published(state, local: nil)
                 continue
@@ -131,16 +133,84 @@ extension FleetSession {
         throw EtcdError(kind: .unavailable, message: "the fleet's state kept moving; try again")
     }
 
-    private func remember(pendingLogout ending: Int64?) {
+    // MARK: - Starting the history anew
+
+    /// An admin's way out of a history at its limit (or one a value sealed with the fleet key
+    /// has pushed there, before values too near the limit were refused): writes, in a
+    /// transaction on the state key's revision, a signed-out state that starts a later history
+    /// — its generation low again — and logs this host out with it (`handingOver` gets the
+    /// refresh token that was in force, for revocation), its mark moving to the new history's
+    /// start in the same write. Every other broker follows it as a logout, saying so; a value
+    /// of the earlier history (a backup, a replay) stays a rollback to every broker that has
+    /// seen the new one. Needs etcd: one that cannot be reached changes nothing. Returns the
+    /// new history's first position.
+    public func startHistoryAnew(handingOver: @escaping @Sendable (Secret) -> Void) async throws(EtcdError) -> FleetPosition {
+        // What reaches etcd runs to its end even if the caller goes away.
+        try await Task {
+            await self.serializer.run { () -> Result<FleetPosition, EtcdError> in
+                do throws(EtcdError) {
+                    return .success(try await self.startHistoryAnewNow(handingOver: handingOver))
+                } catch {
+                    return .failure(error)
+                }
+            }
+        }.value.get()
+    }
+
+    private func startHistoryAnewNow(handingOver: @escaping @Sendable (Secret) -> Void) async throws(EtcdError) -> FleetPosition {
+        for _ in 0..<16 {
+            let view = try await readView()
+            let plan = machine.planReset(view: view, now: now())
+            settle(view)
+            let state: FleetState
+            let place: FleetPlace
+            switch plan {
+            case let .create(created):
+                (state, place) = (created, .absent)
+            case let .publish(published, current):
+                (state, place) = (published, current)
+            case .exhausted:
+                throw EtcdError(kind: .refused(code: 9), message: "the fleet's history has reached its limit")
+            case .localOnly, .overtaken:
+                throw EtcdError(kind: .malformed, message: "no history to start")
+            }
+            let sealed: [UInt8]
+            do {
+                sealed = try codec.seal(state, over: place.record)
+            } catch {
+                throw EtcdError(kind: .malformed, message: "cannot seal the fleet's state: \(error)")
+            }
+            machine.writing(state.position)
+            let took = try await putState(sealed, over: place).took
+            machine.wrote(state.position, succeeded: false)
+            guard took else { continue }
+            machine.published(state, local: nil)
+            report(.historyStarted(state.position))
+            // This host ends its session with it, as every other broker does when it follows.
+            // A logout this host still owed the fleet is done: the new history ends every
+            // generation of the old one.
+            forgetPendingLogout()
+            if let coordinator {
+                let local = await coordinator.logoutReplicated(handingOver: handingOver)
+                machine.followed(state, local: local)
+            }
+            settle()
+            changes.signal()
+            return state.position
+        }
+        throw EtcdError(kind: .unavailable, message: "the fleet's state kept moving; try again")
+    }
+
+    private func remember(pendingLogout ending: FleetGeneration?) {
         machine.pendingLogout = .some(ending)
         guard let pendingLogoutFile else { return }
-        if !PendingLogoutFile.write(pendingLogoutFile, settings.prefix + " " + (ending.map { String($0) } ?? "-")) {
+        if !PendingLogoutFile.write(pendingLogoutFile, settings.prefix + " " + PendingLogoutFile.text(ending)) {
             report(.pendingLogoutNotDurable(path: pendingLogoutFile))
         }
     }
 
     /// Forgets the pending logout (only if it is still the one that ends `ending`, when given).
-    private func forgetPendingLogout(ifStill ending: Int64?? = nil) {
+    private func forgetPendingLogout(ifStill ending: FleetGeneration?? = nil) {
         if let ending, machine.pendingLogout != ending { return }
         machine.pendingLogout = nil
         if let pendingLogoutFile { PendingLogoutFile.remove(pendingLogoutFile) }

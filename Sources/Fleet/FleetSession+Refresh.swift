@@ -85,19 +85,18 @@ extension FleetSession {
         guard let claimed = state.claimed(claim), let sealed = try? codec.seal(claimed, over: place.record) else {
             throw FetchFailure.transient("fleet: the flight could not be sealed")
         }
-        let took: EtcdTransaction
+        let took: Put
         do throws(EtcdError) {
-            took = try await backend.transaction(place.compare(keys.state), success: [.put(key: keys.state, value: sealed, lease: 0)],
-                                                 failure: [.get(key: keys.state)])
+            took = try await putState(sealed, over: place)
         } catch {
             throw FetchFailure.transient("fleet: \(error.message)")
         }
         // Ours also when etcd applied the transaction but its answer was lost, and the request
         // was sent again: the key then holds our claim.
-        let landed = took.succeeded ? nil : took.reads.first ?? nil
-        guard took.succeeded || landed?.value == sealed else { return nil }
-        let record = landed ?? EtcdKeyValue(key: keys.state, value: sealed, createRevision: place.record?.createRevision ?? took.revision,
-                                            modRevision: took.revision, version: (place.record?.version ?? 0) + 1, lease: 0)
+        guard took.took else { return nil }
+        let record = took.record.flatMap { $0.value == sealed ? $0 : nil }
+            ?? EtcdKeyValue(key: keys.state, value: sealed, createRevision: place.record?.createRevision ?? took.revision,
+                            modRevision: took.revision, version: (place.record?.version ?? 0) + 1, lease: 0)
         machine.installed(claimed.position)
         return HeldFlight(claimed: claimed, place: FleetPlace(record: record), taken: taken)
     }
@@ -192,10 +191,8 @@ extension FleetSession {
     @discardableResult
     private func write(_ state: FleetState, over place: FleetPlace) async -> Bool {
         guard let sealed = try? codec.seal(state, over: place.record) else { return false }
-        let done = await Task { [backend, keys] in
-            try? await backend.transaction(place.compare(keys.state), success: [.put(key: keys.state, value: sealed, lease: 0)], failure: [])
-        }.value
-        let succeeded = done?.succeeded == true
+        let done = await Task { try? await self.putState(sealed, over: place) }.value
+        let succeeded = done?.took == true
         if succeeded { machine.installed(state.position) }
         return succeeded
     }
@@ -253,11 +250,9 @@ extension FleetSession {
         repeat {
             attempts += 1
             do throws(EtcdError) {
-                let done = try await backend.transaction(place.compare(keys.state),
-                                                         success: [.put(key: keys.state, value: sealed, lease: 0)],
-                                                         failure: [.get(key: keys.state)])
-                if done.succeeded { return .committed(pending.next) }
-                let stored = done.reads.first ?? nil
+                let done = try await putState(sealed, over: place)
+                if done.took { return .committed(pending.next) }
+                let stored = done.record
                 let verdict = machine.verdict(on: stored.map { codec.openState($0, unixNow: wall.unixTime()) }, record: stored,
                                               sameBytes: stored?.value == sealed, next: pending.next, over: place)
                 switch verdict {

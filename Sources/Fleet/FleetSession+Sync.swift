@@ -138,7 +138,7 @@ extension FleetSession {
                 // First contact with a fleet that is signed out, and nothing active here: there
                 // is nothing to end (a logout now would only undo a login this host is making).
                 if !hadBound, !wasActive { return .done }
-                let generation = await coordinator.logoutReplicated()
+                let generation = await coordinator.logoutReplicated { _ in }
                 machine.followed(state, local: generation)
                 if let state, wasActive || hadBound {
                     report(.loggedOut(state.position, endReason: state.phase == .ended ? state.endReason ?? "ended" : nil))

@@ -122,7 +122,7 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
         if let pendingLogoutFile, let text = PendingLogoutFile.read(pendingLogoutFile) {
             // "<prefix> <generation or ->": a logout of this session under that prefix.
             if let space = text.lastIndex(of: " "), text[..<space] == settings.prefix {
-                machine.pendingLogout = .some(Int64(text[text.index(after: space)...]))
+                machine.pendingLogout = .some(PendingLogoutFile.generation(text[text.index(after: space)...]))
             } else {
                 report(.pendingLogoutIgnored(path: pendingLogoutFile))
             }
@@ -226,6 +226,33 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
         }
     }
 
+    /// What became of one write of the state key.
+    struct Put: Sendable {
+        /// The key holds our value: the write applied now, or before (its answer lost, the
+        /// request sent again).
+        var took: Bool
+        /// What the key holds after the transaction (read back in it; nil: nothing, or an
+        /// answer without it).
+        var record: EtcdKeyValue?
+        /// The revision of etcd's answer.
+        var revision: Int64
+    }
+
+    /// Writes `sealed` over the state at `place`, in one transaction that compares its revision
+    /// and value and reads the key back whichever branch runs. A write that took is in the
+    /// mirror before this returns, ahead of its watch event: the machine counts a position this
+    /// broker wrote as reached only after this, so no view of the mirror is older than it (a
+    /// broker's own write never looks like a rollback to it).
+    nonisolated func putState(_ sealed: [UInt8], over place: FleetPlace) async throws(EtcdError) -> Put {
+        let done = try await backend.transaction(place.compare(keys.state),
+                                                 success: [.put(key: keys.state, value: sealed, lease: 0), .get(key: keys.state)],
+                                                 failure: [.get(key: keys.state)])
+        let record = done.reads.first ?? nil
+        let took = done.succeeded || (record != nil && record?.value == sealed)
+        if took, let record, record.value == sealed, mirror.withLock({ $0.wrote(record) }) { changes.signal() }
+        return Put(took: took, record: record, revision: done.revision)
+    }
+
     /// The view of the mirror as it stands.
     func currentView() -> FleetView {
         codec.view(of: mirror.withLock { $0 }, unixNow: wall.unixTime())
@@ -246,7 +273,7 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
             status.health = health
             status.revision = max(status.revision, revision)
             status.position = machine.floor
-            status.generation = machine.bound?.generation ?? view?.validState?.position.generation ?? status.generation
+            status.generation = machine.bound?.generation.generation ?? view?.validState?.position.generation ?? status.generation
             status.counters = machine.counters
             if let view { status.flightHolder = machine.holder(in: view, now: now()) }
         }

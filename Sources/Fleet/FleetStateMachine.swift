@@ -15,21 +15,31 @@ import TokenBrokerCore
 ///   refreshed from or committed over: the session serves what it has and reports `rolledBack`.
 ///   Nor is a state written at an older etcd revision than one this broker has seen the key
 ///   hold (a restored backup, even at the position of the floor).
+/// - **A view is never older than this broker's own writes.** The session puts each write etcd
+///   acknowledged into its mirror of the key (`FleetSession.putState`) before it tells the
+///   machine (`installed`, `published`, `wrote`), ahead of the write's watch event: a view older
+///   than `floor` is one etcd showed after having shown more, never a watch that lags.
 /// - **Only authentic values decide.** A refused state changes nothing but health and counters.
 /// - **A flight claim holds for its lease from the moment this broker first saw it** (on its own
 ///   clock), and once more from scratch when etcd answers after it could not be reached (once
 ///   per claim): the holder gives up its upstream request a margin before its own lease ends,
 ///   so no second broker starts while the first one's request may still reach the issuer.
 /// - `bound`, once set, pairs this host's local generation with the fleet generation it stands
-///   for; `bound.generation <= floor.generation`. A demand of another local generation is
+///   for; `bound.generation <= floor.fleetGeneration`. A demand of another local generation is
 ///   refused (`notCaughtUp`): its session is over here.
+/// - **A history is started anew only on purpose.** A state of a later history than `floor`'s
+///   (an admin's `ResetFleetHistory` on some broker) comes after every position of the earlier
+///   one, so it is followed — and said loudly (`newHistory`); one of an earlier history is a
+///   rollback like any older position. This broker starts one only for `planReset`.
+/// - **Room below the limit.** No value read leaves less than `FleetPosition.room` below the
+///   limit (`FleetCodec` refuses it), so `floor` never rises that far by what etcd shows.
 /// - `applied` is the position of what this host's coordinator holds (within `bound`): a state
 ///   at or before it is never installed again.
 /// - While this host owes the fleet a logout, it follows no login it would end.
 struct FleetStateMachine: Sendable {
     struct Bound: Sendable, Equatable {
         var local: Int
-        var generation: Int64
+        var generation: FleetGeneration
     }
 
     enum Health: Sendable, Equatable {
@@ -92,7 +102,7 @@ struct FleetStateMachine: Sendable {
     /// A local login that could not reach the fleet: its generation's logout is local only.
     var failedLogin: Int?
     /// A logout of this host etcd has not taken yet: the fleet generation it ends (nil: the newest).
-    var pendingLogout: Int64??
+    var pendingLogout: FleetGeneration??
     /// Events for the log, drained by the session after each step.
     private(set) var events: [FleetEvent] = []
     /// What the fleet's values say (from the last view checked).
@@ -160,7 +170,7 @@ struct FleetStateMachine: Sendable {
             if reported != place.modRevision {
                 reported = place.modRevision
                 counters.refusedValues += 1
-                events.append(.valueRefused(field: "state", problem: problem.description, revision: place.modRevision))
+                events.append(.valueRefused(field: "state", problem: problem.description, revision: place.modRevision, serving: bound != nil))
             }
             trust = .untrusted("the fleet's state \(problem)")
         case .absent where floor > .start:
@@ -173,6 +183,7 @@ struct FleetStateMachine: Sendable {
         case let .valid(state, place) where state.position < floor || place.modRevision < highestRevision:
             trust = .rolledBack(seen: state.position, floor: floor)
         case let .valid(state, place):
+            if state.position.history > floor.history, state.position != ownWrite { events.append(.newHistory(from: floor, to: state.position)) }
             floor = state.position
             trust = .healthy
             usable = state
@@ -216,13 +227,13 @@ struct FleetStateMachine: Sendable {
             if case .absent = view.state, bound == nil, trust == .healthy { return .logOut(nil) }
             return .none
         }
-        guard let bound, state.position.generation <= bound.generation else {
+        guard let bound, state.position.fleetGeneration <= bound.generation else {
             guard state.phase == .active else { return .logOut(state) }
             // A logout this host owes the fleet ends this login too: not followed meanwhile.
-            if let pending = pendingLogout, state.position.generation <= (pending ?? floor.generation) { return .none }
+            if let pending = pendingLogout, state.position.fleetGeneration <= (pending ?? floor.fleetGeneration) { return .none }
             return .logIn(state)
         }
-        guard state.position.generation == bound.generation, state.position > (applied ?? .start), state.position != ownWrite else { return .none }
+        guard state.position.fleetGeneration == bound.generation, state.position > (applied ?? .start), state.position != ownWrite else { return .none }
         switch state.phase {
         case .active:
             if let held, state.accessToken == held {
@@ -237,14 +248,14 @@ struct FleetStateMachine: Sendable {
 
     /// This host logged in (as `local`) with the fleet's `state`, or out with it (nil: none).
     mutating func followed(_ state: FleetState?, local: Int) {
-        bound = Bound(local: local, generation: state?.position.generation ?? 0)
+        bound = Bound(local: local, generation: state?.position.fleetGeneration ?? FleetPosition.start.fleetGeneration)
         applied = state?.position ?? .start
     }
 
     /// This host holds the token of `position` (adopted, delivered, or its own commit), or has
     /// seen a state of its own generation with the same token (a flight taken, a backoff noted).
     mutating func installed(_ position: FleetPosition) {
-        guard let bound, position.generation == bound.generation else { return }
+        guard let bound, position.fleetGeneration == bound.generation else { return }
         applied = max(applied ?? .start, position)
         floor = max(floor, position)
     }
@@ -268,7 +279,7 @@ struct FleetStateMachine: Sendable {
         let state = check(view, now: now)
         guard let bound, bound.local == generation else { return .notCaughtUp }
         guard let state, case let .valid(_, place) = view.state else { return .unusable(Self.describe(health)) }
-        guard state.position.generation == bound.generation, state.phase == .active else { return .boundaryElsewhere }
+        guard state.position.fleetGeneration == bound.generation, state.phase == .active else { return .boundaryElsewhere }
         if state.position > (applied ?? .start), let token = Self.usable(state, unixNow: unixNow), token.accessToken != held {
             return .deliver(state)
         }
@@ -284,7 +295,7 @@ struct FleetStateMachine: Sendable {
     /// Once this broker's own flight is over without a token of its own: the newest token the
     /// fleet holds for this generation, if it is newer than what this host has.
     mutating func afterFlight(_ view: FleetView, generation: Int, unixNow: Double, now: Duration) -> FleetState? {
-        guard let state = check(view, now: now), let bound, bound.local == generation, state.position.generation == bound.generation,
+        guard let state = check(view, now: now), let bound, bound.local == generation, state.position.fleetGeneration == bound.generation,
               state.phase == .active, state.position > (applied ?? .start), Self.usable(state, unixNow: unixNow) != nil else { return nil }
         return state
     }
@@ -295,10 +306,10 @@ struct FleetStateMachine: Sendable {
                  over place: FleetPlace) -> CommitVerdict {
         if sameBytes { return .committed }
         // A later generation is known here (a logout or login elsewhere): the answer is late.
-        if floor.generation > next.position.generation { return .overtakenByBoundary }
+        if floor.fleetGeneration > next.position.fleetGeneration { return .overtakenByBoundary }
         guard let stored, let record else { return .failed("the fleet's state was deleted") }
         switch stored {
-        case let .success(current) where current.position.generation > next.position.generation:
+        case let .success(current) where current.position.fleetGeneration > next.position.fleetGeneration:
             return .overtakenByBoundary
         case let .success(current) where current.position >= next.position:
             return .overtakenByRefresh
@@ -321,7 +332,7 @@ struct FleetStateMachine: Sendable {
         /// Published already, or superseded here, or the end of a login that never reached the fleet.
         case localOnly
         /// The fleet has moved past the generation the logout ends.
-        case overtaken(generation: Int64)
+        case overtaken(generation: FleetGeneration)
         /// The key does not exist: create it first, with no token, at this position.
         case create(FleetState)
         /// Write `state` over `place`.
@@ -330,30 +341,38 @@ struct FleetStateMachine: Sendable {
         case exhausted
     }
 
+    /// Whether this host's login or logout `record` stays on this host, decided before etcd is
+    /// asked anything: this host is past its generation already (published, or superseded
+    /// here), or it is the end of a login that never reached the fleet — whose generation the
+    /// fleet never had, so its end is no logout of the fleet's (not even one owed for later,
+    /// while etcd cannot be reached): the sync loop follows the fleet afresh.
+    mutating func isLocalOnly(_ record: SessionRecord) -> Bool {
+        if let bound, bound.local >= record.generation { return true }
+        if failedLogin == record.generation, record.state != .active {
+            failedLogin = nil
+            bound = nil   // follow the fleet afresh
+            return true
+        }
+        return false
+    }
+
     /// What to publish for this host's login or logout `record` (nil: a logout this host owes
     /// from before), given a fresh `view`; `ending` is the fleet generation a logout that
     /// waited ends. The new generation is after every one this broker knows of, and after the
     /// revision read: every generation published stays below the revision of its own commit,
     /// so one published later is higher, whatever its publisher had seen.
-    mutating func planPublish(_ record: SessionRecord?, view: FleetView, ending: Int64?, now: Duration) -> PublishPlan {
-        if let record {
-            if let bound, bound.local >= record.generation { return .localOnly }
-            if failedLogin == record.generation, record.state != .active {
-                failedLogin = nil
-                bound = nil   // follow the fleet afresh
-                return .localOnly
-            }
-        }
+    mutating func planPublish(_ record: SessionRecord?, view: FleetView, ending: FleetGeneration?, now: Duration) -> PublishPlan {
+        if let record, isLocalOnly(record) { return .localOnly }
         _ = check(view, now: now)
         let phase = record?.state ?? .signedOut
-        if phase != .active, let ending, let current = view.validState, current.position.generation > ending {
-            return .overtaken(generation: current.position.generation)
+        if phase != .active, let ending, let current = view.validState, current.position.fleetGeneration > ending {
+            return .overtaken(generation: current.position.fleetGeneration)
         }
-        // (At most 2^32 past what this broker knows: one answer with a huge revision, from a
-        // member that lies, cannot use the generations up.)
-        let known = max(floor.generation, view.validState?.position.generation ?? 0)
-        guard let next = FleetPosition.nextGeneration(after: [floor, view.validState?.position ?? .start],
-                                                      atLeast: min(view.revision + 1, known + (1 << 32))) else {
+        // After every position known here, in the latest history known. (At most 2^32 past what
+        // this broker knows: one answer with a huge revision, from a member that lies, cannot
+        // use the generations up.)
+        let known = max(floor, view.validState?.position ?? .start)
+        guard let next = known.nextGeneration(atLeast: min(view.revision + 1, known.generation + (1 << 32))) else {
             events.append(.exhausted)
             return .exhausted
         }
@@ -376,9 +395,25 @@ struct FleetStateMachine: Sendable {
     mutating func published(_ state: FleetState, local: Int?) {
         floor = max(floor, state.position)
         if let local {
-            bound = Bound(local: local, generation: state.position.generation)
+            bound = Bound(local: local, generation: state.position.fleetGeneration)
             applied = state.position
         }
+    }
+
+    /// What to publish for an admin's reset of the session's fleet history, given a fresh
+    /// `view`: a signed-out state that starts a history after every one this broker knows of
+    /// (in its floor, or in the view) — its generation starts low again, at least the revision
+    /// read (as a login's), so two resets made unaware of each other are still ordered. Every
+    /// broker follows it as a logout; the next login starts the history's first session.
+    mutating func planReset(view: FleetView, now: Duration) -> PublishPlan {
+        _ = check(view, now: now)
+        let known = max(floor, view.validState?.position ?? .start)
+        guard let next = known.nextHistory(atLeast: view.revision + 1) else {
+            events.append(.exhausted)
+            return .exhausted
+        }
+        let state = FleetState(position: next, phase: .signedOut)
+        return view.place.record == nil ? .create(state) : .publish(state, view.place)
     }
 
     // MARK: - Helpers

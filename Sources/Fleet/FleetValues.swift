@@ -3,45 +3,89 @@ import TokenBrokerCore
 /// A place in a fleet session's history. Every write of the session's state moves it on: a
 /// login or logout, on any broker, starts a generation (serial 0); every other write — a flight
 /// taken, a refresh committed, a failure noted, the end of a session — adds one to the serial.
+/// An admin's reset (`ResetFleetHistory`) starts the history anew: a later history, whose
+/// generations come after every one of the earlier (the only way the numbers start low again).
 /// Positions are ordered, and a broker never installs, serves, refreshes from or follows a
 /// state before the highest position it has applied or published.
 public struct FleetPosition: Sendable, Hashable, Comparable, CustomStringConvertible {
-    /// Both numbers stay below this (2^53): no successor can overflow, and JSON carries them
+    /// Every number stays below this (2^53): no successor can overflow, and JSON carries them
     /// exactly.
     public static let limit: Int64 = 1 << 53
-    public static let start = FleetPosition(checked: 0, 0)
+    /// The room kept below `limit`: a value read from etcd whose history, generation or serial
+    /// is `limit - room` (2^53 − 2^48) or more is refused, whoever sealed it. So whatever a
+    /// broker accepts leaves 2^48 more logins (65,536 even at the 2^32 a login can jump, from
+    /// an etcd member that lies about its revision) and 2^48 more writes of a generation: a
+    /// value sealed with the fleet key cannot use the fleet's numbers up.
+    public static let room: Int64 = 1 << 48
+    public static let start = FleetPosition(checked: 0, 0, 0)
 
+    /// Which history (0 until the first reset).
+    public let history: Int64
     public let generation: Int64
     public let serial: Int64
 
     /// Nil when a number is negative or at the limit.
-    public init?(generation: Int64, serial: Int64) {
-        guard (0..<Self.limit).contains(generation), (0..<Self.limit).contains(serial) else { return nil }
+    public init?(history: Int64 = 0, generation: Int64, serial: Int64) {
+        guard (0..<Self.limit).contains(history), (0..<Self.limit).contains(generation), (0..<Self.limit).contains(serial) else { return nil }
+        self.history = history
         self.generation = generation
         self.serial = serial
     }
 
-    private init(checked generation: Int64, _ serial: Int64) {
+    private init(checked history: Int64, _ generation: Int64, _ serial: Int64) {
+        self.history = history
         self.generation = generation
         self.serial = serial
     }
+
+    /// The generation this position is in.
+    public var fleetGeneration: FleetGeneration { FleetGeneration(history: history, generation: generation) }
+
+    /// Whether every number leaves `room` below the limit (what a value read must do).
+    public var leavesRoom: Bool { max(history, generation, serial) < Self.limit - Self.room }
 
     /// The next serial of this generation (nil at the limit: the session needs a new login).
-    public var nextSerial: FleetPosition? { FleetPosition(generation: generation, serial: serial + 1) }
+    public var nextSerial: FleetPosition? { FleetPosition(history: history, generation: generation, serial: serial + 1) }
 
-    /// The first position of a generation after every one of `positions`, and at least
-    /// `atLeast` (nil at the limit).
-    static func nextGeneration(after positions: [FleetPosition], atLeast: Int64) -> FleetPosition? {
-        let highest = positions.map(\.generation).max() ?? 0
-        guard highest < Self.limit - 1 else { return nil }
-        return FleetPosition(generation: max(highest + 1, atLeast), serial: 0)
+    /// The first position of a generation after this position's, and at least `atLeast`, in
+    /// its history (nil at the limit: the history must be started anew).
+    func nextGeneration(atLeast: Int64) -> FleetPosition? {
+        guard generation < Self.limit - 1 else { return nil }
+        return FleetPosition(history: history, generation: min(max(generation + 1, atLeast), Self.limit - 1), serial: 0)
+    }
+
+    /// The first position of a history after this position's: its generation at least
+    /// `atLeast` (as a login's is) and at most 2^32, so that it starts low (nil at the limit).
+    func nextHistory(atLeast: Int64) -> FleetPosition? {
+        guard history < Self.limit - 1 else { return nil }
+        return FleetPosition(history: history + 1, generation: min(max(atLeast, 1), 1 << 32), serial: 0)
     }
 
     public static func < (lhs: FleetPosition, rhs: FleetPosition) -> Bool {
-        (lhs.generation, lhs.serial) < (rhs.generation, rhs.serial)
+        (lhs.history, lhs.generation, lhs.serial) < (rhs.history, rhs.generation, rhs.serial)
     }
 
-    public var description: String { "generation \(generation), serial \(serial)" }
+    public var description: String {
+        (history > 0 ? "history \(history), " : "") + "generation \(generation), serial \(serial)"
+    }
+}
+
+/// A generation of a session's fleet history: what one login or logout starts, anywhere in the
+/// fleet. Ordered: the generations of a later history come after all of an earlier one's.
+public struct FleetGeneration: Sendable, Hashable, Comparable, CustomStringConvertible {
+    public var history: Int64
+    public var generation: Int64
+
+    public init(history: Int64 = 0, generation: Int64) {
+        self.history = history
+        self.generation = generation
+    }
+
+    public static func < (lhs: FleetGeneration, rhs: FleetGeneration) -> Bool {
+        (lhs.history, lhs.generation) < (rhs.history, rhs.generation)
+    }
+
+    public var description: String { (history > 0 ? "history \(history), " : "") + "generation \(generation)" }
 }
 
 /// A session's state as the fleet shares it, in its `state` key: sealed with the fleet key

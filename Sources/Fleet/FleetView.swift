@@ -18,6 +18,18 @@ struct FleetMirror: Sendable {
         loaded = true
     }
 
+    /// Takes this broker's own write of the key, as etcd answered it (`record`, read back in the
+    /// write's transaction): the key held it at its revision, whatever the watch has brought yet
+    /// (a transaction's answer comes before its watch event). Returns whether it changed
+    /// anything; a mirror already at or past that revision has it, or something newer.
+    mutating func wrote(_ record: EtcdKeyValue) -> Bool {
+        guard record.modRevision > revision else { return false }
+        state = record
+        earlierLayout = false
+        revision = record.modRevision
+        return true
+    }
+
     /// Applies one batch of watch events of the key; returns whether it changed anything.
     /// Events at or before the mirror's revision are already in it.
     mutating func apply(_ events: [EtcdEvent], revision: Int64, key: [UInt8]) -> Bool {

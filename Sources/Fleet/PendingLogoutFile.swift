@@ -35,6 +35,21 @@ enum PendingLogoutFile {
         return syncDirectory(of: path)
     }
 
+    /// A logout's generation as the file names it: `-` (the newest), `<generation>` (of the
+    /// first history) or `<history>:<generation>`; nil when it is none of these.
+    static func generation(_ text: Substring) -> FleetGeneration? {
+        let parts = text.split(separator: ":", omittingEmptySubsequences: false)
+        guard let generation = parts.last.flatMap({ Int64($0) }), parts.count <= 2 else { return nil }
+        guard parts.count == 2 else { return FleetGeneration(generation: generation) }
+        return Int64(parts[0]).map { FleetGeneration(history: $0, generation: generation) }
+    }
+
+    /// The text that names `generation` (nil: the newest).
+    static func text(_ generation: FleetGeneration?) -> String {
+        guard let generation else { return "-" }
+        return generation.history > 0 ? "\(generation.history):\(generation.generation)" : String(generation.generation)
+    }
+
     static func remove(_ path: String) {
         if unlink(path) == 0 { _ = syncDirectory(of: path) }
     }

@@ -41,7 +41,7 @@ public struct WrongStateKey: Error, Sendable, Equatable, CustomStringConvertible
 /// All SQLite work runs on one dedicated thread, in order.
 public final class SQLiteSessionStore: SessionStore {
     /// The schema version this build writes; older databases are migrated forward.
-    public static let schemaVersion: Int32 = 4
+    public static let schemaVersion: Int32 = 5
 
     private final class Connection: @unchecked Sendable {
         // @unchecked: the handle and the statement cache are used only on the store's serial
@@ -353,6 +353,9 @@ public final class SQLiteSessionStore: SessionStore {
         """,
         // 4: a DPoP session's private key (RFC 9449), sealed like the refresh token.
         "ALTER TABLE sessions ADD COLUMN proof_key TEXT;",
+        // 5: the fleet history a mark is in (0 until an admin starts the session's history anew):
+        // marks compare by history first.
+        "ALTER TABLE fleet_marks ADD COLUMN history INTEGER NOT NULL DEFAULT 0;",
     ]
 
     private static func migrate(_ db: OpaquePointer) throws {
@@ -470,11 +473,14 @@ public final class SQLiteSessionStore: SessionStore {
         var mark: (mark: HistoryMark, prefix: String)?
     }
 
-    /// A position in a fleet's history: its generation and serial.
+    /// A position in a fleet's history: which history (0 until one is started anew), its
+    /// generation and serial, compared in that order.
     public struct HistoryMark: Sendable, Equatable {
+        public var history: Int64
         public var generation: Int64
         public var serial: Int64
-        public init(generation: Int64, serial: Int64) {
+        public init(history: Int64 = 0, generation: Int64, serial: Int64) {
+            self.history = history
             self.generation = generation
             self.serial = serial
         }
@@ -492,15 +498,16 @@ public final class SQLiteSessionStore: SessionStore {
         let outcome = try apply(connection, queued.write, cipher: cipher)
         guard let (mark, prefix) = queued.mark else { return outcome }
         let upsert = try connection.prepare("""
-            INSERT INTO fleet_marks (session, prefix, generation, serial) VALUES (?1, ?2, ?3, ?4)
-            ON CONFLICT (session, prefix) DO UPDATE SET generation = excluded.generation, serial = excluded.serial
-            WHERE (excluded.generation, excluded.serial) > (fleet_marks.generation, fleet_marks.serial)
+            INSERT INTO fleet_marks (session, prefix, history, generation, serial) VALUES (?1, ?2, ?5, ?3, ?4)
+            ON CONFLICT (session, prefix) DO UPDATE SET history = excluded.history, generation = excluded.generation, serial = excluded.serial
+            WHERE (excluded.history, excluded.generation, excluded.serial) > (fleet_marks.history, fleet_marks.generation, fleet_marks.serial)
             """)
         defer { upsert.reset() }
         upsert.bind(1, queued.write.record.name)
         upsert.bind(2, prefix)
         upsert.bind(3, mark.generation)
         upsert.bind(4, mark.serial)
+        upsert.bind(5, mark.history)
         try upsert.run()
         return outcome
     }
@@ -570,12 +577,14 @@ public final class SQLiteSessionStore: SessionStore {
     public func mark(_ session: String, prefix: String) async throws -> HistoryMark? {
         let connection = self.connection
         return try await thread.run {
-            let statement = try connection.prepare("SELECT generation, serial FROM fleet_marks WHERE session = ?1 AND prefix = ?2")
+            let statement = try connection.prepare("SELECT history, generation, serial FROM fleet_marks WHERE session = ?1 AND prefix = ?2")
             defer { statement.reset() }
             statement.bind(1, session)
             statement.bind(2, prefix)
-            guard try statement.step(), let generation = statement.int(0), let serial = statement.int(1) else { return nil }
-            return HistoryMark(generation: generation, serial: serial)
+            guard try statement.step(), let history = statement.int(0), let generation = statement.int(1), let serial = statement.int(2) else {
+                return nil
+            }
+            return HistoryMark(history: history, generation: generation, serial: serial)
         }
     }
 

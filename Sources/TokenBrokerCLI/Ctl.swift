@@ -192,6 +192,9 @@ public enum Ctl {
                 guard operands.count == 1 else { return usage("logout needs exactly one SESSION", &errors) }
                 _ = try call(address, .logout(session: operands[0]))
                 output.write("logged out \(operands[0])\n")
+            case "reset-fleet-history":
+                guard operands.count == 1 else { return usage("reset-fleet-history needs exactly one SESSION", &errors) }
+                try resetFleetHistory(address, operands[0], json: json, output: &output)
             default:
                 return usage("unknown verb '\(verb)'", &errors)
             }
@@ -204,6 +207,21 @@ public enum Ctl {
             errors.write("Error: \(error)\n")
             return ExitCode.failure
         }
+    }
+
+    /// ResetFleetHistory: a fleet session's history started anew; says what to do next.
+    static func resetFleetHistory(_ address: VarlinkAddress, _ session: String, json: Bool, output: inout some TextOutput) throws(Failure) {
+        let reply: VarlinkReply
+        do {
+            reply = try call(address, .resetFleetHistory(session: session))
+        } catch where error.code == ExitCode.usage {
+            // (The broker's InvalidParameter: the session is not a fleet session.)
+            throw Failure(code: ExitCode.failure, message: "'\(session)' is not a fleet session (Fleet=yes): it has no fleet history")
+        }
+        guard !json else { return output.write(JSON.object(reply.parameters).text + "\n") }
+        let started = FleetResetReply(reply.parameters)
+        output.write("started the fleet history of \(session) anew (history \(started.history), fleet generation \(started.generation)); "
+                     + "every broker logs it out: run `tokenbroker ctl login \(session)`\n")
     }
 
     private static func usage(_ message: String, _ errors: inout some TextOutput) -> Int32 {

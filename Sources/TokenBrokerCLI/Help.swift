@@ -141,6 +141,8 @@ public enum Help {
           logout <session>        Log the session out (admin).
           forget <session>        Remove a stored session the configuration no longer names (admin).
           refresh <session>       Refresh the session's token now (admin).
+          reset-fleet-history <session>
+                                  Start a fleet session's history anew, past its limit (admin).
           reload                  Make the daemon re-read its configuration (admin).
           metrics                 Print the daemon's metrics, Prometheus text format (admin).
           check-config            Validate the configuration files (same as `tokenbroker check-config`).
@@ -331,6 +333,27 @@ public enum Help {
 
         """
 
+    public static let ctlResetFleetHistory = """
+        OVERVIEW: Start a fleet session's history anew (admin).
+
+        The way out of a fleet generation at its limit (the journal says when to use it): writes
+        a signed-out state in a new history to etcd, whose generations start low again, and
+        logs the session out on every broker, each of which says so in its journal and moves
+        its mark of the session there. Values of the earlier history are refused from then on,
+        as rollbacks. The refresh token in force is revoked, as at a logout. Log in afterwards.
+        Needs etcd; for fleet sessions (Fleet=yes) only.
+
+        USAGE: tokenbroker ctl [--socket <path>] reset-fleet-history <session> [--json]
+
+        OPTIONS:
+          --json                  The ResetFleetHistory reply as JSON.
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl reset-fleet-history billing && tokenbroker ctl login billing
+
+        """
+
     public static let ctlReload = """
         OVERVIEW: Make the daemon re-read its configuration (admin).
 
@@ -378,6 +401,7 @@ public enum Help {
         case "status": return ctlStatus
         case "token": return ctlToken
         case "logout": return ctlLogout
+        case "reset-fleet-history": return ctlResetFleetHistory
         default: return nil
         }
     }

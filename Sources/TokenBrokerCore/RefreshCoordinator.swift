@@ -403,11 +403,14 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// A logout made elsewhere (another broker of a fleet), applied here: as
     /// `logout(replicated: true)`, but it answers the generation it ended the session in, also
     /// when this host's copy could not be written yet (the write is then pending).
+    /// `handingOver` receives the refresh token that was in force, as `logout`'s does.
     @discardableResult
-    public func logoutReplicated() async -> Int {
+    public func logoutReplicated(handingOver: @Sendable (Secret) -> Void = { _ in }) async -> Int {
+        let retired = machine.currentRefreshToken
         var boundary = machine.logout()
         boundary.write?.replicated = true
         cross(boundary)
+        if let retired { handingOver(retired) }
         let generation = machine.generation
         if let write = boundary.write { await persist(write) }
         return generation

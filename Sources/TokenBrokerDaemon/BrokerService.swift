@@ -109,6 +109,9 @@ final class BrokerService: VarlinkHandler {
             guard case let .getProof(_, method, uri, nonce, rejected, minValid) = request else { throw BrokerError.internalError }
             return service.getProof(session, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init), validFor: minValid, by: peer)
         }),
+        .resetFleetHistory: Method(access: .admin, handler: .session { service, _, peer, session in
+            service.resetFleetHistory(session.configuration.name, by: peer)
+        }),
         .metrics: Method(access: .admin, handler: .other { service, _, _ in
             .async { sink in sink.send(VarlinkReply(parameters: MetricsReply(text: await service.metricsText()).parameters)) }
         }),
@@ -424,7 +427,7 @@ final class BrokerService: VarlinkHandler {
 
     /// What a logout does with the refresh token it retires: revoke it upstream (RFC 7009),
     /// best effort, in the background (the revocations pool), so the logout is not delayed.
-    private func revocation(for session: SessionTable.Session) -> @Sendable (Secret) -> Void {
+    func revocation(for session: SessionTable.Session) -> @Sendable (Secret) -> Void {
         guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream, settings.revokeOnLogout else {
             return { _ in }
         }
@@ -473,6 +476,9 @@ final class BrokerService: VarlinkHandler {
         case let error as StoreError:
             logger.error("state database error in session \(session): \(error)")
             return .storeFailed(session: session, reason: error.message)
+        case let error as EtcdError:
+            // (The fleet's state could not be written: etcd's message names no value.)
+            return .storeFailed(session: session, reason: "fleet: \(error.message)")
         default:
             logger.error("internal error in session \(session): \(type(of: error))")
             return .internalError

@@ -24,8 +24,8 @@ struct FleetStateStore: FleetLocalStore {
         do {
             let applied: Bool
             if let database = state.database {
-                applied = try await database.write(write, mark: SQLiteSessionStore.HistoryMark(generation: mark.generation, serial: mark.serial),
-                                                   prefix: prefix)
+                applied = try await database.write(write, mark: SQLiteSessionStore.HistoryMark(history: mark.history, generation: mark.generation,
+                                                                                                serial: mark.serial), prefix: prefix)
             } else {
                 memory?.modify { $0[write.record.name] = max($0[write.record.name] ?? .start, mark) }
                 applied = try await state.sessions.write(write)
@@ -59,6 +59,6 @@ struct FleetStateStore: FleetLocalStore {
 
     func mark(_ session: String) async throws -> FleetPosition? {
         guard let database = state.database else { return memory?.value[session] }
-        return try await database.mark(session, prefix: prefix).flatMap { FleetPosition(generation: $0.generation, serial: $0.serial) }
+        return try await database.mark(session, prefix: prefix).flatMap { FleetPosition(history: $0.history, generation: $0.generation, serial: $0.serial) }
     }
 }

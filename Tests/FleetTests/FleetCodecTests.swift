@@ -78,15 +78,31 @@ struct FleetCodecTests {
         #expect(try forge(#""g":"2","n":"1","s":"active","at":"a","exp":"-9000000000000000000""#).get().expiresAt == Int64(Self.now - FleetCodec.timeBound))
         for fields in [#""g":"9007199254740992","n":"1","s":"active""#, #""g":"2","n":"18446744073709551615","s":"active""#,
                        #""g":"-1","n":"1","s":"active""#, #""g":"2","n":"1","s":"awake""#, #""g":2,"n":"1","s":"active""#,
-                       #""g":"2","n":"1","s":"signedOut","rt":"r""#] {
+                       #""g":"2","n":"1","s":"signedOut","rt":"r""#, #""h":"-1","g":"2","n":"1","s":"active""#,
+                       #""h":"x","g":"2","n":"1","s":"active""#] {
             guard case .failure(.malformed) = try forge(fields) else {
                 Issue.record("taken: \(fields)")
                 continue
             }
         }
-        let limit = try forge(#""g":"9007199254740991","n":"9007199254740991","s":"active","at":"a""#).get()
-        #expect(limit.position.nextSerial == nil && FleetPosition.nextGeneration(after: [limit.position], atLeast: 0) == nil)
-        #expect(limit.refreshed(with: FetchedToken(accessToken: Secret("b")), unixNow: Self.now) == nil)
+        // Sealed with the key, but at the limit or within the room kept below it: refused, so that
+        // no value can use the fleet's numbers up.
+        let (limit, lowest) = (FleetPosition.limit, FleetPosition.limit - FleetPosition.room)
+        for fields in [#""g":"\#(limit - 1)","n":"\#(limit - 1)","s":"active","at":"a""#, #""g":"\#(lowest)","n":"1","s":"active""#,
+                       #""g":"2","n":"\#(lowest)","s":"active""#, #""h":"\#(lowest)","g":"2","n":"1","s":"active""#] {
+            guard case .failure(.nearLimit) = try forge(fields) else {
+                Issue.record("taken: \(fields)")
+                continue
+            }
+        }
+        let highest = try forge(#""h":"\#(lowest - 1)","g":"\#(lowest - 1)","n":"\#(lowest - 1)","s":"active","at":"a""#).get()
+        #expect(highest.position.nextGeneration(atLeast: 0)?.generation == lowest && highest.position.nextSerial != nil)
+        let last = try #require(FleetPosition(generation: limit - 1, serial: limit - 1))
+        #expect(last.nextSerial == nil && last.nextGeneration(atLeast: 0) == nil)
+        #expect(last.nextHistory(atLeast: 900) == FleetPosition(history: 1, generation: 900, serial: 0))
+        #expect(FleetPosition(generation: 5, serial: 0)!.nextGeneration(atLeast: limit * 4)?.generation == limit - 1)
+        let full = FleetState(position: last, phase: .active, accessToken: Secret("a"))
+        #expect(full.refreshed(with: FetchedToken(accessToken: Secret("b")), unixNow: Self.now) == nil)
         #expect(FleetCodec.printable("a\nb\u{2028}" + String(repeating: "z", count: 400)).count == 200)
         #expect(!FleetCodec.printable("a\r\nb").contains("\n"))
     }

@@ -96,6 +96,12 @@ struct FleetAttackTests {
             var served = 0
             for _ in 0..<50 { for member in 0..<4 where fleet.token(member) == first { served += 1 } }
             print("figure: rollback: \(served) of 200 GetToken calls (2 running, 1 restarted, 1 new broker) served the token the logout ended")
+            // What each says of it is what it does: the restarted and the new broker serve nothing.
+            for member in 2..<4 {
+                let log = fleet.brokers[member].child.stderr
+                #expect(log.contains("not taken") && log.contains("so it serves nothing for the session"), "host \(member): \(log)")
+                #expect(!log.contains("serving what this broker has") && !log.contains("serving the token"), "host \(member)")
+            }
             #expect(served == 0)
             for member in 0..<4 {
                 #expect(try fleet.brokers[member].call("GetToken", ["session": "api"]).error == "io.tokenbroker.Broker.SignedOut", "host \(member)")
@@ -126,7 +132,7 @@ struct FleetAttackTests {
         }
     }
 
-    @Test("values that open under the real fleet key but carry numbers no broker writes (an expiry in year 285 billion, the serial at and past its limit) → no broker stops, before or after a restart; the expiry is clamped, the refresh is refused with a reason, the state beyond the limit is untrusted")
+    @Test("values that open under the real fleet key but carry numbers no broker writes (an expiry in year 285 billion, the serial at and past its limit) → no broker stops, before or after a restart; the expiry is clamped, the states at and beyond the limit are untrusted, the refresh is refused with a reason")
     func forgedNumbers() async throws {
         try await FleetDaemonTests.withFleet(brokers: 2) { fleet in
             _ = try await fleet.logIn()
@@ -162,7 +168,12 @@ struct FleetAttackTests {
                 state.position = FleetPosition(generation: state.position.generation, serial: FleetPosition.limit - 1)!
                 state.accessToken = Secret("forged-access-2")
             }
-            try await eventually("host A's refresh is refused at the serial limit, saying what to do") {
+            // At the serial limit, sealed with the key: refused as leaving no room (before, taken,
+            // and its refresh refused); host A serves what it holds, and says what to do.
+            try await eventually("both brokers refuse the state at the serial limit") {
+                (0..<2).allSatisfy { Self.health(fleet, $0).hasPrefix("untrusted: the fleet's state is at generation") }
+            }
+            try await eventually("host A's refresh is refused, saying what to do") {
                 guard let held = fleet.token(0) else { return false }
                 let reply = try? fleet.brokers[0].call("Recover", ["session": "api", "rejected": .string(held)])
                 return reply?.parameters["reason"]?.stringValue?.contains("log in again") == true
@@ -170,7 +181,7 @@ struct FleetAttackTests {
 
             // Past the limit: the codec never writes it; written by hand under the real key.
             let record = try #require(try await etcd.get(key).record)
-            let generation = try codec.openState(record, unixNow: Date().timeIntervalSince1970).get().position.generation
+            let generation = try #require(fleet.status(0)?["fleetGeneration"]?.intValue)
             let plaintext = #"{"v":"1","c":"\#(record.createRevision)","k":"\#(record.version + 1)","g":"\#(generation)","n":"18446744073709551615","s":"active","tt":"Bearer","at":"x"}"#
             let key32 = try String(contentsOfFile: fleet.keyPath, encoding: .utf8)
             let sealed = try TokenCipher(keyMaterial: Array(key32.utf8)).seal(plaintext, associatedData: FleetCodec.associatedData(key))
@@ -255,6 +266,79 @@ struct FleetAttackTests {
                 print("figure: clean stop of host \(member): exit \(code), \(loud.count) line(s) at warning or worse")
                 #expect(code == 0 && loud.isEmpty, "host \(member): \(loud)")
             }
+        }
+    }
+}
+
+/// The end of a fleet's numbers, against whoever holds the fleet key, and the way out an admin
+/// has when a history got there anyway.
+extension FleetAttackTests {
+    static let limit = FleetPosition.limit
+
+    @Test("a state sealed with the fleet key at the generation limit → refused and counted by every broker, which go on serving what they hold; a login on any broker works at once (before: every login failed, the fleet's generation having reached its limit)")
+    func generationAtTheLimit() async throws {
+        try await FleetDaemonTests.withFleet { fleet in
+            let first = try await fleet.logIn()
+            let (codec, etcd, key) = (try Self.codec(fleet), Self.etcd(fleet), Array((Self.base + "state").utf8))
+            let record = try #require(try await etcd.get(key).record)
+            var state = try codec.openState(record, unixNow: Date().timeIntervalSince1970).get()
+            state.position = try #require(FleetPosition(generation: Self.limit - 1, serial: 0))
+            try await etcd.put(key, try codec.seal(state, over: record))
+            try await eventually("every broker refuses the state at the generation limit") {
+                (0..<3).allSatisfy { Self.health(fleet, $0).hasPrefix("untrusted: the fleet's state is at generation \(Self.limit - 1)") }
+            }
+            for member in 0..<3 { #expect(fleet.token(member) == first, "host \(member) stopped serving its token") }
+            let metrics = try await fleet.brokers[1].ctl(["metrics"])
+            #expect(metrics.out.contains("tokenbroker_fleet_refused_values_total{session=\"api\"} 1"), "\(metrics.out)")
+            let next = try await fleet.logIn(on: 2)
+            print("figure: generation at the limit: refused by 3 of 3 brokers; a login afterwards: \(next == first ? "failed" : "worked")")
+            try await eventually("every broker trusts the fleet again") { (0..<3).allSatisfy { Self.health(fleet, $0) == "healthy" } }
+        }
+    }
+
+    @Test("marks at the generation limit (kept by brokers that followed such a value before it was refused) and the state key removed → a login fails, saying to run ctl reset-fleet-history, and changes nothing; ctl reset-fleet-history (admins only) on one broker → every broker follows it as a logout and says so in its journal; a login then works everywhere, and a restarted broker keeps the new history")
+    func resetFleetHistory() async throws {
+        try await FleetDaemonTests.withFleet { fleet in
+            _ = try await fleet.logIn()
+            for member in 0..<3 { _ = await fleet.brokers[member].stop() }
+            for member in 0..<3 {
+                let database = fleet.brokers[member].directory + "/state/state.db"
+                let python = try await Child.run("/usr/bin/env", ["python3", "-c",
+                    "import sqlite3; c = sqlite3.connect('\(database)'); c.execute('UPDATE fleet_marks SET generation = \(Self.limit - 1), serial = 0');"
+                    + " c.commit()"])
+                #expect(python.code == 0, "\(python.stderr)")
+            }
+            _ = try await Self.etcd(fleet).transaction([], success: [.delete(key: Array((Self.base + "state").utf8))])
+            for member in 0..<3 { fleet.brokers[member] = try await fleet.start(member, reusing: fleet.brokers[member].directory) }
+            try await eventually("every broker reports the fleet behind its mark") {
+                (0..<3).allSatisfy { Self.health(fleet, $0).hasPrefix("untrusted: it shows no state, older than generation \(Self.limit - 1)") }
+            }
+            let refused = try fleet.brokers[0].call("Login", ["session": "api", "refreshToken": .string(fleet.issuer.issueRefreshToken())])
+            #expect(refused.error == "io.tokenbroker.Broker.StoreFailed", "\(refused)")
+            #expect(refused.parameters["reason"]?.stringValue?.contains("tokenbroker ctl reset-fleet-history api") == true, "\(refused)")
+
+            let denied = try await fleet.brokers[1].ctl(["reset-fleet-history", "api"], asUser: Broker.workerUID)
+            #expect(denied.code == 77, "\(denied)")
+            let reset = try await fleet.brokers[1].ctl(["reset-fleet-history", "api"])
+            #expect(reset.code == 0 && reset.out.hasPrefix("started the fleet history of api anew (history 1, fleet generation "), "\(reset)")
+            try await eventually("every broker says it follows the new history") {
+                fleet.brokers[1].child.stderr.contains("<4>session api: the session's fleet history was started anew here")
+                    && [0, 2].allSatisfy { fleet.brokers[$0].child.stderr.contains("<4>session api: the fleet started the session's history anew") }
+            }
+            #expect(fleet.brokers[1].child.stderr.contains("<4>the fleet history of session api was started anew by "))
+            let token = try await fleet.logIn(on: 0)
+            try await eventually("every broker trusts the fleet") { (0..<3).allSatisfy { Self.health(fleet, $0) == "healthy" } }
+            let restarted = fleet.brokers[2]
+            _ = await restarted.stop()
+            fleet.brokers[2] = try await fleet.start(2, reusing: restarted.directory)
+            try await eventually("the restarted broker serves the new history's login") { fleet.token(2) == token }
+            #expect(Self.health(fleet, 2) == "healthy")
+            let mark = try await Child.run("/usr/bin/env", ["python3", "-c",
+                "import sqlite3; print(sqlite3.connect('\(restarted.directory)/state/state.db').execute('SELECT history, generation FROM fleet_marks').fetchone())"])
+            print("figure: reset past the generation limit: login before the reset \(refused.error ?? "ok"); after it, every broker serves the login; "
+                  + "host 2's mark (history, generation) \(mark.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+            #expect(mark.stdout.hasPrefix("(1, "), "\(mark.stdout)")
+            #expect(fleet.issuer.counters.replays == 0)
         }
     }
 }

@@ -25,6 +25,8 @@ struct FleetDaemonTests {
         /// The flight lease, and the session's RequestTimeout=, of the brokers started next.
         var flightLease = FleetDaemonTests.lease
         var sessionRequestTimeout = "1s"
+        /// More lines of the session's section, for the brokers started next.
+        var sessionExtra = ""
 
         init(cluster: EtcdCluster, issuer: DevIssuer, keyPath: String) {
             self.cluster = cluster
@@ -55,7 +57,7 @@ struct FleetDaemonTests {
             RequestTimeout=\(sessionRequestTimeout)
             BackoffInitial=100ms
             BackoffMax=500ms
-
+            \(sessionExtra)
             """
         }
 
@@ -480,6 +482,45 @@ extension FleetDaemonTests {
                 #expect(fleet.issuer.counters.replays == 0)
                 fleet.issuer.releaseHeld()
             }
+        }
+    }
+}
+
+extension FleetDaemonTests {
+    @Test("honest traffic: logins and refreshes on 3 brokers in turn, with no other writer (a fiftieth of TB_FLEET_HONEST_ITERATIONS, 20 by default) → no broker counts a rollback or a refused value, or logs one")
+    func honestTraffic() async throws {
+        let operations = max(1, (Int(ProcessInfo.processInfo.environment["TB_FLEET_HONEST_ITERATIONS"] ?? "") ?? 1_000) / 50)
+        // (Every broker refreshes a third of the time: more than the refresh guard's ten a minute.)
+        try await Self.withFleet(prepare: { $0.sessionExtra = "RefreshLimitBurst=10000\n" }) { fleet in
+            var current = try await fleet.logIn()
+            var (logins, refreshes) = (1, 1)
+            for operation in 0..<operations {
+                let member = operation % 3
+                if operation % 4 == 3 {
+                    current = try await fleet.logIn(on: member)
+                    logins += 1
+                } else {
+                    current = try await fleet.refresh(on: member, rejecting: current, "operation \(operation): a refresh on host \(member)")
+                    refreshes += 1
+                    let token = current
+                    try await eventually("operation \(operation): every broker serves host \(member)'s token") {
+                        (0..<3).allSatisfy { fleet.token($0) == token }
+                    }
+                }
+            }
+            var counted: [String] = []
+            for member in 0..<3 {
+                let metrics = try await fleet.brokers[member].ctl(["metrics"]).out
+                for series in ["tokenbroker_fleet_rollbacks_total", "tokenbroker_fleet_refused_values_total"] {
+                    let line = metrics.split(separator: "\n").first { $0.hasPrefix(series + "{session=\"api\"}") }.map(String.init) ?? "\(series) missing"
+                    if !line.hasSuffix(" 0") { counted.append("host \(member): \(line)") }
+                }
+                if fleet.brokers[member].child.stderr.contains("older than") { counted.append("host \(member) logged a rollback") }
+            }
+            print("figure: honest traffic on real etcd: \(logins) logins and \(refreshes) refreshes on 3 brokers: "
+                  + (counted.isEmpty ? "no rollback or refused value counted" : counted.joined(separator: "; ")))
+            #expect(counted.isEmpty, "\(counted)")
+            #expect(fleet.issuer.counters.replays == 0)
         }
     }
 }

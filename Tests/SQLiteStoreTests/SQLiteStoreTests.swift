@@ -115,7 +115,7 @@ struct SQLiteStoreTests {
         }
         let python = try await Child.run("/usr/bin/env", ["python3", "-c",
             "import sqlite3; c = sqlite3.connect('\(directory)/state.db'); c.execute('ALTER TABLE sessions DROP COLUMN proof_key');"
-            + " c.execute('PRAGMA user_version = 3'); c.commit()"])
+            + " c.execute('ALTER TABLE fleet_marks DROP COLUMN history'); c.execute('PRAGMA user_version = 3'); c.commit()"])
         #expect(python.code == 0, "\(python.stderr)")
         let store = try SQLiteSessionStore(directory: directory)
         #expect(try await store.load("api") == before)
@@ -134,6 +134,30 @@ struct SQLiteStoreTests {
         #expect(try EncryptionTests.fileContains(directory, "refresh-GONE"))
         _ = try await store.write(StoreWrite(Self.record(2, .signedOut), guardedBy: .newerGeneration))
         #expect(try !EncryptionTests.fileContains(directory, "GONE"))
+    }
+
+    @Test("fleet marks compare by history first: a mark of schema 4 is in history 0; a later history's start replaces a higher generation of an earlier one, and nothing of an earlier history replaces a later one")
+    func marksByHistory() async throws {
+        let directory = Self.directory()
+        do {
+            _ = try await SQLiteSessionStore(directory: directory).write(StoreWrite(Self.record(1, .active, refresh: "r-1"), guardedBy: .newerGeneration),
+                                                                          mark: .init(generation: 1 << 52, serial: 7), prefix: "/p")
+        }
+        let python = try await Child.run("/usr/bin/env", ["python3", "-c",
+            "import sqlite3; c = sqlite3.connect('\(directory)/state.db'); c.execute('ALTER TABLE fleet_marks DROP COLUMN history');"
+            + " c.execute('PRAGMA user_version = 4'); c.commit()"])
+        #expect(python.code == 0, "\(python.stderr)")
+        let store = try SQLiteSessionStore(directory: directory)
+        #expect(try await store.mark("api", prefix: "/p") == .init(history: 0, generation: 1 << 52, serial: 7))
+        let anew = SQLiteSessionStore.HistoryMark(history: 1, generation: 12, serial: 0)
+        _ = try await store.write(StoreWrite(Self.record(2, .signedOut), guardedBy: .newerGeneration), mark: anew, prefix: "/p")
+        #expect(try await store.mark("api", prefix: "/p") == anew)
+        _ = try await store.write(StoreWrite(Self.record(3, .signedOut), guardedBy: .newerGeneration), mark: .init(generation: (1 << 52) + 1, serial: 0),
+                                  prefix: "/p")
+        #expect(try await store.mark("api", prefix: "/p") == anew)
+        let later = SQLiteSessionStore.HistoryMark(history: 1, generation: 13, serial: 2)
+        _ = try await store.write(StoreWrite(Self.record(4, .signedOut), guardedBy: .newerGeneration), mark: later, prefix: "/p")
+        #expect(try await store.mark("api", prefix: "/p") == later)
     }
 
     @Test("a fleet mark read (and a pending commit read) leave nothing open: a logout after them still erases its tokens from the files")

@@ -25,6 +25,7 @@ struct CommandLineTests {
         (["ctl", "status"], Help.ctlStatus), (["ctl", "token"], Help.ctlToken), (["ctl", "logout"], Help.ctlLogout),
         (["ctl", "login"], Help.ctlLogin), (["ctl", "recover"], Help.ctlRecover), (["ctl", "proof"], Help.ctlProof), (["ctl", "forget"], Help.ctlForget),
         (["ctl", "watch"], Help.ctlWatch), (["ctl", "refresh"], Help.ctlRefresh), (["ctl", "reload"], Help.ctlReload),
+        (["ctl", "reset-fleet-history"], Help.ctlResetFleetHistory),
     ])
     func subcommandHelp(words: [String], text: String) {
         var out = ""
@@ -38,7 +39,7 @@ struct CommandLineTests {
 
     @Test("usage errors: Error: line plus usage on stderr, exit 64", arguments: [
         ["frobnicate"], ["help", "nope"], ["serve", "--bogus"], ["serve", "--socket", ""], ["serve", "--log-level", "loud"],
-        ["ctl"], ["ctl", "token"], ["ctl", "fly", "x"], ["ctl", "--what"], ["ctl", "status", "extra"], ["check-config", "--x"], [],
+        ["ctl"], ["ctl", "token"], ["ctl", "reset-fleet-history"], ["ctl", "fly", "x"], ["ctl", "--what"], ["ctl", "status", "extra"], ["check-config", "--x"], [],
     ])
     func usage(arguments: [String]) {
         var out = ""

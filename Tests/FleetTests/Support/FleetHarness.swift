@@ -126,6 +126,20 @@ final class Link: FleetBackend {
 
     func sever() { state.withLock { $0.cut = true } }
 
+    /// A watch stream that lags: while held, its events wait (requests still go through, as to
+    /// a member whose watch stream is slow), until `releaseWatch()` delivers them in order.
+    private let watchHold = Locked<(held: Bool, waiting: [(@Sendable ([EtcdEvent], Int64) -> Void, [EtcdEvent], Int64)])>((false, []))
+    func holdWatch() { watchHold.withLock { $0.held = true } }
+
+    func releaseWatch() {
+        let waiting = watchHold.withLock { hold in
+            hold.held = false
+            defer { hold.waiting = [] }
+            return hold.waiting
+        }
+        for (changed, events, revision) in waiting { changed(events, revision) }
+    }
+
     /// The next read's answer carries this header revision (a member or proxy that lies).
     let forgedRevision = Locked<Int64?>(nil)
     /// The next read's answer, once computed, waits until `releaseAnswer()` (an answer on its way).
@@ -180,13 +194,19 @@ final class Link: FleetBackend {
     func watch(key: [UInt8], from revision: Int64, for duration: Duration,
                changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
         try check()
-        return try await inner.watch(key: key, from: revision, for: duration) { [state] events, revision in
+        return try await inner.watch(key: key, from: revision, for: duration) { [state, watchHold] events, revision in
             let now = state.withLock { state -> Bool in
                 guard state.cut else { return true }
                 state.waiting.append((changed, events, revision))
                 return false
             }
-            if now { changed(events, revision) }
+            guard now else { return }
+            let lagging = watchHold.withLock { hold -> Bool in
+                guard hold.held else { return false }
+                hold.waiting.append((changed, events, revision))
+                return true
+            }
+            if !lagging { changed(events, revision) }
         }
     }
 }
