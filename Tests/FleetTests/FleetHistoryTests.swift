@@ -109,10 +109,7 @@ struct FleetHistoryTests {
         let requests = h.issuer.counters.requests
 
         h.etcd.restore(backup)
-        let c = h.brokers[2]
-        await c.kill()
-        h.brokers[2] = try await h.start("host-2", store: c.store)
-        let restarted = h.brokers[2]
+        let restarted = try await h.restart(2)
         try await eventually("the restarted broker reports the rollback") { restarted.fleet.status.counters.rollbacks == 1 }
         h.advance(by: .seconds(11))   // the running brokers' quiet reads
         let running = [h.brokers[0], h.brokers[1]]
@@ -167,10 +164,7 @@ struct FleetHistoryTests {
         try await eventually("A refuses the value") { a.fleet.status.counters.refusedValues == 1 }
         #expect(a.token == first)
         #expect(Self.messages(a).contains { $0.contains("not taken") && $0.contains("serving the token this broker holds") }, "\(Self.messages(a))")
-        let b = h.brokers[1]
-        await b.kill()
-        h.brokers[1] = try await h.start("host-1", store: b.store)
-        let restarted = h.brokers[1]
+        let restarted = try await h.restart(1)
         try await eventually("the restarted broker refuses the value") { restarted.fleet.status.counters.refusedValues == 1 }
         #expect(restarted.token == nil)
         await #expect(throws: SessionError.signedOut) { try await restarted.coordinator.token() }

@@ -299,10 +299,7 @@ struct FleetRaceTests {
         try await eventually("every broker is signed out") { brokers.allSatisfy { $0.token == nil } }
         h.etcd.restore(backup)
         // A restart of C on its own state database.
-        let c = h.brokers[2]
-        await c.kill()
-        h.brokers[2] = try await h.start("host-2", store: c.store)
-        let restarted = h.brokers[2]
+        let restarted = try await h.restart(2)
         try await eventually("the restarted broker reports the rollback") { restarted.fleet.status.counters.rollbacks == 1 }
         #expect(restarted.token == nil)
         await #expect(throws: SessionError.signedOut) { try await restarted.coordinator.token() }

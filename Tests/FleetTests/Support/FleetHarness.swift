@@ -296,6 +296,14 @@ struct FleetHarness {
         try await TestBroker(name: name, etcd: etcd, issuer: issuer, store: store, pendingLogoutFile: pendingLogoutFile)
     }
 
+    /// Kills broker `index` and starts it again on its own state (a restart): the new one.
+    mutating func restart(_ index: Int) async throws -> TestBroker {
+        let old = brokers[index]
+        await old.kill()
+        brokers[index] = try await start(old.name, store: old.store)
+        return brokers[index]
+    }
+
     /// Time passes for every broker but `stopped`.
     func advance(by duration: Duration, except stopped: [TestBroker] = []) {
         for broker in brokers where !stopped.contains(where: { $0 === broker }) { broker.clock.advance(by: duration) }
