@@ -125,10 +125,7 @@ public enum CredentialHelper {
             do {
                 reply = try VarlinkClient(address: address, timeout: 60).call(request.call)
             } catch {
-                if case let .unreachable(cause) = error {
-                    return .failure(Ctl.Failure(code: ExitCode.unavailable, message: "cannot reach the broker at \(address.path): \(cause)"))
-                }
-                return .failure(Ctl.Failure(code: ExitCode.unavailable, message: "the broker at \(address.path) did not answer: \(error)"))
+                return .failure(Ctl.unreachable(address, error))
             }
             guard let name = reply.error else {
                 let found = CredentialReply(reply.parameters)

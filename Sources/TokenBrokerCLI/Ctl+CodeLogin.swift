@@ -29,7 +29,7 @@ extension Ctl {
             // LoginTimeout= is at most an hour; the daemon ends the login then.
             client = try VarlinkClient(address: address, timeout: 3700)
         } catch {
-            throw Failure(code: ExitCode.unavailable, message: "cannot reach the broker at \(address.path): \(error) (is tokenbroker running?)")
+            throw unreachable(address, error)
         }
         let request = BrokerRequest.codeLogin(session: session, refusals: true)
         var reply = try exchange(address, request) { (call) throws(VarlinkClientError) -> VarlinkReply in

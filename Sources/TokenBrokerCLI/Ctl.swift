@@ -236,7 +236,7 @@ public enum Ctl {
             // The user has as long as the code lives (minutes) to approve.
             client = try VarlinkClient(address: address, timeout: 1800)
         } catch {
-            throw Failure(code: ExitCode.unavailable, message: "cannot reach the broker at \(address.path): \(error) (is tokenbroker running?)")
+            throw unreachable(address, error)
         }
         var reply = try exchange(address, .deviceLogin(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
             try client.call(call)
@@ -258,7 +258,7 @@ public enum Ctl {
         do {
             client = try VarlinkClient(address: address, timeout: 0)
         } catch {
-            throw Failure(code: ExitCode.unavailable, message: "cannot reach the broker at \(address.path): \(error) (is tokenbroker running?)")
+            throw unreachable(address, error)
         }
         var first = true
         while true {
@@ -302,6 +302,31 @@ public enum Ctl {
         return VarlinkAddress(plainRelative ? CommandLinePath.absolute(socket) ?? "" : socket)
     }
 
+    /// What a caller is told when the broker cannot be reached or does not answer: what to do
+    /// about it, for the system's broker (join its group, look at its unit) and for others.
+    static func unreachable(_ address: VarlinkAddress, _ error: VarlinkClientError) -> Failure {
+        let system = address.path == BrokerContract.defaultSocket
+        let unit = system ? "; `systemctl status tokenbroker` says why" : ""
+        let message: String
+        switch error {
+        case let .unreachable(cause) where cause.errno == EACCES || cause.errno == EPERM:
+            message = "permission denied on the broker's socket \(address.path)"
+                + (system ? ": this user is not in group tokenbroker; join it (sudo usermod -aG tokenbroker $USER, then log in again)" : "")
+        case let .unreachable(cause) where cause.errno == ENOENT:
+            message = "no broker socket at \(address.path)" + (system ? " (is tokenbroker.socket enabled? `systemctl status tokenbroker.socket`)" : "")
+                + "; --socket or TOKENBROKER_SOCKET names another broker"
+        case let .unreachable(cause) where cause.errno == ECONNREFUSED:
+            message = "nothing listens at \(address.path): the broker is not running" + unit
+        case let .unreachable(cause):
+            message = "cannot reach the broker at \(address.path): \(cause)"
+        case .closed, .io:
+            message = "the broker at \(address.path) closed the connection without an answer (did it fail to start?)" + unit
+        case let .protocolViolation(reason):
+            message = "the broker at \(address.path) did not answer in varlink: \(reason)"
+        }
+        return Failure(code: ExitCode.unavailable, message: message)
+    }
+
     /// One call to `io.tokenbroker.Broker`; errors become messages that say what to do next.
     static func call(_ address: VarlinkAddress, _ request: BrokerRequest) throws(Failure) -> VarlinkReply {
         try exchange(address, request) { (call) throws(VarlinkClientError) -> VarlinkReply in
@@ -316,13 +341,7 @@ public enum Ctl {
         do {
             reply = try send(request.call)
         } catch {
-            switch error {
-            case let .unreachable(cause):
-                throw Failure(code: ExitCode.unavailable,
-                              message: "cannot reach the broker at \(address.path): \(cause) (is tokenbroker running? use --socket or TOKENBROKER_SOCKET)")
-            default:
-                throw Failure(code: ExitCode.unavailable, message: "the broker at \(address.path) did not answer: \(error)")
-            }
+            throw unreachable(address, error)
         }
         guard let name = reply.error else { return reply }
         guard let error = BrokerError(reply, session: request.session ?? "") else {
@@ -360,8 +379,11 @@ public enum Ctl {
             return Failure(code: ExitCode.failure, message: "the state of '\(session)' could not be written: \(reason)")
         case let .loginFailed(session, reason):
             return Failure(code: ExitCode.failure, message: "login of '\(session)' failed: \(reason)")
-        case let .configurationError(reason):
+        case let .configurationError(reason) where request.method == .reload:
             return Failure(code: ExitCode.config, message: "configuration error: \(reason)")
+        case let .configurationError(reason):
+            // The daemon could not start (`StartFailure`): fixed, the next call starts it again.
+            return Failure(code: ExitCode.config, message: "\(reason); once it is fixed, the next call starts the broker again")
         case .shuttingDown:
             return Failure(code: ExitCode.unavailable, message: "the broker is shutting down")
         case .internalError:

@@ -99,7 +99,7 @@ public final class Daemon: Sendable {
             configuration = try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
         } catch {
             logger.error("configuration error: \(error)")
-            return ExitCode.config
+            return failToStart("configuration error: \(error)")
         }
         for warning in configuration.warnings { logger.warning("\(warning)") }
         for warning in ProcessDefences.unmappedIDWarnings(configuration) { logger.warning(warning) }
@@ -110,13 +110,23 @@ public final class Daemon: Sendable {
             state = try StateStore.open(options, stateKey: configuration.stateKey, logger: logger)
         } catch let problem as StateKeyProblem {
             logger.error("cannot open the state database: \(problem)")
-            return ExitCode.config
+            return failToStart("cannot open the state database: \(problem)")
         } catch {
             logger.error("cannot open the state database: \(error)")
             return ExitCode.failure
         }
         let daemon = Daemon(options: options, configuration: configuration, logger: logger, development: development, state: state)
         return await daemon.serve(configuration, signals: signals)
+    }
+
+    /// Exit 78; under socket activation, after answering the calls that woke the daemon with
+    /// why (`StartFailure`), and with it in systemd's status line.
+    private static func failToStart(_ reason: String) -> Int32 {
+        if let listener = try? Systemd.activatedListener() {
+            Systemd.status(reason)
+            StartFailure.answer(on: listener, reason: reason)
+        }
+        return ExitCode.config
     }
 
     private func serve(_ configuration: BrokerConfiguration, signals: AsyncStream<Int32>) async -> Int32 {

@@ -241,6 +241,38 @@ struct SystemdTests {
         #expect(two.stderr.contains("socket activation passed 2 sockets; tokenbroker takes exactly one"))
     }
 
+    @Test("a daemon that cannot start under socket activation answers the call that woke it with why (the error's first line to root, where to read it to others), then exits 78 once no call came for a second (issue 33)")
+    func startFailureAnswers() async throws {
+        let directory = try Paths.temporaryDirectory()
+        chmod(directory, 0o755)
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        let configPath = directory + "/tokenbroker.conf"
+        try "[Broker]\nSocketMode=0666\n\n[Session]\nName=api\nUpstream=test\nAllowGroups=no-such-group-tb\n".write(toFile: configPath, atomically: true, encoding: .utf8)
+        let copy = directory + "/tokenbroker-ctl"
+        try FileManager.default.copyItem(atPath: Paths.tokenbroker, toPath: copy)
+        chmod(copy, 0o755)
+        for worker in [false, true] {
+            let socket = directory + "/activated-\(worker).sock"
+            let activator = try Child("/usr/bin/systemd-socket-activate",
+                                      ["-l", socket, Paths.tokenbroker, "serve", "--config", configPath, "--socket", socket,
+                                       "--state-dir", directory + "/state"], directory: directory)
+            defer { activator.kill() }
+            try await eventually("the activator listens") { FileManager.default.fileExists(atPath: socket) }
+            chmod(socket, 0o666)   // (the activator binds it under the test's umask)
+            // This call starts the daemon, which answers it rather than leaving it to time out.
+            let argv = (worker ? ["--reuid=\(Broker.workerUID)", "--regid=\(Broker.workerUID)", "--clear-groups", copy] : [copy])
+                + ["ctl", "--socket", socket, "token", "api"]
+            let call = try Child(worker ? "/usr/bin/setpriv" : copy, worker ? argv : Array(argv.dropFirst()), directory: directory)
+            #expect(await call.wait() == 78)
+            let said = worker
+                ? "Error: the broker cannot start: its configuration has an error (an administrator can read it: systemctl status tokenbroker); once it is fixed, the next call starts the broker again\n"
+                : "Error: the broker cannot start: configuration error: \(configPath):7: AllowGroups=: no such group 'no-such-group-tb'; once it is fixed, the next call starts the broker again\n"
+            #expect(call.stderr == said)
+            #expect(await activator.wait() == 78)
+            #expect(activator.stderr.contains("configuration error: \(configPath):7: AllowGroups=: no such group 'no-such-group-tb'"))
+        }
+    }
+
     @Test("SIGTERM during an in-flight refresh: the refresh completes, its state is committed, exit 0")
     func sigtermDuringRefresh() async throws {
         let issuer = try DevIssuer()

@@ -1,5 +1,7 @@
+import Foundation
 import Testing
 import TokenBrokerCLI
+import Varlink
 @testable import TokenBrokerDaemon
 @testable import TokenBrokerDaemonCommand
 
@@ -53,11 +55,18 @@ struct CommandLineTests {
         #expect(Self.run("--version") == (0, "tokenbroker \(Command.version)\n", ""))
     }
 
-    @Test("ctl against no broker: exit 69 and a hint")
-    func unreachable() {
+    @Test("ctl against no broker: exit 69 and what to do: no socket there, or nothing listening (issue 33)")
+    func unreachable() throws {
         let result = Self.run("ctl", "--socket", "/nonexistent/tb.sock", "status")
-        #expect(result.code == 69)
-        #expect(result.err.hasPrefix("Error: cannot reach the broker at /nonexistent/tb.sock") && result.err.contains("is tokenbroker running?"))
+        #expect(result == (69, "", "Error: no broker socket at /nonexistent/tb.sock; --socket or TOKENBROKER_SOCKET names another broker\n"))
+        // A socket file nobody listens on (a broker that died without removing it).
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("tb-cli-\(getpid())").path
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        let path = directory + "/dead.sock"
+        close(try UnixSocket.listen(path: path))   // the file stays, with nobody behind it
+        let refused = Self.run("ctl", "--socket", path, "status")
+        #expect(refused == (69, "", "Error: nothing listens at \(path): the broker is not running\n"))
     }
 
     @Test("check-config: OK line, or file:line and exit 78")
