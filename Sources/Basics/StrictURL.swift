@@ -11,8 +11,9 @@
 /// RFC 3986); an empty port, a port that is not 1 to 5 digits or not in 1...65535 (`h:8080:80`).
 ///
 /// The path is kept as written; `hasAmbiguousPath` says whether a server could resolve it to
-/// another place than its text names: a `.` or `..` segment (also `..;x`, Tomcat's reading), or
-/// a percent-encoded `.`, `/` or `\` (`%2e%2e`, `..%2f`), or a `%` not followed by two hex digits.
+/// another place than its text names: a `.` or `..` segment (also `..;x`, Tomcat's reading), a
+/// percent-encoded `.`, `/` or `\` (`%2e%2e`, `..%2f`), `%`, NUL or overlong UTF-8 lead byte
+/// (`%252e`, `%00`, `%c0%ae`), or a `%` not followed by two hex digits.
 public struct StrictURL: Sendable, Equatable {
     /// Lower-cased; `nil` when the text names none (only where `requiringScheme` is false).
     public var scheme: String?
@@ -123,7 +124,10 @@ public struct StrictURL: Sendable, Equatable {
             if path[index] == UInt8(ascii: "%") {
                 guard index + 2 < path.endIndex, isHexDigit(path[index + 1]), isHexDigit(path[index + 2]) else { return true }
                 let value = hexValue(path[index + 1]) << 4 | hexValue(path[index + 2])
-                if value == UInt8(ascii: ".") || value == UInt8(ascii: "/") || value == UInt8(ascii: "\\") { return true }
+                // `.`, `/` and `\` a server may decode into a segment; `%25` a proxy that decodes
+                // twice reads as another escape (`%252e` → `%2e` → `.`); NUL ends C strings; C0
+                // and C1 begin overlong UTF-8 (`%c0%ae` is `.` to a lenient decoder).
+                if [UInt8(ascii: "."), UInt8(ascii: "/"), UInt8(ascii: "\\"), 0x25, 0x00, 0xC0, 0xC1].contains(value) { return true }
                 index += 3
             } else {
                 index += 1

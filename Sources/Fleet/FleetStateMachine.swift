@@ -419,15 +419,23 @@ struct FleetStateMachine: Sendable {
     // MARK: - Helpers
 
     /// The state's token for this host, when it has one that is not about to expire.
+    /// (Its lifetime counts from the fleet's last refresh, when the state says when that was:
+    /// a follower then knows how long the issuer's tokens live, as the holder does.)
     static func usable(_ state: FleetState, unixNow: Double) -> FetchedToken? {
         guard state.phase == .active, let token = state.accessToken else { return nil }
-        var expiresIn: Duration?
+        var fetched = FetchedToken(accessToken: token, tokenType: state.tokenType, refreshToken: state.refreshToken)
         if let expiresAt = state.expiresAt {
             let left = Double(expiresAt) - unixNow
             guard left > 1 else { return nil }
-            expiresIn = .milliseconds(Int64(min(left, FleetCodec.timeBound * 2) * 1000))
+            if let start = state.lastRefresh, Double(start) <= unixNow, start < expiresAt {
+                fetched.lifetimeStart = start
+                fetched.expiresIn = .milliseconds(Int64(min(Double(expiresAt - start), FleetCodec.timeBound * 2) * 1000))
+            } else {
+                fetched.expiresIn = .milliseconds(Int64(min(left, FleetCodec.timeBound * 2) * 1000))
+                fetched.lifetimeIsRemainder = true
+            }
         }
-        return FetchedToken(accessToken: token, tokenType: state.tokenType, expiresIn: expiresIn, refreshToken: state.refreshToken)
+        return fetched
     }
 
     static func milliseconds(_ unixNow: Double) -> Int64 {

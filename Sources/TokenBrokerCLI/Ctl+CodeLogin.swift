@@ -31,9 +31,13 @@ extension Ctl {
         } catch {
             throw unreachable(address, error)
         }
-        let request = BrokerRequest.codeLogin(session: session, refusals: true)
+        var request = BrokerRequest.codeLogin(session: session, refusals: true)
         var reply = try exchange(address, request) { (call) throws(VarlinkClientError) -> VarlinkReply in
-            try client.call(call)
+            let first = try client.call(call)
+            guard first.error == VarlinkServiceError.invalidParameter, first.parameters["parameter"] == "refusals" else { return first }
+            // A daemon from before refusals were told: the login without them.
+            request = .codeLogin(session: session)
+            return try client.call(request.call)
         }
         let reported = SynchronizedBox<String?>(nil)
         if case let .prompt(uri, redirect, expiresIn) = CodeLoginEvent(reply.parameters) {

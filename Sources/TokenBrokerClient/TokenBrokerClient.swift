@@ -130,7 +130,8 @@ public final class TokenBrokerClient: Sendable {
     /// A duration as the contract's whole seconds: rounded up, 1 to a year.
     static func wholeSeconds(_ duration: Duration) -> Int64 {
         let (seconds, atto) = duration.components
-        return min(max(seconds + (atto > 0 ? 1 : 0), 1), BrokerRequest.longestMinValid)
+        guard seconds < BrokerRequest.longestMinValid else { return BrokerRequest.longestMinValid }
+        return max(seconds + (atto > 0 ? 1 : 0), 1)
     }
 
     /// The session's events: the current token at once, every new token, and the logout

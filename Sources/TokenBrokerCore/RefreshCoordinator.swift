@@ -296,7 +296,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
             }
             let committed = await commit(write)
             // Re-check after the await: a logout may have ended this flight meanwhile.
-            guard let resolution = machine.commitFinished(id, committed) else {
+            guard let resolution = machine.commitFinished(id, committed, now: now()) else {
                 report(.dropped)
                 discarded(fetched)
                 return
@@ -355,7 +355,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
               var write = machine.fetchSucceeded(id, fetched, now: now(), unixNow: wall.unixTime()) else { return .over }
         write.replicated = true
         let committed = await commit(write)
-        guard let resolution = machine.commitFinished(id, committed) else { return .over }
+        guard let resolution = machine.commitFinished(id, committed, now: now()) else { return .over }
         resolve(resolution)
         if case .success = resolution.result { return .adopted }
         return .over

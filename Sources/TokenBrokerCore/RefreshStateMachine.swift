@@ -105,9 +105,9 @@ public struct RefreshStateMachine: Sendable {
         var serial: UInt64
         /// When it was installed or restored (monotonic): with `deadline`, the lifetime it had.
         var since: Duration = .zero
-        /// Restored from the store: `deadline - since` is what was left of it, not the
-        /// lifetime the issuer gave.
-        var restored = false
+        /// The lifetime its issuer gave, as counted here (`nil`: unknown, as for a token restored
+        /// from the store or followed from another broker without its start).
+        var lifetime: Duration?
 
         /// When the refresh-ahead window opens: `ahead` before expiry, but never earlier than
         /// half-way through the lifetime the token had here. A server whose tokens live less
@@ -196,7 +196,7 @@ public struct RefreshStateMachine: Sendable {
                 // (A stored expiry is ours, but a damaged database must not trap: clamp to ±10 years.)
                 let deadline = record.expiresAt.map { now + .milliseconds(Int64(min(max(Double($0) - unixNow, -3e8), 3e8) * 1000)) }
                 current = Current(token: token, tokenType: record.tokenType, expiresAt: record.expiresAt,
-                                  deadline: deadline, serial: record.tokenSerial, since: now, restored: true)
+                                  deadline: deadline, serial: record.tokenSerial, since: now)
             }
         }
     }
@@ -262,8 +262,8 @@ public struct RefreshStateMachine: Sendable {
            deadline - now < minimum {
             // Not valid long enough. A refresh helps only if the issuer's tokens live longer
             // than asked: said at once when the last one it gave did not.
-            if !current.restored, deadline - current.since < minimum {
-                return .fail(.lifetimeTooShort(lifetime: deadline - current.since, asked: minimum))
+            if let lifetime = current.lifetime, lifetime < minimum {
+                return .fail(.lifetimeTooShort(lifetime: lifetime, asked: minimum))
             }
             return refresh(now: now, by: demander)
         }
@@ -279,7 +279,7 @@ public struct RefreshStateMachine: Sendable {
         // budget, which stays for refreshes the session cannot do without.
         guard policy.refreshAhead > .zero, let opens = current.windowOpens(ahead: policy.refreshAhead), now >= opens,
               flight == nil, !isRetiring, !inBackoff(now: now), budget.retryAfter(now: now, for: nil, allowing: expiryRefreshes) == nil,
-              budget.count(now: now) < expiryRefreshes + policy.guardLimit / 2
+              budget.ownCount(now: now) < expiryRefreshes + policy.guardLimit / 2
         else { return .deliver(token) }
         let (request, id) = startFlight(now: now, refreshAhead: true, charging: nil)
         return .deliverAndStart(token, request, id)
@@ -343,9 +343,9 @@ public struct RefreshStateMachine: Sendable {
             counters.droppedResults += 1
             return nil
         }
-        let (expiresAt, deadline) = Self.ending(of: fetched, now: now, unixNow: unixNow)
+        let (expiresAt, deadline, lifetime) = Self.ending(of: fetched, now: now, unixNow: unixNow)
         let next = Current(token: fetched.accessToken, tokenType: fetched.tokenType, expiresAt: expiresAt,
-                           deadline: deadline, serial: lastSerial + 1, since: now)
+                           deadline: deadline, serial: lastSerial + 1, since: now, lifetime: lifetime)
         let nextRefreshToken = fetched.refreshToken(replacing: refreshToken)
         let stamp = Int64(unixNow.rounded(.down))
         flight.committing = (next, nextRefreshToken, stamp)
@@ -360,8 +360,11 @@ public struct RefreshStateMachine: Sendable {
         return StoreWrite(record, guardedBy: writeGuard(.sameGeneration))
     }
 
-    /// The write of a fetched token finished: install it and resolve the waiters.
-    public mutating func commitFinished(_ id: FlightID, _ outcome: CommitOutcome) -> Resolution? {
+    /// The write of a fetched token finished: install it and resolve the waiters. A token that
+    /// ended before `now` (an issuer's lifetime shorter than the exchange took) is installed —
+    /// its refresh token is the session's now — but handed to nobody: the waiters get a
+    /// retryable failure saying so.
+    public mutating func commitFinished(_ id: FlightID, _ outcome: CommitOutcome, now: Duration? = nil) -> Resolution? {
         guard let flight, flight.id == id, let (next, nextRefreshToken, stamp) = flight.committing else {
             counters.droppedResults += 1
             return nil
@@ -384,6 +387,11 @@ public struct RefreshStateMachine: Sendable {
                 pendingWrite = nil
             }
             let token = issued(next)
+            if let now, isExpired(next, now: now) {
+                let reason = "the issuer's token had ended when its answer arrived (its lifetime is shorter than the request took)"
+                lastError = reason
+                return Resolution(flight: id, result: .failure(.refreshFailed(reason: reason, retryable: true, retryAfter: nil)), event: nil, write: nil)
+            }
             return Resolution(flight: id, result: .success(token), event: .token(token), write: nil)
         case .rejected:
             // The store holds another generation: another writer has logged this session out or
@@ -457,9 +465,9 @@ public struct RefreshStateMachine: Sendable {
         record.proofKey = proofKey
         if let initial {
             let serial = lastSerial + 1
-            let (expiresAt, deadline) = Self.ending(of: initial, now: now, unixNow: unixNow)
+            let (expiresAt, deadline, lifetime) = Self.ending(of: initial, now: now, unixNow: unixNow)
             pendingLogin = Current(token: initial.accessToken, tokenType: initial.tokenType, expiresAt: expiresAt,
-                                   deadline: deadline, serial: serial, since: now)
+                                   deadline: deadline, serial: serial, since: now, lifetime: lifetime)
             record.accessToken = initial.accessToken
             record.tokenType = initial.tokenType
             record.expiresAt = pendingLogin?.expiresAt
@@ -558,12 +566,15 @@ public struct RefreshStateMachine: Sendable {
     }
 
     /// A fetched token's end (`FetchedToken.expiresAt(receivedAt:)`), as Unix seconds rounded
-    /// down and on the monotonic line, for an answer received at `now` (`unixNow`).
-    private static func ending(of fetched: FetchedToken, now: Duration, unixNow: Double) -> (expiresAt: Int64?, deadline: Duration?) {
-        guard let end = fetched.expiresAt(receivedAt: unixNow), end.isFinite else { return (nil, nil) }
+    /// down and on the monotonic line, for an answer received at `now` (`unixNow`); and the
+    /// lifetime its issuer gave, counted from its start (unknown for a remainder).
+    private static func ending(of fetched: FetchedToken, now: Duration, unixNow: Double) -> (expiresAt: Int64?, deadline: Duration?, lifetime: Duration?) {
+        guard let end = fetched.expiresAt(receivedAt: unixNow), end.isFinite else { return (nil, nil, nil) }
         // (Bounded by Upstream's longest lifetime; clamped here all the same: no input traps.)
         let left = min(max(end - unixNow, -3e8), 3e8)
-        return (Int64((unixNow + left).rounded(.down)), now + .milliseconds(Int64((left * 1000).rounded(.down))))
+        let start = fetched.lifetimeStart.map { min(Double($0), unixNow) } ?? unixNow
+        let lifetime = fetched.lifetimeIsRemainder ? nil : Duration.milliseconds(Int64((min(max(end - start, 0), 3e8) * 1000).rounded(.down)))
+        return (Int64((unixNow + left).rounded(.down)), now + .milliseconds(Int64((left * 1000).rounded(.down))), lifetime)
     }
 
     private func isExpired(_ current: Current, now: Duration) -> Bool {

@@ -56,6 +56,9 @@ public struct FetchedToken: Sendable {
     /// An instant after which the token is dead whatever `expiresIn` says (a JWT's `exp` with no
     /// `iat` to count a lifetime from), Unix seconds.
     public var notAfter: Int64?
+    /// `expiresIn` is what is left of a token that came from elsewhere, not the lifetime its
+    /// issuer gave: it says nothing of how long the issuer's tokens live.
+    public var lifetimeIsRemainder = false
     /// A rotated refresh token; `nil` keeps the one that was sent.
     public var refreshToken: Secret?
     /// The OpenID Connect ID token of a login's answer (`id_token`), if it brought one: read for

@@ -233,7 +233,7 @@ extension BrokerService {
                 return
             }
             switch login.offer(redirect) {
-            case let .invalid(reason):
+            case let .invalid(reason, _):
                 logger.notice("a redirect pasted by \(peer) for the code login of session \(name) was refused: \(reason)", session: name)
                 sink.send(BrokerError.loginFailed(session: name, reason: "\(reason); the login is still waiting").reply)
             case .closed:

@@ -59,7 +59,8 @@ final class CodeLogin: Sendable {
         /// It is the login's answer: wait for `result()`.
         case taken
         /// Not this login's answer (why, never the input's values): nothing changed.
-        case invalid(String)
+        /// `answersLogin`: it carried the login's state (`RedirectOutcome.invalid`).
+        case invalid(String, answersLogin: Bool)
         /// The login has its answer already, or has ended.
         case closed
     }
@@ -83,28 +84,34 @@ final class CodeLogin: Sendable {
     /// The requests the listener refused, in words (`refuse`), until the login ends.
     let refusals: AsyncStream<String>
     private let refused: AsyncStream<String>.Continuation
-    private let refusalsTold = Mutex(0)
-    /// Refusals told at most, per login; the last one says that more are not.
-    static let mostRefusalsTold = 20
+    /// Refusals told so far: of redirects that carried the login's state, and of the rest.
+    private let refusalsTold = Mutex((answers: 0, others: 0))
+    /// Refusals told at most, per login, of each kind; the last one says that more are not.
+    /// Apart, so that requests anyone can send cannot spend the budget of the one a browser
+    /// brings back from this login's own authorization request.
+    static let mostRefusalsTold = (answers: 20, others: 10)
 
     init(session: String, request: AuthorizationRequest) {
         self.session = session
         self.request = request
-        (refusals, refused) = AsyncStream.makeStream(of: String.self, bufferingPolicy: .bufferingOldest(Self.mostRefusalsTold + 1))
+        (refusals, refused) = AsyncStream.makeStream(of: String.self,
+                                                     bufferingPolicy: .bufferingOldest(Self.mostRefusalsTold.answers + Self.mostRefusalsTold.others + 2))
     }
 
     /// The listener refused a request that came for the login (never the request's values in
     /// `reason` but a sanitized Host): said to the journal and the caller, up to
-    /// `mostRefusalsTold` per login.
-    func refuse(_ reason: String) {
-        let told = refusalsTold.withLock { count in
-            defer { count += 1 }
-            return count
+    /// `mostRefusalsTold` per login of each kind (`answersLogin`: the request carried the
+    /// login's state).
+    func refuse(_ reason: String, answersLogin: Bool = false) {
+        let (told, most) = refusalsTold.withLock { count in
+            defer { if answersLogin { count.answers += 1 } else { count.others += 1 } }
+            return answersLogin ? (count.answers, Self.mostRefusalsTold.answers) : (count.others, Self.mostRefusalsTold.others)
         }
-        if told < Self.mostRefusalsTold {
+        if told < most {
             refused.yield(reason)
-        } else if told == Self.mostRefusalsTold {
-            refused.yield("more requests were refused; they are not told one by one")
+        } else if told == most {
+            refused.yield(answersLogin ? "more redirects for this login were refused; they are not told one by one"
+                                       : "more requests were refused; they are not told one by one")
         }
     }
 
@@ -113,7 +120,7 @@ final class CodeLogin: Sendable {
     func offer(_ redirect: String) -> Offer {
         let answer: Answer
         switch AuthorizationRequest.readRedirect(redirect, expecting: request) {
-        case let .invalid(reason): return .invalid(reason)
+        case let .invalid(reason, answersLogin): return .invalid(reason, answersLogin: answersLogin)
         case let .code(code): answer = .code(code)
         case let .denied(error, description): answer = .denied(error: error, description: description)
         }
@@ -238,8 +245,8 @@ enum RedirectListener {
             return .answer(page(405, "Method not allowed", "The login's redirect is a GET."), refusal: nil)
         }
         switch login.offer(String(target)) {
-        case let .invalid(reason):
-            login.refuse("a redirect that is not this login's answer: \(reason)")
+        case let .invalid(reason, answersLogin):
+            login.refuse("a redirect that is not this login's answer: \(reason)", answersLogin: answersLogin)
             return .answer(page(400, "Not this login's answer", "\(reason). The login is still waiting."), refusal: nil)
         case .closed:
             return .answer(page(409, "Login over", "The login has its answer already, or has ended."), refusal: nil)

@@ -143,19 +143,19 @@ public struct AuthorizationRequest: Sendable {
         // RFC 9207 §2.4: an answer from another issuer is a mix-up, whatever it says.
         if let expected = request.issuer {
             if let issuer = parameters["iss"] {
-                guard issuer == expected else { return .invalid("the redirect's iss names another issuer (RFC 9207 mix-up defence)") }
+                guard issuer == expected else { return .invalid("the redirect's iss names another issuer (RFC 9207 mix-up defence)", answersLogin: true) }
             } else if request.issuerRequired {
-                return .invalid("the redirect has no iss, which the server's metadata says it always sends (RFC 9207)")
+                return .invalid("the redirect has no iss, which the server's metadata says it always sends (RFC 9207)", answersLogin: true)
             }
         }
         if let error = parameters["error"] {
-            guard parameters["code"] == nil else { return .invalid("the redirect has both a code and an error") }
-            guard Self.isPlainCode(error) else { return .invalid("the redirect's error is not a short plain code") }
+            guard parameters["code"] == nil else { return .invalid("the redirect has both a code and an error", answersLogin: true) }
+            guard Self.isPlainCode(error) else { return .invalid("the redirect's error is not a short plain code", answersLogin: true) }
             return .denied(error: error, description: parameters["error_description"].flatMap(OAuthClient.printableLine))
         }
-        guard let code = parameters["code"] else { return .invalid("the redirect has no code") }
+        guard let code = parameters["code"] else { return .invalid("the redirect has no code", answersLogin: true) }
         guard !code.isEmpty, code.utf8.count <= longestCode, code.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
-            return .invalid("the redirect's code is not visible ASCII of at most \(longestCode) bytes")
+            return .invalid("the redirect's code is not visible ASCII of at most \(longestCode) bytes", answersLogin: true)
         }
         return .code(Secret(code))
     }
@@ -229,7 +229,10 @@ public enum RedirectOutcome: Sendable, Equatable {
     /// printable line (nil when there was none).
     case denied(error: String, description: String?)
     /// Not this login's answer, or not an answer: why (never the input's values).
-    case invalid(String)
+    /// `answersLogin`: it carries the login's `state` (a browser coming back from this login's
+    /// authorization request, then refused: another or no `iss`, no code, …), which no one who
+    /// has not seen the request can forge.
+    case invalid(String, answersLogin: Bool = false)
 }
 
 /// The claims of an OpenID Connect ID token a login checks, read WITHOUT verifying its

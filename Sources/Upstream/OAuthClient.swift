@@ -246,13 +246,15 @@ public struct OAuthClient: Sendable {
         // lifetime, exp - iat, counts from the request like expires_in (the issuer's clock and
         // ours need not agree); an exp with no iat is an instant, taken only while it lies ahead
         // (one behind this clock says more of the clocks than of the token).
+        // (NumericDates may have fractions, RFC 7519 §2. An exp not after iat is a token dead at
+        // birth: a lifetime of zero.)
         var notAfter: Int64?
-        if let exp = claims?["exp"]?.intValue {
-            if let iat = claims?["iat"]?.intValue, case let (span, false) = exp.subtractingReportingOverflow(iat), span >= 0,
-               let lifetime = UpstreamNumbers.seconds(.int(span), atMost: UpstreamNumbers.longestLifetime) {
+        if let exp = claims?["exp"]?.doubleValue, exp.isFinite, abs(exp) < 1e15 {
+            if let iat = claims?["iat"]?.doubleValue, iat.isFinite, abs(iat) < 1e15 {
+                let lifetime = exp > iat ? UpstreamNumbers.seconds(.double(exp - iat), atMost: UpstreamNumbers.longestLifetime) ?? .zero : .zero
                 expiresIn = min(expiresIn ?? lifetime, lifetime)
-            } else if claims?["iat"] == nil, exp > UTCTime.unixSeconds() {
-                notAfter = exp
+            } else if claims?["iat"] == nil, exp > Double(UTCTime.unixSeconds()) {
+                notAfter = Int64(exp.rounded(.down))
             }
         }
         let refreshToken = object["refresh_token"]?.stringValue.flatMap { $0.isEmpty ? nil : Secret($0) }

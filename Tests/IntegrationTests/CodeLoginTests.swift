@@ -339,7 +339,7 @@ struct CodeLoginTests {
         }
     }
 
-    @Test("a caller that asks (refusals: true) hears each request the listener refuses as a refused event, bounded per login, before the done; one that does not hears none; ctl login prints each on stderr (issue 32)")
+    @Test("a caller that asks (refusals: true) hears each request the listener refuses as a refused event, bounded per login (requests anyone can send apart from redirects that carry the login's state), before the done; one that does not hears none; ctl login prints each on stderr (issue 32)")
     func refusalsTold() async throws {
         try await Self.withIssuerAndBroker { issuer, broker in
             let login = try Self.begin(broker, refusals: true)
@@ -364,7 +364,8 @@ struct CodeLoginTests {
                              "a request for Host localhost:\(port), not 127.0.0.1:\(port) (the redirect URI's host and port, exactly)",
                              "a request that was not a browser's navigation (Sec-Fetch-Mode: cors)",
                              "a POST request (the redirect is a GET)"])
-            // No code is in a refusal; at most 20 are told, then one line says more were not.
+            // No code is in a refusal; at most 10 requests anyone could send are told, then one
+            // line says more were not; a redirect with the login's state is told all the same.
             let code = redirect.url.firstRange(of: "code=").map { redirect.url[$0.upperBound...].prefix { $0 != "&" } } ?? ""
             let leaked = told.contains { !code.isEmpty && $0.contains(code) }
             #expect(!leaked)
@@ -379,7 +380,10 @@ struct CodeLoginTests {
                 more += 1
                 if event.parameters["reason"] == "more requests were refused; they are not told one by one" { break }
             }
-            #expect(more == 17, "refusals told after the first four: \(more)")
+            #expect(more == 7, "refusals told after the first four: \(more)")
+            #expect(Self.get(port, redirect.replacingOccurrences(of: "code=", with: "xcode=").target)?.status == 400)
+            let answer = try login.client.nextReply()
+            #expect(answer.parameters["event"] == "refused" && answer.parameters["reason"] == "a redirect that is not this login's answer: the redirect has no code")
             #expect(Self.get(port, redirect.target)?.status == 200)
             #expect(try login.client.nextReply().parameters == ["event": "done", "generation": 1])
         }

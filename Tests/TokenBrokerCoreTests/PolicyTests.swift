@@ -48,20 +48,22 @@ struct RefreshBudgetTests {
         #expect(budget.retryAfter(now: .seconds(60), for: hog) == nil && budget.spentShares(now: .seconds(60)).isEmpty)
     }
 
-    @Test("with the session's budget spent by others, a demander with nothing in the window gets one, up to twice the limit; one that has demanded waits with the rest")
+    @Test("with the callers' budget spent by others, a demander with nothing in the window gets one, up to twice the limit; one that has demanded waits with the rest; the session's own needs have a budget callers cannot spend, and the other way round")
     func newcomers() {
         var budget = RefreshBudget(limit: 4, window: .seconds(60))
         for (second, demander) in [(0, hog), (1, hog), (2, victim), (3, victim)] { budget.record(now: .seconds(second), for: demander) }
-        #expect(budget.retryAfter(now: .seconds(4), for: nil) == .seconds(56), "the session's own need waits")
+        #expect(budget.retryAfter(now: .seconds(4), for: nil) == nil, "the session's own need (expiry) is not the callers' to spend")
         #expect(budget.retryAfter(now: .seconds(4), for: hog) == .seconds(56), "spent its share")
         #expect(budget.retryAfter(now: .seconds(4), for: third) == nil, "a newcomer gets its one refresh")
         budget.record(now: .seconds(4), for: third)
         #expect(budget.retryAfter(now: .seconds(5), for: third) != nil, "and only one")
         for uid in 2000..<2003 { budget.record(now: .seconds(5), for: Demander(uid: UInt32(uid))) }
-        #expect(budget.count(now: .seconds(5)) == 8)
         #expect(budget.retryAfter(now: .seconds(5), for: Demander(uid: 9)) == .seconds(55), "twice the limit bounds the newcomers")
-        // Lifetimes that need more refreshes widen both.
-        #expect(budget.retryAfter(now: .seconds(5), for: Demander(uid: 9), allowing: 1) == nil)
+        // The session's own budget, spent, stops its own needs (beyond what lifetimes need), not the callers'.
+        var own = RefreshBudget(limit: 2, window: .seconds(60))
+        for second in 0..<2 { own.record(now: .seconds(second), for: nil) }
+        #expect(own.retryAfter(now: .seconds(2), for: nil) == .seconds(58) && own.retryAfter(now: .seconds(2), for: nil, allowing: 1) == nil)
+        #expect(own.retryAfter(now: .seconds(2), for: hog) == nil && own.ownCount(now: .seconds(2)) == 2)
     }
 
     @Test("only demanders with a request in the window are kept")

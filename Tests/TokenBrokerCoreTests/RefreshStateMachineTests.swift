@@ -319,6 +319,33 @@ struct RefreshStateMachineTests {
         current = machine.publishable!.token.token
         #expect(machine.demand(.recover(rejected: current), now: .seconds(7), by: hog) == .fail(.throttled(retryAfter: .seconds(53))))
         #expect(machine.status(now: .seconds(60)).throttled.isEmpty, "the share comes back as the window slides")
+        // Callers that spend the whole callers' budget (and the newcomers' reserve) cannot
+        // deny the session the refresh its token's expiry needs (the review's three uids).
+        for (n, uid) in (6..<20).enumerated().map({ ($0.element, UInt32(2000 + $0.offset)) }) {
+            guard case let .startAndWait(_, id) = machine.demand(.recover(rejected: machine.publishable!.token.token), now: .seconds(8), by: Demander(uid: uid))
+            else { break }
+            _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("b\(n)"), expiresIn: .seconds(30)), now: .seconds(8), unixNow: Self.unix)
+            _ = machine.commitFinished(id, .applied)
+        }
+        #expect(machine.demand(.recover(rejected: machine.publishable!.token.token), now: .seconds(8), by: Demander(uid: 3000)).startedFlight == nil,
+                "the callers' budget is spent")
+        #expect(machine.demand(.get, now: .seconds(40)).startedFlight != nil, "expiry still refreshes")
+    }
+
+    @Test("a token that ended before its commit finished is installed (its refresh token is the session's) but handed to nobody: the waiters get a retryable failure saying so (review of issue 32)")
+    func deadOnArrival() throws {
+        var machine = Self.active()
+        let id = try #require(machine.demand(.recover(rejected: Secret("access-1")), now: .zero).startedFlight).id
+        _ = machine.fetchSucceeded(id, FetchedToken(accessToken: Secret("dead"), expiresIn: .seconds(1), refreshToken: Secret("refresh-2")),
+                                   now: .zero, unixNow: Self.unix)
+        let committed = machine.commitFinished(id, .applied, now: .seconds(2))
+        guard let resolution = committed, case let .failure(.refreshFailed(reason, retryable, _)) = resolution.result else {
+            Issue.record("the dead token was handed out")
+            return
+        }
+        #expect(retryable && reason.contains("had ended when its answer arrived") && resolution.event == nil)
+        #expect(machine.currentRefreshToken == Secret("refresh-2"), "the rotation is kept")
+        #expect(machine.demand(.get, now: .seconds(2)).startedFlight != nil, "the next demand refreshes")
     }
 
     @Test("shutdown fails the flight's waiters and later demands")

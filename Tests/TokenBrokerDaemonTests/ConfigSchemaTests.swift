@@ -165,12 +165,15 @@ struct ConfigSchemaTests {
                         // Encoded dot segments and slashes a server may resolve out of a path scope.
                         "https://h/org/%2e%2e/x", "https://h/org/%2E%2e/x", "https://h/org/..%2fx", "https://h/org/%2fx", "https://h/org/%5c..",
                         "https://h/org/..;/x", "https://h/org/%zz", "https://h/org/%2",
+                        // What a proxy that decodes twice, or a lenient UTF-8 decoder, reads as a dot.
+                        "https://h/org/%252e%252e/x", "https://h/org/..%00/x", "https://h/org/%c0%ae%c0%ae/x", "https://h/org/%C1%9C",
                         // Numbers that are IPv4 addresses to WHATWG and libcurl, names to RFC 3986.
                         "http://127.1/", "http://0x7f.0.0.1/", "http://2130706433/", "http://127.0.0.01/", "http://1.2.3.256/", "http://127.0.0.1./",
                         "h:8080:80", "https://h:/", "https://h:123456/"] {
             #expect(ServedURL(refused) == nil, "\(refused)")
         }
-        for kept in ["https://h/org/%41", "https://h/org/a.b", "https://h/org/...", "https://v1.example.test/", "https://127.0.0.1/", "https://[::1]:8443/"] {
+        for kept in ["https://h/org/%41", "https://h/org/a.b", "https://h/org/...", "https://v1.example.test/", "https://127.0.0.1/", "https://[::1]:8443/",
+                     "https://h/org/caf%C3%A9"] {
             #expect(ServedURL(kept) != nil, "\(kept)")
         }
     }

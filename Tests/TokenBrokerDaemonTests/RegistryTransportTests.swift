@@ -8,13 +8,14 @@ import Testing
 @Suite("Registry transport")
 struct RegistryTransportTests {
     static func transport(files: [String: String] = [:], variables: [String: String] = ["HOME": "/home/u"],
-                          parent: [String] = ["skopeo", "inspect", "docker://registry.example.test/a"]) -> RegistryTransport {
+                          parent: [String] = ["skopeo", "inspect", "docker://registry.example.test/a"], above: [[String]] = [],
+                          readable: Bool = true, engine: [String]? = nil) -> RegistryTransport {
         RegistryTransport(file: { path, limit in files[path].map { Array($0.utf8) }.flatMap { $0.count <= limit ? $0 : nil } },
                           directory: { path in
                               let names = files.keys.filter { $0.hasPrefix(path + "/") }.map { String($0.dropFirst(path.count + 1)) }
                               return names.isEmpty ? nil : names
                           },
-                          variable: { variables[$0] }, parentArguments: { parent })
+                          variable: { variables[$0] }, toolArguments: { readable ? [parent] + above : nil }, engineArguments: { engine })
     }
 
     @Test("a secure registry's bare host is asked for as https; a written scheme is kept; what is no registry address is not asked")
@@ -39,10 +40,45 @@ struct RegistryTransportTests {
             #expect(Self.transport(parent: ["skopeo", "copy", flag, "a", "b"]).requestURL(for: "registry.example.test") == "http://registry.example.test",
                     "\(flag)")
         }
-        for harmless in ["--tls-verify=true", "--tls-verify", "--insecure-policy", "tls-verify=false", "--tls-verifyx=false"] {
+        for harmless in ["--tls-verify=true", "--tls-verify", "--insecure-policy", "tls-verify=false", "--tls-verifyx=false", "--insecure=0"] {
             #expect(Self.transport(parent: ["skopeo", harmless]).requestURL(for: "registry.example.test") == "https://registry.example.test",
                     "\(harmless)")
         }
+    }
+
+    @Test("what an adversarial review found (issue 32): a scheme in daemon.json, a network against a name, a registries.conf wildcard, --insecure and --plain-http, a shell above the tool, an unreadable tool, the docker CLI's engine, loopback spellings, too many drop-ins: plain HTTP")
+    func reviewed() {
+        let daemon = { (entries: String) in Self.transport(files: ["/etc/docker/daemon.json": #"{"insecure-registries": \#(entries)}"#]) }
+        #expect(daemon(#"["http://registry.example.test:5000"]"#).requestURL(for: "registry.example.test:5000")?.hasPrefix("http://") == true)
+        #expect(daemon(#"["https://registry.example.test:5000/"]"#).requestURL(for: "registry.example.test:5000")?.hasPrefix("http://") == true)
+        #expect(daemon(#"["10.0.0.0/8"]"#).requestURL(for: "registry.example.test")?.hasPrefix("http://") == true, "a name may resolve into the network")
+        #expect(daemon(#"["10.0.0.0/8"]"#).requestURL(for: "11.0.0.1")?.hasPrefix("https://") == true)
+        let wildcard = "[[registry]]\nprefix = \"*.corp.example\"\ninsecure = true\n"
+        #expect(Self.transport(files: ["/etc/containers/registries.conf": wildcard]).requestURL(for: "reg.corp.example") == "http://reg.corp.example")
+        #expect(Self.transport(files: ["/etc/containers/registries.conf": wildcard]).requestURL(for: "reg.other.example") == "https://reg.other.example")
+        for flags in [["crane", "--insecure", "pull"], ["cosign", "--insecure=true"], ["oras", "pull", "--plain-http"], ["helm", "--plain-http=1"]] {
+            #expect(Self.transport(parent: flags).requestURL(for: "registry.example.test") == "http://registry.example.test", "\(flags)")
+        }
+        #expect(Self.transport(parent: ["crane", "--insecure=false"]).requestURL(for: "registry.example.test") == "https://registry.example.test")
+        #expect(Self.transport(parent: ["sh", "-c", "skopeo …"], above: [["skopeo", "--tls-verify=false", "inspect"]])
+                    .requestURL(for: "registry.example.test") == "http://registry.example.test", "a shell that did not exec")
+        #expect(Self.transport(readable: false).requestURL(for: "registry.example.test") == "http://registry.example.test", "an unreadable tool is doubt")
+        // The docker CLI: its engine's flags count, and an engine unseen or elsewhere is doubt.
+        let docker = ["/usr/bin/docker", "pull", "registry.example.test/a"]
+        #expect(Self.transport(parent: docker).requestURL(for: "registry.example.test") == "http://registry.example.test")
+        let engine = ["/usr/bin/dockerd", "--insecure-registry", "registry.example.test:5000", "--config-file=/srv/d.json"]
+        #expect(Self.transport(parent: docker, engine: engine).requestURL(for: "registry.example.test:5000") == "http://registry.example.test:5000")
+        #expect(Self.transport(files: ["/srv/d.json": "{}"], parent: docker, engine: engine).requestURL(for: "other.test") == "https://other.test")
+        #expect(Self.transport(files: ["/srv/d.json": #"{"insecure-registries": ["other.test"]}"#], parent: docker, engine: engine)
+                    .requestURL(for: "other.test") == "http://other.test", "the engine's --config-file")
+        #expect(Self.transport(parent: docker, engine: engine).requestURL(for: "other.test") == "http://other.test", "an unreadable --config-file is doubt")
+        #expect(Self.transport(variables: ["DOCKER_HOST": "tcp://far.example:2376"], parent: docker, engine: ["dockerd"])
+                    .requestURL(for: "other.test") == "http://other.test")
+        for host in ["[::ffff:127.0.0.1]:5000", "localhost.:5000", "reg.localhost", "reg.localhost."] {
+            #expect(Self.transport().requestURL(for: host)?.hasPrefix("http://") == true, "\(host)")
+        }
+        let many = Dictionary(uniqueKeysWithValues: (0...RegistryTransport.maximumDropIns).map { ("/etc/containers/registries.conf.d/\($0).conf", "") })
+        #expect(Self.transport(files: many).requestURL(for: "registry.example.test") == "http://registry.example.test")
     }
 
     @Test("registries.conf naming the registry with an insecure setting, and daemon.json's insecure-registries: plain HTTP")

@@ -464,9 +464,9 @@ struct AuthorizationCodeTests {
         func redirect(_ extra: String) -> String { Self.redirectURI + "?code=c1&state=\(request.state)" + extra }
         #expect(AuthorizationRequest.readRedirect(redirect("&iss=https%3A%2F%2Fas.example"), expecting: request) == .code(Secret("c1")))
         #expect(AuthorizationRequest.readRedirect(redirect("&iss=https%3A%2F%2Fevil.example"), expecting: request)
-                == .invalid("the redirect's iss names another issuer (RFC 9207 mix-up defence)"))
+                == .invalid("the redirect's iss names another issuer (RFC 9207 mix-up defence)", answersLogin: true))
         #expect(AuthorizationRequest.readRedirect(redirect(""), expecting: request)
-                == .invalid("the redirect has no iss, which the server's metadata says it always sends (RFC 9207)"))
+                == .invalid("the redirect has no iss, which the server's metadata says it always sends (RFC 9207)", answersLogin: true))
         let optional = AuthorizationRequest(redirectURI: Self.redirectURI, state: request.state, nonce: request.nonce, pkce: request.pkce,
                                             issuer: "https://as.example")
         #expect(AuthorizationRequest.readRedirect(redirect(""), expecting: optional) == .code(Secret("c1")))
@@ -476,7 +476,7 @@ struct AuthorizationCodeTests {
         #expect(AuthorizationRequest.readRedirect(redirect("&iss=anything"), expecting: unnamed) == .code(Secret("c1")))
         // An error answer from another issuer is not believed either.
         #expect(AuthorizationRequest.readRedirect(Self.redirectURI + "?error=access_denied&state=\(request.state)&iss=https%3A%2F%2Fevil.example",
-                                                  expecting: request) == .invalid("the redirect's iss names another issuer (RFC 9207 mix-up defence)"))
+                                                  expecting: request) == .invalid("the redirect's iss names another issuer (RFC 9207 mix-up defence)", answersLogin: true))
     }
 
     @Test("HMAC-SHA-256 of the ID token's signature: RFC 4231 cases 2 and 6 (a key longer than a block)")
@@ -596,8 +596,12 @@ struct AuthorizationRedirectTests {
             ("/callback?code=abc&state=\(state)&pad=" + String(repeating: "x", count: 8192), "the redirect is longer than 8192 bytes"),
             ("/callback?\(many)&code=abc&state=\(state)", "the redirect has more than 32 parameters"),
         ]
+        // (Past the state check, a refusal answers the login: it carried the login's state.)
+        let pastState = ["the redirect has no code", "the redirect's code is not visible ASCII of at most 2048 bytes",
+                         "the redirect has both a code and an error", "the redirect's error is not a short plain code"]
         for (index, (target, reason)) in cases.enumerated() {
-            #expect(AuthorizationRequest.readRedirect(target, expecting: Self.request) == .invalid(reason), "case \(index)")
+            #expect(AuthorizationRequest.readRedirect(target, expecting: Self.request) == .invalid(reason, answersLogin: pastState.contains(reason)),
+                    "case \(index)")
         }
         // 32 parameters are allowed.
         let most = (0..<30).map { "p\($0)=1" }.joined(separator: "&")
@@ -780,7 +784,7 @@ struct AuthorizationRedirectTests {
             switch outcome {
             case .code: outcomes.codes += 1
             case .denied: outcomes.denials += 1
-            case let .invalid(reason):
+            case let .invalid(reason, _):
                 outcomes.refusals += 1
                 // A reason never repeats the input (no code, no state).
                 if reason.contains("dev-ac") || reason.contains(state) { Issue.record("iteration \(iteration): the reason repeats the input") }

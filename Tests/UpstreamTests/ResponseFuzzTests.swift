@@ -115,9 +115,12 @@ struct ResponseFuzzTests {
         let instant = try answer(jwt(["exp": .int(now + 30)]))
         #expect(instant.notAfter == now + 30 && instant.expiresAt(receivedAt: Double(now)) == Double(now + 30))
         #expect(try answer(jwt(["exp": .int(now - 30)])).notAfter == nil, "an exp behind this clock, with no iat: the clocks disagree")
-        for claims: JSON in [["iat": .int(.min), "exp": .int(.max)], ["iat": 5, "exp": 1], ["exp": "soon"], ["exp": 1e300], "x"] {
+        for claims: JSON in [["iat": .int(.min), "exp": .int(.max)], ["exp": "soon"], ["exp": 1e300], ["iat": "then", "exp": 5], "x"] {
             #expect(try answer(jwt(claims)).expiresIn == .seconds(3600), "\(claims)")
         }
+        // Fractions count (RFC 7519 NumericDate); an exp not after iat is a token dead at birth.
+        #expect(try answer(jwt(["iat": 1000.5, "exp": 1060.25])).expiresIn == .milliseconds(59_750))
+        #expect(try answer(jwt(["iat": 5, "exp": 1])).expiresIn == .zero && answer(jwt(["iat": 5, "exp": 5])).expiresIn == .zero)
         #expect(try answer("a.b.c").expiresIn == .seconds(3600) && answer("opaque", requestedAt: nil).lifetimeStart == nil)
     }
 
