@@ -99,7 +99,14 @@ public final class Daemon: Sendable {
             configuration = try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
         } catch {
             logger.error("configuration error: \(error)")
-            return failToStart("configuration error: \(error)")
+            return failToStart("configuration error: \(error)") {
+                do {
+                    _ = try ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
+                    return nil
+                } catch {
+                    return "\(error)"
+                }
+            }
         }
         for warning in configuration.warnings { logger.warning("\(warning)") }
         for warning in ProcessDefences.unmappedIDWarnings(configuration) { logger.warning(warning) }
@@ -121,10 +128,12 @@ public final class Daemon: Sendable {
 
     /// Exit 78; under socket activation, after answering the calls that woke the daemon with
     /// why (`StartFailure`), and with it in systemd's status line.
-    private static func failToStart(_ reason: String) -> Int32 {
+    /// `stillFailing`: why, asked again (nil once it is fixed: `StartFailure` then leaves the
+    /// next call to a new daemon).
+    private static func failToStart(_ reason: String, stillFailing: () -> String? = { "" }) -> Int32 {
         if let listener = try? Systemd.activatedListener() {
             Systemd.status(reason)
-            StartFailure.answer(on: listener, reason: reason)
+            StartFailure.answer(on: listener, reason: reason, stillFailing: stillFailing)
         }
         return ExitCode.config
     }

@@ -16,7 +16,9 @@ import Varlink
 ///
 /// It lingers until no connection came for `idle` (at most `longest`), answers at most
 /// `mostConnections` at once, reads at most `longestMessage` bytes of each, and gives each
-/// `messageDeadline` to send its call.
+/// `messageDeadline` to send its call. Before it takes new connections it asks `stillFailing`
+/// again (once per wake-up, whatever number wait): once the cause is fixed, it leaves them
+/// queued and exits, and systemd starts a daemon that serves them.
 enum StartFailure {
     static let idle = Duration.seconds(1)
     static let longest = Duration.seconds(10)
@@ -24,8 +26,9 @@ enum StartFailure {
     static let longestMessage = 64 << 10
     static let messageDeadline = Duration.seconds(1)
 
-    /// Answers on `listener` (the socket systemd passed) until it has been quiet for `idle`.
-    static func answer(on listener: Int32, reason: String, daemonUID: UInt32 = getuid()) {
+    /// Answers on `listener` (the socket systemd passed) until it has been quiet for `idle`, or
+    /// `stillFailing` (why it cannot start, asked again) says nothing is wrong any more.
+    static func answer(on listener: Int32, reason: String, daemonUID: UInt32 = getuid(), stillFailing: () -> String? = { "" }) {
         let line = reason.split(separator: "\n", omittingEmptySubsequences: true).first.map(String.init) ?? reason
         let told = reply("the broker cannot start: \(line.prefix(400))")
         let hidden = reply("the broker cannot start: its configuration has an error (an administrator can read it: systemctl status tokenbroker)")
@@ -40,6 +43,8 @@ enum StartFailure {
             let wait = min(end - clock.now, idle)
             _ = poll(&fds, nfds_t(fds.count), Int32(max(wait.components.seconds * 1000 + wait.components.attoseconds / 1_000_000_000_000_000, 1)))
             if fds[0].revents & Int16(POLLIN) != 0 {
+                // Fixed: the queued connections are the next daemon's.
+                if stillFailing() == nil { return }
                 while open.count < mostConnections {
                     let fd = tb_accept_nonblocking(listener)
                     guard fd >= 0 else { break }

@@ -230,24 +230,26 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("real-systemd test: terminated"))
     started = time.monotonic()
     container = Container()
-    issuer = None
+    issuers = []
     try:
         try:
             container.boot()
         except Skip as reason:
             print(f"SKIP real-systemd test: no container can boot here: {reason}")
             return 0
-        issuer = Issuer(dev_issuer, container)
-        scenario(container, deb, issuer)
+        issuers.append(Issuer(dev_issuer, container))
+        # The README's session: its own issuer, with the README's client id.
+        issuers.append(Issuer(dev_issuer, container, client_id="my-client", credential=None))
+        scenario(container, deb, *issuers)
     except Exception as error:   # a step that could not even run is a failure, with its reason
         check(False, "the scenario ran to its end", f"{type(error).__name__}: {error}")
     finally:
         try:
-            if issuer:
+            for issuer in issuers:
                 issuer.stop()
         finally:
             container.close()
-        left = container.leftovers() + (issuer.leftovers() if issuer else [])
+        left = container.leftovers() + [leftover for issuer in issuers for leftover in issuer.leftovers()]
         check(not left, "the container and the issuer are gone: nothing left running, mounted or on disk", str(left))
     print(f"real-systemd test: {len(FAILURES)} failure(s), {time.monotonic() - started:.1f} s")
     return 1 if FAILURES else 0
@@ -257,14 +259,16 @@ class Issuer:
     """The development issuer on the host's loopback, with a fresh client secret and a login
     (a refresh token) for the session under test."""
 
-    def __init__(self, executable, container):
+    def __init__(self, executable, container, client_id="tokenbroker", credential="work-secret"):
         self.client_secret = secrets.token_hex(16)
-        container.write("/etc/credstore/tokenbroker.work-secret", self.client_secret + "\n", 0o600)
-        secret_file = os.path.join(container.top, "issuer-secret")
-        refresh_file = os.path.join(container.top, "login-refresh-token")
+        if credential:
+            container.write(f"/etc/credstore/tokenbroker.{credential}", self.client_secret + "\n", 0o600)
+        secret_file = os.path.join(container.top, f"issuer-secret-{client_id}")
+        refresh_file = os.path.join(container.top, f"login-refresh-token-{client_id}")
         with open(secret_file, "w") as f:
             f.write(self.client_secret + "\n")
-        self.process = subprocess.Popen([executable, "--client-secret-file", secret_file, "--refresh-token-file", refresh_file],
+        self.process = subprocess.Popen([executable, "--client-id", client_id, "--client-secret-file", secret_file,
+                                         "--refresh-token-file", refresh_file],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
         ready, _, _ = select.select([self.process.stdout], [], [], STEP_TIMEOUT)
         line = self.process.stdout.readline().strip() if ready else "(nothing)"
@@ -301,10 +305,10 @@ class Issuer:
         return [f"dev-issuer {self.process.pid}"] if self.process.poll() is None else []
 
 
-def scenario(c, deb, issuer):
+def scenario(c, deb, issuer, readme_issuer):
     version = subprocess.run(["dpkg-deb", "-f", deb, "Version"], capture_output=True, text=True, check=True).stdout.strip()
     state_key = secrets.token_hex(32)
-    never_logged = [issuer.client_secret, issuer.login_token, state_key]   # and every token served, below
+    never_logged = [issuer.client_secret, issuer.login_token, state_key, readme_issuer.client_secret]   # and every token served, below
 
     # -- Install, as a user would --------------------------------------------------------------
     shutil.copy(deb, c.path("/root/"))
@@ -559,6 +563,9 @@ def scenario(c, deb, issuer):
         print(f"       <{e.get('PRIORITY')}> {e.get('SYSLOG_IDENTIFIER')}: {redact(str(e.get('MESSAGE')), never_logged)}"
               + (f"  SESSION={e['SESSION']}" if "SESSION" in e else ""))
 
+    # -- The README's install section, run as written (the service stopped, the socket listening) -
+    readme_install(c, deb, readme_issuer, never_logged)
+
     # -- Exposure, measured by the running systemd -----------------------------------------------
     security = c.run(["systemd-analyze", "security", "--no-pager", "tokenbroker.service"], check=False).stdout
     score = re.search(r"Overall exposure level for tokenbroker.service: ([0-9.]+)", security)
@@ -589,6 +596,89 @@ def scenario(c, deb, issuer):
           and not os.path.exists(c.path("/etc/tokenbroker/secrets")) and not os.path.exists(c.path(CREDENTIAL))
           and c.show("tokenbroker.service", "ActiveState") == "inactive" and c.show("tokenbroker.socket", "ActiveState") == "inactive",
           "apt purge stops the units and removes the state and secrets directories and the state key", purged.stderr[-500:])
+
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
+
+
+def install_blocks():
+    """The ```sh blocks of the README's Install section, as written."""
+    with open(README) as f:
+        text = f.read()
+    section = text.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```sh\n(.*?)```", section, re.S)
+
+
+def readme_install(c, deb, issuer, never_logged):
+    """The README's two install blocks, verbatim, as root in the container, with the service
+    stopped and its socket listening, as right after `apt install`. The harness provides what
+    the text takes from its reader: `make deb` (the package is built already, where the block
+    expects it), `sudo` (this shell is root's), $CLIENT_SECRET and an issuer at the README's
+    issuer URL (its one substitution: the development issuer, with the README's client id).
+    The device login's code is approved from the host, as a user's browser would."""
+    blocks = install_blocks()
+    check(len(blocks) == 2 and "make deb" in blocks[0] and "ctl login api" in blocks[1],
+          "the README's Install section has its two blocks (build and install; the first session)", str(len(blocks)))
+    if len(blocks) != 2:
+        return
+    name = re.search(r"\./\.build/deb/(tokenbroker_[^ ]+\.deb)", blocks[0])
+    built = os.path.basename(deb)
+    check(name is not None and name.group(1) == built, f"the README's package name is the package's: {built}", name.group(0) if name else blocks[0])
+    os.makedirs(c.path("/root/.build/deb"), exist_ok=True)
+    shutil.copy(deb, c.path("/root/.build/deb/" + built))
+    if name and name.group(1) != built:
+        shutil.copy(deb, c.path("/root/.build/deb/" + name.group(1)))
+    check(c.show("tokenbroker.service", "ActiveState") == "inactive" and c.show("tokenbroker.socket", "ActiveState") == "active",
+          "before the README's blocks: the service is not running, its socket listens")
+    prelude = ("set -e\ncd /root\nsudo() { \"$@\"; }\nmake() { [ \"$1\" = deb ]; }\n"
+               f"export CLIENT_SECRET={issuer.client_secret}\n")
+    script = prelude + blocks[0] + blocks[1].replace("https://login.example.com", issuer.url)
+    c.write("/root/readme-install.sh", script, 0o700)
+    run = c.spawn(["bash", "/root/readme-install.sh"])
+    shown, code, deadline = "", None, time.monotonic() + STEP_TIMEOUT
+    while code is None and time.monotonic() < deadline and run.poll() is None:
+        shown += run.stdout.readline()
+        code = next(iter(re.findall(r"enter the code (\S+)", shown)), None)
+    if code:
+        with urllib.request.urlopen(f"{issuer.url}/device?user_code={code}&action=approve", timeout=STEP_TIMEOUT) as answer:
+            answer.read()
+    try:
+        run.wait(timeout=STEP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.wait()
+    shown += run.stdout.read()
+    errors = run.stderr.read()
+    check(run.returncode == 0 and "reloaded" in shown and "logged in api (generation 1)" in shown,
+          "the README's install blocks, as written, right after apt install: reload through the socket, then the device login",
+          f"exit {run.returncode}: {redact(shown[-400:] + errors[-600:], never_logged)}")
+    c.run(["useradd", "--create-home", "--groups", "tokenbroker,api-workers", "carol"])
+    token = c.run(["tokenbroker", "ctl", "token", "api"], user="carol", check=False)
+    never_logged.append(token.stdout.strip())
+    check(token.returncode == 0 and issuer.accepts(token.stdout.strip()),
+          "... and a worker in groups tokenbroker and api-workers gets the session's token, which the issuer accepts", token.stderr)
+
+    # A drop-in with a mistake: every call hears the error's first line, the socket stays up
+    # however often it is tried, and the next call after the fix starts the daemon.
+    c.write("/etc/tokenbroker/tokenbroker.conf.d/broken.conf", "[Session]\nName=broken\nUpstream=test\nAllowGroups=no-such-group\n")
+    c.run(["systemctl", "stop", "tokenbroker.service"])
+    tries = [c.run(["tokenbroker", "ctl", "token", "api"], check=False) for _ in range(8)]
+    said = "Error: the broker cannot start: configuration error: /etc/tokenbroker/tokenbroker.conf.d/broken.conf:4: AllowGroups=: no such group 'no-such-group'"
+    check(all(t.returncode == 78 and t.stderr.startswith(said) and "the next call starts the broker again" in t.stderr for t in tries),
+          "a broken drop-in: each of 8 calls hears the error's first line (exit 78)", tries[-1].stderr)
+    worker = c.run(["tokenbroker", "ctl", "token", "api"], user="carol", check=False)
+    check(worker.returncode == 78 and "an administrator can read it: systemctl status tokenbroker" in worker.stderr
+          and "no-such-group" not in worker.stderr, "... a worker hears where to look, not the configuration's text", worker.stderr)
+    check(c.show("tokenbroker.socket", "ActiveState") == "active", "... and the socket still listens (no start limit hit)",
+          c.show("tokenbroker.socket", "Result"))
+    os.remove(c.path("/etc/tokenbroker/tokenbroker.conf.d/broken.conf"))
+    fixed = c.run(["tokenbroker", "ctl", "token", "api"], user="carol", check=False)
+    check(fixed.returncode == 0 and issuer.accepts(fixed.stdout.strip()), "fixed, the next call starts the daemon (no reset-failed)", fixed.stderr)
+    c.run(["useradd", "--create-home", "dave"])
+    outsider = c.run(["tokenbroker", "ctl", "status"], user="dave", check=False)
+    check(outsider.returncode == 69 and outsider.stderr == "Error: permission denied on the broker's socket /run/tokenbroker/io.tokenbroker.Broker: "
+          "this user is not in group tokenbroker; join it (sudo usermod -aG tokenbroker $USER, then log in again)\n",
+          "a user outside group tokenbroker is told to join it", outsider.stderr)
 
 
 def redact(text, values):
