@@ -1,24 +1,29 @@
 # tokenbroker — build, run and test on Debian 12 with the Swift toolchain on PATH.
 #
-#   make run    installs what is missing, builds, and runs the daemon (development mode)
-#   make test   installs what is missing, builds with warnings as errors, runs every test
+#   make run    installs what building needs, when it is missing, builds, and runs the daemon
+#               (development mode)
+#   make test   installs what building and testing need, when it is missing, builds with
+#               warnings as errors, runs every test
 
 SWIFT       ?= swift
 SWIFT_FLAGS ?= -Xswiftc -warnings-as-errors
-# C libraries the package links through system-library targets, systemd's tools (systemd-analyze,
-# systemd-socket-activate), setpriv, kill (procps) and openssl for the tests, and the
-# independent varlink implementation the conformance tests run against (Go), and etcd (the fleet
-# tests start their own etcd clusters on loopback ports; where systemd runs, the package also
-# starts its own etcd service on localhost:2379, which the tests do not use; the same for
-# docker-registry's on :5000), and git, skopeo and docker-registry (real clients and a real
-# registry for the credential-helper tests), and libqrencode4 (ctl login draws the QR code of a
-# code login's URL with it, loaded only then).
-APT_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev libqrencode4 varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus git skopeo docker-registry
+# What building (and so running) needs: the C libraries the package links through
+# system-library targets, and libqrencode4 (ctl login draws the QR code of a code login's URL
+# with it, loaded only then).
+BUILD_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev libssl-dev libqrencode4
+# What testing needs beside: systemd's tools (systemd-analyze, systemd-socket-activate),
+# setpriv, kill (procps) and openssl, the independent varlink implementation the conformance
+# tests run against (Go), etcd (the fleet tests start their own etcd clusters on loopback ports;
+# where systemd runs, the package also starts its own etcd service on localhost:2379, which the
+# tests do not use; the same for docker-registry's on :5000), Prometheus, and git, skopeo and
+# docker-registry (real clients and a real registry for the credential-helper tests). `make run`
+# installs none of these.
+TEST_PACKAGES = varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus git skopeo docker-registry
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
 
-.PHONY: all apt-install deps build release run test python-test system-test interop-test bench bench-fleet bench-scale static install install-files deb clean
+.PHONY: all apt-install deps build-deps test-deps build release run test python-test system-test interop-test bench bench-fleet bench-scale static install install-files deb clean
 
 all: build
 
@@ -40,19 +45,27 @@ apt-install:
 	  done; \
 	fi
 
-deps:
-	@$(MAKE) --no-print-directory apt-install PACKAGES="$(APT_PACKAGES)"
+# What building needs (make run, make build, the package).
+build-deps:
+	@$(MAKE) --no-print-directory apt-install PACKAGES="$(BUILD_PACKAGES)"
+
+# What testing needs beside.
+test-deps: build-deps
+	@$(MAKE) --no-print-directory apt-install PACKAGES="$(TEST_PACKAGES)"
 	@# kubectl for the credential-helper tests: Debian's, unless one is installed already (another
 	@# package's kubectl would conflict with it).
 	@command -v kubectl >/dev/null || $(MAKE) --no-print-directory apt-install PACKAGES="kubernetes-client"
 	@[ -x $(VENV)/bin/python ] && $(VENV)/bin/python -c "import varlink" 2>/dev/null || { \
-	  echo "make deps: creating $(VENV) with $(PY_VARLINK)"; \
+	  echo "make test-deps: creating $(VENV) with $(PY_VARLINK)"; \
 	  python3 -m venv $(VENV) && $(VENV)/bin/pip install -q $(PY_VARLINK); }
 
-build: deps
+# Everything (what `make test` installs).
+deps: test-deps
+
+build: build-deps
 	$(SWIFT) build $(SWIFT_FLAGS)
 
-release: deps
+release: build-deps
 	$(SWIFT) build -c release $(SWIFT_FLAGS)
 
 # Runs the daemon in the foreground in development mode: a development OAuth server in the
@@ -66,7 +79,7 @@ run: build
 # TB_CRASH_ITERATIONS times (default 300). Suites run one after another: several use blocking
 # socket clients against servers in the same process, and on a 2-core machine the cooperative
 # thread pool has only two threads to share between them.
-test: deps
+test: test-deps
 	$(SWIFT) test --no-parallel $(SWIFT_FLAGS)
 	@$(MAKE) --no-print-directory python-test
 	@$(MAKE) --no-print-directory interop-test
@@ -75,7 +88,7 @@ test: deps
 # The package under a real systemd: boots systemd as PID 1 in a container (systemd-nspawn),
 # installs the .deb with apt and checks the service as users meet it (Tests/RealSystemd/run.py).
 # Skipped, saying so, where no container can boot (not root, no systemd-nspawn).
-system-test: deps deb
+system-test: test-deps deb
 	@$(MAKE) --no-print-directory apt-install PACKAGES="systemd-container"
 	$(SWIFT) build $(SWIFT_FLAGS) --product dev-issuer
 	python3 Tests/RealSystemd/run.py $(DEB_DIR)/tokenbroker_$$(dpkg-parsechangelog -S Version)_$$(dpkg --print-architecture).deb \
@@ -88,7 +101,7 @@ system-test: deps deb
 # The Python client (clients/python) installed with pip into its own venv, tested with pytest
 # against the real daemon and the development issuer.
 PY_CLIENT_VENV = .build/tools/python-client
-python-test: build
+python-test: test-deps build
 	@[ -x $(PY_CLIENT_VENV)/bin/keyring ] && $(PY_CLIENT_VENV)/bin/python -c 'import pydpop, zxingcpp, ada_url' 2>/dev/null || { python3 -m venv $(PY_CLIENT_VENV) && \
 	  $(PY_CLIENT_VENV)/bin/pip install -q pytest requests httpx keyring pydpop zxing-cpp numpy ada-url; }
 	$(PY_CLIENT_VENV)/bin/pip install -q --force-reinstall --no-deps ./clients/python
@@ -141,7 +154,7 @@ static:
 	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product tokenbroker-daemon
 	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product tokenbroker
 
-install: deps static install-files
+install: build-deps static install-files
 
 install-files:
 	install -Dm755 "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)/tokenbroker" "$(DESTDIR)$(BINDIR)/tokenbroker"
@@ -164,7 +177,7 @@ install-files:
 # .build/deb/tokenbroker_VERSION_ARCH.deb. Install it with `apt install ./.build/deb/tokenbroker_…deb`.
 DEB_PACKAGES = debhelper dpkg-dev build-essential
 DEB_DIR = $(CURDIR)/.build/deb
-deb: deps
+deb: build-deps
 	@$(MAKE) --no-print-directory apt-install PACKAGES="$(DEB_PACKAGES)"
 	rm -rf $(DEB_DIR) && mkdir -p $(DEB_DIR)
 	env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL DEB_OUTPUT_DIR=$(DEB_DIR) SWIFT=$(SWIFT) dpkg-buildpackage --build=binary --no-sign \
