@@ -135,7 +135,7 @@ bench-scale: deps static
 
 # Installation: `tokenbroker` (the command, one static executable) in BINDIR, the daemon
 # `tokenbroker-daemon` (Swift standard library linked in) in LIBEXECDIR/tokenbroker, units, sysusers/tmpfiles
-# snippets, the configuration (never over an existing one), the example drop-in and the man page.
+# snippets, the user units (each user enables them), the configuration (never over an existing one), the example drop-in and the man page.
 # `make static` builds both (in their own build directory, so that it does not take turns
 # with `make release`); `make install-files` only copies (debian/rules uses both).
 PREFIX      ?= /usr/local
@@ -143,6 +143,7 @@ DESTDIR     ?=
 BINDIR      ?= $(PREFIX)/bin
 LIBEXECDIR  ?= $(PREFIX)/libexec
 UNITDIR     ?= $(PREFIX)/lib/systemd/system
+USERUNITDIR ?= $(PREFIX)/lib/systemd/user
 SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
 TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
 MANDIR      ?= $(PREFIX)/share/man
@@ -165,6 +166,10 @@ install-files:
 	sed 's|/usr/local/libexec/tokenbroker/|$(LIBEXECDIR)/tokenbroker/|' systemd/tokenbroker.service > "$(DESTDIR)$(UNITDIR)/tokenbroker.service"
 	chmod 644 "$(DESTDIR)$(UNITDIR)/tokenbroker.service"
 	install -Dm644 systemd/tokenbroker.socket "$(DESTDIR)$(UNITDIR)/tokenbroker.socket"
+	install -d "$(DESTDIR)$(USERUNITDIR)"
+	sed 's|/usr/local/libexec/tokenbroker/|$(LIBEXECDIR)/tokenbroker/|' systemd/user/tokenbroker.service > "$(DESTDIR)$(USERUNITDIR)/tokenbroker.service"
+	chmod 644 "$(DESTDIR)$(USERUNITDIR)/tokenbroker.service"
+	install -Dm644 systemd/user/tokenbroker.socket "$(DESTDIR)$(USERUNITDIR)/tokenbroker.socket"
 	install -Dm644 systemd/sysusers.d/tokenbroker.conf "$(DESTDIR)$(SYSUSERSDIR)/tokenbroker.conf"
 	install -Dm644 systemd/tmpfiles.d/tokenbroker.conf "$(DESTDIR)$(TMPFILESDIR)/tokenbroker.conf"
 	install -d "$(DESTDIR)$(SYSCONFDIR)/tokenbroker/tokenbroker.conf.d"

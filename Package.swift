@@ -60,7 +60,7 @@ var package = Package(
         .target(name: "SQLiteStore", dependencies: ["Basics", "CSQLite", "Sealing", "TokenBrokerCore"]),
         // The wire contract of io.tokenbroker.Broker — its text, methods, typed requests and replies,
         // and its errors with their names — shared by the daemon's service, ctl and the client library.
-        .target(name: "BrokerContract", dependencies: ["TokenBrokerCore", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
+        .target(name: "BrokerContract", dependencies: ["Basics", "TokenBrokerCore", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The command line without the daemon: help, --version, every ctl verb (no libcurl, SQLite,
         // libcrypto or libsystemd: see `Command`).
         .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "CLinux", "Varlink"]),
@@ -70,7 +70,7 @@ var package = Package(
                                                          "Varlink", "Upstream", "Sealing", "SQLiteStore", "CSystemd"]),
         // `tokenbroker-daemon`'s command line: `serve` and `check-config` parsed and run, every
         // other subcommand handed to the CLI's. (The daemon itself knows nothing of the CLI.)
-        .target(name: "TokenBrokerDaemonCommand", dependencies: ["Basics", "TokenBrokerCLI", "TokenBrokerDaemon"]),
+        .target(name: "TokenBrokerDaemonCommand", dependencies: ["Basics", "BrokerContract", "TokenBrokerCLI", "TokenBrokerDaemon"]),
         // `serve --dev`: the development issuer beside the daemon. Only the executable links it.
         .target(name: "TokenBrokerDevelopment", dependencies: ["DevIssuer", "TokenBrokerCore", "TokenBrokerDaemon", "Upstream"]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the

@@ -1,3 +1,7 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Basics
 import TokenBrokerCore
 import Varlink
 
@@ -19,6 +23,30 @@ public enum BrokerContract {
     static let secretsRegistered: Void = VarlinkRedaction.register(secretMembers)
     /// Where the broker listens unless configured otherwise (`Socket=`, `$TOKENBROKER_SOCKET`).
     public static let defaultSocket = "/run/tokenbroker/io.tokenbroker.Broker"
+
+    /// A user's own broker's socket (`tokenbroker serve --user`, the user units):
+    /// `$XDG_RUNTIME_DIR/tokenbroker/io.tokenbroker.Broker`.
+    public static func userSocket(_ directories: UserDirectories = UserDirectories()) -> String {
+        directories.runtime + "/tokenbroker/io.tokenbroker.Broker"
+    }
+
+    /// The broker a client talks to when it names none: `$TOKENBROKER_SOCKET` if set, else the
+    /// user's own broker if something listens on its socket (systemd leaves a stopped socket
+    /// unit's file behind), else the system's (`--socket`, where a command takes it, comes
+    /// before all of these).
+    public static func socket(variable: (String) -> String? = { getenv($0).map { String(cString: $0) } },
+                              listening: (String) -> Bool = isListening) -> String {
+        if let named = variable("TOKENBROKER_SOCKET"), !named.isEmpty { return named }
+        let user = userSocket(UserDirectories(variable: variable))
+        return listening(user) ? user : defaultSocket
+    }
+
+    /// Whether something listens on the socket file at `path` (a file that is no socket, a
+    /// symlink, or none: no; the connection is closed at once, never waited on).
+    public static func isListening(_ path: String) -> Bool {
+        var info = stat()
+        return lstat(path, &info) == 0 && info.st_mode & S_IFMT == S_IFSOCK && UnixSocket.isListening(path)
+    }
 }
 
 /// The interface's methods.

@@ -35,7 +35,7 @@ public enum CredentialHelper {
         var registries: RegistryTransport = .process
 
         public static var process: Environment {
-            Environment(socket: getenv("TOKENBROKER_SOCKET").map { String(cString: $0) } ?? BrokerContract.defaultSocket,
+            Environment(socket: BrokerContract.socket(),
                         standardInput: { readInput() }, variable: { name in getenv(name).map { String(cString: $0) } },
                         now: { Int64(time(nil)) })
         }

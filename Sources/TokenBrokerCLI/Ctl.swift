@@ -15,7 +15,7 @@ public enum Ctl {
     /// Parses `ctl`'s options and runs its verb; `ctl check-config` is handed back (the daemon's
     /// executable runs it).
     public static func run(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Command.Outcome {
-        var socket = getenv("TOKENBROKER_SOCKET").map { String(cString: $0) } ?? BrokerContract.defaultSocket
+        var socket = BrokerContract.socket()
         var words: [String] = []
         var json = false
         var refreshTokenFromStdin = false

@@ -48,7 +48,8 @@ public enum Help {
           --url <url>             kubectl: the URL to find the session by (else the cluster's
                                   server, with provideClusterInfo: true).
           --session <name>        kubectl: the session itself.
-          --socket <path>         The broker's socket (default $TOKENBROKER_SOCKET, else
+          --socket <path>         The broker's socket (default $TOKENBROKER_SOCKET, else this
+                                  user's own broker if one listens, else the system's:
                                   /run/tokenbroker/io.tokenbroker.Broker).
           -h, --help              Show this help.
 
@@ -76,9 +77,14 @@ public enum Help {
         until SIGTERM or SIGINT. SIGHUP re-reads the configuration. Logs go to stderr with <N>
         priority prefixes (journald reads them).
 
-        USAGE: tokenbroker serve [--config <path>] [--socket <path>] [--state-dir <path>] [--log-level <level>] [--dev]
+        USAGE: tokenbroker serve [--user] [--config <path>] [--socket <path>] [--state-dir <path>] [--log-level <level>] [--dev]
 
         OPTIONS:
+          --user                  This user's own broker, of which the user is the admin: the
+                                  configuration in $XDG_CONFIG_HOME/tokenbroker/tokenbroker.conf,
+                                  the state in $XDG_STATE_HOME/tokenbroker, the socket in
+                                  $XDG_RUNTIME_DIR/tokenbroker/ (where not given; what the user
+                                  units run: systemctl --user enable --now tokenbroker.socket).
           --config <path>         Configuration file (default /etc/tokenbroker/tokenbroker.conf;
                                   drop-ins in <path>.d/*.conf).
           --socket <path>         Socket to listen on (overrides Socket=; default
@@ -87,14 +93,14 @@ public enum Help {
                                   /var/lib/tokenbroker).
           --log-level <level>     emerg, alert, crit, err, warning, notice, info (default), debug.
           --dev                   Development mode: start a development OAuth server in this
-                                  process and serve one logged-in session, `demo`, against it
-                                  (no configuration file is read; state stays in memory unless
-                                  --state-dir is given).
+                                  process and serve two logged-in sessions against it, `demo`
+                                  and `demo-dpop` (DPoP-bound tokens); no configuration file is
+                                  read, and state stays in memory unless --state-dir is given.
           -h, --help              Show this help.
 
         EXAMPLES:
-          tokenbroker serve --config /etc/tokenbroker/tokenbroker.conf
           tokenbroker serve --dev --socket /tmp/tokenbroker.sock
+          tokenbroker serve --user
 
         """
 
@@ -125,7 +131,8 @@ public enum Help {
         USAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>] [<verb options>]
 
         OPTIONS:
-          --socket <path>         The broker's socket (default $TOKENBROKER_SOCKET, else
+          --socket <path>         The broker's socket (default $TOKENBROKER_SOCKET, else this
+                                  user's own broker if one listens, else the system's:
                                   /run/tokenbroker/io.tokenbroker.Broker).
           --json                  Machine-readable output.
           -h, --help              Show this help (or a verb's, after the verb).

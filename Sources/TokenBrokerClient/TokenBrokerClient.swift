@@ -97,7 +97,7 @@ public final class TokenBrokerClient: Sendable {
     ///   - socketPath: the broker's socket; default `$TOKENBROKER_SOCKET`, else the system one.
     ///   - timeout: the longest wait for one answer (a refresh may take a while upstream).
     public init(socketPath: String? = nil, timeout: Duration = .seconds(60)) {
-        let path = socketPath ?? getenv("TOKENBROKER_SOCKET").map { String(cString: $0) } ?? Self.defaultSocket
+        let path = socketPath ?? BrokerContract.socket()
         address = VarlinkAddress(path: path)
         self.timeout = Double(timeout.components.seconds) + Double(timeout.components.attoseconds) / 1e18
     }

@@ -31,6 +31,9 @@ public final class Daemon: Sendable {
         public var stateDirectory: String?
         /// How long in-flight calls may run after SIGTERM before they are cancelled.
         public var drainTimeout: Duration = .seconds(10)
+        /// A user's own broker (`serve --user`): the configuration, state and socket in the
+        /// user's XDG directories where not given (`UserDirectories`).
+        public var user = false
 
         public init() {}
     }

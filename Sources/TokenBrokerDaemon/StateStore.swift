@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Basics
 import Sealing
 import SQLiteStore
 import TokenBrokerCore
@@ -32,7 +33,7 @@ struct StateStore: Sendable {
         if options.dev && options.stateDirectory == nil {
             return StateStore(sessions: InMemorySessionStore(), database: nil, lock: nil)
         }
-        let directory = options.stateDirectory ?? fromSystemd ?? defaultDirectory
+        let directory = options.stateDirectory ?? fromSystemd ?? (options.user ? UserDirectories().state + "/tokenbroker" : defaultDirectory)
         // The lock first: reading or making the key, and opening the database (which may
         // migrate it, seal rows written in clear, or move an unreadable file aside), may not
         // happen under another daemon.

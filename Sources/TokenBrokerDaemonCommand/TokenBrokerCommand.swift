@@ -1,6 +1,7 @@
 import Dispatch
 import Synchronization
 import Basics
+import BrokerContract
 import TokenBrokerCLI
 import TokenBrokerDaemon
 
@@ -88,6 +89,8 @@ public enum TokenBrokerCommand {
                 options.socketPath = path
             case "--dev":
                 options.dev = true
+            case "--user":
+                options.user = true
             case "--state-dir":
                 guard let path = absolutePath(argument) else { return usageError("--state-dir needs a path", Help.serve, &errors) }
                 options.stateDirectory = path
@@ -100,6 +103,12 @@ public enum TokenBrokerCommand {
                 return usageError("unknown option '\(arguments[index])'", Help.serve, &errors)
             }
             index += 1
+        }
+        if options.user {
+            // This user's own broker: its XDG directories, for what was not given.
+            let directories = UserDirectories()
+            if !options.configPathGiven { options.configPath = directories.config + "/tokenbroker/tokenbroker.conf" }
+            if options.socketPath == nil { options.socketPath = BrokerContract.userSocket(directories) }
         }
         return .run(options)
     }

@@ -566,6 +566,9 @@ def scenario(c, deb, issuer, readme_issuer):
     # -- The README's install section, run as written (the service stopped, the socket listening) -
     readme_install(c, deb, readme_issuer, never_logged)
 
+    # -- A broker of alice's own, under her user manager (lingering), nothing as root ----------
+    per_user(c, readme_issuer, never_logged)
+
     # -- Exposure, measured by the running systemd -----------------------------------------------
     security = c.run(["systemd-analyze", "security", "--no-pager", "tokenbroker.service"], check=False).stdout
     score = re.search(r"Overall exposure level for tokenbroker.service: ([0-9.]+)", security)
@@ -679,6 +682,71 @@ def readme_install(c, deb, issuer, never_logged):
     check(outsider.returncode == 69 and outsider.stderr == "Error: permission denied on the broker's socket /run/tokenbroker/io.tokenbroker.Broker: "
           "this user is not in group tokenbroker; join it (sudo usermod -aG tokenbroker $USER, then log in again)\n",
           "a user outside group tokenbroker is told to join it", outsider.stderr)
+
+
+def per_user(c, issuer, never_logged):
+    """alice's own broker: the package's user units, enabled by her (`systemctl --user`), her
+    configuration in ~/.config/tokenbroker, state in ~/.local/state/tokenbroker, the socket in
+    her runtime directory; she is its admin. ctl finds it with no option; token, login, logout,
+    reload and a restart of her service, as she runs them."""
+    uid = c.run(["id", "-u", "alice"]).stdout.strip()
+    runtime = f"/run/user/{uid}"
+    c.run(["loginctl", "enable-linger", "alice"])
+    manager = eventually(lambda: c.show(f"user@{uid}.service", "ActiveState") == "active"
+                         and c.run(["test", "-S", runtime + "/bus"], check=False).returncode == 0)
+    check(manager is not None, "alice's user manager runs (loginctl enable-linger alice)", c.show(f"user@{uid}.service", "ActiveState"))
+
+    def alice(*argv, input=None):
+        return c.run(["env", "HOME=/home/alice", f"XDG_RUNTIME_DIR={runtime}", f"DBUS_SESSION_BUS_ADDRESS=unix:path={runtime}/bus"] + list(argv),
+                     user="alice", input=input, check=False)
+
+    home = "/home/alice/.config/tokenbroker"
+    alice("mkdir", "-p", home)
+    c.write(home + "/secret", issuer.client_secret + "\n", 0o600)
+    c.write(home + "/tokenbroker.conf", f"[Session]\nName=mine\nUpstream=test\n\n[Session]\nName=oauth\nTokenEndpoint={issuer.url}/token\n"
+            f"RevocationEndpoint={issuer.url}/revoke\nClientID=my-client\nClientSecretFile={home}/secret\n")
+    c.run(["chown", "-R", "alice:alice", "/home/alice/.config"])
+    enabled = alice("systemctl", "--user", "enable", "--now", "tokenbroker.socket")
+    check(enabled.returncode == 0, "alice: systemctl --user enable --now tokenbroker.socket", enabled.stderr[-400:])
+    socket = runtime + "/tokenbroker/io.tokenbroker.Broker"
+    info = c.run(["stat", "-c", "%F %a %u", socket], check=False).stdout.strip()   # (her runtime directory is the container's own tmpfs)
+    check(info == f"socket 600 {uid}", f"her socket: {socket}, hers, 0600", info)
+    status = alice("tokenbroker", "ctl", "status")
+    check(status.returncode == 0 and "mine" in status.stdout and "oauth" in status.stdout and "work" not in status.stdout,
+          "ctl status, with no option and no TOKENBROKER_SOCKET, finds her broker (not the system's)", status.stderr)
+    mine = alice("tokenbroker", "ctl", "token", "mine")
+    login = alice("tokenbroker", "ctl", "login", "oauth", "--refresh-token-stdin", input=issuer.login_token + "\n")
+    token = alice("tokenbroker", "ctl", "token", "oauth")
+    never_logged.extend([mine.stdout.strip(), token.stdout.strip()])
+    check(mine.returncode == 0 and login.returncode == 0 and "logged in oauth (generation 1)" in login.stdout
+          and token.returncode == 0 and issuer.accepts(token.stdout.strip()),
+          "she logs her session in (she is her broker's admin) and gets its token, which the issuer accepts", login.stderr + token.stderr)
+    state = "/home/alice/.local/state/tokenbroker"
+    key = os.lstat(c.path(state + "/state.key")) if os.path.exists(c.path(state + "/state.key")) else None
+    database = open(c.path(state + "/state.db"), "rb").read() if os.path.exists(c.path(state + "/state.db")) else b""
+    check(key is not None and str(key.st_uid) == uid and key.st_mode & 0o777 == 0o600 and database
+          and issuer.login_token.encode() not in database and token.stdout.strip().encode() not in database,
+          f"her state in {state}: sealed under her own key file (hers, 0600), no token in clear", str(key))
+    system = alice("tokenbroker", "ctl", "--socket", "/run/tokenbroker/io.tokenbroker.Broker", "token", "work")
+    check(system.returncode == 0 and system.stdout.strip() != mine.stdout.strip(), "--socket still reaches the system's broker", system.stderr)
+    # A reload, a restart (her state survives), a logout.
+    with open(c.path(home + "/tokenbroker.conf"), "a") as f:
+        f.write("\n[Session]\nName=more\nUpstream=test\n")
+    reloaded = alice("tokenbroker", "ctl", "reload")
+    more = alice("tokenbroker", "ctl", "token", "more")
+    check(reloaded.returncode == 0 and more.returncode == 0, "ctl reload takes a new session into her broker", reloaded.stderr + more.stderr)
+    restarted = alice("systemctl", "--user", "restart", "tokenbroker.service")
+    again = alice("tokenbroker", "ctl", "token", "oauth")
+    check(restarted.returncode == 0 and again.stdout.strip() == token.stdout.strip(),
+          "systemctl --user restart tokenbroker: her session is served from her state, the same token", restarted.stderr + again.stderr)
+    logout = alice("tokenbroker", "ctl", "logout", "oauth")
+    after = alice("tokenbroker", "ctl", "token", "oauth")
+    check(logout.returncode == 0 and after.returncode == 1 and "not logged in" in after.stderr, "ctl logout ends her session", logout.stderr)
+    journal = c.run(["journalctl", f"_UID={uid}", "-o", "cat", "--no-pager"], check=False).stdout
+    leaked = [fingerprint(v) for v in never_logged if v and v in journal]
+    check(not leaked, "no token or secret in her units' journal", str(leaked))
+    alice("systemctl", "--user", "disable", "--now", "tokenbroker.socket", "tokenbroker.service")
+    c.run(["loginctl", "disable-linger", "alice"])
 
 
 def redact(text, values):

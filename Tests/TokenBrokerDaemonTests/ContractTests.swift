@@ -1,3 +1,6 @@
+#if canImport(Glibc)
+import Glibc
+#endif
 import Basics
 import BrokerContract
 import Testing
@@ -150,6 +153,23 @@ import WireJSON
         #expect(throws: ParameterError.self) { try BrokerRequest(.credential, ["url": "https://h/", "rejected": "t", "minValid": 60]) }
         #expect(BrokerRequest.getToken(session: "a", minValid: 60).parameters == ["session": "a", "minValid": 60])
         #expect(BrokerRequest.getToken(session: "a").parameters == ["session": "a"])
+    }
+
+    @Test("where a client finds the broker: $TOKENBROKER_SOCKET, else this user's own when one listens there, else the system's (issue 33)")
+    func socketDiscovery() {
+        let user = "/run/user/1000/tokenbroker/io.tokenbroker.Broker"
+        func found(_ variables: [String: String], listening: Set<String>) -> String {
+            BrokerContract.socket(variable: { variables[$0] }, listening: { listening.contains($0) })
+        }
+        #expect(found(["TOKENBROKER_SOCKET": "/srv/b.sock", "XDG_RUNTIME_DIR": "/run/user/1000"], listening: [user]) == "/srv/b.sock")
+        #expect(found(["XDG_RUNTIME_DIR": "/run/user/1000"], listening: [user]) == user)
+        #expect(found(["XDG_RUNTIME_DIR": "/run/user/1000"], listening: []) == BrokerContract.defaultSocket, "a stale file is nobody's broker")
+        #expect(found(["XDG_RUNTIME_DIR": "relative", "TOKENBROKER_SOCKET": ""], listening: ["/run/user/\(getuid())/tokenbroker/io.tokenbroker.Broker"])
+                == "/run/user/\(getuid())/tokenbroker/io.tokenbroker.Broker", "no absolute XDG_RUNTIME_DIR: /run/user/UID")
+        let directories = UserDirectories(variable: { ["HOME": "/home/a", "XDG_STATE_HOME": "/srv/state"][$0] }, uid: 1000)
+        #expect(directories == UserDirectories(variable: { ["XDG_RUNTIME_DIR": "/run/user/1000", "XDG_CONFIG_HOME": "/home/a/.config",
+                                                             "XDG_STATE_HOME": "/srv/state"][$0] }, uid: 1000))
+        #expect(directories.config == "/home/a/.config" && directories.state == "/srv/state" && directories.runtime == "/run/user/1000")
     }
 
     @Test("the errors a token call counts by are the contract's, by their names")

@@ -104,6 +104,26 @@ def test_token_with_a_minimum_validity(stack):
         broker.proof("api", "GET", "https://rs.example/", rejected="x", min_valid=60)
 
 
+def test_the_default_socket_is_tokenbroker_socket_then_the_users_own_then_the_systems(tmp_path, monkeypatch):
+    """$TOKENBROKER_SOCKET, else this user's broker when something listens on its socket (a stale
+    file is nobody's), else the system's."""
+    import socket as sockets
+    from tokenbroker.client import DEFAULT_SOCKET, default_socket
+    monkeypatch.delenv("TOKENBROKER_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "tokenbroker").mkdir()
+    path = str(tmp_path / "tokenbroker" / "io.tokenbroker.Broker")
+    assert default_socket() == DEFAULT_SOCKET
+    listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    assert default_socket() == path and Broker().path == path
+    listener.close()
+    assert default_socket() == DEFAULT_SOCKET, "a socket file nobody listens on"
+    monkeypatch.setenv("TOKENBROKER_SOCKET", "/srv/other.sock")
+    assert default_socket() == "/srv/other.sock"
+
+
 def test_reconnects_after_a_broker_restart(stack):
     broker = Broker(stack.socket)
     first = broker.token("api")

@@ -6,6 +6,7 @@ import math
 import os
 import re
 import socket
+import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
@@ -14,6 +15,36 @@ from urllib.parse import urlsplit
 from .errors import BrokerError, ConnectionLost, NoSuchSession, NotServed, error_from_reply
 
 DEFAULT_SOCKET = "/run/tokenbroker/io.tokenbroker.Broker"
+
+
+def user_socket() -> str:
+    """This user's own broker's socket (tokenbroker serve --user, the user units):
+    $XDG_RUNTIME_DIR/tokenbroker/io.tokenbroker.Broker (/run/user/UID when unset)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if not runtime.startswith("/"):
+        runtime = f"/run/user/{os.getuid()}"
+    return runtime + "/tokenbroker/io.tokenbroker.Broker"
+
+
+def default_socket() -> str:
+    """The broker a client talks to when it names none: $TOKENBROKER_SOCKET if set, else this
+    user's own broker if something listens on its socket, else the system's."""
+    named = os.environ.get("TOKENBROKER_SOCKET")
+    if named:
+        return named
+    user = user_socket()
+    try:
+        if stat.S_ISSOCK(os.lstat(user).st_mode):
+            # (A stopped socket unit leaves its file: only one something listens on counts.)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.setblocking(False)
+                probe.connect(user)
+            return user
+    except BlockingIOError:
+        return user
+    except OSError:
+        pass
+    return DEFAULT_SOCKET
 INTERFACE = "io.tokenbroker.Broker"
 #: Largest reply accepted (a token reply is a few kilobytes; Status of many sessions more).
 MAX_REPLY = 16 << 20
@@ -195,7 +226,7 @@ class Broker:
     RESENDABLE = {"GetToken", "Recover", "GetProof", "Credential", "Status"}
 
     def __init__(self, socket_path: Optional[str] = None, timeout: float = 45.0):
-        self.path = socket_path or os.environ.get("TOKENBROKER_SOCKET") or DEFAULT_SOCKET
+        self.path = socket_path or default_socket()
         self.timeout = timeout
         self._local = threading.local()
 
