@@ -101,7 +101,7 @@ public final class Daemon: Sendable {
         do {
             configuration = try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
         } catch {
-            logger.error("configuration error: \(error)")
+            for line in "\(error)".split(separator: "\n") { logger.error("configuration error: \(line)") }
             return failToStart("configuration error: \(error)") {
                 do {
                     _ = try ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
@@ -336,7 +336,8 @@ public final class Daemon: Sendable {
                     if signal == SIGHUP {
                         Systemd.reloading()
                         if let problem = await reloader.reload() {
-                            logger.error("reload failed, keeping the old configuration: \(problem)")
+                            // (One entry per error: the journal keeps each line as written.)
+                            for line in problem.split(separator: "\n") { logger.error("reload failed, keeping the old configuration: \(line)") }
                             reloader.problem.value = problem
                         } else {
                             reloader.problem.value = nil

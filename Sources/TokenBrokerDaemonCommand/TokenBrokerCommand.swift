@@ -176,7 +176,13 @@ public enum TokenBrokerCommand {
         }
         do {
             let configuration = try ConfigLoader.load(path: path)
-            for warning in configuration.warnings { errors.write("warning: \(warning)\n") }
+            for warning in configuration.warnings { errors.write("warning: \(warning.location)\n") }
+            guard !configuration.sessions.isEmpty else {
+                // Valid, but a broker that serves nothing: say so, and how to add one.
+                output.write("\(path): OK, but it defines no session: every call would be told NoSuchSession; "
+                             + "add a [Session] (a drop-in in \(path).d/; one to copy: /usr/share/doc/tokenbroker/examples/example.conf)\n")
+                return ExitCode.ok
+            }
             output.write("\(path): OK, \(sessionList(configuration.sessions.map(\.name), verbose: verbose))")
             if let fleet = configuration.fleet {
                 let shared = configuration.sessions.filter { $0.fleet != nil }.map(\.name)
@@ -185,7 +191,21 @@ public enum TokenBrokerCommand {
             }
             return ExitCode.ok
         } catch {
-            errors.write("Error: \(error)\n")
+            // Every error and warning, in file order: a warning's "did you mean" may be the
+            // cause of the error after it.
+            let all = ([error] + error.further).map { ("Error", $0) } + error.warnings.map { ("warning", $0) }
+            // (The files are read in that order: the main file, then the drop-ins by name.)
+            func key(_ item: (offset: Int, element: (String, ConfigError))) -> (Int, String, Int, Int) {
+                let file = item.element.1.file
+                return (file == path ? 0 : 1, file == path ? "" : file, item.element.1.line, item.offset)
+            }
+            let ordered = all.enumerated().sorted { key($0) < key($1) }
+            for (_, (label, one)) in ordered { errors.write("\(label): \(one.location)\n") }
+            let count = 1 + error.further.count + error.omitted
+            if error.omitted > 0 { errors.write("(and \(error.omitted) more errors)\n") }
+            if count > 1 || !error.warnings.isEmpty {
+                errors.write("\(path): \(count) error(s), \(error.warnings.count) warning(s)\n")
+            }
             return ExitCode.config
         }
     }

@@ -84,5 +84,58 @@ struct CommandLineTests {
         let failed = Self.run("check-config", "--config", bad.main)
         #expect(failed.code == 78 && failed.err.hasPrefix("Error: \(bad.main):4: RefreshAhead="))
     }
+
+    @Test("check-config reports every error and warning in file order, the typo's 'did you mean' kept before the error it causes (issue 33)")
+    func checkConfigEveryError() throws {
+        let fixture = try ConfigFixture(main: """
+            [Broker]
+            MaxConection=5
+            [Session]
+            Name=api
+            TokenEndpoint=https://auth.example.com/token
+            ClientID=x
+            ClientSecretFle=/etc/secret
+            RefreshAhead=never
+            [Bad
+            Foo=bar
+            [Session]
+            Name=ok
+            Upstream=test
+
+            """, dropIns: ["10-b.conf": "[Session]\nName=b\nUpstream=tost\n", "20-c.conf": "[Session]\nName=c\nUpstream=test\nBackoffMax=x\n"])
+        let result = Self.run("check-config", "--config", fixture.main)
+        let main = fixture.main, dropIns = fixture.directory + "/tokenbroker.conf.d"
+        #expect(result.code == 78 && result.out.isEmpty)
+        #expect(result.err == """
+            warning: \(main):2: unknown key MaxConection= in [Broker], ignored (did you mean MaxConnections=?)
+            Error: \(main):3: [Session] api needs ClientSecretFile= or ClientSecretCredential= (or ClientAuthentication=none); \
+            line 7 has ClientSecretFle=: did you mean ClientSecretFile=?
+            warning: \(main):7: unknown key ClientSecretFle= in [Session] api, ignored (did you mean ClientSecretFile=?)
+            Error: \(main):8: RefreshAhead= needs a time span between 0.0s and 86400.0s, e.g. 60s or 5min
+            Error: \(main):9: malformed section header (expected '[Name]')
+            Error: \(dropIns)/10-b.conf:3: Upstream= must be 'oauth' or 'test'
+            Error: \(dropIns)/20-c.conf:4: BackoffMax= needs a time span between 0.01s and 86400.0s, e.g. 60s or 5min
+            \(main): 5 error(s), 2 warning(s)
+
+            """, "\(result.err)")
+        // The daemon's error is the first; it carries the rest (a reload's answer lists them all).
+        #expect(throws: ConfigError.self) { try fixture.load() }
+        do { _ = try fixture.load() } catch {
+            #expect(error.further.count == 4 && error.warnings.count == 2 && "\(error)".split(separator: "\n").count == 5)
+        }
+        // Bounded: a file of a thousand bad lines reports the first hundred and counts the rest.
+        let flood = try ConfigFixture(main: "[Session]\nName=a\nUpstream=test\n" + String(repeating: "RefreshAhead=x\n", count: 1000))
+        let flooded = Self.run("check-config", "--config", flood.main)
+        #expect(flooded.code == 78 && flooded.err.split(separator: "\n").count == ConfigError.most + 2)
+        #expect(flooded.err.hasSuffix("(and 900 more errors)\n\(flood.main): 1000 error(s), 0 warning(s)\n"))
+    }
+
+    @Test("check-config of a configuration without sessions says it serves nothing, and how to add one (issue 33)")
+    func checkConfigNoSessions() throws {
+        let empty = try ConfigFixture(main: "[Broker]\n")
+        let result = Self.run("check-config", "--config", empty.main)
+        #expect(result == (0, "\(empty.main): OK, but it defines no session: every call would be told NoSuchSession; "
+                           + "add a [Session] (a drop-in in \(empty.main).d/; one to copy: /usr/share/doc/tokenbroker/examples/example.conf)\n", ""))
+    }
 }
 

@@ -72,6 +72,9 @@ public struct ConfigKey<Settings: Sendable>: Sendable {
 /// names looked up so far (a host with thousands of sessions names the same groups often).
 public struct ConfigContext {
     var warnings: [ConfigError] = []
+    /// The errors so far (at most `ConfigError.most`; `omittedErrors` counts the rest).
+    private(set) var errors: [ConfigError] = []
+    private(set) var omittedErrors = 0
     private var users: [String: UInt32?] = [:]
     private var groups: [String: UInt32?] = [:]
 
@@ -87,6 +90,17 @@ public struct ConfigContext {
         let id = Identity.groupID(name)
         groups[name] = id
         return id
+    }
+
+    mutating func record(_ error: ConfigError) {
+        // (A combined error's own parts, each counted.)
+        for one in [error] + error.further {
+            var plain = one
+            plain.further = []
+            plain.warnings = []
+            if errors.count < ConfigError.most { errors.append(plain) } else { omittedErrors += 1 }
+        }
+        omittedErrors += error.omitted
     }
 
     mutating func warn(_ entry: INIEntry, _ message: String) {

@@ -12,7 +12,8 @@ import Upstream
 ///
 /// Later assignments override earlier ones. `[Session]` sections with the same `Name=` merge;
 /// list keys (`AllowUsers=`, `AllowGroups=`) accumulate, and an empty assignment clears them.
-/// Unknown keys are warnings; bad values are errors at `file:line`.
+/// Unknown keys are warnings; bad values are errors at `file:line`. Every file is read to its
+/// end: the error thrown carries every other error and every warning, in file order.
 public enum ConfigLoader {
     public static func load(path: String = BrokerConfiguration.defaultPath, requireMainFile: Bool = true) throws(ConfigError) -> BrokerConfiguration {
         var files: [(String, String)] = []
@@ -30,28 +31,38 @@ public enum ConfigLoader {
             }
         }
         var sections: [INISection] = []
-        for (file, text) in files { sections += try INIFile.parse(text, file: file) }
-        return try build(sections)
+        var errors: [ConfigError] = []
+        for (file, text) in files { sections += INIFile.parse(text, file: file, errors: &errors) }
+        return try build(sections, errors: errors, fileOrder: files.map(\.0))
     }
 
-    static func build(_ sections: [INISection]) throws(ConfigError) -> BrokerConfiguration {
+    static func build(_ sections: [INISection], errors: [ConfigError] = [], fileOrder: [String] = []) throws(ConfigError) -> BrokerConfiguration {
         var configuration = BrokerConfiguration()
         var context = ConfigContext()
+        for error in errors { context.record(error) }
+        var fleetFailed = false
         var sessionEntries: [(name: String, origin: INISection, entries: [INIEntry])] = []
         var sessionIndex: [String: Int] = [:]
         for section in sections {
             switch section.name {
             case "Broker":
-                for entry in section.entries { try apply(entry, ConfigSchema.brokerKeys, ConfigSchema.broker, to: &configuration, in: "[Broker]", &context) }
+                for entry in section.entries { apply(entry, ConfigSchema.brokerKeys, ConfigSchema.broker, to: &configuration, in: "[Broker]", &context) }
             case "Fleet":
-                configuration.fleet = try fleetSection(section, &context)
+                do {
+                    configuration.fleet = try fleetSection(section, &context)
+                } catch {
+                    context.record(error)
+                }
+                fleetFailed = configuration.fleet == nil
             case "Session":
                 guard let nameEntry = section.entries.last(where: { $0.key == "Name" }) else {
-                    throw ConfigError(file: section.file, line: section.line, "[Session] needs Name=")
+                    context.record(ConfigError(file: section.file, line: section.line, "[Session] needs Name="))
+                    continue
                 }
                 guard ConfigValue.isSessionName(nameEntry.value) else {
-                    throw ConfigError(file: nameEntry.file, line: nameEntry.line,
-                                      "invalid session name '\(nameEntry.value)' (1-64 of A-Z a-z 0-9 - _ .)")
+                    context.record(ConfigError(file: nameEntry.file, line: nameEntry.line,
+                                               "invalid session name '\(nameEntry.value)' (1-64 of A-Z a-z 0-9 - _ .)"))
+                    continue
                 }
                 if let index = sessionIndex[nameEntry.value] {
                     sessionEntries[index].entries += section.entries
@@ -59,58 +70,80 @@ public enum ConfigLoader {
                     sessionIndex[nameEntry.value] = sessionEntries.count
                     sessionEntries.append((nameEntry.value, section, section.entries))
                 }
+            case "":
+                continue   // (its header could not be read: an error already)
             default:
                 context.warnings.append(ConfigError(file: section.file, line: section.line, "unknown section [\(section.name)], ignored"))
             }
         }
         configuration.sessions.reserveCapacity(sessionEntries.count)
         for (name, origin, entries) in sessionEntries {
-            var session = try session(name, origin: origin, entries: entries, &context)
+            guard var session = session(name, origin: origin, entries: entries, &context) else { continue }
             if session.settings.fleet, let entry = entries.last(where: { $0.key == "Fleet" }) {
-                guard let fleet = configuration.fleet else { throw fail(entry, "Fleet=yes needs a [Fleet] section with Endpoints= and KeyFile= or KeyCredential=") }
+                guard let fleet = configuration.fleet else {
+                    if !fleetFailed { context.record(fail(entry, "Fleet=yes needs a [Fleet] section with Endpoints= and KeyFile= or KeyCredential=")) }
+                    continue
+                }
                 guard case let .oauth(settings) = session.upstream, settings.grant == .refreshToken else {
-                    throw fail(entry, "Fleet=yes needs an OAuth session with Grant=refresh_token (a refresh token family is what the fleet shares)")
+                    context.record(fail(entry, "Fleet=yes needs an OAuth session with Grant=refresh_token (a refresh token family is what the fleet shares)"))
+                    continue
                 }
                 // A DPoP key is one host's: sharing it would put a private key in etcd, and a
                 // token bound to it is useless to the other hosts' workers without it.
                 guard settings.dpop == .off else {
-                    throw fail(entry, "Fleet=yes cannot be used with DPoP=yes (a DPoP key never leaves its host; give each host a session of its own)")
+                    context.record(fail(entry, "Fleet=yes cannot be used with DPoP=yes (a DPoP key never leaves its host; give each host a session of its own)"))
+                    continue
                 }
                 // The flight's holder gives up its upstream request before its lease ends, leaving
                 // time for one commit to etcd: a request that may take longer would be cut short
                 // every time.
                 let upstream = settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero)
                 guard fleet.flightLease >= upstream + .seconds(5) + fleet.commitReserve else {
-                    throw fail(entry, "[Fleet] FlightLease= (\(fleet.flightLease.seconds)s) must be at least the session's RequestTimeout= "
+                    context.record(fail(entry, "[Fleet] FlightLease= (\(fleet.flightLease.seconds)s) must be at least the session's RequestTimeout= "
                                + "(\(settings.client.timeout.seconds)s)\(settings.issuer == nil ? "" : ", plus its discovery deadline,") plus 5s, "
-                               + "plus [Fleet] RequestTimeout= for each endpoint (\(fleet.commitReserve.seconds)s)")
+                               + "plus [Fleet] RequestTimeout= for each endpoint (\(fleet.commitReserve.seconds)s)"))
+                    continue
                 }
                 session.fleet = fleet
             }
             configuration.sessions.append(session)
         }
-        configuration.warnings = context.warnings
+        // In file order (the files as read, then by line), whatever check found them.
+        var rank: [String: Int] = [:]
+        for file in fileOrder + sections.map(\.file) + context.errors.map(\.file) where rank[file] == nil { rank[file] = rank.count }
+        func inOrder(_ list: [ConfigError]) -> [ConfigError] {
+            list.enumerated().sorted { ($0.element.file == $1.element.file ? 0 : rank[$0.element.file]!, $0.element.line, $0.offset)
+                < ($0.element.file == $1.element.file ? 0 : rank[$1.element.file]!, $1.element.line, $1.offset) }.map(\.element)
+        }
+        configuration.warnings = inOrder(context.warnings)
+        if let error = ConfigError.combined(inOrder(context.errors), omitted: context.omittedErrors, warnings: configuration.warnings) { throw error }
         return configuration
     }
 
     /// One assignment, by its key's entry in `index` (the table `keys`); an unknown key warns,
     /// with the key it probably meant.
     private static func apply<Settings>(_ entry: INIEntry, _ index: [String: ConfigKey<Settings>], _ keys: [ConfigKey<Settings>],
-                                        to settings: inout Settings, in section: String, _ context: inout ConfigContext) throws(ConfigError) {
+                                        to settings: inout Settings, in section: String, _ context: inout ConfigContext) {
         guard let key = index[entry.key] else {
             let hint = ConfigSchema.suggestion(for: entry.key, in: keys).map { " (did you mean \($0)=?)" } ?? ""
             context.warn(entry, "unknown key \(entry.key)= in \(section), ignored\(hint)")
             return
         }
-        try key.apply(&settings, entry, &context)
+        do {
+            try key.apply(&settings, entry, &context)
+        } catch {
+            context.record(error)
+        }
     }
 
     /// `[Fleet]`: the etcd cluster shared by the brokers of a fleet, and the key that seals what
     /// they put there.
-    private static func fleetSection(_ section: INISection, _ context: inout ConfigContext) throws(ConfigError) -> FleetSettings {
+    private static func fleetSection(_ section: INISection, _ context: inout ConfigContext) throws(ConfigError) -> FleetSettings? {
         var draft = FleetDraft()
-        for entry in section.entries { try apply(entry, ConfigSchema.fleetKeys, ConfigSchema.fleet, to: &draft, in: "[Fleet]", &context) }
+        let before = context.errors.count
+        for entry in section.entries { apply(entry, ConfigSchema.fleetKeys, ConfigSchema.fleet, to: &draft, in: "[Fleet]", &context) }
         func fail(_ message: String) -> ConfigError { ConfigError(file: section.file, line: section.line, message) }
+        guard context.errors.count == before else { return nil }   // (its errors recorded)
         guard !draft.endpoints.isEmpty else { throw fail("[Fleet] needs Endpoints= (etcd client URLs)") }
         guard let key = draft.key else { throw fail("[Fleet] needs KeyFile= or KeyCredential= (the fleet key, 32 bytes or 64 hex digits)") }
         if (draft.tls.clientCertificate == nil) != (draft.tls.clientKey == nil) { throw fail("[Fleet] ClientCertificate= and ClientKey= go together") }
@@ -121,40 +154,60 @@ public enum ConfigLoader {
     /// A `[Session]` from its assignments (those of every section with its name, in order),
     /// then checked as a whole.
     private static func session(_ name: String, origin: INISection, entries: [INIEntry],
-                                _ context: inout ConfigContext) throws(ConfigError) -> SessionConfiguration {
+                                _ context: inout ConfigContext) -> SessionConfiguration? {
         var settings = SessionSettings(name: name)
+        let before = context.errors.count
         for entry in entries {
-            try apply(entry, ConfigSchema.sessionKeys, ConfigSchema.session, to: &settings, in: "[Session] \(name)", &context)
+            apply(entry, ConfigSchema.sessionKeys, ConfigSchema.session, to: &settings, in: "[Session] \(name)", &context)
         }
+        func record(_ error: ConfigError) { context.record(error) }
+        // A session missing a key it needs: the line that misspelt it, if one did.
+        func missing(_ message: String, _ names: String...) -> ConfigError {
+            let typo = entries.first { entry in
+                ConfigSchema.sessionKeys[entry.key] == nil
+                    && ConfigSchema.suggestion(for: entry.key, in: ConfigSchema.session).map(names.contains) == true
+            }
+            let hint = typo.map { "; line \($0.line)\($0.file == origin.file ? "" : " of \($0.file)") has \($0.key)=: "
+                + "did you mean \(ConfigSchema.suggestion(for: $0.key, in: ConfigSchema.session)!)=?" } ?? ""
+            return ConfigError(file: origin.file, line: origin.line, "[Session] \(name) needs \(message)\(hint)")
+        }
+        // A bad Upstream=: what the session needs is unknown.
+        let upstreamLines = Set(entries.filter { $0.key == "Upstream" }.map { "\($0.file):\($0.line)" })
+        guard !context.errors[before...].contains(where: { upstreamLines.contains("\($0.file):\($0.line)") }) else { return nil }
         if settings.policy.backoff.maximum < settings.policy.backoff.initial, let entry = entries.last(where: { $0.key == "BackoffMax" }) {
-            throw fail(entry, "BackoffMax= is shorter than BackoffInitial=")
+            record(fail(entry, "BackoffMax= is shorter than BackoffInitial="))
         }
         if settings.kind == .test, settings.oauth.dpop != .off, let entry = entries.last(where: { $0.key == "DPoP" }) {
-            throw fail(entry, "DPoP=\(entry.value) needs Upstream=oauth (the test upstream mints bearer tokens)")
+            record(fail(entry, "DPoP=\(entry.value) needs Upstream=oauth (the test upstream mints bearer tokens)"))
         }
         if settings.kind == .oauth, settings.oauth.dpop == .auto, settings.oauth.issuer == nil, let entry = entries.last(where: { $0.key == "DPoP" }) {
-            throw fail(entry, "DPoP=auto needs Issuer= (the server's metadata says whether it takes DPoP)")
+            record(fail(entry, "DPoP=auto needs Issuer= (the server's metadata says whether it takes DPoP)"))
         }
         if settings.kind == .oauth {
             let oauth = settings.oauth
-            guard !oauth.client.clientID.isEmpty else {
-                throw ConfigError(file: origin.file, line: origin.line, "[Session] \(name) needs ClientID= (or Upstream=test)")
+            if oauth.client.clientID.isEmpty {
+                record(missing("ClientID= (or Upstream=test)", "ClientID"))
             }
-            guard oauth.issuer != nil || oauth.tokenEndpoint != nil else {
-                throw ConfigError(file: origin.file, line: origin.line, "[Session] \(name) needs TokenEndpoint= or Issuer=")
+            if oauth.issuer == nil && oauth.tokenEndpoint == nil {
+                record(missing("TokenEndpoint= or Issuer=", "TokenEndpoint", "Issuer"))
             }
             if (oauth.client.tls.clientCertificate == nil) != (oauth.client.tls.clientKey == nil),
                let entry = entries.last(where: { $0.key == "ClientCertificate" || $0.key == "ClientKey" }) {
-                throw fail(entry, "ClientCertificate= and ClientKey= go together")
+                record(fail(entry, "ClientCertificate= and ClientKey= go together"))
             }
             if let source = settings.secretSource {
-                settings.oauth.client.clientSecret = try ConfigParsing.readSecret(source, &context)
+                do {
+                    settings.oauth.client.clientSecret = try ConfigParsing.readSecret(source, &context)
+                } catch {
+                    record(error)
+                }
             } else if oauth.client.authentication != .none {
-                throw ConfigError(file: origin.file, line: origin.line,
-                                  "[Session] \(name) needs ClientSecretFile= or ClientSecretCredential= (or ClientAuthentication=none)")
+                record(missing("ClientSecretFile= or ClientSecretCredential= (or ClientAuthentication=none)",
+                               "ClientSecretFile", "ClientSecretCredential", "ClientSecret"))
             }
         }
         settings.secretSource = nil
+        guard context.errors.count == before else { return nil }
         return SessionConfiguration(settings: settings, origin: "\(origin.file):\(origin.line)")
     }
 }

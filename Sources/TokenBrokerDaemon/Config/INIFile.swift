@@ -3,6 +3,16 @@ public struct ConfigError: Error, Sendable, Equatable, CustomStringConvertible {
     public var file: String
     public var line: Int
     public var message: String
+    /// The errors after this one, in file order: a configuration is read to its end, so one
+    /// look shows every mistake (at most `ConfigError.most` in all; `omitted` counts the rest).
+    public var further: [ConfigError] = []
+    public var omitted = 0
+    /// The warnings of the whole read, in file order (an error does not hide the "did you
+    /// mean" of the typo that caused it).
+    public var warnings: [ConfigError] = []
+
+    /// The most errors one read reports.
+    public static let most = 100
 
     public init(file: String, line: Int, _ message: String) {
         self.file = file
@@ -10,7 +20,22 @@ public struct ConfigError: Error, Sendable, Equatable, CustomStringConvertible {
         self.message = message
     }
 
-    public var description: String { line > 0 ? "\(file):\(line): \(message)" : "\(file): \(message)" }
+    /// Where and what: `file:line: message`.
+    public var location: String { line > 0 ? "\(file):\(line): \(message)" : "\(file): \(message)" }
+
+    /// Every error, one per line (the first line is this one's).
+    public var description: String {
+        ([location] + further.map(\.location) + (omitted > 0 ? ["(and \(omitted) more errors)"] : [])).joined(separator: "\n")
+    }
+
+    /// The first of `errors` (in order), carrying the others and `warnings`.
+    static func combined(_ errors: [ConfigError], omitted: Int = 0, warnings: [ConfigError]) -> ConfigError? {
+        guard var first = errors.first else { return nil }
+        first.further = Array(errors.dropFirst())
+        first.omitted = omitted
+        first.warnings = warnings
+        return first
+    }
 }
 
 /// One `Key=Value` assignment and where it was written.
@@ -35,6 +60,15 @@ public enum INIFile {
     /// Parses `text` byte by byte (a configuration of thousands of sessions is read at each
     /// reload); names that are not ASCII are checked as characters.
     public static func parse(_ text: String, file: String) throws(ConfigError) -> [INISection] {
+        var errors: [ConfigError] = []
+        let sections = parse(text, file: file, errors: &errors)
+        if let error = ConfigError.combined(errors, warnings: []) { throw error }
+        return sections
+    }
+
+    /// Parses all of `text`: a line that cannot be read is an error in `errors`, and skipped (the
+    /// lines of a section whose header cannot be read, with it).
+    public static func parse(_ text: String, file: String, errors: inout [ConfigError]) -> [INISection] {
         let bytes = Array(text.utf8)
         var sections: [INISection] = []
         var pending: [UInt8] = []
@@ -70,32 +104,41 @@ public enum INIFile {
             pending = []
             continued = false
             if logical.first == UInt8(ascii: "[") {
+                // A header that cannot be read opens a section no one reads (its lines would
+                // otherwise land in the section above).
                 guard logical.last == UInt8(ascii: "]"), logical.count > 2 else {
-                    throw ConfigError(file: file, line: pendingLine, "malformed section header (expected '[Name]')")
+                    errors.append(ConfigError(file: file, line: pendingLine, "malformed section header (expected '[Name]')"))
+                    sections.append(INISection(name: "", file: file, line: pendingLine, entries: []))
+                    continue
                 }
                 let name = string(trim(logical.dropFirst().dropLast()))
                 guard isName(name) else {
-                    throw ConfigError(file: file, line: pendingLine, "invalid section name '\(name)'")
+                    errors.append(ConfigError(file: file, line: pendingLine, "invalid section name '\(name)'"))
+                    sections.append(INISection(name: "", file: file, line: pendingLine, entries: []))
+                    continue
                 }
                 sections.append(INISection(name: name, file: file, line: pendingLine, entries: []))
                 continue
             }
             guard let equals = logical.firstIndex(of: UInt8(ascii: "=")) else {
                 // The line is not quoted: it might be a secret pasted in the wrong place.
-                throw ConfigError(file: file, line: pendingLine, "expected 'Key=Value' or '[Section]'")
+                errors.append(ConfigError(file: file, line: pendingLine, "expected 'Key=Value' or '[Section]'"))
+                continue
             }
             let key = string(trim(logical[..<equals]))
             let value = string(trim(logical[(equals + 1)...]))
             guard isName(key) else {
-                throw ConfigError(file: file, line: pendingLine, "invalid key '\(key)'")
+                errors.append(ConfigError(file: file, line: pendingLine, "invalid key '\(key)'"))
+                continue
             }
             guard !sections.isEmpty else {
-                throw ConfigError(file: file, line: pendingLine, "'\(key)=' is outside of any [Section]")
+                errors.append(ConfigError(file: file, line: pendingLine, "'\(key)=' is outside of any [Section]"))
+                continue
             }
             sections[sections.count - 1].entries.append(INIEntry(key: key, value: value, file: file, line: pendingLine))
         }
         if continued {
-            throw ConfigError(file: file, line: pendingLine, "the file ends inside a continued line")
+            errors.append(ConfigError(file: file, line: pendingLine, "the file ends inside a continued line"))
         }
         return sections
     }
