@@ -2,6 +2,8 @@
 import Glibc
 #endif
 import Basics
+import BrokerContract
+import Varlink
 
 /// The `tokenbroker` command line: argv in, exit code out.
 ///
@@ -48,6 +50,55 @@ public enum Command {
         return .exit(runHere(first, Array(arguments.dropFirst()), output: &output, errors: &errors))
     }
 
+    /// `tokenbroker version`: this command's version, and the running broker's (its varlink
+    /// service info), which may differ after an upgrade until the daemon restarts.
+    static func versions(_ rest: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
+        var socket = BrokerContract.socket()
+        var index = 0
+        while index < rest.count {
+            switch rest[index] {
+            case "-h", "--help":
+                output.write(Help.version)
+                return ExitCode.ok
+            case "--socket" where index + 1 < rest.count:
+                socket = rest[index + 1]
+                index += 1
+            case let argument where argument.hasPrefix("--socket="):
+                socket = String(argument.dropFirst("--socket=".count))
+            default:
+                errors.write("Error: unknown option or operand '\(rest[index].prefix(64))'\n\n" + Help.version)
+                return ExitCode.usage
+            }
+            index += 1
+        }
+        output.write("tokenbroker \(version)\n")
+        guard let address = Ctl.address(socket) else {
+            errors.write("Error: invalid socket address '\(socket)' (a path, @abstract or unix:path)\n")
+            return ExitCode.usage
+        }
+        do {
+            let reply = try VarlinkClient(address: address, timeout: 10).call("org.varlink.service.GetInfo")
+            guard reply.error == nil, let running = reply.parameters["version"]?.stringValue else {
+                output.write("broker at \(address.path): did not say its version (\(reply.error ?? "no version"))\n")
+                return ExitCode.ok
+            }
+            let note = running == version ? "" : " (not this command's: restart it to run \(version))"
+            output.write("broker \(running.prefix(64)) at \(address.path)\(note)\n")
+        } catch {
+            output.write("broker at \(address.path): not reachable (\(Ctl.unreachable(address, error).message))\n")
+        }
+        return ExitCode.ok
+    }
+
+    /// " (did you mean serve?)", or a ctl verb given without `ctl`.
+    static func suggestion(for word: String) -> String {
+        if CtlVerb.named(word) != nil { return " (did you mean `tokenbroker ctl \(word)`?)" }
+        let subcommands = ["serve", "ctl", "check-config", "credential", "help", "version"]
+        if let close = Spelling.closest(to: word, in: subcommands) { return " (did you mean \(close)?)" }
+        if let verb = CtlVerb.suggestion(for: word) { return " (did you mean `tokenbroker ctl \(verb)`?)" }
+        return ""
+    }
+
     private static func runHere(_ first: String, _ rest: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
         switch first {
         case "-h", "--help":
@@ -64,11 +115,13 @@ public enum Command {
             }
             output.write(text)
             return ExitCode.ok
-        case "--version":
+        case "--version", "-V":
             output.write("tokenbroker \(version)\n")
             return ExitCode.ok
+        case "version":
+            return versions(rest, output: &output, errors: &errors)
         default:
-            errors.write("Error: unknown subcommand or option '\(first)'\n\n" + Help.main)
+            errors.write("Error: unknown subcommand or option '\(first.prefix(64))'\(suggestion(for: first))\n\n" + Help.main)
             return ExitCode.usage
         }
     }

@@ -24,6 +24,10 @@ public enum Ctl {
         var flow: LoginFlow?
         var minValid: Int64?
         var index = 0
+        // A usage error names the verb's usage once the verb is known.
+        func usage(_ message: String, _ errors: inout some TextOutput) -> Int32 {
+            Ctl.usage(message, words.first.flatMap(CtlVerb.named), &errors)
+        }
         while index < arguments.count {
             let argument = arguments[index]
             switch argument {
@@ -113,47 +117,48 @@ public enum Ctl {
 
     private static func perform(_ words: [String], socket: String, json: Bool, refreshTokenFromStdin: Bool, showToken: Bool,
                                 nonce: String?, flow: LoginFlow?, minValid: Int64?, output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
-        guard let verb = words.first else { return usage("missing verb", &errors) }
-        if refreshTokenFromStdin && verb != "login" { return usage("--refresh-token-stdin belongs to login", &errors) }
-        if flow != nil && verb != "login" { return usage("--flow belongs to login", &errors) }
-        if flow != nil && refreshTokenFromStdin { return usage("--flow and --refresh-token-stdin are two ways to log in: choose one", &errors) }
-        if showToken && verb != "watch" { return usage("--show-token belongs to watch", &errors) }
-        if nonce != nil && verb != "proof" { return usage("--nonce belongs to proof", &errors) }
-        if minValid != nil && verb != "token" && verb != "proof" { return usage("--min-valid belongs to token and proof", &errors) }
+        guard let verb = words.first else { return usage("missing verb", nil, &errors) }
+        guard let entry = CtlVerb.named(verb) else {
+            let hint = CtlVerb.suggestion(for: verb).map { " (did you mean \($0)?)" } ?? ""
+            return usage("unknown verb '\(verb.prefix(64))'\(hint)", nil, &errors)
+        }
+        let given = [("--refresh-token-stdin", refreshTokenFromStdin), ("--flow", flow != nil), ("--show-token", showToken),
+                     ("--nonce", nonce != nil), ("--min-valid", minValid != nil)]
+        for (option, isGiven) in given where isGiven && !entry.options.contains(option) {
+            return usage("\(option) belongs to \(CtlVerb.takers(of: option).joined(separator: " and "))", entry, &errors)
+        }
+        if flow != nil && refreshTokenFromStdin { return usage("--flow and --refresh-token-stdin are two ways to log in: choose one", entry, &errors) }
         let operands = Array(words.dropFirst())
+        guard operands.count == entry.operands.count else { return usage(entry.operandRule, entry, &errors) }
+        if verb == "proof", let problem = proofOperandProblem(method: operands[1], url: operands[2]) { return usage(problem, entry, &errors) }
         guard let address = address(socket) else {
-            return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", &errors)
+            return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", entry, &errors)
         }
         do {
             switch verb {
             case "status":
-                guard operands.isEmpty else { return usage("status takes no operand", &errors) }
                 let reply = try call(address, .status)
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : statusTable(StatusEntry.entries(of: reply)))
             case "token":
-                guard operands.count == 1 else { return usage("token needs exactly one SESSION", &errors) }
                 let reply = try call(address, .getToken(session: operands[0], minValid: minValid))
                 guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
             case "recover":
-                guard operands.count == 1 else { return usage("recover needs exactly one SESSION", &errors) }
                 let rejected = readStandardInput()
-                guard !rejected.isEmpty else { return usage("recover reads the rejected token from standard input, which is empty", &errors) }
+                guard !rejected.isEmpty else { return usage("recover reads the rejected token from standard input, which is empty", entry, &errors) }
                 let reply = try call(address, .recover(session: operands[0], rejected: rejected))
                 guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
             case "proof":
-                guard operands.count == 3 else { return usage("proof needs a SESSION, a METHOD and a URL", &errors) }
                 let reply = try call(address, .getProof(session: operands[0], method: operands[1], uri: operands[2], nonce: nonce, rejected: nil,
                                                         minValid: minValid))
                 let proof = ProofReply(reply.parameters)
                 guard !proof.token.token.isEmpty else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
                 output.write(json ? JSON.object(reply.parameters).text + "\n" : proof.headers.map { "\($0.name): \($0.value)\n" }.joined())
             case "login":
-                guard operands.count == 1 else { return usage("login needs exactly one SESSION", &errors) }
                 if refreshTokenFromStdin {
                     let token = readStandardInput()
-                    guard !token.isEmpty else { return usage("--refresh-token-stdin: standard input is empty", &errors) }
+                    guard !token.isEmpty else { return usage("--refresh-token-stdin: standard input is empty", entry, &errors) }
                     let reply = try call(address, .login(session: operands[0], refreshToken: token))
                     output.write("logged in \(operands[0]) (generation \(LoginReply(reply.parameters).generation))\n")
                 } else {
@@ -164,7 +169,6 @@ public enum Ctl {
                     }
                 }
             case "refresh":
-                guard operands.count == 1 else { return usage("refresh needs exactly one SESSION", &errors) }
                 let reply = try call(address, .refresh(session: operands[0]))
                 if json {
                     output.write(JSON.object(reply.parameters).text + "\n")
@@ -174,29 +178,24 @@ public enum Ctl {
                     output.write("refreshed \(operands[0]): token #\(refreshed.tokenSerial), generation \(refreshed.generation)\(expiry)\n")
                 }
             case "watch":
-                guard operands.count == 1 else { return usage("watch needs exactly one SESSION", &errors) }
                 try watch(address, operands[0], json: json, showToken: showToken, output: &output)
             case "metrics":
-                guard operands.isEmpty else { return usage("metrics takes no operand", &errors) }
                 let reply = try call(address, .metrics)
                 output.write(MetricsReply(reply.parameters).text)
             case "reload":
-                guard operands.isEmpty else { return usage("reload takes no operand", &errors) }
                 _ = try call(address, .reload)
                 output.write("reloaded\n")
             case "forget":
-                guard operands.count == 1 else { return usage("forget needs exactly one SESSION", &errors) }
                 _ = try call(address, .forget(session: operands[0]))
                 output.write("forgot \(operands[0])\n")
             case "logout":
-                guard operands.count == 1 else { return usage("logout needs exactly one SESSION", &errors) }
                 _ = try call(address, .logout(session: operands[0]))
                 output.write("logged out \(operands[0])\n")
             case "reset-fleet-history":
-                guard operands.count == 1 else { return usage("reset-fleet-history needs exactly one SESSION", &errors) }
                 try resetFleetHistory(address, operands[0], json: json, output: &output)
             default:
-                return usage("unknown verb '\(verb)'", &errors)
+                // (A verb of the table this switch lacks: a test checks there is none.)
+                return usage("'\(verb)' is not implemented by this ctl", entry, &errors)
             }
             return ExitCode.ok
         } catch let failure as Failure {
@@ -224,9 +223,23 @@ public enum Ctl {
                      + "every broker logs it out: run `tokenbroker ctl login \(session)`\n")
     }
 
-    private static func usage(_ message: String, _ errors: inout some TextOutput) -> Int32 {
-        errors.write("Error: \(message)\n\n" + Help.ctl)
+    /// A usage error: the message, then the verb's usage (all of `ctl`'s help when no verb is known).
+    private static func usage(_ message: String, _ verb: CtlVerb?, _ errors: inout some TextOutput) -> Int32 {
+        errors.write("Error: \(message)\n\n" + (verb?.usage ?? CtlVerb.shortUsage))
         return ExitCode.usage
+    }
+
+    /// What is wrong with `proof`'s METHOD and URL before the broker is asked (its own checks
+    /// are stricter; these are the common slips, told plainly).
+    static func proofOperandProblem(method: String, url: String) -> String? {
+        if method.isEmpty || method.utf8.count > 32 || !method.utf8.allSatisfy({ (0x41...0x5A).contains($0) }) {
+            return "METHOD is upper-case letters, such as GET or POST"
+        }
+        let lower = url.prefix(8).lowercased()
+        if !(lower.hasPrefix("https://") || lower.hasPrefix("http://")) {
+            return "URL must be an absolute http(s) URL, such as https://api.example.com/items"
+        }
+        return nil
     }
 
     /// The device flow: show where to approve, then wait for the daemon to finish the login.
@@ -349,6 +362,12 @@ public enum Ctl {
                 throw Failure(code: ExitCode.usage, message: "the broker refused the value of '\(parameter.prefix(32))'")
             }
             throw Failure(code: ExitCode.failure, message: "the broker answered \(name)")
+        }
+        if case let .noSuchSession(session) = error, request.method != .status,
+           let names = try? StatusEntry.entries(of: call(address, .status)).map(\.name),
+           let close = Spelling.closest(to: session, in: names), close != session {
+            // (Among the sessions this user may see: Status shows no other.)
+            throw Failure(code: ExitCode.failure, message: "no session named '\(session)'; did you mean '\(close)'? (see `tokenbroker ctl status`)")
         }
         throw failure(error, request)
     }

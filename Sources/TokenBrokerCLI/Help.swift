@@ -12,17 +12,37 @@ public enum Help {
 
         OPTIONS:
           -h, --help              Show this help.
-          --version               Show the version.
+          -V, --version           Show the version.
 
         SUBCOMMANDS:
           serve                   Run the daemon.
           ctl <verb>              Talk to the running daemon (status, token, login, logout).
           check-config            Validate the configuration and exit.
           credential <protocol>   Be git's, kubectl's, docker's, Terraform's or Bazel's credential helper.
+          version                 Show this command's version and the running broker's.
           help [<subcommand>]     Show help for a subcommand, e.g. `tokenbroker help ctl token`.
 
         Exit codes: 0 ok, 1 failure, 64 usage, 69 broker unreachable or stopping, 77 permission denied,
         78 configuration error.
+
+        """
+
+    public static let version = """
+        OVERVIEW: Show this command's version and the running broker's.
+
+        The broker's is what its socket's varlink service info says (org.varlink.service.GetInfo):
+        after an upgrade it is the old one until the daemon restarts. A broker that cannot be
+        reached is said so; the exit status is 0 either way.
+
+        USAGE: tokenbroker version [--socket <path>]
+
+        OPTIONS:
+          --socket <path>         The broker's socket (default $TOKENBROKER_SOCKET, else this
+                                  user's own broker if one listens, else the system's).
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker version
 
         """
 
@@ -125,7 +145,7 @@ public enum Help {
 
         """
 
-    public static let ctl = """
+    public static let ctl: String = """
         OVERVIEW: Talk to the running tokenbroker daemon.
 
         USAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>] [<verb options>]
@@ -138,21 +158,8 @@ public enum Help {
           -h, --help              Show this help (or a verb's, after the verb).
 
         SUBCOMMANDS:
-          status                  Show the sessions this user may use.
-          watch <session>         Print one line per token and logout event (no token unless --show-token).
-          token <session>         Print the session's current access token alone, for $(…).
-          recover <session>       Read a rejected token on stdin; print the token to retry with.
-          proof <session> <method> <url>
-                                  Print the two headers of one DPoP request (Authorization, DPoP).
-          login <session>         Log the session in: device or code flow, or --refresh-token-stdin (admin).
-          logout <session>        Log the session out (admin).
-          forget <session>        Remove a stored session the configuration no longer names (admin).
-          refresh <session>       Refresh the session's token now (admin).
-          reset-fleet-history <session>
-                                  Start a fleet session's history anew, past its limit (admin).
-          reload                  Make the daemon re-read its configuration (admin).
-          metrics                 Print the daemon's metrics, Prometheus text format (admin).
-          check-config            Validate the configuration files (same as `tokenbroker check-config`).
+
+        """ + CtlVerb.listing + """
 
         EXAMPLE:
           curl -H "Authorization: Bearer $(tokenbroker ctl token api)" https://api.example.com/
@@ -394,24 +401,7 @@ public enum Help {
 
         """
 
-    public static func ctlVerb(_ verb: String) -> String? {
-        switch verb {
-        case "metrics": return ctlMetrics
-        case "watch": return ctlWatch
-        case "refresh": return ctlRefresh
-        case "reload": return ctlReload
-        case "check-config": return checkConfig
-        case "forget": return ctlForget
-        case "recover": return ctlRecover
-        case "proof": return ctlProof
-        case "login": return ctlLogin
-        case "status": return ctlStatus
-        case "token": return ctlToken
-        case "logout": return ctlLogout
-        case "reset-fleet-history": return ctlResetFleetHistory
-        default: return nil
-        }
-    }
+    public static func ctlVerb(_ verb: String) -> String? { CtlVerb.named(verb)?.help }
 
     /// `help <words>`: the text for a subcommand or ctl verb.
     public static func topic(_ words: [String]) -> String? {
@@ -419,6 +409,7 @@ public enum Help {
         case "serve": return words.count == 1 ? serve : nil
         case "check-config": return words.count == 1 ? checkConfig : nil
         case "credential": return words.count == 1 ? credential : nil
+        case "version": return words.count == 1 ? version : nil
         case "help": return words.count == 1 ? main : nil
         case "ctl":
             if words.count == 1 { return ctl }

@@ -256,6 +256,32 @@ struct DaemonTests {
         }
     }
 
+    @Test("ctl: a mistyped session name gets the closest one this user may see; a reload lists every error; version names the running broker's (issue 33)")
+    func namesAndVersions() async throws {
+        try await withBroker { broker in
+            let typo = try await broker.ctl(["token", "apj"])
+            #expect(typo == (1, "", "Error: no session named 'apj'; did you mean 'api'? (see `tokenbroker ctl status`)\n"))
+            // The worker may use api only: 'privat' gets no hint that 'private' exists (a name a
+            // worker may not use is PermissionDenied, whether it exists or not).
+            let hidden = try await broker.ctl(["token", "privat"], asUser: Broker.workerUID)
+            #expect(hidden.code == 77 && !hidden.err.contains("private"), "\(hidden)")
+            #expect(try await broker.ctl(["token", "privat"]).err.contains("did you mean 'private'?"))
+            let far = try await broker.ctl(["token", "billing"])
+            #expect(far.err == "Error: no session named 'billing' (see `tokenbroker ctl status`)\n")
+
+            try "[Session]\nName=api\nUpstream=test\nRefreshAhead=later\nBackoffMax=x\n".write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+            let badReload = try await broker.ctl(["reload"])
+            #expect(badReload.code == 78 && badReload.err == "Error: configuration error: \(broker.configPath):4: RefreshAhead= needs a time span between "
+                    + "0.0s and 86400.0s, e.g. 60s or 5min\n\(broker.configPath):5: BackoffMax= needs a time span between 0.01s and 86400.0s, e.g. 60s or 5min\n",
+                    "\(badReload.err)")
+            try Broker.defaultConfig.write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+
+            let own = try await Child.run(Paths.tokenbroker, ["--version"]).stdout   // "tokenbroker 0.1.0\n"
+            let version = try await Child.run(Paths.tokenbroker, ["version", "--socket", broker.socket])
+            #expect(version.code == 0 && version.stdout == own + "broker \(own.dropFirst("tokenbroker ".count).dropLast()) at \(broker.socket)\n", "\(version)")
+        }
+    }
+
     @Test("a session followed only by a watcher is refreshed ahead of expiry: the watcher gets the next token")
     func watcherOnlyRefreshAhead() async throws {
         try await withBroker(config: "[Session]\nName=api\nUpstream=test\nTestTokenLifetime=3s\nRefreshAhead=2s\nAllowUsers=\(Broker.workerUID)\n") { broker in

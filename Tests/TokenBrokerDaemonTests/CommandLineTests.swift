@@ -50,9 +50,68 @@ struct CommandLineTests {
         #expect(err.hasPrefix("Error: ") && err.contains("USAGE:") && out.isEmpty)
     }
 
-    @Test("--version")
+    @Test("--version, -V; version names this command's and says when no broker answers (issue 33)")
     func version() {
         #expect(Self.run("--version") == (0, "tokenbroker \(Command.version)\n", ""))
+        #expect(Self.run("-V") == (0, "tokenbroker \(Command.version)\n", ""))
+        let both = Self.run("version", "--socket", "/nonexistent/tb.sock")
+        #expect(both.code == 0 && both.err.isEmpty)
+        #expect(both.out == "tokenbroker \(Command.version)\nbroker at /nonexistent/tb.sock: not reachable (no broker socket at /nonexistent/tb.sock; "
+                + "--socket or TOKENBROKER_SOCKET names another broker)\n")
+        #expect(Self.run("version", "--help") == (0, Help.version, ""))
+        #expect(Self.run("help", "version") == (0, Help.version, ""))
+    }
+
+    @Test("a usage error shows the verb's usage, not all of ctl's help; did you mean for verbs and subcommands (issue 33)", arguments: [
+        (["ctl", "token"], "Error: token needs exactly one SESSION\n\nUSAGE: tokenbroker ctl [--socket <path>] token <session> [--min-valid <duration>] [--json]\n\n"
+            + "See `tokenbroker help ctl token`.\n"),
+        (["ctl", "status", "extra"], "Error: status takes no operand\n\nUSAGE: tokenbroker ctl [--socket <path>] status [--json]\n\nSee `tokenbroker help ctl status`.\n"),
+        (["ctl", "proof", "api", "GET"], "Error: proof needs a SESSION, a METHOD and a URL\n\nUSAGE: tokenbroker ctl [--socket <path>] proof <session> <method> <url> "
+            + "[--nonce <nonce>] [--min-valid <duration>] [--json]\n\nSee `tokenbroker help ctl proof`.\n"),
+        (["ctl", "proof", "api", "get", "https://api.example.com/"], "Error: METHOD is upper-case letters, such as GET or POST\n\n"),
+        (["ctl", "proof", "api", "GET", "/items"], "Error: URL must be an absolute http(s) URL, such as https://api.example.com/items\n\n"),
+        (["ctl", "proof", "api", "GET", "api.example.com/items"], "Error: URL must be an absolute http(s) URL, such as https://api.example.com/items\n\n"),
+        (["ctl", "token", "api", "--nonce", "n"], "Error: --nonce belongs to proof\n\nUSAGE: tokenbroker ctl [--socket <path>] token "),
+        (["ctl", "watch", "api", "--min-valid", "1m"], "Error: --min-valid belongs to token and proof\n\nUSAGE: tokenbroker ctl [--socket <path>] watch "),
+        (["ctl", "login", "api", "--flow=code", "--refresh-token-stdin"], "Error: --flow and --refresh-token-stdin are two ways to log in: choose one\n\nUSAGE: tokenbroker ctl [--socket <path>] login "),
+        (["ctl", "login", "--bogus"], "Error: unknown option '--bogus'\n\nUSAGE: tokenbroker ctl [--socket <path>] login "),
+        (["ctl", "tokn", "api"], "Error: unknown verb 'tokn' (did you mean token?)\n\nUSAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>] [<verb options>]\n\n"
+            + "Verbs: status, watch, token, recover, proof, login, logout, forget, refresh, reset-fleet-history, reload, metrics, check-config.\n"
+            + "See `tokenbroker help ctl`, or `tokenbroker help ctl <verb>`.\n"),
+        (["ctl", "Status"], "Error: unknown verb 'Status' (did you mean status?)\n\n"),
+        (["ctl", "frobnicate"], "Error: unknown verb 'frobnicate'\n\n"),
+        (["srve"], "Error: unknown subcommand or option 'srve' (did you mean serve?)\n\n"),
+        (["token", "api"], "Error: unknown subcommand or option 'token' (did you mean `tokenbroker ctl token`?)\n\n"),
+        (["statsu"], "Error: unknown subcommand or option 'statsu' (did you mean `tokenbroker ctl status`?)\n\n"),
+    ])
+    func verbUsage(arguments: [String], expected: String) {
+        var out = "", err = ""
+        #expect(TokenBrokerCommand.run(arguments, output: &out, errors: &err) == 64)
+        #expect(err.hasPrefix(expected) && out.isEmpty, "\(err)")
+        if arguments.first == "ctl" { #expect(!err.contains("SUBCOMMANDS:")) }
+    }
+
+    @Test("the verb table drives ctl: every verb has help, a line in ctl --help and an implementation; the man page and operating.md name every verb")
+    func verbTable() throws {
+        let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
+        let man = try String(contentsOf: root.appendingPathComponent("doc/tokenbroker.8"), encoding: .utf8)
+        let operating = try String(contentsOf: root.appendingPathComponent("doc/operating.md"), encoding: .utf8)
+        for verb in CtlVerb.all {
+            #expect(Help.ctlVerb(verb.name) == verb.help)
+            #expect(Help.ctl.contains("\n  " + ([verb.name] + verb.operands.map { "<\($0)>" }).joined(separator: " ")), "\(verb.name)")
+            for required in ["OVERVIEW:", "USAGE:", "OPTIONS:", "EXAMPLE"] { #expect(verb.help.contains(required), "\(verb.name): \(required)") }
+            for option in verb.options { #expect(verb.help.contains(option), "\(verb.name) --help names \(option)") }
+            let manName = verb.name.replacingOccurrences(of: "-", with: "\\-")
+            #expect(man.contains("ctl \(manName)") || verb.name == "check-config" && man.contains(".B check\\-config"), "man page: ctl \(verb.name)")
+            #expect(operating.contains("ctl \(verb.name)"), "doc/operating.md: ctl \(verb.name)")
+            guard verb.name != "check-config" else { continue }
+            // Implemented: with its operands, it gets as far as the socket (a METHOD and URL proof takes).
+            let operands = verb.operands.map { ["method": "GET", "url": "https://api.example.com/"][$0] ?? "api" }
+            var out = "", err = ""
+            let code = TokenBrokerCommand.run(["ctl", "--socket", "/nonexistent/tb.sock", verb.name] + operands, output: &out, errors: &err)
+            #expect(code == 69 || verb.name == "recover" && code == 64, "\(verb.name): \(err)")
+        }
+        #expect(man.contains(".B tokenbroker version") || man.contains(".B version"), "man page: version")
     }
 
     @Test("ctl against no broker: exit 69 and what to do: no socket there, or nothing listening (issue 33)")

@@ -1,3 +1,4 @@
+import Basics
 import Fleet
 import TokenBrokerCore
 import Upstream
@@ -237,25 +238,7 @@ public enum ConfigSchema {
 
     /// A known key of `keys` that `name` is probably a misspelling of.
     static func suggestion<Settings>(for name: String, in keys: [ConfigKey<Settings>]) -> String? {
-        let lower = Array(name.lowercased().utf8)
-        return keys.first { key in
-            let candidate = Array(key.name.lowercased().utf8)
-            return candidate == lower || (abs(candidate.count - lower.count) <= 2 && editDistance(candidate, lower, within: 2))
-        }?.name
-    }
-
-    /// Whether `a` and `b` are at most `limit` single-byte edits apart.
-    private static func editDistance(_ a: [UInt8], _ b: [UInt8], within limit: Int) -> Bool {
-        guard a.count <= 64, b.count <= 64 else { return false }
-        var previous = Array(0...b.count)
-        for i in 1...max(a.count, 1) where !a.isEmpty {
-            var current = [i] + Array(repeating: 0, count: b.count)
-            for j in stride(from: 1, through: b.count, by: 1) {
-                current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1))
-            }
-            previous = current
-        }
-        return previous[b.count] <= limit
+        Spelling.closest(to: name, in: keys.lazy.map(\.name))
     }
 }
 

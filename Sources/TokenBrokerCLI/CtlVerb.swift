@@ -1,0 +1,95 @@
+import Basics
+
+/// The verbs of `tokenbroker ctl`, declared once: what each takes, its line in `ctl --help`,
+/// its own help, and the verb options it accepts. `ctl`'s parsing and usage errors, the help
+/// texts, and the documentation tests (the man page, doc/operating.md) all follow this table.
+public struct CtlVerb: Sendable {
+    public let name: String
+    /// Its operands, as the usage names them: `["session", "method", "url"]`.
+    public let operands: [String]
+    /// Its line in `ctl --help` (admin-only verbs say so).
+    public let summary: String
+    /// The verb options it takes (the global ones, `--socket` and `--json`, every verb takes).
+    public let options: Set<String>
+    /// `ctl <verb> --help`.
+    public let help: String
+
+    init(_ name: String, _ operands: [String], options: Set<String> = [], _ summary: String, help: String) {
+        self.name = name
+        self.operands = operands
+        self.summary = summary
+        self.options = options
+        self.help = help
+    }
+
+    public static let all: [CtlVerb] = [
+        CtlVerb("status", [], "Show the sessions this user may use.", help: Help.ctlStatus),
+        CtlVerb("watch", ["session"], options: ["--show-token"],
+                "Print one line per token and logout event (no token unless --show-token).", help: Help.ctlWatch),
+        CtlVerb("token", ["session"], options: ["--min-valid"], "Print the session's current access token alone, for $(…).", help: Help.ctlToken),
+        CtlVerb("recover", ["session"], "Read a rejected token on stdin; print the token to retry with.", help: Help.ctlRecover),
+        CtlVerb("proof", ["session", "method", "url"], options: ["--nonce", "--min-valid"],
+                "Print the two headers of one DPoP request (Authorization, DPoP).", help: Help.ctlProof),
+        CtlVerb("login", ["session"], options: ["--flow", "--refresh-token-stdin"],
+                "Log the session in: device or code flow, or --refresh-token-stdin (admin).", help: Help.ctlLogin),
+        CtlVerb("logout", ["session"], "Log the session out (admin).", help: Help.ctlLogout),
+        CtlVerb("forget", ["session"], "Remove a stored session the configuration no longer names (admin).", help: Help.ctlForget),
+        CtlVerb("refresh", ["session"], "Refresh the session's token now (admin).", help: Help.ctlRefresh),
+        CtlVerb("reset-fleet-history", ["session"], "Start a fleet session's history anew, past its limit (admin).",
+                help: Help.ctlResetFleetHistory),
+        CtlVerb("reload", [], "Make the daemon re-read its configuration (admin).", help: Help.ctlReload),
+        CtlVerb("metrics", [], "Print the daemon's metrics, Prometheus text format (admin).", help: Help.ctlMetrics),
+        CtlVerb("check-config", [], "Validate the configuration files (same as `tokenbroker check-config`).", help: Help.checkConfig),
+    ]
+
+    public static func named(_ name: String) -> CtlVerb? { all.first { $0.name == name } }
+
+    /// The verb a mistyped one probably meant.
+    static func suggestion(for name: String) -> String? { Spelling.closest(to: name, in: all.lazy.map(\.name)) }
+
+    /// The verbs that take `option`, for "--nonce belongs to proof".
+    static func takers(of option: String) -> [String] { all.filter { $0.options.contains(option) }.map(\.name) }
+
+    /// `proof <session> <method> <url>`.
+    var synopsis: String { ([name] + operands.map { "<\($0)>" }).joined(separator: " ") }
+
+    /// What a wrong number of operands is told.
+    var operandRule: String {
+        switch operands.count {
+        case 0: return "\(name) takes no operand"
+        case 1: return "\(name) needs exactly one \(operands[0].uppercased())"
+        default:
+            let named = operands.map { "a \($0.uppercased())" }
+            return "\(name) needs \(named.dropLast().joined(separator: ", ")) and \(named.last!)"
+        }
+    }
+
+    /// The USAGE lines of its help, for a usage error.
+    var usage: String {
+        var lines: [Substring] = []
+        for line in help.split(separator: "\n", omittingEmptySubsequences: false) {
+            if line.hasPrefix("USAGE:") || (!lines.isEmpty && line.hasPrefix("       ")) {
+                lines.append(line)
+            } else if !lines.isEmpty {
+                break
+            }
+        }
+        return lines.joined(separator: "\n") + "\n\nSee `tokenbroker help ctl \(name)`.\n"
+    }
+
+    /// What a usage error without a known verb shows: the usage and the verbs.
+    static var shortUsage: String {
+        "USAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>] [<verb options>]\n\n"
+            + "Verbs: " + all.map(\.name).joined(separator: ", ") + ".\nSee `tokenbroker help ctl`, or `tokenbroker help ctl <verb>`.\n"
+    }
+
+    /// The SUBCOMMANDS section of `ctl --help`.
+    static var listing: String {
+        all.map { verb in
+            let left = "  " + verb.synopsis
+            return left.count + 2 <= 26
+                ? left + String(repeating: " ", count: 26 - left.count) + verb.summary + "\n"
+                : left + "\n" + String(repeating: " ", count: 26) + verb.summary + "\n"
+        }.joined()
+    }
+}
