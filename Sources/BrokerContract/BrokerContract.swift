@@ -379,16 +379,27 @@ public enum LoginFlow: String, Sendable, CaseIterable {
 /// The reply of `LoginFlow`.
 public struct LoginFlowReply: Sendable, Equatable {
     public var flow: LoginFlow
+    /// Why this flow, for people: "LoginFlow=auto: the server has no device authorization
+    /// endpoint" (nil from a daemon that does not say).
+    public var reason: String?
 
-    public init(flow: LoginFlow) { self.flow = flow }
+    public init(flow: LoginFlow, reason: String? = nil) {
+        self.flow = flow
+        self.reason = reason
+    }
 
     /// nil when the reply names no flow this client knows.
     public init?(_ parameters: JSONObject) {
         guard let flow = parameters["flow"]?.stringValue.flatMap(LoginFlow.init(rawValue:)) else { return nil }
         self.flow = flow
+        reason = parameters["reason"]?.stringValue
     }
 
-    public var parameters: JSONObject { ["flow": .string(flow.rawValue)] }
+    public var parameters: JSONObject {
+        var parameters: JSONObject = ["flow": .string(flow.rawValue)]
+        if let reason { parameters["reason"] = .string(reason) }
+        return parameters
+    }
 }
 
 /// The reply of `ResetFleetHistory`: where the session's new fleet history starts.
@@ -599,7 +610,9 @@ public struct StatusEntry: Sendable, Equatable {
 /// places its wire names are spelled.
 public enum BrokerError: Error, Sendable, Equatable {
     case noSuchSession(session: String)
-    case signedOut(session: String)
+    /// `login`: how to log in again, where it is not `tokenbroker ctl login SESSION` (a test
+    /// upstream's session, which takes any refresh token).
+    case signedOut(session: String, login: String? = nil)
     case permissionDenied
     case refreshFailed(session: String, reason: String, retryable: Bool, retryAfter: Double?)
     case throttled(session: String, retryAfter: Double)
@@ -645,7 +658,11 @@ public enum BrokerError: Error, Sendable, Equatable {
     public var reply: VarlinkReply {
         let parameters: JSONObject
         switch self {
-        case let .noSuchSession(session), let .signedOut(session), let .sessionConfigured(session):
+        case let .signedOut(session, login):
+            var signedOut: JSONObject = ["session": .string(session)]
+            if let login { signedOut["login"] = .string(login) }
+            parameters = signedOut
+        case let .noSuchSession(session), let .sessionConfigured(session):
             parameters = ["session": .string(session)]
         case .permissionDenied, .shuttingDown, .internalError:
             parameters = [:]
@@ -674,7 +691,7 @@ public enum BrokerError: Error, Sendable, Equatable {
         let reason = parameters["reason"]?.stringValue ?? ""
         switch name {
         case BrokerContract.name + ".NoSuchSession": self = .noSuchSession(session: session)
-        case BrokerContract.name + ".SignedOut": self = .signedOut(session: session)
+        case BrokerContract.name + ".SignedOut": self = .signedOut(session: session, login: parameters["login"]?.stringValue)
         case BrokerContract.name + ".PermissionDenied", VarlinkServiceError.permissionDenied: self = .permissionDenied
         case BrokerContract.name + ".RefreshFailed":
             self = .refreshFailed(session: session, reason: reason, retryable: parameters["retryable"]?.boolValue ?? false,

@@ -12,18 +12,24 @@ import Varlink
 extension Ctl {
     /// Which flow the daemon says suits the session (`LoginFlow`); the device flow with a
     /// daemon from before `LoginFlow`, as `ctl login` ran then.
-    static func loginFlow(_ address: VarlinkAddress, _ session: String) throws(Failure) -> LoginFlow {
+    static func loginFlow(_ address: VarlinkAddress, _ session: String) throws(Failure) -> LoginFlowReply {
         let reply = try exchange(address, .loginFlow(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
             let reply = try VarlinkClient(address: address, timeout: 60).call(call)
             return reply.error == VarlinkServiceError.methodNotFound ? VarlinkReply(parameters: LoginFlowReply(flow: .device).parameters) : reply
         }
-        guard let flow = LoginFlowReply(reply.parameters)?.flow else {
+        guard let chosen = LoginFlowReply(reply.parameters) else {
             throw Failure(code: ExitCode.failure, message: "the broker named a login flow this ctl does not know; use --flow=code or --flow=device")
         }
-        return flow
+        return chosen
     }
 
-    static func codeLogin(_ address: VarlinkAddress, _ session: String, output: inout some TextOutput) throws(Failure) {
+    /// The first line of an interactive login: which flow, and why.
+    static func flowLine(_ session: String, _ chosen: LoginFlowReply) -> String {
+        "Logging in '\(session)' with the \(chosen.flow == .code ? "authorization code flow (PKCE)" : "device flow")"
+            + (chosen.reason.map { " (\($0.prefix(200)))" } ?? "") + ".\n"
+    }
+
+    static func codeLogin(_ address: VarlinkAddress, _ session: String, _ chosen: LoginFlowReply, output: inout some TextOutput) throws(Failure) {
         let client: VarlinkClient
         do {
             // LoginTimeout= is at most an hour; the daemon ends the login then.
@@ -41,7 +47,9 @@ extension Ctl {
         }
         let reported = SynchronizedBox<String?>(nil)
         if case let .prompt(uri, redirect, expiresIn) = CodeLoginEvent(reply.parameters) {
-            output.write(prompt(session, uri, redirect, expiresIn: expiresIn, terminal: isatty(STDOUT_FILENO) == 1))
+            let terminal = isatty(STDOUT_FILENO) == 1
+            output.write(flowLine(session, chosen) + prompt(session, uri, redirect, expiresIn: expiresIn,
+                                                            terminal: terminal ? (Int(tb_terminal_columns(STDOUT_FILENO)), Int(tb_terminal_rows(STDOUT_FILENO))) : nil))
             readPastedRedirects(address, session, reported: reported)
             do {
                 // Each request the listener refuses is said (a line each; the daemon bounds them),
@@ -63,29 +71,40 @@ extension Ctl {
         output.write("logged in \(session) (generation \(LoginReply(reply.parameters).generation))\n")
     }
 
-    /// What the user reads: the URL (and its QR code on a terminal), where the browser comes
-    /// back, and the two ways to log in from a browser on another machine.
-    static func prompt(_ session: String, _ uri: String, _ redirect: String, expiresIn: Int64, terminal: Bool) -> String {
-        var text = "To log in '\(session)', open this address in a browser:\n\n  \(uri)\n\n"
-        if terminal {
-            // (A terminal that does not say its width gets the code whatever its width.)
-            let columns = Int(tb_terminal_columns(STDOUT_FILENO))
-            if let code = QRCode.render(uri, columns: columns > 0 ? columns : .max) {
-                text += code + "\n"
-            } else if let width = QRCode.width(uri) {
-                text += "(A terminal \(width) columns wide would show this address as a QR code.)\n\n"
-            }
-        }
+    /// What the user reads: where the browser comes back, the two ways to log in from a
+    /// browser on another machine, and last, so that it stays on screen, the URL to open. A QR
+    /// code of it is drawn above on a terminal (`terminal`: its columns and rows, 0 when it does
+    /// not say) only when the code and the rest fit in it together; otherwise a note says what
+    /// size would show one.
+    static func prompt(_ session: String, _ uri: String, _ redirect: String, expiresIn: Int64, terminal: (columns: Int, rows: Int)?) -> String {
         let port = redirect.split(separator: ":").last.map { $0.prefix(while: \.isNumber) } ?? ""
-        text += """
+        let help = """
             The browser comes back to \(redirect) on this host, where the broker listens.
             If the browser runs on another machine, either forward that port to it first:
               ssh -L \(port):127.0.0.1:\(port) \(hostName())
             or log in there and paste here the address the browser ends on (it will not load).
-            Waiting for the login (up to \(minutes(expiresIn)))…
 
             """
-        return text
+        let open = "To log in '\(session)', open this address in a browser:\n\n  \(uri)\n\nWaiting for the login (up to \(minutes(expiresIn)))…\n"
+        var code = ""
+        if let terminal {
+            // The lines the rest takes (the URL wraps at the terminal's width), the flow's line
+            // above, and the prompt's own line after.
+            let columns = terminal.columns > 0 ? terminal.columns : Int.max
+            let wrapped = (help + open).split(separator: "\n", omittingEmptySubsequences: false).reduce(0) { lines, line in
+                lines + max(1, (line.count + columns - 1) / max(columns, 1))
+            }
+            let rows = terminal.rows > 0 ? terminal.rows : Int.max
+            if let width = QRCode.width(uri) {
+                let height = (width + 1) / 2
+                if width <= columns && (rows == .max || height + 1 + wrapped + 2 <= rows), let drawn = QRCode.render(uri, columns: columns) {
+                    code = drawn + "\n"
+                } else {
+                    code = "(A terminal of \(width) columns and \(height + wrapped + 3) rows would show this address as a QR code.)\n\n"
+                }
+            }
+        }
+        return code + help + open
     }
 
     private static func minutes(_ seconds: Int64) -> String {
@@ -97,6 +116,9 @@ extension Ctl {
         guard gethostname(&buffer, buffer.count - 1) == 0 else { return "this-host" }
         return String(decoding: buffer.prefix(while: { $0 != 0 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
     }
+
+    /// How the daemon ends the reason of a paste it did not take.
+    static let stillWaiting = "; the login is still waiting"
 
     /// The longest pasted line taken, in bytes (the daemon takes no longer redirect).
     static let longestPaste = 8192
@@ -111,19 +133,25 @@ extension Ctl {
             /// Offers one line (`tooLong`: it was cut at `longestPaste`).
             func offer(_ line: [UInt8], tooLong: Bool) {
                 if tooLong {
-                    errors.write("Error: that line is longer than \(longestPaste) bytes; paste only the address\n")
+                    errors.write("Not taken: that line is longer than \(longestPaste) bytes; paste only the address. The login is still waiting.\n")
                     return
                 }
                 let text = String(decoding: line, as: UTF8.self).trimmingSpaces()
                 guard !text.isEmpty else { return }
                 guard text.lowercased().hasPrefix("http://") || text.lowercased().hasPrefix("https://") else {
-                    errors.write("Error: paste the whole address the browser ends on, starting with http://127.0.0.1:\n")
+                    errors.write("Not taken: paste the whole address the browser ends on, starting with http://127.0.0.1: (the login is still waiting)\n")
                     return
                 }
+                let request = BrokerRequest.completeCodeLogin(session: session, redirectUrl: text)
                 do {
-                    _ = try exchange(address, .completeCodeLogin(session: session, redirectUrl: text)) {
-                        (call) throws(VarlinkClientError) -> VarlinkReply in
-                        try VarlinkClient(address: address, timeout: 700).call(call)
+                    _ = try exchange(address, request) { (call) throws(VarlinkClientError) -> VarlinkReply in
+                        let reply = try VarlinkClient(address: address, timeout: 700).call(call)
+                        // A paste that is not the login's answer changes nothing: not a failure.
+                        if case let .loginFailed(_, reason)? = BrokerError(reply, session: session), reason.hasSuffix(stillWaiting) {
+                            errors.write("Not taken: \(reason.dropLast(stillWaiting.count).prefix(300)). The login is still waiting.\n")
+                            return VarlinkReply()
+                        }
+                        return reply
                     }
                 } catch {
                     reported.value = error.message

@@ -162,10 +162,10 @@ public enum Ctl {
                     let reply = try call(address, .login(session: operands[0], refreshToken: token))
                     output.write("logged in \(operands[0]) (generation \(LoginReply(reply.parameters).generation))\n")
                 } else {
-                    let chosen = try flow ?? loginFlow(address, operands[0])
-                    switch chosen {
-                    case .device: try deviceLogin(address, operands[0], output: &output)
-                    case .code: try codeLogin(address, operands[0], output: &output)
+                    let chosen = try flow.map { LoginFlowReply(flow: $0, reason: "--flow=\($0.rawValue)") } ?? loginFlow(address, operands[0])
+                    switch chosen.flow {
+                    case .device: try deviceLogin(address, operands[0], chosen, output: &output)
+                    case .code: try codeLogin(address, operands[0], chosen, output: &output)
                     }
                 }
             case "refresh":
@@ -243,7 +243,7 @@ public enum Ctl {
     }
 
     /// The device flow: show where to approve, then wait for the daemon to finish the login.
-    static func deviceLogin(_ address: VarlinkAddress, _ session: String, output: inout some TextOutput) throws(Failure) {
+    static func deviceLogin(_ address: VarlinkAddress, _ session: String, _ chosen: LoginFlowReply, output: inout some TextOutput) throws(Failure) {
         let client: VarlinkClient
         do {
             // The user has as long as the code lives (minutes) to approve.
@@ -255,6 +255,7 @@ public enum Ctl {
             try client.call(call)
         }
         if case let .prompt(uri, code, _, complete) = DeviceLoginEvent(reply.parameters) {
+            output.write(flowLine(session, chosen))
             output.write("To log in '\(session)', open \(uri) and enter the code \(code)\n")
             if let complete { output.write("(or open \(complete))\n") }
             output.write("Waiting for approval…\n")
@@ -377,8 +378,8 @@ public enum Ctl {
         switch error {
         case let .noSuchSession(session):
             return Failure(code: ExitCode.failure, message: "no session named '\(session)' (see `tokenbroker ctl status`)")
-        case let .signedOut(session):
-            return Failure(code: ExitCode.failure, message: "not logged in: run `tokenbroker ctl login \(session)`")
+        case let .signedOut(session, login):
+            return Failure(code: ExitCode.failure, message: "not logged in: run `\(login.map { String($0.prefix(300)) } ?? "tokenbroker ctl login \(session)")`")
         case .permissionDenied:
             let on = request.session.map { " on '\($0)'" } ?? ""
             return Failure(code: ExitCode.permission, message: "permission denied: this user may not call \(request.method.rawValue)\(on)")

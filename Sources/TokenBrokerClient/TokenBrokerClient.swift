@@ -245,7 +245,7 @@ public final class TokenBrokerClient: Sendable {
         guard let name = reply.error else { return nil }
         switch BrokerError(reply, session: session) {
         case let .noSuchSession(session)?: return .noSuchSession(session)
-        case let .signedOut(session)?: return .signedOut(session)
+        case let .signedOut(session, _)?: return .signedOut(session)
         case .permissionDenied?: return .permissionDenied
         case let .refreshFailed(session, reason, retryable, retryAfter)?:
             return .refreshFailed(session: session, reason: reason, retryable: retryable, retryAfter: retryAfter)

@@ -463,7 +463,11 @@ final class BrokerService: VarlinkHandler {
             return error
         case let error as SessionError:
             switch error {
-            case .signedOut: return .signedOut(session: session)
+            case .signedOut:
+                // The way back in for a session no interactive login serves.
+                guard case .test? = sessions.snapshot.sessions[session]?.configuration.upstream else { return .signedOut(session: session) }
+                // (Upstream=test takes any refresh token.)
+                return .signedOut(session: session, login: "printf x | tokenbroker ctl login \(session) --refresh-token-stdin")
             case let .refreshFailed(reason, retryable, retryAfter):
                 return .refreshFailed(session: session, reason: reason, retryable: retryable, retryAfter: retryAfter?.seconds)
             case let .throttled(retryAfter): return .throttled(session: session, retryAfter: retryAfter.seconds)

@@ -276,6 +276,13 @@ struct DaemonTests {
                     "\(badReload.err)")
             try Broker.defaultConfig.write(toFile: broker.configPath, atomically: true, encoding: .utf8)
 
+            // A logged-out test session names the way back in, and the way works.
+            #expect(try await broker.ctl(["logout", "api"]).code == 0)
+            let out = try await broker.ctl(["token", "api"])
+            #expect(out == (1, "", "Error: not logged in: run `printf x | tokenbroker ctl login api --refresh-token-stdin`\n"), "\(out)")
+            #expect(try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: "x").code == 0)
+            #expect(try await broker.ctl(["token", "api"]).code == 0)
+
             let own = try await Child.run(Paths.tokenbroker, ["--version"]).stdout   // "tokenbroker 0.1.0\n"
             let version = try await Child.run(Paths.tokenbroker, ["version", "--socket", broker.socket])
             #expect(version.code == 0 && version.stdout == own + "broker \(own.dropFirst("tokenbroker ".count).dropLast()) at \(broker.socket)\n", "\(version)")

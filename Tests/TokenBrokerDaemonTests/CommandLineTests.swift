@@ -1,6 +1,6 @@
 import Foundation
 import Testing
-import TokenBrokerCLI
+@testable import TokenBrokerCLI
 import Varlink
 @testable import TokenBrokerDaemon
 @testable import TokenBrokerDaemonCommand
@@ -89,6 +89,28 @@ struct CommandLineTests {
         #expect(TokenBrokerCommand.run(arguments, output: &out, errors: &err) == 64)
         #expect(err.hasPrefix(expected) && out.isEmpty, "\(err)")
         if arguments.first == "ctl" { #expect(!err.contains("SUBCOMMANDS:")) }
+    }
+
+    @Test("a code login's prompt on an 80×24 terminal keeps the URL on screen, last before the wait; a QR code only where it fits with the rest (issue 33)")
+    func codeLoginPrompt() {
+        let url = "http://127.0.0.1:9/authorize?response_type=code&client_id=tokenbroker&state=" + String(repeating: "s", count: 43)
+            + "&code_challenge=" + String(repeating: "c", count: 43) + "&code_challenge_method=S256&redirect_uri=http%3A%2F%2F127.0.0.1%3A8400%2Fcallback"
+        let small = Ctl.prompt("web", url, "http://127.0.0.1:8400/callback", expiresIn: 300, terminal: (80, 24))
+        let lines = small.split(separator: "\n", omittingEmptySubsequences: false)
+        let rows = lines.reduce(0) { $0 + max(1, ($1.count + 79) / 80) }
+        #expect(!small.contains("█") && rows + 1 <= 24, "\(rows) rows:\n\(small)")
+        #expect(lines.suffix(4).first == "  " + url[...], "the URL is last but the wait:\n\(small)")
+        #expect(lines.last == "" && lines.dropLast().last == "Waiting for the login (up to 5 min)…")
+        if let width = QRCode.width(url) {
+            // (libqrencode4 present: what size would show the code is said, and there it is drawn.)
+            #expect(small.hasPrefix("(A terminal of \(width) columns and "), "\(small)")
+            let big = Ctl.prompt("web", url, "http://127.0.0.1:8400/callback", expiresIn: 300, terminal: (200, 100))
+            #expect(big.contains("█") && big.hasSuffix("\n\n  \(url)\n\nWaiting for the login (up to 5 min)…\n"))
+            let wideButShort = Ctl.prompt("web", url, "http://127.0.0.1:8400/callback", expiresIn: 300, terminal: (200, 24))
+            #expect(!wideButShort.contains("█"))
+        }
+        let off = Ctl.prompt("web", url, "http://127.0.0.1:8400/callback", expiresIn: 300, terminal: nil)
+        #expect(!off.contains("█") && !off.contains("QR code") && off.hasPrefix("The browser comes back to http://127.0.0.1:8400/callback"))
     }
 
     @Test("the verb table drives ctl: every verb has help, a line in ctl --help and an implementation; the man page and operating.md name every verb")

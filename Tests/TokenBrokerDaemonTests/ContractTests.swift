@@ -18,7 +18,7 @@ import WireJSON
     }
 
     static let errors: [BrokerError] = [
-        .noSuchSession(session: "a"), .signedOut(session: "a"), .permissionDenied,
+        .noSuchSession(session: "a"), .signedOut(session: "a"), .signedOut(session: "a", login: "printf x | tokenbroker ctl login a --refresh-token-stdin"), .permissionDenied,
         .refreshFailed(session: "a", reason: "upstream said 503", retryable: true, retryAfter: 2.5),
         .refreshFailed(session: "a", reason: "invalid_grant", retryable: false, retryAfter: nil),
         .throttled(session: "a", retryAfter: 1), .lifetimeTooShort(session: "a", lifetime: 300, minValid: 600), .storeFailed(session: "a", reason: "disk full"),

@@ -35,6 +35,9 @@ int tb_is_dumpable(void);
 /// is not a terminal or does not say.
 int tb_terminal_columns(int fd);
 
+/// The height of the terminal `fd` is, in rows; 0 when it is not a terminal or does not say.
+int tb_terminal_rows(int fd);
+
 /// 1 when a dynamic loader is mapped into this process (getauxval(AT_BASE)), 0 in a static
 /// executable.
 int tb_has_dynamic_loader(void);

@@ -127,7 +127,7 @@ def test_a_terminal_too_narrow_for_the_code_gets_a_note_instead(stack):
     try:
         shown = read_until(primary, "Waiting for the login")
         assert "█" not in shown
-        assert "columns wide would show this address as a QR code" in shown
+        assert "rows would show this address as a QR code" in shown
     finally:
         login.kill()
         login.wait()
