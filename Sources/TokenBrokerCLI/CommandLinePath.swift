@@ -11,9 +11,13 @@ public enum CommandLinePath {
     public static func absolute(_ path: String) -> String? {
         guard !path.isEmpty else { return nil }
         if path.hasPrefix("/") { return path }
+        // (`./x` is `x`: the path the daemon logs and the guide prints reads plainly.)
+        var path = Substring(path)
+        while path.hasPrefix("./") { path = path.dropFirst(2).drop { $0 == "/" } }
+        guard !path.isEmpty else { return nil }
         guard let directory = getcwd(nil, 0) else { return nil }
         defer { free(directory) }
         let base = String(cString: directory)
-        return (base.hasSuffix("/") ? base : base + "/") + path
+        return (base.hasSuffix("/") ? base : base + "/") + String(path)
     }
 }

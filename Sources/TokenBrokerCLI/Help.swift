@@ -119,7 +119,9 @@ public enum Help {
           -h, --help              Show this help.
 
         EXAMPLES:
-          tokenbroker serve --dev --socket /tmp/tokenbroker.sock
+          tokenbroker serve --dev --socket ./tokenbroker.sock
+                                  (in a directory of yours: the socket's directory must be
+                                  writable by no other user, so not /tmp itself)
           tokenbroker serve --user
 
         """

@@ -39,6 +39,9 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
             SessionConfiguration(name: index == 0 ? Self.session : Self.dpopSession, upstream: .oauth(oauth), allowUsers: [], allowGroups: [],
                                  policy: RefreshPolicy(), origin: "--dev")
         }
+        // demo serves the development server (Serves=http://127.0.0.1:PORT), so the credential
+        // helpers can be tried against it.
+        configuration.sessions[0].settings.serves = ServedURL(served).map { [$0] } ?? []
         return configuration
     }
 
@@ -58,22 +61,30 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
         return access(sibling, X_OK) == 0 ? sibling : "tokenbroker"
     }
 
-    /// What to try next, printed at start.
+    /// What demo serves to the credential helpers: the development server's origin.
+    var served: String { "http://" + (issuer.baseURL.split(separator: "/", omittingEmptySubsequences: true).dropFirst().first.map(String.init) ?? "") }
+
+    /// What to try next, printed at start: the README's short form, after one `export`.
     public func guide(socket: String) -> String {
-        let ctl = "\(Self.command) ctl --socket \(socket)"
+        let command = Self.command
+        let directory = command.contains("/") ? String(command[..<command.lastIndex(of: "/")!]) : nil
+        let export = (directory.map { "PATH=\($0):$PATH " } ?? "") + "TOKENBROKER_SOCKET=\(socket)"
         return """
             tokenbroker is running in development mode.
               issuer   \(issuer.baseURL)  (development OAuth server, in this process)
               socket   \(socket)
-              sessions demo (logged in), demo-dpop (logged in, DPoP: tokens bound to a key held here)
+              sessions demo (logged in; serves \(served) to the credential helpers),
+                       demo-dpop (logged in, DPoP: tokens bound to a key held here)
 
             Try, in another shell:
-              \(ctl) token demo
-              \(ctl) status
-              curl -H "Authorization: Bearer $(\(ctl) token demo)" \(issuer.resourceURL)
-              curl -H @<(\(ctl) proof demo-dpop GET \(issuer.resourceURL)) \(issuer.resourceURL)
-              \(ctl) logout demo && \(ctl) login demo     (device flow: open the printed URL)
-              \(ctl) login demo --flow=code     (authorization code + PKCE: open the printed URL, or paste where it lands)
+              export \(export)
+              tokenbroker ctl token demo
+              tokenbroker ctl status
+              curl -H "Authorization: Bearer $(tokenbroker ctl token demo)" \(issuer.resourceURL)
+              curl -H @<(tokenbroker ctl proof demo-dpop GET \(issuer.resourceURL)) \(issuer.resourceURL)
+              printf 'url=\(issuer.resourceURL)\\n\\n' | tokenbroker credential git get     (git's helper: demo's token)
+              tokenbroker ctl logout demo && tokenbroker ctl login demo     (device flow: open the printed URL)
+              tokenbroker ctl login demo --flow=code     (authorization code + PKCE: open the printed URL, or paste where it lands)
 
             Stop with Ctrl-C.
 

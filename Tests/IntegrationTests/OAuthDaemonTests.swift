@@ -419,11 +419,17 @@ struct OAuthDaemonTests {
         }
     }
 
-    @Test("serve --dev: a logged-in demo session against an issuer in the daemon")
+    @Test("serve --dev, as help serve's example runs it: logged-in sessions against an issuer in the daemon; the guide's lines run as written")
     func serveDev() async throws {
         let directory = try Paths.temporaryDirectory()
-        let socket = directory + "/dev.sock"
-        let daemon = try Child(Paths.tokenbroker, ["serve", "--dev", "--socket", socket], directory: directory)
+        // `tokenbroker help serve`'s example, as written (issue 33).
+        let help = try await Child.run(Paths.tokenbroker, ["help", "serve"])
+        let example = try #require(help.stdout.split(separator: "\n").map { $0.trimmingCharacters(in: .whitespaces) }
+            .first { $0.hasPrefix("tokenbroker serve --dev") })
+        #expect(example == "tokenbroker serve --dev --socket ./tokenbroker.sock")
+        let socket = directory + "/tokenbroker.sock"
+        let daemon = try Child(Paths.tokenbroker, example.split(separator: " ").dropFirst().map(String.init), directory: directory,
+                               workingDirectory: directory)
         defer { daemon.terminate() }
         try await waitForSocket(socket)
         try await eventually("the guide") { daemon.stdout.contains("Stop with Ctrl-C.") }
@@ -433,6 +439,18 @@ struct OAuthDaemonTests {
         let resource = try #require(daemon.stdout.split(whereSeparator: \.isWhitespace).first { $0.hasPrefix("http://127.0.0.1:") && $0.hasSuffix("/resource") })
         let response = try await CurlLoop.shared.perform(HTTPRequest(url: String(resource), headers: [("Authorization", "Bearer " + token)]))
         #expect(response.status == 200)
+        // The guide's lines run as written, in a shell of their own (issue 33): the export, the
+        // README's short form, and git's helper against demo's Serves= entry.
+        let lines = daemon.stdout.split(separator: "\n").map { $0.trimmingCharacters(in: .whitespaces) }
+        let export = try #require(lines.first { $0.hasPrefix("export ") && $0.contains("TOKENBROKER_SOCKET=\(socket)") })
+        let tokenLine = try #require(lines.first { $0 == "tokenbroker ctl token demo" })
+        let helperLine = try #require(lines.first { $0.contains("| tokenbroker credential git get") })
+        let helperCommand = String(helperLine[..<helperLine.range(of: "     (")!.lowerBound])
+        let shell = try await Child.run("/bin/bash", ["-c", "\(export) && \(tokenLine) && \(helperCommand)"], environment: ["PATH": "/usr/bin:/bin"])
+        #expect(shell.code == 0, "\(shell.stderr)")
+        // (Compared aside: a failed expectation must not print a token.)
+        let answered = shell.stdout.hasPrefix("\(token)\nusername=oauth2\npassword=\(token)\npassword_expiry_utc=")
+        #expect(answered, "the token, then git's answer with it")
         daemon.terminate()
         #expect(await daemon.wait() == 0)
     }
