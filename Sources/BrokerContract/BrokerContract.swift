@@ -379,8 +379,8 @@ public enum LoginFlow: String, Sendable, CaseIterable {
 /// The reply of `LoginFlow`.
 public struct LoginFlowReply: Sendable, Equatable {
     public var flow: LoginFlow
-    /// Why this flow, for people: "LoginFlow=auto: the server has no device authorization
-    /// endpoint" (nil from a daemon that does not say).
+    /// Why this flow, for people: "LoginFlow=auto, and the server has no device authorization
+    /// endpoint (configured)" (nil from a daemon that does not say).
     public var reason: String?
 
     public init(flow: LoginFlow, reason: String? = nil) {

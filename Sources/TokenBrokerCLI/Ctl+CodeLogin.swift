@@ -26,7 +26,7 @@ extension Ctl {
     /// The first line of an interactive login: which flow, and why.
     static func flowLine(_ session: String, _ chosen: LoginFlowReply) -> String {
         "Logging in '\(session)' with the \(chosen.flow == .code ? "authorization code flow (PKCE)" : "device flow")"
-            + (chosen.reason.map { " (\($0.prefix(200)))" } ?? "") + ".\n"
+            + (chosen.reason.map { ": \($0.prefix(200))" } ?? "") + ".\n"
     }
 
     static func codeLogin(_ address: VarlinkAddress, _ session: String, _ chosen: LoginFlowReply, output: inout some TextOutput) throws(Failure) {
@@ -85,7 +85,7 @@ extension Ctl {
             or log in there and paste here the address the browser ends on (it will not load).
 
             """
-        let open = "To log in '\(session)', open this address in a browser:\n\n  \(uri)\n\nWaiting for the login (up to \(minutes(expiresIn)))…\n"
+        let open = "\nTo log in '\(session)', open this address in a browser:\n\n  \(uri)\n\nWaiting for the login (up to \(minutes(expiresIn)))…\n"
         var code = ""
         if let terminal {
             // The lines the rest takes (the URL wraps at the terminal's width), the flow's line

@@ -259,13 +259,13 @@ extension BrokerService {
         case .device: return .reply(VarlinkReply(parameters: LoginFlowReply(flow: .device, reason: "LoginFlow=device").parameters))
         case .code: return .reply(VarlinkReply(parameters: LoginFlowReply(flow: .code, reason: "LoginFlow=code").parameters))
         case .auto:
-            let source = settings.issuer == nil ? "configured" : "configured or in the server's metadata"
+            let source = settings.issuer == nil ? "configured" : "configured or in its metadata"
             return .async { sink in
                 do throws(FetchFailure) {
                     let endpoints = try await upstream.endpoints()
                     let chosen = endpoints.deviceAuthorization != nil
-                        ? LoginFlowReply(flow: .device, reason: "LoginFlow=auto: the server has a device authorization endpoint (\(source))")
-                        : LoginFlowReply(flow: .code, reason: "LoginFlow=auto: the server has no device authorization endpoint (\(source))")
+                        ? LoginFlowReply(flow: .device, reason: "LoginFlow=auto, and the server has a device authorization endpoint (\(source))")
+                        : LoginFlowReply(flow: .code, reason: "LoginFlow=auto, and the server has no device authorization endpoint (\(source))")
                     sink.send(VarlinkReply(parameters: chosen.parameters))
                 } catch {
                     sink.send(BrokerError.loginFailed(session: name, reason: error.message).reply)

@@ -143,8 +143,8 @@ struct CodeLoginTests {
             try await eventually("the prompt") { login.stdout.contains("Waiting for the login") || !login.process.isRunning }
             let out = login.stdout
             // Which flow and why first; the URL last, just above the wait (issue 33).
-            #expect(out.hasPrefix("Logging in 'web' with the authorization code flow (PKCE) (LoginFlow=auto: the server has no device authorization "
-                                  + "endpoint (configured)).\nThe browser comes back to "), "\(out)")
+            #expect(out.hasPrefix("Logging in 'web' with the authorization code flow (PKCE): LoginFlow=auto, and the server has no device authorization "
+                                  + "endpoint (configured).\nThe browser comes back to "), "\(out)")
             #expect(out.contains("\nTo log in 'web', open this address in a browser:\n\n  \(issuer.authorizationEndpoint)?"), "\(login.stderr)")
             #expect(out.split(separator: "\n").suffix(2).first?.hasPrefix("  \(issuer.authorizationEndpoint)?") == true, "\(out)")
             let url = try #require(out.split(separator: "\n").first { $0.hasPrefix("  http") }.map { String($0.dropFirst(2)) })
@@ -198,9 +198,9 @@ struct CodeLoginTests {
     func flows() async throws {
         try await Self.withIssuerAndBroker { _, broker in
             #expect(try broker.call("LoginFlow", ["session": "web"]).parameters
-                    == ["flow": "code", "reason": "LoginFlow=auto: the server has no device authorization endpoint (configured)"])
+                    == ["flow": "code", "reason": "LoginFlow=auto, and the server has no device authorization endpoint (configured)"])
             #expect(try broker.call("LoginFlow", ["session": "api"]).parameters
-                    == ["flow": "device", "reason": "LoginFlow=auto: the server has a device authorization endpoint (configured or in the server's metadata)"])
+                    == ["flow": "device", "reason": "LoginFlow=auto, and the server has a device authorization endpoint (configured or in its metadata)"])
             let bad = try await broker.ctl(["login", "web", "--flow=browser"])
             #expect(bad.code == 64 && bad.err.hasPrefix("Error: --flow needs code or device\n"))
             let both = try await broker.ctl(["login", "web", "--flow=code", "--refresh-token-stdin"])
