@@ -18,8 +18,9 @@ public enum Command {
     /// The names tools run a credential helper by (links to `tokenbroker` the package
     /// installs), and the protocol each speaks: `docker-credential-tokenbroker get` is
     /// `tokenbroker credential docker get`.
-    public static let helperNames = ["git-credential-tokenbroker": "git", "docker-credential-tokenbroker": "docker",
-                                     "terraform-credentials-tokenbroker": "terraform", "bazel-credential-tokenbroker": "bazel"]
+    public static let helperNames: [String: String] = Dictionary(uniqueKeysWithValues: CredentialProtocol.all.compactMap { entry in
+        entry.link.map { ($0, entry.name) }
+    })
 
     /// The arguments to run, given the name the process was started by (`argv[0]`).
     public static func arguments(invokedAs name: String, _ arguments: [String]) -> [String] {

@@ -15,7 +15,7 @@ import Varlink
 /// `inputDeadline` and `inputLimit` bytes; a token is written only to standard output, and only
 /// in the protocol's credential field.
 public enum CredentialHelper {
-    public static let protocols = ["git", "kubectl", "docker", "terraform", "bazel"]
+    public static var protocols: [String] { CredentialProtocol.all.map(\.name) }
     static let inputLimit = 64 << 10
     static let inputDeadline = 5_000   // milliseconds
 
@@ -74,16 +74,30 @@ public enum CredentialHelper {
         }
         if let socket = options["--socket"] { environment.socket = socket }
         guard let name = words.first else { return usage("missing protocol (one of \(protocols.joined(separator: ", ")))", &errors) }
-        let operands = Array(words.dropFirst())
-        let relay = Relay(environment: environment)
-        switch name {
-        case "git": return git(operands, username: options["--username"] ?? "oauth2", relay, &output, &errors)
-        case "kubectl": return kubectl(operands, url: options["--url"], session: options["--session"], relay, &output, &errors)
-        case "docker": return docker(operands, username: options["--username"] ?? "oauth2", relay, &output, &errors)
-        case "terraform": return terraform(operands, relay, &output, &errors)
-        case "bazel": return bazel(operands, relay, &output, &errors)
-        default: return usage("unknown protocol '\(name)' (one of \(protocols.joined(separator: ", ")))", &errors)
+        guard let chosen = CredentialProtocol.named(name) else {
+            return usage("unknown protocol '\(name.prefix(64))' (one of \(protocols.joined(separator: ", ")))", &errors)
         }
+        let relay = Relay(environment: environment)
+        let answer: CredentialProtocol.Answer
+        switch chosen.plan(CredentialProtocol.Request(operands: Array(words.dropFirst()), options: options, environment: environment)) {
+        case let .done(done):
+            answer = done
+        case let .lookup(query, replies):
+            // The one place a protocol's three outcomes are told apart.
+            let found: Result<Lookup, Ctl.Failure>
+            switch query {
+            case let .url(url, rejected): found = relay.lookup(url, rejected: rejected)
+            case let .session(session): found = relay.session(session)
+            }
+            switch found {
+            case let .success(.found(reply)): answer = replies.found(reply)
+            case .success(.notFound): answer = replies.notFound
+            case let .failure(failure): answer = replies.failure(failure)
+            }
+        }
+        output.write(answer.output)
+        errors.write(answer.errors)
+        return answer.code
     }
 
     private static func usage(_ message: String, _ errors: inout some TextOutput) -> Int32 {
@@ -191,217 +205,5 @@ public enum CredentialHelper {
         guard let bytes, !bytes.contains(0) else { return nil }
         let text = String(decoding: bytes, as: UTF8.self)
         return Array(text.utf8) == bytes ? text : nil
-    }
-
-    // MARK: - git
-
-    /// git's credential helper protocol (git-credential(1)): `get`, `store`, `erase`, with
-    /// `key=value` lines on standard input up to a blank line.
-    static func git(_ operands: [String], username: String, _ relay: Relay, _ output: inout some TextOutput,
-                    _ errors: inout some TextOutput) -> Int32 {
-        guard operands.count == 1, ["get", "store", "erase"].contains(operands[0]) else {
-            errors.write("tokenbroker credential git: expected one action: get, store or erase\n")
-            return ExitCode.usage
-        }
-        guard let input = text(relay.environment.standardInput()) else {
-            errors.write("tokenbroker credential git: unreadable input (more than 64 KiB, not UTF-8, or not within 5 s)\n")
-            return ExitCode.failure
-        }
-        var fields: [String: String] = [:]
-        var capabilities: Set<String> = []
-        for line in lines(input) {
-            if line.isEmpty { break }
-            guard let equals = line.firstIndex(of: "=") else { continue }
-            let key = String(line[..<equals]), value = String(line[line.index(after: equals)...])
-            if key == "capability[]" { capabilities.insert(value) } else { fields[key] = value }
-        }
-        // store: the broker keeps the session; nothing to keep here.
-        guard operands[0] != "store" else { return ExitCode.ok }
-        let url: String
-        if let given = fields["url"] {
-            url = given
-        } else if let host = fields["host"], !host.isEmpty, !host.contains("@") {
-            url = (fields["protocol"].map { $0 + "://" } ?? "") + host + (fields["path"].map { "/" + $0 } ?? "")
-        } else {
-            return ExitCode.ok   // nothing to look up: git asks its next helper
-        }
-        if operands[0] == "erase" {
-            // The password git was refused with: if it is still the current token, the session
-            // refreshes (once, for every process); if not, nothing happens.
-            guard let rejected = fields["password"], !rejected.isEmpty else { return ExitCode.ok }
-            if case let .failure(failure) = relay.lookup(url, rejected: rejected) { return fail("git", failure, &errors) }
-            return ExitCode.ok
-        }
-        switch relay.lookup(url) {
-        case let .success(.found(reply)):
-            var answer = "username=\(username)\npassword=\(reply.token.token)\n"
-            // (ephemeral: git must not hand the token to a storing helper, which would outlive a logout.)
-            if capabilities.contains("authtype") { answer += "capability[]=authtype\nauthtype=Bearer\ncredential=\(reply.token.token)\nephemeral=true\n" }
-            if let expiresAt = reply.token.expiresAt { answer += "password_expiry_utc=\(expiresAt)\n" }
-            output.write(answer)
-            return ExitCode.ok
-        case .success(.notFound):
-            return ExitCode.ok
-        case let .failure(failure):
-            return fail("git", failure, &errors)
-        }
-    }
-
-    // MARK: - kubectl
-
-    /// kubectl's exec credential plugin (client.authentication.k8s.io v1 and v1beta1): the URL
-    /// from `--url`, else the cluster's server (`provideClusterInfo: true`); or `--session`.
-    static func kubectl(_ operands: [String], url: String?, session: String?, _ relay: Relay, _ output: inout some TextOutput,
-                        _ errors: inout some TextOutput) -> Int32 {
-        guard operands.isEmpty else {
-            errors.write("tokenbroker credential kubectl: takes no operand (kubectl sets KUBERNETES_EXEC_INFO)\n")
-            return ExitCode.usage
-        }
-        var apiVersion = "client.authentication.k8s.io/v1beta1"
-        var server: String?
-        if let info = relay.environment.variable("KUBERNETES_EXEC_INFO") {
-            // (Up to 1 MiB: a kubeconfig may embed a CA bundle in the cluster info.)
-            guard info.utf8.count <= 1 << 20, case let .object(object)? = try? JSONParser.parse(ArraySlice(info.utf8)),
-                  let version = object["apiVersion"]?.stringValue,
-                  ["client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1"].contains(version) else {
-                errors.write("tokenbroker credential kubectl: KUBERNETES_EXEC_INFO is not an ExecCredential of client.authentication.k8s.io/v1 or v1beta1\n")
-                return ExitCode.failure
-            }
-            apiVersion = version
-            server = object["spec"]?.objectValue?["cluster"]?.objectValue?["server"]?.stringValue
-        }
-        let found: Result<Lookup, Ctl.Failure>
-        if let session {
-            found = relay.session(session)
-        } else if let target = url ?? server {
-            found = relay.lookup(target)
-        } else {
-            errors.write("tokenbroker credential kubectl: needs --url URL or --session NAME (or provideClusterInfo: true in the kubeconfig)\n")
-            return ExitCode.usage
-        }
-        switch found {
-        case let .success(.found(reply)):
-            var status: JSONObject = ["token": .string(reply.token.token)]
-            if let expiresAt = reply.token.expiresAt { status["expirationTimestamp"] = .string(UTCTime.timestamp(expiresAt)) }
-            output.write(JSON.object(["apiVersion": .string(apiVersion), "kind": "ExecCredential", "status": .object(status)]).text + "\n")
-            return ExitCode.ok
-        case .success(.notFound):
-            errors.write("tokenbroker credential kubectl: no session this user may use serves \(url ?? server ?? session ?? "it")\n")
-            return ExitCode.failure
-        case let .failure(failure):
-            return fail("kubectl", failure, &errors)
-        }
-    }
-
-    // MARK: - docker, podman, skopeo, buildah
-
-    /// The docker-credential-helpers protocol: `get` (the server URL on standard input) →
-    /// `{ServerURL, Username, Secret}`; `store` and `erase` keep nothing (the broker owns the
-    /// session; an erase carries no token to recover); `list` → `{}`.
-    static func docker(_ operands: [String], username: String, _ relay: Relay, _ output: inout some TextOutput,
-                       _ errors: inout some TextOutput) -> Int32 {
-        guard operands.count == 1, ["get", "store", "erase", "list"].contains(operands[0]) else {
-            output.write("tokenbroker credential docker: expected one action: get, store, erase or list\n")
-            return ExitCode.failure
-        }
-        let input = text(relay.environment.standardInput())
-        switch operands[0] {
-        case "list":
-            output.write("{}\n")
-            return ExitCode.ok
-        case "store", "erase":
-            return ExitCode.ok
-        default:
-            break
-        }
-        guard let input else {
-            output.write("unreadable input\n")
-            return ExitCode.failure
-        }
-        // (On bytes: "\r\n" is one Character, which neither "\r" nor "\n" equals.)
-        func isSpace(_ byte: UInt8) -> Bool { byte == 0x0A || byte == 0x0D || byte == 0x20 || byte == 0x09 }
-        var trimmed = input.utf8[...]
-        while let last = trimmed.last, isSpace(last) { trimmed = trimmed.dropLast() }
-        while let first = trimmed.first, isSpace(first) { trimmed = trimmed.dropFirst() }
-        let server = String(Substring(trimmed))
-        guard !server.isEmpty else {
-            output.write("no server URL given\n")
-            return ExitCode.failure
-        }
-        // The protocol names no scheme: this tool's way to the registry decides it.
-        let found = relay.environment.registries.requestURL(for: server).map { relay.lookup($0) } ?? .success(.notFound)
-        switch found {
-        case let .success(.found(reply)):
-            output.write(JSON.object(["ServerURL": .string(server), "Username": .string(username),
-                                      "Secret": .string(reply.token.token)]).text + "\n")
-            return ExitCode.ok
-        case .success(.notFound):
-            // The exact words the docker client treats as "not found".
-            output.write("credentials not found in native keychain\n")
-            return ExitCode.failure
-        case let .failure(failure):
-            output.write("\(failure.message)\n")
-            return ExitCode.failure
-        }
-    }
-
-    // MARK: - Terraform, OpenTofu
-
-    /// Terraform's credentials helper protocol: `get HOST` → `{"token": …}`, or `{}` when no
-    /// session serves the host; `store HOST` and `forget HOST` keep nothing.
-    static func terraform(_ operands: [String], _ relay: Relay, _ output: inout some TextOutput, _ errors: inout some TextOutput) -> Int32 {
-        guard operands.count == 2, ["get", "store", "forget"].contains(operands[0]) else {
-            errors.write("tokenbroker credential terraform: expected get, store or forget, and a host\n")
-            return ExitCode.usage
-        }
-        guard operands[0] == "get" else {
-            if operands[0] == "store" { _ = relay.environment.standardInput() }
-            return ExitCode.ok
-        }
-        // Terraform finds a host's services over https only (its remote service discovery).
-        let host = operands[1]
-        switch relay.lookup(host.contains("://") ? host : "https://" + host) {
-        case let .success(.found(reply)):
-            output.write(JSON.object(["token": .string(reply.token.token)]).text + "\n")
-            return ExitCode.ok
-        case .success(.notFound):
-            output.write("{}\n")
-            return ExitCode.ok
-        case let .failure(failure):
-            return fail("terraform", failure, &errors)
-        }
-    }
-
-    // MARK: - Bazel
-
-    /// Bazel's credential helper protocol: `get` with `{"uri": …}` on standard input →
-    /// `{"headers": {"Authorization": ["Bearer …"]}, "expires": RFC 3339}`, or `{}`.
-    static func bazel(_ operands: [String], _ relay: Relay, _ output: inout some TextOutput, _ errors: inout some TextOutput) -> Int32 {
-        guard operands == ["get"] else {
-            errors.write("tokenbroker credential bazel: expected the action get\n")
-            return ExitCode.usage
-        }
-        guard let input = text(relay.environment.standardInput()),
-              case let .object(request)? = try? JSONParser.parse(ArraySlice(input.utf8)), let uri = request["uri"]?.stringValue else {
-            errors.write("tokenbroker credential bazel: expected {\"uri\": \"…\"} on standard input\n")
-            return ExitCode.failure
-        }
-        switch relay.lookup(uri) {
-        case let .success(.found(reply)):
-            var answer: JSONObject = ["headers": ["Authorization": .array([.string("Bearer " + reply.token.token)])]]
-            if let expiresAt = reply.token.expiresAt { answer["expires"] = .string(UTCTime.timestamp(expiresAt)) }
-            output.write(JSON.object(answer).text + "\n")
-            return ExitCode.ok
-        case .success(.notFound):
-            output.write("{}\n")
-            return ExitCode.ok
-        case let .failure(failure):
-            return fail("bazel", failure, &errors)
-        }
-    }
-
-    private static func fail(_ protocolName: String, _ failure: Ctl.Failure, _ errors: inout some TextOutput) -> Int32 {
-        errors.write("tokenbroker credential \(protocolName): \(failure.message)\n")
-        return failure.code == ExitCode.ok ? ExitCode.failure : failure.code
     }
 }

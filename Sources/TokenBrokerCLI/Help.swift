@@ -46,7 +46,7 @@ public enum Help {
 
         """
 
-    public static let credential = """
+    public static let credential: String = """
         OVERVIEW: Hand the broker's tokens to tools, in their credential-helper protocols.
 
         Each call asks the broker for the token of the session that serves the URL (Serves= in
@@ -56,11 +56,7 @@ public enum Help {
         https, unless the tool may reach it in clear (loopback, --tls-verify=false, insecure in
         registries.conf or daemon.json): then http, which only an http:// entry serves.
 
-        USAGE: tokenbroker credential git [--username <name>] get|store|erase
-               tokenbroker credential kubectl [--url <url> | --session <name>]
-               tokenbroker credential docker [--username <name>] get|store|erase|list
-               tokenbroker credential terraform get|store|forget <host>
-               tokenbroker credential bazel get
+        USAGE: \(CredentialProtocol.all.map(\.usage).joined(separator: "\n       "))
 
         OPTIONS:
           --username <name>       The user name git or a registry is given (default oauth2;

@@ -113,6 +113,24 @@ struct CommandLineTests {
         #expect(!off.contains("█") && !off.contains("QR code") && off.hasPrefix("The browser comes back to http://127.0.0.1:8400/callback"))
     }
 
+    @Test("the credential-protocol table drives the helpers: help's usage lines, the names tools run them by, and the Makefile's install links")
+    func protocolTable() throws {
+        let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
+        let makefile = try String(contentsOf: root.appendingPathComponent("Makefile"), encoding: .utf8)
+        let line = try #require(makefile.split(separator: "\n").first { $0.contains("for helper in ") })
+        let installed = Set(line.split(separator: " ").filter { $0.hasSuffix("-tokenbroker") || $0.hasSuffix("-tokenbroker;") }
+            .map { String($0.hasSuffix(";") ? $0.dropLast() : $0) })
+        #expect(installed == Set(Command.helperNames.keys) && !installed.isEmpty, "\(installed)")
+        for entry in CredentialProtocol.all {
+            #expect(Help.credential.contains(entry.usage))
+            if let link = entry.link {
+                #expect(Command.arguments(invokedAs: "/usr/bin/" + link, ["get"]) == ["credential", entry.name, "get"])
+                #expect(Help.credential.contains(link), "help names \(link)")
+            }
+        }
+        #expect(CredentialHelper.protocols == ["git", "kubectl", "docker", "terraform", "bazel"])
+    }
+
     @Test("the verb table drives ctl: every verb has help, a line in ctl --help and an implementation; the man page and operating.md name every verb")
     func verbTable() throws {
         let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
