@@ -29,6 +29,14 @@ public enum Command {
         return ["credential", protocolName] + arguments
     }
 
+    /// Whether the static `tokenbroker` should try `tokenbroker-daemon` first for `arguments`,
+    /// running them itself if that cannot start: a ctl verb that runs there on a terminal
+    /// (`terminal`: standard output is one). (`.daemon` verbs come back from `run` instead.)
+    public static func prefersDaemon(_ arguments: [String], terminal: Bool) -> Bool {
+        guard terminal, arguments.first == "ctl", let verb = CtlVerb.verb(of: arguments.dropFirst()) else { return false }
+        return verb.execution == .daemonOnTerminal
+    }
+
     /// The subcommands only `tokenbroker-daemon` runs.
     public static let daemonSubcommands: Set<String> = ["serve", "check-config"]
 

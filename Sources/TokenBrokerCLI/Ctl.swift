@@ -10,6 +10,18 @@ public enum Ctl {
     public struct Failure: Error {
         public var code: Int32
         public var message: String
+        /// A usage error: the message is followed by the verb's usage.
+        var showsUsage = false
+
+        public init(code: Int32, message: String) {
+            self.code = code
+            self.message = message
+        }
+
+        init(usage message: String) {
+            self.init(code: ExitCode.usage, message: message)
+            showsUsage = true
+        }
     }
 
     /// Parses `ctl`'s options and runs its verb; `ctl check-config` is handed back (the daemon's
@@ -75,8 +87,8 @@ public enum Ctl {
                     socket = String(argument.dropFirst("--socket=".count))
                 } else if argument.hasPrefix("-") {
                     return .exit(usage("unknown option '\(argument)'", &errors))
-                } else if argument == "check-config" && words.isEmpty {
-                    // The same as `tokenbroker check-config`: it reads files, not the socket.
+                } else if words.isEmpty, CtlVerb.named(argument)?.execution == .daemon {
+                    // `ctl check-config`, the same as `tokenbroker check-config`: it reads files, not the socket.
                     return .daemon("check-config", Array(arguments[(index + 1)...]))
                 } else {
                     words.append(argument)
@@ -115,8 +127,25 @@ public enum Ctl {
         return (1...BrokerRequest.longestMinValid).contains(total) ? total : nil
     }
 
-    private static func perform(_ words: [String], socket: String, json: Bool, refreshTokenFromStdin: Bool, showToken: Bool,
-                                nonce: String?, flow: LoginFlow?, minValid: Int64?, output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
+    /// What a verb's handler is given: where the broker is, its operands, and the options.
+    struct Invocation {
+        let address: VarlinkAddress
+        let operands: [String]
+        let json: Bool
+        let refreshTokenFromStdin: Bool
+        let showToken: Bool
+        let nonce: String?
+        let flow: LoginFlow?
+        let minValid: Int64?
+
+        var session: String { operands[0] }
+    }
+
+    /// Runs the verb `words[0]` by its entry in `CtlVerb.all`, once its operands and options
+    /// are what the entry says.
+    private static func perform<Output: TextOutput>(_ words: [String], socket: String, json: Bool, refreshTokenFromStdin: Bool, showToken: Bool,
+                                                    nonce: String?, flow: LoginFlow?, minValid: Int64?, output: inout Output,
+                                                    errors: inout some TextOutput) -> Int32 {
         guard let verb = words.first else { return usage("missing verb", nil, &errors) }
         guard let entry = CtlVerb.named(verb) else {
             let hint = CtlVerb.suggestion(for: verb).map { " (did you mean \($0)?)" } ?? ""
@@ -134,78 +163,104 @@ public enum Ctl {
         guard let address = address(socket) else {
             return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", entry, &errors)
         }
+        let invocation = Invocation(address: address, operands: operands, json: json, refreshTokenFromStdin: refreshTokenFromStdin,
+                                    showToken: showToken, nonce: nonce, flow: flow, minValid: minValid)
+        // (The handlers write to an existential; it holds the same value, handed back after.)
+        var sink: any TextOutput = output
+        defer { output = sink as! Output }
         do {
-            switch verb {
-            case "status":
-                let reply = try call(address, .status)
-                output.write(json ? JSON.object(reply.parameters).text + "\n" : statusTable(StatusEntry.entries(of: reply)))
-            case "token":
-                let reply = try call(address, .getToken(session: operands[0], minValid: minValid))
-                guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
-                output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
-            case "recover":
-                let rejected = readStandardInput()
-                guard !rejected.isEmpty else { return usage("recover reads the rejected token from standard input, which is empty", entry, &errors) }
-                let reply = try call(address, .recover(session: operands[0], rejected: rejected))
-                guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
-                output.write(json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
-            case "proof":
-                let reply = try call(address, .getProof(session: operands[0], method: operands[1], uri: operands[2], nonce: nonce, rejected: nil,
-                                                        minValid: minValid))
-                let proof = ProofReply(reply.parameters)
-                guard !proof.token.token.isEmpty else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
-                output.write(json ? JSON.object(reply.parameters).text + "\n" : proof.headers.map { "\($0.name): \($0.value)\n" }.joined())
-            case "login":
-                if refreshTokenFromStdin {
-                    let token = readStandardInput()
-                    guard !token.isEmpty else { return usage("--refresh-token-stdin: standard input is empty", entry, &errors) }
-                    let reply = try call(address, .login(session: operands[0], refreshToken: token))
-                    output.write("logged in \(operands[0]) (generation \(LoginReply(reply.parameters).generation))\n")
-                } else {
-                    let chosen = try flow.map { LoginFlowReply(flow: $0, reason: "--flow=\($0.rawValue)") } ?? loginFlow(address, operands[0])
-                    switch chosen.flow {
-                    case .device: try deviceLogin(address, operands[0], chosen, output: &output)
-                    case .code: try codeLogin(address, operands[0], chosen, output: &output)
-                    }
-                }
-            case "refresh":
-                let reply = try call(address, .refresh(session: operands[0]))
-                if json {
-                    output.write(JSON.object(reply.parameters).text + "\n")
-                } else {
-                    let refreshed = RefreshReply(reply.parameters)
-                    let expiry = refreshed.expiresAt.map { ", expires \(UTCTime.timestamp($0))" } ?? ""
-                    output.write("refreshed \(operands[0]): token #\(refreshed.tokenSerial), generation \(refreshed.generation)\(expiry)\n")
-                }
-            case "watch":
-                try watch(address, operands[0], json: json, showToken: showToken, output: &output)
-            case "metrics":
-                let reply = try call(address, .metrics)
-                output.write(MetricsReply(reply.parameters).text)
-            case "reload":
-                _ = try call(address, .reload)
-                output.write("reloaded\n")
-            case "forget":
-                _ = try call(address, .forget(session: operands[0]))
-                output.write("forgot \(operands[0])\n")
-            case "logout":
-                _ = try call(address, .logout(session: operands[0]))
-                output.write("logged out \(operands[0])\n")
-            case "reset-fleet-history":
-                try resetFleetHistory(address, operands[0], json: json, output: &output)
-            default:
-                // (A verb of the table this switch lacks: a test checks there is none.)
-                return usage("'\(verb)' is not implemented by this ctl", entry, &errors)
-            }
+            try entry.handler(invocation, &sink)
             return ExitCode.ok
-        } catch let failure as Failure {
-            // (Empty: said already.)
-            if !failure.message.isEmpty { errors.write("Error: \(failure.message)\n") }
-            return failure.code
         } catch {
-            errors.write("Error: \(error)\n")
-            return ExitCode.failure
+            if error.showsUsage { return usage(error.message, entry, &errors) }
+            // (Empty: said already.)
+            if !error.message.isEmpty { errors.write("Error: \(error.message)\n") }
+            return error.code
         }
+    }
+
+    // MARK: - The verbs' handlers (CtlVerb.all names them)
+
+    static func status(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        let reply = try Ctl.call(call.address, .status)
+        output.write(call.json ? JSON.object(reply.parameters).text + "\n" : statusTable(StatusEntry.entries(of: reply)))
+    }
+
+    static func token(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        let reply = try Ctl.call(call.address, .getToken(session: call.session, minValid: call.minValid))
+        guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
+        output.write(call.json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
+    }
+
+    static func recover(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        let rejected = readStandardInput()
+        guard !rejected.isEmpty else { throw Failure(usage: "recover reads the rejected token from standard input, which is empty") }
+        let reply = try Ctl.call(call.address, .recover(session: call.session, rejected: rejected))
+        guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
+        output.write(call.json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
+    }
+
+    static func proof(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        let reply = try Ctl.call(call.address, .getProof(session: call.session, method: call.operands[1], uri: call.operands[2], nonce: call.nonce,
+                                                         rejected: nil, minValid: call.minValid))
+        let proof = ProofReply(reply.parameters)
+        guard !proof.token.token.isEmpty else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
+        output.write(call.json ? JSON.object(reply.parameters).text + "\n" : proof.headers.map { "\($0.name): \($0.value)\n" }.joined())
+    }
+
+    static func login(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        if call.refreshTokenFromStdin {
+            let token = readStandardInput()
+            guard !token.isEmpty else { throw Failure(usage: "--refresh-token-stdin: standard input is empty") }
+            let reply = try Ctl.call(call.address, .login(session: call.session, refreshToken: token))
+            output.write("logged in \(call.session) (generation \(LoginReply(reply.parameters).generation))\n")
+            return
+        }
+        let chosen: LoginFlowReply
+        if let flow = call.flow {
+            chosen = LoginFlowReply(flow: flow, reason: "--flow=\(flow.rawValue)")
+        } else {
+            chosen = try loginFlow(call.address, call.session)
+        }
+        switch chosen.flow {
+        case .device: try deviceLogin(call.address, call.session, chosen, output: &output)
+        case .code: try codeLogin(call.address, call.session, chosen, output: &output)
+        }
+    }
+
+    static func refresh(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        let reply = try Ctl.call(call.address, .refresh(session: call.session))
+        guard !call.json else { return output.write(JSON.object(reply.parameters).text + "\n") }
+        let refreshed = RefreshReply(reply.parameters)
+        let expiry = refreshed.expiresAt.map { ", expires \(UTCTime.timestamp($0))" } ?? ""
+        output.write("refreshed \(call.session): token #\(refreshed.tokenSerial), generation \(refreshed.generation)\(expiry)\n")
+    }
+
+    static func watch(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        try watch(call.address, call.session, json: call.json, showToken: call.showToken, output: &output)
+    }
+
+    static func metrics(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        output.write(MetricsReply(try Ctl.call(call.address, .metrics).parameters).text)
+    }
+
+    static func reload(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        _ = try Ctl.call(call.address, .reload)
+        output.write("reloaded\n")
+    }
+
+    static func forget(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        _ = try Ctl.call(call.address, .forget(session: call.session))
+        output.write("forgot \(call.session)\n")
+    }
+
+    static func logout(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        _ = try Ctl.call(call.address, .logout(session: call.session))
+        output.write("logged out \(call.session)\n")
+    }
+
+    static func resetFleetHistory(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        try resetFleetHistory(call.address, call.session, json: call.json, output: &output)
     }
 
     /// ResetFleetHistory: a fleet session's history started anew; says what to do next.

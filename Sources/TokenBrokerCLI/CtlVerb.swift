@@ -13,34 +13,66 @@ public struct CtlVerb: Sendable {
     public let options: Set<String>
     /// `ctl <verb> --help`.
     public let help: String
+    /// Where it runs: in the small static `tokenbroker`, or in `tokenbroker-daemon` (which
+    /// links what it needs).
+    public let execution: Execution
+    /// What it does, once its operands and options are checked.
+    let handler: @Sendable (Ctl.Invocation, inout any TextOutput) throws(Ctl.Failure) -> Void
 
-    init(_ name: String, _ operands: [String], options: Set<String> = [], _ summary: String, help: String) {
+    public enum Execution: Sendable, Equatable {
+        case here
+        /// In `tokenbroker-daemon` (`check-config` reads the configuration with its parsers).
+        case daemon
+        /// In `tokenbroker-daemon` when standard output is a terminal: a login may draw a QR
+        /// code with a library only a dynamically linked process loads (`QRCode`).
+        case daemonOnTerminal
+    }
+
+    init(_ name: String, _ operands: [String], options: Set<String> = [], _ summary: String, help: String, execution: Execution = .here,
+         _ handler: @escaping @Sendable (Ctl.Invocation, inout any TextOutput) throws(Ctl.Failure) -> Void) {
         self.name = name
         self.operands = operands
         self.summary = summary
         self.options = options
         self.help = help
+        self.execution = execution
+        self.handler = handler
     }
 
     public static let all: [CtlVerb] = [
-        CtlVerb("status", [], "Show the sessions this user may use.", help: Help.ctlStatus),
+        CtlVerb("status", [], "Show the sessions this user may use.", help: Help.ctlStatus, Ctl.status),
         CtlVerb("watch", ["session"], options: ["--show-token"],
-                "Print one line per token and logout event (no token unless --show-token).", help: Help.ctlWatch),
-        CtlVerb("token", ["session"], options: ["--min-valid"], "Print the session's current access token alone, for $(…).", help: Help.ctlToken),
-        CtlVerb("recover", ["session"], "Read a rejected token on stdin; print the token to retry with.", help: Help.ctlRecover),
+                "Print one line per token and logout event (no token unless --show-token).", help: Help.ctlWatch, Ctl.watch),
+        CtlVerb("token", ["session"], options: ["--min-valid"], "Print the session's current access token alone, for $(…).", help: Help.ctlToken, Ctl.token),
+        CtlVerb("recover", ["session"], "Read a rejected token on stdin; print the token to retry with.", help: Help.ctlRecover, Ctl.recover),
         CtlVerb("proof", ["session", "method", "url"], options: ["--nonce", "--min-valid"],
-                "Print the two headers of one DPoP request (Authorization, DPoP).", help: Help.ctlProof),
+                "Print the two headers of one DPoP request (Authorization, DPoP).", help: Help.ctlProof, Ctl.proof),
         CtlVerb("login", ["session"], options: ["--flow", "--refresh-token-stdin"],
-                "Log the session in: device or code flow, or --refresh-token-stdin (admin).", help: Help.ctlLogin),
-        CtlVerb("logout", ["session"], "Log the session out (admin).", help: Help.ctlLogout),
-        CtlVerb("forget", ["session"], "Remove a stored session the configuration no longer names (admin).", help: Help.ctlForget),
-        CtlVerb("refresh", ["session"], "Refresh the session's token now (admin).", help: Help.ctlRefresh),
+                "Log the session in: device or code flow, or --refresh-token-stdin (admin).", help: Help.ctlLogin, execution: .daemonOnTerminal, Ctl.login),
+        CtlVerb("logout", ["session"], "Log the session out (admin).", help: Help.ctlLogout, Ctl.logout),
+        CtlVerb("forget", ["session"], "Remove a stored session the configuration no longer names (admin).", help: Help.ctlForget, Ctl.forget),
+        CtlVerb("refresh", ["session"], "Refresh the session's token now (admin).", help: Help.ctlRefresh, Ctl.refresh),
         CtlVerb("reset-fleet-history", ["session"], "Start a fleet session's history anew, past its limit (admin).",
-                help: Help.ctlResetFleetHistory),
-        CtlVerb("reload", [], "Make the daemon re-read its configuration (admin).", help: Help.ctlReload),
-        CtlVerb("metrics", [], "Print the daemon's metrics, Prometheus text format (admin).", help: Help.ctlMetrics),
-        CtlVerb("check-config", [], "Validate the configuration files (same as `tokenbroker check-config`).", help: Help.checkConfig),
+                help: Help.ctlResetFleetHistory, Ctl.resetFleetHistory),
+        CtlVerb("reload", [], "Make the daemon re-read its configuration (admin).", help: Help.ctlReload, Ctl.reload),
+        CtlVerb("metrics", [], "Print the daemon's metrics, Prometheus text format (admin).", help: Help.ctlMetrics, Ctl.metrics),
+        // (Never reaches its handler: `Ctl.run` hands it to the daemon's executable, options and all.)
+        CtlVerb("check-config", [], "Validate the configuration files (same as `tokenbroker check-config`).", help: Help.checkConfig,
+                execution: .daemon) { _, _ throws(Ctl.Failure) in throw Ctl.Failure(code: ExitCode.failure, message: "check-config runs in tokenbroker-daemon") },
     ]
+
+    /// The verb `ctl`'s arguments name (its first word that is neither an option nor an
+    /// option's value), for deciding where it runs before it is parsed.
+    static func verb(of arguments: some Collection<String>) -> CtlVerb? {
+        var skipNext = false
+        for argument in arguments {
+            if skipNext { skipNext = false; continue }
+            if ["--socket", "--nonce", "--min-valid", "--flow"].contains(argument) { skipNext = true; continue }
+            if argument.hasPrefix("-") { continue }
+            return named(argument)
+        }
+        return nil
+    }
 
     public static func named(_ name: String) -> CtlVerb? { all.first { $0.name == name } }
 

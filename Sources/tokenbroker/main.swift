@@ -12,7 +12,8 @@ var errors = FileOutput.standardError
 let arguments = Command.arguments(invokedAs: CommandLine.arguments.first ?? "", Array(CommandLine.arguments.dropFirst()))
 // A login on a terminal may draw a QR code, with a library only a dynamically linked process
 // loads (QRCode): it runs in tokenbroker-daemon (here, without the code, if that cannot start).
-if arguments.first == "ctl", arguments.contains("login"), isatty(STDOUT_FILENO) == 1 {
+// (check-config comes back from Command.run, and fails with its reason if it cannot start.)
+if Command.prefersDaemon(arguments, terminal: isatty(STDOUT_FILENO) == 1) {
     var quiet = ""
     _ = DaemonExecutable.exec("ctl", Array(arguments.dropFirst()), errors: &quiet)
 }

@@ -113,6 +113,19 @@ struct CommandLineTests {
         #expect(!off.contains("█") && !off.contains("QR code") && off.hasPrefix("The browser comes back to http://127.0.0.1:8400/callback"))
     }
 
+    @Test("where a verb runs follows its entry: a login on a terminal prefers tokenbroker-daemon (the QR code's library), a session named login does not")
+    func verbExecution() {
+        #expect(Command.prefersDaemon(["ctl", "login", "api"], terminal: true))
+        #expect(Command.prefersDaemon(["ctl", "--socket", "/run/x.sock", "--json", "login", "api", "--flow=code"], terminal: true))
+        #expect(!Command.prefersDaemon(["ctl", "login", "api"], terminal: false))
+        #expect(!Command.prefersDaemon(["ctl", "token", "login"], terminal: true))
+        #expect(!Command.prefersDaemon(["ctl", "--socket", "login", "token", "x"], terminal: true))
+        #expect(!Command.prefersDaemon(["credential", "git", "login"], terminal: true))
+        var out = "", err = ""
+        #expect(Command.run(["ctl", "check-config", "--config", "/x"], output: &out, errors: &err) == .daemon("check-config", ["--config", "/x"]))
+        #expect(CtlVerb.all.filter { $0.execution != .here }.map(\.name) == ["login", "check-config"])
+    }
+
     @Test("the credential-protocol table drives the helpers: help's usage lines, the names tools run them by, and the Makefile's install links")
     func protocolTable() throws {
         let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
