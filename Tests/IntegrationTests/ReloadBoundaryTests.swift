@@ -72,12 +72,15 @@ struct ReloadBoundaryTests {
         // A state directory on a tiny filesystem of its own, so that it can really fill up.
         let disk = try Paths.temporaryDirectory()
         defer { try? FileManager.default.removeItem(atPath: disk) }
-        let mount = try Child("/bin/mount", ["-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", disk], directory: "/tmp")
+        // (The helpers' output files in a scratch directory of their own, removed after.)
+        let scratch = try Paths.temporaryDirectory()
+        defer { try? FileManager.default.removeItem(atPath: scratch) }
+        let mount = try Child("/bin/mount", ["-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", disk], directory: scratch)
         guard await mount.wait() == 0 else {
             Issue.record("cannot mount a tmpfs here: \(mount.stderr)")
             return
         }
-        defer { _ = try? Child("/bin/umount", ["-l", disk], directory: "/tmp") }
+        defer { _ = try? Child("/bin/umount", ["-l", disk], directory: scratch) }
         let broker = try await Broker(config: "[Session]\nName=placeholder\nUpstream=test\n", extraArguments: ["--state-dir", disk + "/state"])
         defer { try? FileManager.default.removeItem(atPath: broker.directory) }
         do {
@@ -87,7 +90,7 @@ struct ReloadBoundaryTests {
             #expect(login.code == 0, "\(login.err)")
             // Fill the filesystem, then refresh: the issuer rotates, the commit fails, the
             // session serves from memory (degraded) and holds the only copy of the new refresh token.
-            let fill = try Child("/bin/sh", ["-c", "cat /dev/zero > \(disk)/filler 2>/dev/null; true"], directory: "/tmp")
+            let fill = try Child("/bin/sh", ["-c", "cat /dev/zero > \(disk)/filler 2>/dev/null; true"], directory: scratch)
             _ = await fill.wait()
             let refreshed = try await broker.ctl(["refresh", "a"])
             #expect(refreshed.code == 0, "\(refreshed.err)")
