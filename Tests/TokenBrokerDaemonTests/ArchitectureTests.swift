@@ -321,4 +321,108 @@ import Testing
             """
         #expect(Self.relativeLinks(inMarkdown: text).map { "\($0.line) \($0.target)" } == ["1 doc/api.md", "6 config/tokenbroker.conf"])
     }
+
+    // MARK: - The map names what exists
+
+    /// Every Swift file of Sources and Tests, by path relative to the root.
+    static func swiftFiles() throws -> [String: String] {
+        var files: [String: String] = [:]
+        for top in ["Sources", "Tests"] {
+            let base = root.appendingPathComponent(top)
+            guard let walker = FileManager.default.enumerator(atPath: base.path) else { continue }
+            for case let path as String in walker where path.hasSuffix(".swift") {
+                files[top + "/" + path] = try String(contentsOf: base.appendingPathComponent(path), encoding: .utf8)
+            }
+        }
+        return files
+    }
+
+    /// What the sources declare: each type (declared or extended) with the members its files
+    /// declare, and every member name anywhere.
+    struct Declarations {
+        var members: [String: Set<String>] = [:]
+        var anywhere: Set<String> = []
+
+        init(_ files: [String: String]) {
+            let typeKeywords: Set<Substring> = ["class", "struct", "enum", "actor", "protocol", "typealias", "extension"]
+            let memberKeywords: Set<Substring> = ["func", "var", "let", "case", "init"]
+            for text in files.values {
+                var types: Set<String> = []
+                var names: Set<String> = []
+                let words = text.split { !($0.isLetter || $0.isNumber || $0 == "_" || $0 == ".") }
+                for (previous, word) in zip(words, words.dropFirst()) {
+                    if typeKeywords.contains(previous), let type = word.split(separator: ".").first { types.insert(String(type)) }
+                    if memberKeywords.contains(previous) { names.insert(String(word)) }
+                }
+                for type in types { members[type, default: []].formUnion(names) }
+                anywhere.formUnion(names)
+            }
+        }
+    }
+
+    /// What a backticked name in ARCHITECTURE.md must be: a type (`Name`) or a member of one
+    /// (`Name.member`, declared in a file that declares or extends it), a function
+    /// (`name()`), a file (`Name+Part`, or a file's own name), a module, a folder or path
+    /// (`Name/`), a method or error of the interface, or a platform type. Other code spans
+    /// (settings, commands, constants) are not names.
+    static func unknownNames(in text: String, files: [String: String], modules: Set<String>, interface: String) -> [String] {
+        let declared = Declarations(files)
+        let fileNames = Set(files.keys.map { String($0.split(separator: "/").last!.dropLast(".swift".count)) })
+        let contract = Set(interface.split(whereSeparator: \.isNewline).compactMap { line -> String? in
+            let words = line.split(separator: " ")
+            guard words.count > 1, words[0] == "method" || words[0] == "error" else { return nil }
+            return String(words[1].prefix { $0.isLetter })
+        })
+        let platform: Set<String> = ["Mutex", "Task", "Duration", "ContinuousClock", "AsyncStream", "URLSession"]
+        func isType(_ name: String) -> Bool {
+            declared.members[name] != nil || modules.contains(name) || fileNames.contains(name) || contract.contains(name) || platform.contains(name)
+        }
+        var unknown: [String] = []
+        var seen: Set<String> = []
+        // Code spans, line by line, outside fenced blocks.
+        var spans: [String] = []
+        var fenced = false
+        for line in text.split(separator: "\n", omittingEmptySubsequences: false) {
+            if line.hasPrefix("```") { fenced.toggle(); continue }
+            guard !fenced else { continue }
+            spans += line.split(separator: "`", omittingEmptySubsequences: false).enumerated().filter { $0.offset % 2 == 1 }.map { String($0.element) }
+        }
+        for span in spans where seen.insert(span).inserted {
+            guard let first = span.first, span.allSatisfy({ $0.isLetter || $0.isNumber || "+._/():".contains($0) }) else { continue }
+            if first.isLowercase {
+                // A function, `maintain()`.
+                if span.hasSuffix("()"), !span.contains("."), !declared.anywhere.contains(String(span.dropLast(2))) { unknown.append(span) }
+                continue
+            }
+            guard first.isUppercase, !span.contains("_") || span.contains(where: \.isLowercase) else { continue }
+            if span.contains("/") {
+                let path = span.hasSuffix("/") ? String(span.dropLast()) : span
+                let exists = FileManager.default.fileExists(atPath: root.appendingPathComponent(path).path)
+                    || modules.contains(path) || files.keys.contains { $0.contains("/\(path)/") || $0.hasSuffix("/\(path).swift") }
+                if !exists { unknown.append(span) }
+            } else if span.contains("+") {
+                if !fileNames.contains(span) { unknown.append(span) }
+            } else if span.hasSuffix(".swift") || span.hasSuffix(".md") {
+                if !FileManager.default.fileExists(atPath: root.appendingPathComponent(span).path) { unknown.append(span) }
+            } else {
+                let parts = span.split(separator: "(", maxSplits: 1)[0].split(separator: ".").map(String.init)
+                guard let type = parts.first, isType(type) else { unknown.append(span); continue }
+                if parts.count > 1, !modules.contains(type), !(declared.members[type]?.contains(parts[1]) ?? false) { unknown.append(span) }
+            }
+        }
+        return unknown
+    }
+
+    @Test("ARCHITECTURE.md names only types, members, files and modules that exist (issue 34)")
+    func architectureNames() throws {
+        let files = try Self.swiftFiles()
+        let modules = Set(Self.targets(inPackage: try Self.read("Package.swift")).map(\.name))
+        let interface = try Self.read("Sources/BrokerContract/io.tokenbroker.Broker.varlink")
+        let unknown = Self.unknownNames(in: try Self.read("ARCHITECTURE.md"), files: files, modules: modules, interface: interface)
+        #expect(unknown.isEmpty, "ARCHITECTURE.md names what no source declares: \(unknown.joined(separator: ", "))")
+        // The check itself: a name nobody declares is caught, one somebody does is not.
+        #expect(Self.unknownNames(in: "`Daemon.nothingLikeThis` `NoSuchTypeAnywhere` `Latch` `Daemon.run` `Basics` `Fleet=yes` `Daemon.record` "
+                                  + "`noSuchFunction()` `Config/` `GetToken`",
+                                  files: files, modules: modules, interface: interface) == ["Daemon.nothingLikeThis", "NoSuchTypeAnywhere", "Daemon.record", "noSuchFunction()"])
+    }
 }
