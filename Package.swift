@@ -6,6 +6,7 @@ import PackageDescription
 // (`-Xswiftc -warnings-as-errors`), not here, so the package stays usable as a dependency.
 let swiftSettings: [SwiftSetting] = [
     .enableUpcomingFeature("ExistentialAny"),
+    .enableUpcomingFeature("MemberImportVisibility"),
 ]
 
 var package = Package(
@@ -60,7 +61,7 @@ var package = Package(
         .target(name: "SQLiteStore", dependencies: ["Basics", "CSQLite", "Sealing", "TokenBrokerCore"]),
         // The wire contract of io.tokenbroker.Broker — its text, methods, typed requests and replies,
         // and its errors with their names — shared by the daemon's service, ctl and the client library.
-        .target(name: "BrokerContract", dependencies: ["Basics", "TokenBrokerCore", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
+        .target(name: "BrokerContract", dependencies: ["Basics", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The command line without the daemon: help, --version, every ctl verb (no libcurl, SQLite,
         // libcrypto or libsystemd: see `Command`).
         .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "CLinux", "Varlink"]),

@@ -2,7 +2,6 @@
 import Glibc
 #endif
 import Basics
-import TokenBrokerCore
 import Varlink
 
 /// The `io.tokenbroker.Broker` interface as both sides speak it: the daemon's service, `ctl`
@@ -528,7 +527,7 @@ public struct StatusEntry: Sendable, Equatable {
     /// Why the last refresh or store write failed (never a secret).
     public var lastError: String?
     public var degraded = false
-    public var counters = SessionCounters()
+    public var counters = Counters()
     /// A stored session the configuration no longer names.
     public var inert = false
     /// Fleet sessions only: `healthy`, `starting` or `unavailable: <why>`.
@@ -547,13 +546,16 @@ public struct StatusEntry: Sendable, Equatable {
         self.generation = generation
     }
 
-    /// A session as its coordinator reports it.
-    public init(_ status: SessionStatus) {
-        self.init(name: status.name, state: status.state.rawValue, generation: status.generation)
-        (tokenSerial, expiresAt, lastRefresh) = (status.tokenSerial, status.expiresAt, status.lastRefresh)
-        (refreshing, backoffRemaining) = (status.refreshing, status.backoffRemaining?.seconds)
-        (lastError, degraded, counters) = (status.lastError, status.degraded, status.counters)
-        throttledUsers = status.throttled.map(\.uid)
+    /// What the session has done since the daemon started (the interface's counters).
+    public struct Counters: Sendable, Equatable {
+        public var fetches = 0
+        public var joinedWaiters = 0
+        public var failures = 0
+        public var staleRejections = 0
+        public var throttled = 0
+        public var droppedResults = 0
+
+        public init() {}
     }
 
     public init(_ object: JSONObject) {

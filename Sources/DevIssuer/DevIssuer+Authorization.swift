@@ -1,6 +1,7 @@
 import Basics
 import DPoP
 import WireJSON
+import Synchronization
 
 /// The authorization code grant with PKCE (RFC 6749 §4.1, RFC 7636) for native apps (RFC 8252).
 ///

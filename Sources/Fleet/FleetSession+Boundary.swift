@@ -1,4 +1,5 @@
 import TokenBrokerCore
+import Basics
 
 extension FleetSession {
     // MARK: - The store

@@ -1,4 +1,6 @@
 import TokenBrokerCore
+import Basics
+import Synchronization
 
 extension FleetSession {
     /// Follows the fleet until cancelled: a loop that reads the session's state key and watches

@@ -3,6 +3,7 @@ import Glibc
 #endif
 import Sealing
 import TokenBrokerCore
+import Varlink
 
 /// The key that seals the tokens (and DPoP keys) in the state database, and where it came from.
 ///

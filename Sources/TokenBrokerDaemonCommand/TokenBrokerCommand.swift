@@ -4,6 +4,7 @@ import Basics
 import BrokerContract
 import TokenBrokerCLI
 import TokenBrokerDaemon
+import Fleet
 
 /// The `tokenbroker` command line: parses argv, runs a subcommand, returns the exit code.
 public enum TokenBrokerCommand {

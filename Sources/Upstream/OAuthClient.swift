@@ -1,4 +1,5 @@
 import Basics
+import DPoP
 import TokenBrokerCore
 import WireJSON
 

@@ -1,3 +1,4 @@
+import TokenBrokerCore
 import WireJSON
 
 /// Numbers from an authorization server (JSON members, headers) as durations. Whatever the

@@ -3,6 +3,7 @@ import Testing
 import TestSupport
 import TokenBrokerCore
 @testable import Fleet
+import Basics
 
 /// Operations of the honest-traffic run: `TB_FLEET_HONEST_ITERATIONS` (capped), or the CI-sized default.
 func honestIterations(_ fallback: Int) -> Int {

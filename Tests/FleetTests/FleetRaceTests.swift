@@ -3,6 +3,8 @@ import Testing
 import TestSupport
 import TokenBrokerCore
 @testable import Fleet
+import Basics
+import Synchronization
 
 /// Iterations of each fleet race: `TB_RACE_ITERATIONS` (capped), or the CI-sized default.
 func fleetIterations(_ fallback: Int) -> Int {

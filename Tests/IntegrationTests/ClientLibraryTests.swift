@@ -7,6 +7,7 @@ import Testing
 import TestSupport
 import TokenBrokerClient
 import TokenBrokerURLSession
+import WireJSON
 
 /// The Swift client library against the real daemon, and its retry helper against the
 /// development issuer's protected resource.

@@ -11,6 +11,7 @@ import TestSupport
 import TokenBrokerClient
 import TokenBrokerURLSession
 import Varlink
+import TokenBrokerCore
 
 /// DPoP sessions (RFC 9449) through the real daemon, against the development issuer enforcing
 /// DPoP at its token endpoint and its resource (proof signature, htm/htu/iat, jti replay, ath,

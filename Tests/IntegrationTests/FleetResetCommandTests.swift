@@ -1,4 +1,6 @@
 import Testing
+import Varlink
+import WireJSON
 
 /// `ctl reset-fleet-history` against a daemon with no fleet session (the reset itself:
 /// `FleetAttackTests.resetFleetHistory`, on real etcd).

@@ -3,6 +3,8 @@ import Foundation
 import Testing
 import TestSupport
 import Varlink
+import SQLiteStore
+import TokenBrokerCore
 
 /// State across restarts of the real daemon, with its SQLite store.
 @Suite("Durable state", .serialized)

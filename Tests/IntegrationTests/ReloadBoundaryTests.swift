@@ -4,6 +4,7 @@ import SQLiteStore
 import Testing
 import TestSupport
 import Varlink
+import TokenBrokerCore
 
 /// Reloads that replace coordinators, against the boundaries and the durability guarantees: the
 /// real daemon, the development issuer in this process, interleavings held by the issuer (a

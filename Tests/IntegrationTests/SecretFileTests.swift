@@ -1,6 +1,8 @@
 import Foundation
 import Testing
 import TestSupport
+import Varlink
+import WireJSON
 
 /// Secret files (`ClientSecretFile=`, `StateKeyFile=`, `MetricsBearerTokenFile=`, `ClientKey=`,
 /// `[Fleet] KeyFile=`) readable by every user are refused, by check-config and the daemon (at

@@ -4,6 +4,8 @@ import SQLiteStore
 import Testing
 import TestSupport
 import TokenBrokerCore
+import Varlink
+import WireJSON
 
 /// The state database is sealed with no key configured: under the package's systemd credential,
 /// else a key file the daemon makes in its state directory at the first start. A key that was

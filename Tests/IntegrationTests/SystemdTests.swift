@@ -5,6 +5,7 @@ import Synchronization
 import Testing
 import TestSupport
 import Varlink
+import TokenBrokerCore
 
 /// A datagram socket the test owns, standing in for systemd's notify socket (or journald's).
 final class DatagramReceiver: @unchecked Sendable {

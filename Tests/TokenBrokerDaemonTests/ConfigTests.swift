@@ -3,6 +3,8 @@ import Testing
 import TestSupport
 import TokenBrokerCore
 @testable import TokenBrokerDaemon
+import Fleet
+import Upstream
 
 /// Writes a configuration tree into a temporary directory: the main file and drop-ins.
 struct ConfigFixture {

@@ -7,6 +7,8 @@ import Testing
 @testable import TokenBrokerCLI
 import Varlink
 import WireJSON
+import Foundation
+import TokenBrokerCore
 
 /// The one contract module against the interface text it ships: every method, error and
 /// status field it encodes is declared there, and what one side encodes the other decodes.

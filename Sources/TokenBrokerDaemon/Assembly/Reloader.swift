@@ -5,6 +5,8 @@ import Basics
 import Synchronization
 import TokenBrokerCore
 import Upstream
+import Fleet
+import SQLiteStore
 
 /// The configuration in force, and every change of it: the first one at start, each reload
 /// (SIGHUP, the Reload method) one at a time, and the last retirement at stop. Its cost is

@@ -6,6 +6,7 @@ import Sealing
 import SQLiteStore
 import TokenBrokerCore
 import Upstream
+import Varlink
 
 /// Reads `tokenbroker.conf` and the drop-ins in `tokenbroker.conf.d/*.conf` (in name order) into
 /// a `BrokerConfiguration`.
