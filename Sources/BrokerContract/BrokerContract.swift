@@ -546,16 +546,22 @@ public struct StatusEntry: Sendable, Equatable {
         self.generation = generation
     }
 
-    /// What the session has done since the daemon started (the interface's counters).
+    /// What the session has done since the daemon started: the interface's counters, by their
+    /// wire names, in the order the reply lists them.
+    public enum Counter: String, Sendable, CaseIterable {
+        case fetches, joinedWaiters, failures, staleRejections, throttled, droppedResults
+    }
+
+    /// The counters' values (0 for one a daemon did not send).
     public struct Counters: Sendable, Equatable {
-        public var fetches = 0
-        public var joinedWaiters = 0
-        public var failures = 0
-        public var staleRejections = 0
-        public var throttled = 0
-        public var droppedResults = 0
+        private var values = [Int](repeating: 0, count: Counter.allCases.count)
 
         public init() {}
+
+        public subscript(_ counter: Counter) -> Int {
+            get { values[Counter.allCases.firstIndex(of: counter)!] }
+            set { values[Counter.allCases.firstIndex(of: counter)!] = newValue }
+        }
     }
 
     public init(_ object: JSONObject) {
@@ -568,8 +574,7 @@ public struct StatusEntry: Sendable, Equatable {
         backoffRemaining = object["backoffRemaining"]?.doubleValue
         lastError = object["lastError"]?.stringValue
         degraded = object["degraded"]?.boolValue ?? false
-        (counters.fetches, counters.joinedWaiters, counters.failures) = (int("fetches"), int("joinedWaiters"), int("failures"))
-        (counters.staleRejections, counters.throttled, counters.droppedResults) = (int("staleRejections"), int("throttled"), int("droppedResults"))
+        for counter in Counter.allCases { counters[counter] = int(counter.rawValue) }
         inert = object["inert"]?.boolValue ?? false
         fleetHealth = object["fleetHealth"]?.stringValue
         fleetGeneration = object["fleetGeneration"]?.intValue
@@ -590,9 +595,7 @@ public struct StatusEntry: Sendable, Equatable {
         if let backoffRemaining { entry.append(("backoffRemaining", .double(backoffRemaining))) }
         if let lastError { entry.append(("lastError", .string(lastError))) }
         entry.append(("degraded", .bool(degraded)))
-        entry += [("fetches", .int(Int64(counters.fetches))), ("joinedWaiters", .int(Int64(counters.joinedWaiters))),
-                  ("failures", .int(Int64(counters.failures))), ("staleRejections", .int(Int64(counters.staleRejections))),
-                  ("throttled", .int(Int64(counters.throttled))), ("droppedResults", .int(Int64(counters.droppedResults)))]
+        for counter in Counter.allCases { entry.append((counter.rawValue, .int(Int64(counters[counter])))) }
         if inert { entry.append(("inert", true)) }
         if let fleetHealth { entry.append(("fleetHealth", .string(fleetHealth))) }
         if let fleetGeneration { entry.append(("fleetGeneration", .int(fleetGeneration))) }

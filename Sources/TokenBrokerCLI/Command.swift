@@ -62,23 +62,19 @@ public enum Command {
     /// `tokenbroker version`: this command's version, and the running broker's (its varlink
     /// service info), which may differ after an upgrade until the daemon restarts.
     static func versions(_ rest: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Int32 {
+        if rest.contains("-h") || rest.contains("--help") {
+            output.write(Help.version)
+            return ExitCode.ok
+        }
+        // Nothing, or the socket alone.
         var socket = BrokerContract.socket()
-        var index = 0
-        while index < rest.count {
-            switch rest[index] {
-            case "-h", "--help":
-                output.write(Help.version)
-                return ExitCode.ok
-            case "--socket" where index + 1 < rest.count:
-                socket = rest[index + 1]
-                index += 1
-            case let argument where argument.hasPrefix("--socket="):
-                socket = String(argument.dropFirst("--socket=".count))
-            default:
-                errors.write("Error: unknown option or operand '\(rest[index].prefix(64))'\n\n" + Help.version)
-                return ExitCode.usage
-            }
-            index += 1
+        if rest.count == 2 && rest[0] == "--socket" {
+            socket = rest[1]
+        } else if rest.count == 1 && rest[0].hasPrefix("--socket=") {
+            socket = String(rest[0].dropFirst("--socket=".count))
+        } else if !rest.isEmpty {
+            errors.write("Error: unknown option or operand '\(rest[0].prefix(64))'\n\n" + Help.version)
+            return ExitCode.usage
         }
         output.write("tokenbroker \(version)\n")
         guard let address = Ctl.address(socket) else {

@@ -30,13 +30,8 @@ extension Ctl {
     }
 
     static func codeLogin(_ address: VarlinkAddress, _ session: String, _ chosen: LoginFlowReply, output: inout some TextOutput) throws(Failure) {
-        let client: VarlinkClient
-        do {
-            // LoginTimeout= is at most an hour; the daemon ends the login then.
-            client = try VarlinkClient(address: address, timeout: 3700)
-        } catch {
-            throw unreachable(address, error)
-        }
+        // LoginTimeout= is at most an hour; the daemon ends the login then.
+        let client = try connect(address, timeout: 3700)
         var request = BrokerRequest.codeLogin(session: session, refusals: true)
         var reply = try exchange(address, request) { (call) throws(VarlinkClientError) -> VarlinkReply in
             let first = try client.call(call)

@@ -299,13 +299,8 @@ public enum Ctl {
 
     /// The device flow: show where to approve, then wait for the daemon to finish the login.
     static func deviceLogin(_ address: VarlinkAddress, _ session: String, _ chosen: LoginFlowReply, output: inout some TextOutput) throws(Failure) {
-        let client: VarlinkClient
-        do {
-            // The user has as long as the code lives (minutes) to approve.
-            client = try VarlinkClient(address: address, timeout: 1800)
-        } catch {
-            throw unreachable(address, error)
-        }
+        // The user has as long as the code lives (minutes) to approve.
+        let client = try connect(address, timeout: 1800)
         var reply = try exchange(address, .deviceLogin(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
             try client.call(call)
         }
@@ -323,12 +318,7 @@ public enum Ctl {
 
     /// Watch: one line per event until the session signs out (or the broker goes away).
     static func watch(_ address: VarlinkAddress, _ session: String, json: Bool, showToken: Bool, output: inout some TextOutput) throws(Failure) {
-        let client: VarlinkClient
-        do {
-            client = try VarlinkClient(address: address, timeout: 0)
-        } catch {
-            throw unreachable(address, error)
-        }
+        let client = try connect(address, timeout: 0)
         var first = true
         while true {
             let reply = try exchange(address, .watch(session: session)) { (call) throws(VarlinkClientError) -> VarlinkReply in
@@ -394,6 +384,15 @@ public enum Ctl {
             message = "the broker at \(address.path) did not answer in varlink: \(reason)"
         }
         return Failure(code: ExitCode.unavailable, message: message)
+    }
+
+    /// A connection for a call that streams or waits long (`timeout` seconds, 0: none).
+    static func connect(_ address: VarlinkAddress, timeout: Double) throws(Failure) -> VarlinkClient {
+        do {
+            return try VarlinkClient(address: address, timeout: timeout)
+        } catch {
+            throw unreachable(address, error)
+        }
     }
 
     /// One call to `io.tokenbroker.Broker`; errors become messages that say what to do next.
@@ -501,10 +500,10 @@ public enum Ctl {
                 String(entry.generation),
                 entry.expiresAt.map { span($0 - Int64(now.tv_sec)) } ?? "-",
                 entry.lastRefresh.map { span(Int64(now.tv_sec) - $0) + " ago" } ?? "-",
-                String(entry.counters.fetches),
-                String(entry.counters.joinedWaiters),
-                String(entry.counters.failures),
-                String(entry.counters.staleRejections),
+                String(entry.counters[.fetches]),
+                String(entry.counters[.joinedWaiters]),
+                String(entry.counters[.failures]),
+                String(entry.counters[.staleRejections]),
                 flags.isEmpty ? "-" : flags.joined(separator: ","),
             ])
         }

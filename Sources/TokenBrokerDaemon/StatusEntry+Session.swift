@@ -9,8 +9,8 @@ extension StatusEntry {
         (refreshing, backoffRemaining) = (status.refreshing, status.backoffRemaining?.seconds)
         (lastError, degraded) = (status.lastError, status.degraded)
         let counted = status.counters
-        (counters.fetches, counters.joinedWaiters, counters.failures) = (counted.fetches, counted.joinedWaiters, counted.failures)
-        (counters.staleRejections, counters.throttled, counters.droppedResults) = (counted.staleRejections, counted.throttled, counted.droppedResults)
+        (counters[.fetches], counters[.joinedWaiters], counters[.failures]) = (counted.fetches, counted.joinedWaiters, counted.failures)
+        (counters[.staleRejections], counters[.throttled], counters[.droppedResults]) = (counted.staleRejections, counted.throttled, counted.droppedResults)
         throttledUsers = status.throttled.map(\.uid)
     }
 }

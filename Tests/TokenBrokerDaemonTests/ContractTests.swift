@@ -84,12 +84,13 @@ import TokenBrokerCore
         var entry = StatusEntry(name: "api", state: "active", generation: 3)
         (entry.tokenSerial, entry.expiresAt, entry.lastRefresh) = (7, 1_800_000_000, 1_799_999_000)
         (entry.refreshing, entry.backoffRemaining, entry.lastError, entry.degraded) = (true, 1.5, "timeout", true)
-        (entry.counters.fetches, entry.counters.joinedWaiters, entry.counters.failures) = (1, 2, 3)
-        (entry.counters.staleRejections, entry.counters.throttled, entry.counters.droppedResults, entry.inert) = (4, 5, 6, true)
+        for (value, counter) in StatusEntry.Counter.allCases.enumerated() { entry.counters[counter] = value + 1 }
+        entry.inert = true
         (entry.fleetHealth, entry.fleetGeneration, entry.fleetRevision, entry.flightHolder) = ("healthy", 4, 812, "host-b pid 7 1f")
         entry.throttledUsers = [1001, 4_000_000_000]
         let parameters = entry.parameters
         #expect(StatusEntry(parameters) == entry)
+        #expect(parameters["fetches"] == 1 && parameters["droppedResults"] == 6)
         let declared = try #require(text.range(of: "type SessionStatus (").flatMap { start in
             text[start.upperBound...].range(of: "\n)").map { text[start.upperBound..<$0.lowerBound] }
         })
