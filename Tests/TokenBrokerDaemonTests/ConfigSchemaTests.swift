@@ -177,4 +177,30 @@ struct ConfigSchemaTests {
             #expect(ServedURL(kept) != nil, "\(kept)")
         }
     }
+
+    /// Each written default, read by its own key, leaves a fresh section's settings as they
+    /// were: the default the table documents is the one in force (written once, in the
+    /// settings; the table's text must agree with it).
+    static func defaultsDisagreeing<Settings>(_ keys: [ConfigKey<Settings>], fresh: Settings) -> [String] {
+        var context = ConfigContext()
+        // (A default told in words, "the host name", is no value to read.)
+        return keys.filter { !$0.defaultValue.isEmpty && !$0.defaultValue.hasPrefix("the ") }.compactMap { key in
+            var settings = fresh
+            do {
+                try key.apply(&settings, INIEntry(key: key.name, value: key.defaultValue, file: "default", line: 1), &context)
+            } catch {
+                return "\(key.name)=\(key.defaultValue): \(error)"
+            }
+            return key.same(settings, fresh) ? nil : "\(key.name)=\(key.defaultValue) differs from the setting in force when it is not written"
+        }
+    }
+
+    @Test("every default the table documents is the one in force when the key is not written (issue 34)")
+    func defaultsAgree() {
+        var problems = Self.defaultsDisagreeing(ConfigSchema.broker, fresh: BrokerConfiguration())
+        problems += Self.defaultsDisagreeing(ConfigSchema.session, fresh: SessionSettings(name: "s"))
+        problems += Self.defaultsDisagreeing(ConfigSchema.fleet, fresh: FleetDraft())
+        #expect(problems.isEmpty, "\(problems)")
+        #expect(ConfigSchema.reference.flatMap(\.keys).filter { !$0.defaultValue.isEmpty }.count > 20)
+    }
 }
