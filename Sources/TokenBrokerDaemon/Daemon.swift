@@ -227,9 +227,14 @@ public final class Daemon: Sendable {
                     logger.warning("\(server.callsInProgress) call(s) still running at the deadline; cancelling")
                 }
             },
-            DaemonPart("metrics") { [metricsServer] stop in
+            DaemonPart("metrics") { [metricsServer, logger] stop in
                 await stop.wait()
-                metricsServer?.stop()
+                guard let metricsServer else { return }
+                metricsServer.stop()
+                // (Its thread and scrapes are the part's: it ends when they have.)
+                if !(await metricsServer.finished(within: HTTPListener.drainDeadline)) {
+                    logger.warning("the metrics listener did not end within \(HTTPListener.drainDeadline.seconds)s of the stop")
+                }
             },
             DaemonPart("maintenance") { [maintenance] stop in await maintenance.run(until: stop) },
             DaemonPart("signals") { [self] stop in await handle(signals, shutdown: shutdown, until: stop) },

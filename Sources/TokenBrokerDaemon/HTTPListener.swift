@@ -49,6 +49,7 @@ final class HTTPListener: Sendable {
     init(_ address: MetricsAddress, group: UInt32? = nil, limits: HTTPListenerLimits = HTTPListenerLimits()) throws(SocketError) {
         self.address = address
         self.limits = limits
+        work = TaskPool(limit: max(1, limits.concurrentWork))
         switch address {
         case let .unix(path):
             do {
@@ -144,7 +145,16 @@ final class HTTPListener: Sendable {
             loop(route, refused)
             close(fd)
             if case let .unix(path) = address { unlink(path) }
+            ended.fire()
         }
+    }
+
+    /// Waits, up to `deadline`, until the loop's thread has closed the listener and every work
+    /// task has ended (after `stop()` or `drain()`); false when something was still running.
+    /// The work tasks belong to the listener's pool, so none outlives its owner unseen.
+    func finished(within deadline: Duration) async -> Bool {
+        let loopEnded = await ended.wait(upTo: deadline)
+        return await work.close(within: deadline) && loopEnded
     }
 
     /// The wake pipe is closed only when nothing can write to it any more (work tasks and the
@@ -155,9 +165,12 @@ final class HTTPListener: Sendable {
         close(wakeWrite)
     }
 
+    /// The requests' work (its `concurrentWork` tasks at most), awaited by `finished`.
+    private let work: TaskPool
+    /// Fires when the loop's thread has closed the listener.
+    private let ended = Latch()
     private let stopped = Atomic<Bool>(false)
     private let draining = Atomic<Bool>(false)
-    private let working = Atomic<Int>(0)
 
     /// Ends the loop (which then closes the listener).
     func stop() {
@@ -212,25 +225,23 @@ final class HTTPListener: Sendable {
                 connections[client]?.answer = bytes
                 connections[client]?.answerStarted = .now
             case let .work(work):
-                guard working.add(1, ordering: .relaxed).newValue <= limits.concurrentWork else {
-                    working.subtract(1, ordering: .relaxed)
+                let client = client
+                let serial = serials + 1
+                let started = self.work.spawn { [self] in
+                    let answer = await work()
+                    finished.withLock { $0.append((client, serial, answer)) }
+                    wake()
+                }
+                guard started != nil else {
                     refused("busy")
                     connections[client]?.answer = Self.response(503, "busy\n")
                     connections[client]?.answerStarted = .now
                     return
                 }
-                serials += 1
+                serials = serial
                 connections[client]?.working = true
                 connections[client]?.workStarted = .now
-                connections[client]?.serial = serials
-                let client = client
-                let serial = serials
-                Task { [self] in
-                    let answer = await work()
-                    working.subtract(1, ordering: .relaxed)
-                    finished.withLock { $0.append((client, serial, answer)) }
-                    wake()
-                }
+                connections[client]?.serial = serial
             }
         }
         while !stopped.load(ordering: .acquiring) {

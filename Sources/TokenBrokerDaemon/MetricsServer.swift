@@ -103,6 +103,11 @@ final class MetricsServer: Sendable {
         listener.stop()
     }
 
+    /// Whether the listener's thread and its scrapes ended within `deadline` of `stop()`.
+    func finished(within deadline: Duration) async -> Bool {
+        await listener.finished(within: deadline)
+    }
+
     private enum Parsed {
         case answer([UInt8], refusal: String?)
         case render(openMetrics: Bool, full: Bool, head: Bool)
