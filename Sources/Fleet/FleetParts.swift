@@ -11,7 +11,7 @@ public struct FleetSettings: Sendable, Equatable {
     /// The CA, client certificate and key for etcd's TLS (`CAFile=`, `ClientCertificate=`, `ClientKey=`).
     public var tls: TLSOptions
     /// Seals every value (`KeyFile=` or `KeyCredential=`): 32 bytes or 64 hex digits.
-    public var key: Secret
+    public var key: SecretBytes
     /// The lease of a flight (`FlightLease=`): how long a broker that took the flight and then
     /// vanished keeps the others from refreshing. Longer than an upstream request may take.
     public var flightLease: Duration
@@ -23,7 +23,7 @@ public struct FleetSettings: Sendable, Equatable {
     /// What a holder keeps of its lease for its commit: one etcd request to each endpoint.
     public var commitReserve: Duration { requestTimeout * endpoints.count }
 
-    public init(endpoints: [String], prefix: String = "/tokenbroker", tls: TLSOptions = TLSOptions(), key: Secret,
+    public init(endpoints: [String], prefix: String = "/tokenbroker", tls: TLSOptions = TLSOptions(), key: SecretBytes,
                 flightLease: Duration = .seconds(60), requestTimeout: Duration = .seconds(2), member: String) {
         self.endpoints = endpoints
         self.prefix = prefix

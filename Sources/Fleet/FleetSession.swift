@@ -104,7 +104,7 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
         self.settings = settings
         self.backend = backend
         keys = FleetKeys(prefix: settings.prefix, session: name)
-        codec = FleetCodec(cipher: try TokenCipher(keyMaterial: settings.key.reveal.unicodeScalars.map { UInt8(truncatingIfNeeded: $0.value) },
+        codec = FleetCodec(cipher: try TokenCipher(keyMaterial: settings.key.reveal,
                                                    name: "fleet key"), keys: keys)
         self.upstream = upstream
         self.local = local

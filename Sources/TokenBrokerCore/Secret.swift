@@ -18,3 +18,18 @@ public struct Secret: Sendable, Hashable, CustomStringConvertible, CustomDebugSt
     public var debugDescription: String { "<redacted>" }
     public var customMirror: Mirror { Mirror(self, children: [], displayStyle: .struct) }
 }
+
+/// Key material (a state key, a fleet key) that must never be printed: raw bytes, as read,
+/// with the same redaction as `Secret`.
+public struct SecretBytes: Sendable, Hashable, CustomStringConvertible, CustomDebugStringConvertible, CustomReflectable {
+    private let value: [UInt8]
+
+    public init(_ value: [UInt8]) { self.value = value }
+
+    /// The bytes themselves, for the one place that makes a cipher of them.
+    public var reveal: [UInt8] { value }
+
+    public var description: String { "<redacted>" }
+    public var debugDescription: String { "<redacted>" }
+    public var customMirror: Mirror { Mirror(self, children: [], displayStyle: .struct) }
+}

@@ -63,12 +63,12 @@ extension StateKey {
     /// Every state key found, the one in force first (an unreadable or malformed source is an
     /// error, not skipped: the next one might be a different key). `warn` hears of a key file
     /// its group may read.
-    static func find(configured: Secret?, directory: String, credentials: String?,
+    static func find(configured: SecretBytes?, directory: String, credentials: String?,
                      warn: (String) -> Void) throws(StateKeyProblem) -> [StateKey] {
         var keys: [StateKey] = []
         if let configured {
-            // (Read and checked by the configuration: 32 bytes, kept as Latin-1 text.)
-            keys.append(StateKey(cipher: try cipher(configured.reveal.unicodeScalars.map { UInt8(truncatingIfNeeded: $0.value) },
+            // (Read and checked by the configuration.)
+            keys.append(StateKey(cipher: try cipher(configured.reveal,
                                                     "StateKeyFile=/StateKeyCredential="), source: .configured))
         }
         if let credentials, !credentials.isEmpty {

@@ -26,7 +26,7 @@ struct StateStore: Sendable {
     /// Opens the state directory's database, sealed under the state key (`StateKey`: the
     /// operator's, the package's credential, else the state directory's key file, made here at
     /// the first start). Key problems throw `StateKeyProblem` (a configuration error).
-    static func open(_ options: Daemon.Options, stateKey: Secret?, logger: Logger) throws -> StateStore {
+    static func open(_ options: Daemon.Options, stateKey: SecretBytes?, logger: Logger) throws -> StateStore {
         let environment = getenv("STATE_DIRECTORY").map { String(cString: $0) }
         // systemd may pass several directories separated by ':'; ours is the first.
         let fromSystemd = environment?.split(separator: ":").first.map(String.init)

@@ -45,7 +45,7 @@ struct FleetSessionTests {
         func unixTime() -> Double { Date().timeIntervalSince1970 }
     }
 
-    static let key = Secret(String(repeating: "ab", count: 32))
+    static let key = SecretBytes(Array(String(repeating: "ab", count: 32).utf8))
 
     typealias Session = FleetSession<ContinuousClock>
 
@@ -74,7 +74,7 @@ struct FleetSessionTests {
     /// The state etcd holds, opened with the fleet key.
     static func stored(_ cluster: EtcdCluster) async throws -> FleetState {
         let record = try await storedRecord(cluster)
-        let codec = FleetCodec(cipher: try TokenCipher(keyMaterial: Array(key.reveal.utf8)), keys: FleetKeys(prefix: "/t", session: "api"))
+        let codec = FleetCodec(cipher: try TokenCipher(keyMaterial: key.reveal), keys: FleetKeys(prefix: "/t", session: "api"))
         return try codec.openState(record, unixNow: Date().timeIntervalSince1970).get()
     }
 
@@ -120,7 +120,7 @@ struct FleetSessionTests {
         do {
             let hostA = try Self.session(cluster, member: "a", upstream: GatedSource())
             #expect(try await hostA.write(Self.login(1, refreshToken: "refresh-0")))
-            let settings = FleetSettings(endpoints: cluster.clientURLs, prefix: "/t", key: Secret(String(repeating: "cd", count: 32)),
+            let settings = FleetSettings(endpoints: cluster.clientURLs, prefix: "/t", key: SecretBytes(Array(String(repeating: "cd", count: 32).utf8)),
                                          flightLease: .seconds(6), requestTimeout: .seconds(1), member: "x")
             let upstream = GatedSource()
             let stranger = try Self.session(settings, upstream: upstream)

@@ -206,7 +206,7 @@ struct ConfigTests {
         #expect(configuration.warnings.isEmpty)
         let fleet = try #require(configuration.session(named: "api")?.fleet)
         #expect(fleet.endpoints == ["https://e1:2379", "https://e2:2379"] && fleet.prefix == "/tb" && fleet.flightLease == .seconds(90)
-                && fleet.member == "host-a" && fleet.key.reveal == String(repeating: "ab", count: 32))
+                && fleet.member == "host-a" && fleet.key.reveal == Array(String(repeating: "ab", count: 32).utf8))
         #expect(configuration.session(named: "local")?.fleet == nil)
         guard case let .oauth(settings)? = configuration.session(named: "api")?.upstream else { return }
         #expect(settings.dpop == .off, "DPoP= is off unless asked")
@@ -348,5 +348,17 @@ struct ShippedConfigTests {
         #expect(example.policy == RefreshPolicy() && example.upstream == .test(lifetime: .seconds(3600)))
         let dev = try ConfigLoader.load(path: Self.root.appendingPathComponent("config/dev.conf").path)
         #expect(dev.warnings.isEmpty && dev.session(named: "demo") != nil)
+    }
+
+    @Test("a raw 32-byte key file (bytes that are no text) is kept as its bytes (issue 34)")
+    func rawKeyBytes() throws {
+        let fixture = try ConfigFixture(main: "")
+        let raw = (0..<32).map { UInt8(0xE0 + $0 % 32) }   // not UTF-8
+        let path = fixture.directory + "/state.key"
+        #expect(FileManager.default.createFile(atPath: path, contents: Data(raw), attributes: [.posixPermissions: 0o600]))
+        try "[Broker]\nStateKeyFile=\(path)\n[Session]\nName=a\nUpstream=test\n".write(toFile: fixture.main, atomically: true, encoding: .utf8)
+        let key = try #require(try fixture.load().stateKey)
+        #expect(key.reveal == raw)
+        #expect("\(key)" == "<redacted>")
     }
 }

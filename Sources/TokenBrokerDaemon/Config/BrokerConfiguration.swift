@@ -31,7 +31,7 @@ public struct BrokerConfiguration: Sendable, Equatable {
     public var maxQueuedOutput = 32 << 20
     /// An operator's key for the tokens in the state database (`StateKeyCredential=` or
     /// `StateKeyFile=`), which wins over the default one (`StateKey`); read at start only.
-    public var stateKey: Secret?
+    public var stateKey: SecretBytes?
     public var sessions: [SessionConfiguration] = []
     /// Where Prometheus scrapes `GET /metrics` (`MetricsListen=`): a loopback `host:port` or a
     /// Unix socket path; off when nil. Read at start only.

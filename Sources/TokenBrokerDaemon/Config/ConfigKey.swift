@@ -221,8 +221,8 @@ extension ConfigParser {
     }
 
     /// A 32-byte key from a file or a systemd credential (empty: none).
-    static var key: ConfigParser<Secret?> {
-        ConfigParser<Secret?>(takes: "a file or credential holding 32 bytes or 64 hex digits") { (entry: INIEntry, context: inout ConfigContext) throws(ConfigError) -> Secret? in
+    static var key: ConfigParser<SecretBytes?> {
+        ConfigParser<SecretBytes?>(takes: "a file or credential holding 32 bytes or 64 hex digits") { (entry: INIEntry, context: inout ConfigContext) throws(ConfigError) -> SecretBytes? in
             entry.value.isEmpty ? nil : try ConfigParsing.readKey(entry, &context)
         }
     }
@@ -249,8 +249,8 @@ enum ConfigParsing {
     }
 
     /// A 32-byte key (`StateKey…=`, `[Fleet] Key…=`) from a file or a systemd credential,
-    /// checked, kept as Latin-1 text so that any 32 raw bytes round-trip.
-    static func readKey(_ entry: INIEntry, _ context: inout ConfigContext) throws(ConfigError) -> Secret {
+    /// checked, kept as the bytes read.
+    static func readKey(_ entry: INIEntry, _ context: inout ConfigContext) throws(ConfigError) -> SecretBytes {
         let path: String
         if entry.key.hasSuffix("Credential") {
             guard let directory = getenv("CREDENTIALS_DIRECTORY").map({ String(cString: $0) }) else {
@@ -269,7 +269,7 @@ enum ConfigParsing {
             } catch {
                 throw fail(entry, "\(entry.key)=: \(error.description)")
             }
-            return Secret(String(bytes.map { Character(Unicode.Scalar($0)) }))
+            return SecretBytes(bytes)
         case let .failure(error):
             throw fail(entry, "\(entry.key)=: cannot read \(path): \(error)")
         }

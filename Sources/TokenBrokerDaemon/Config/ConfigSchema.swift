@@ -272,7 +272,7 @@ public struct FleetDraft: Sendable {
     var endpoints: [String] = []
     var prefix = "/tokenbroker"
     var tls = TLSOptions()
-    var key: Secret?
+    var key: SecretBytes?
     var flightLease = Duration.seconds(60)
     var requestTimeout = Duration.seconds(2)
     var member = ProcessDefences.hostName()

@@ -280,7 +280,7 @@ final class TestBroker: Sendable {
 /// A fleet of brokers on one in-memory etcd and one rotating issuer; each broker has its own
 /// test clock, and the test moves time for all of them (but the stopped ones) at once.
 struct FleetHarness {
-    static let key = Secret(String(repeating: "5a", count: 32))
+    static let key = SecretBytes(Array(String(repeating: "5a", count: 32).utf8))
     static let stateKey = "/t/sessions/api/state"
 
     let etcd = MemoryEtcd()
@@ -337,7 +337,7 @@ struct FleetHarness {
     }
 
     static func codec() throws -> FleetCodec {
-        FleetCodec(cipher: try TokenCipher(keyMaterial: Array(key.reveal.utf8), name: "fleet key"), keys: FleetKeys(prefix: "/t", session: "api"))
+        FleetCodec(cipher: try TokenCipher(keyMaterial: key.reveal, name: "fleet key"), keys: FleetKeys(prefix: "/t", session: "api"))
     }
 }
 
