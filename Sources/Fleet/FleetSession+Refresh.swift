@@ -112,6 +112,7 @@ extension FleetSession {
         let budget = settings.flightLease - margin - flight.taken.duration(to: clock.now)
         let refreshToken = flight.claimed.refreshToken
         // The request is cut off when the budget is spent, whoever still waits for it.
+        // (A real instant: the HTTP layer cuts the request off by the process's clock.)
         let deadline = ContinuousClock.now.advanced(by: budget)
         let answer = await within(budget) { [upstream, name] in
             try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken, deadline: deadline))
@@ -149,28 +150,14 @@ extension FleetSession {
             let failure = (error as? FetchFailure) ?? .transient(cancelled ? "cancelled" : "unexpected error (\(type(of: error)))")
             var after: FleetState?
             var ended: FleetState?
-            if cancelled {
-                // Cancelled here (a logout or login ended the generation): the request goes on to
-                // its deadline, so nobody may take the flight before the lease would lapse.
-                let left = max(settings.flightLease - flight.taken.duration(to: clock.now), .seconds(1))
-                after = flight.claimed.failed(BackoffNote(until: FleetStateMachine.milliseconds(wall.unixTime()) + left.milliseconds,
-                                                          reason: "the refresh was left to run out by a logout or login"))
-            } else if case .terminal = failure.kind, failure.reason != "invalid_grant" {
-                // This broker's own configuration (its client credentials, scope, endpoint): it
-                // ends here only, and the others go on.
+            switch FleetStateMachine.afterFailedFlight(failure, cancelled: cancelled, leaseLeft: settings.flightLease - flight.taken.duration(to: clock.now)) {
+            case let .leaveToLapse(wait, reason), let .backOff(wait, reason):
+                after = flight.claimed.failed(BackoffNote(until: FleetStateMachine.milliseconds(wall.unixTime()) + wait.milliseconds, reason: reason))
+            case .release:
                 after = flight.claimed.released()
-            } else if case .terminal = failure.kind {
-                // The refresh token itself is dead, for every broker: the session ends fleet-wide.
-                ended = flight.claimed.ended(reason: failure.reason)
+            case let .endEverywhere(reason):
+                ended = flight.claimed.ended(reason: reason)
                 after = ended
-            } else {
-                var wait = Duration.seconds(1)
-                switch failure.kind {
-                case let .transient(retryAfter), let .refused(retryAfter): wait = max(wait, min(retryAfter ?? wait, .seconds(3600)))
-                case .terminal: break
-                }
-                after = flight.claimed.failed(BackoffNote(until: FleetStateMachine.milliseconds(wall.unixTime()) + wait.milliseconds,
-                                                          reason: failure.reason))
             }
             // The end this broker writes is its own to apply (the coordinator ends the session with
             // this very failure): the sync loop must not take it for an end made elsewhere, even

@@ -438,6 +438,31 @@ struct FleetStateMachine: Sendable {
         return fetched
     }
 
+    /// What the holder of a flight does after its upstream request failed (`cancelled`: a
+    /// logout or login here ended the generation; `leaseLeft`: until the claim would lapse).
+    enum FailedFlight: Equatable {
+        /// The request goes on to its deadline: nobody takes the flight before the lease lapses.
+        case leaveToLapse(for: Duration, reason: String)
+        /// This broker's own problem (its client credentials, scope, endpoint): it lets the
+        /// flight go, and the others go on.
+        case release
+        /// The refresh token is dead for every broker: the session ends fleet-wide.
+        case endEverywhere(reason: String)
+        /// A transient failure: every broker waits, then one tries again.
+        case backOff(for: Duration, reason: String)
+    }
+
+    static func afterFailedFlight(_ failure: FetchFailure, cancelled: Bool, leaseLeft: Duration) -> FailedFlight {
+        if cancelled { return .leaveToLapse(for: max(leaseLeft, .seconds(1)), reason: "the refresh was left to run out by a logout or login") }
+        switch failure.kind {
+        case .terminal:
+            return failure.grantIsDead ? .endEverywhere(reason: failure.reason) : .release
+        case let .transient(retryAfter), let .refused(retryAfter):
+            let wait = Duration.seconds(1)
+            return .backOff(for: max(wait, min(retryAfter ?? wait, .seconds(3600))), reason: failure.reason)
+        }
+    }
+
     static func milliseconds(_ unixNow: Double) -> Int64 {
         Int64(min(max(unixNow, 0), 1e12) * 1000)
     }

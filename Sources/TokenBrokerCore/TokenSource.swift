@@ -117,6 +117,9 @@ public struct FetchFailure: Error, Sendable, Equatable {
     /// What the server said about it in its own words (`error_description`), made printable and
     /// bounded: shown to operators (`ctl`, the journal, `Status`), never to workers in a reply.
     public var detail: String?
+    /// The server said the refresh token itself is dead (`invalid_grant`): no client, broker
+    /// or retry can use it any more (unlike a terminal failure of this client's configuration).
+    public var grantIsDead = false
 
     public init(_ kind: Kind, reason: String, detail: String? = nil) {
         self.kind = kind
@@ -139,5 +142,12 @@ public struct FetchFailure: Error, Sendable, Equatable {
 
     public static func terminal(_ reason: String) -> FetchFailure {
         FetchFailure(.terminal, reason: reason)
+    }
+
+    /// `invalid_grant`: the refresh token is dead.
+    public static var deadGrant: FetchFailure {
+        var failure = FetchFailure.terminal("invalid_grant")
+        failure.grantIsDead = true
+        return failure
     }
 }

@@ -214,9 +214,16 @@ public final class HTTPTokenSource: TokenSource {
                 return nil
             }
             defer { group.cancelAll() }
-            guard let first = try await group.next(), let token = first else {
-                throw FetchFailure.transient("the request was cut off at its deadline (the fleet's flight lease)")
+            let cutOff = FetchFailure.transient("the request was cut off at its deadline (the fleet's flight lease)")
+            let first: FetchedToken??
+            do {
+                first = try await group.next()
+            } catch where error is FetchFailure && ContinuousClock.now.duration(to: deadline) < .milliseconds(50) {
+                // libcurl's own timeout is the deadline's (`client`): whichever of the two
+                // noticed first, at the deadline it is the deadline that cut the request off.
+                throw cutOff
             }
+            guard let first, let token = first else { throw cutOff }
             return token
         }
     }

@@ -293,7 +293,7 @@ public struct OAuthClient: Sendable {
         }
         switch code {
         case "invalid_grant":
-            return .terminal("invalid_grant")
+            return .deadGrant
         case "invalid_client", "unauthorized_client":
             return .terminal("client configuration: \(code)")
         case "server_error", "temporarily_unavailable":

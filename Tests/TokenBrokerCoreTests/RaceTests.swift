@@ -286,7 +286,7 @@ struct RaceTests {
         let racers = Racers(20) { _ in try await h.coordinator.recover(rejected: Self.old) }
         try await h.source.started(1)
         try await eventually("20 parked") { h.coordinator.parkedWaiters == 20 }
-        h.source.fail(1, with: FetchFailure.terminal("invalid_grant"))
+        h.source.fail(1, with: FetchFailure.deadGrant)
         let ended = SessionError.refreshFailed(reason: "invalid_grant", retryable: false, retryAfter: nil)
         #expect(try await racers.all().allSatisfy { $0.error as? SessionError == ended })
 

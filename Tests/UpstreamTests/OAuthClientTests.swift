@@ -74,8 +74,8 @@ struct OAuthClientTests {
         #expect(b.refreshToken != nil && b.refreshToken != second)
 
         // Replaying `second` (already rotated) is reuse: invalid_grant, and the newest dies too.
-        await #expect(throws: FetchFailure.terminal("invalid_grant")) { try await client.refresh(second) }
-        await #expect(throws: FetchFailure.terminal("invalid_grant")) { try await client.refresh(b.refreshToken!) }
+        await #expect(throws: FetchFailure.deadGrant) { try await client.refresh(second) }
+        await #expect(throws: FetchFailure.deadGrant) { try await client.refresh(b.refreshToken!) }
         #expect(!issuer.isValidAccessToken(b.accessToken.reveal))
         #expect(issuer.counters.replays == 1 && issuer.counters.refreshGrants == 4)
     }
@@ -104,7 +104,7 @@ struct OAuthClientTests {
         (.status(403, error: nil, retryAfter: nil), .refused("HTTP 403 without an OAuth error")),
         (.status(408, error: nil, retryAfter: nil), .transient("HTTP 408 without an OAuth error")),
         (.status(404, error: nil, retryAfter: nil), .transient("HTTP 404 without an OAuth error")),
-        (.status(400, error: "invalid_grant", retryAfter: nil), .terminal("invalid_grant")),
+        (.status(400, error: "invalid_grant", retryAfter: nil), .deadGrant),
         (.status(401, error: "invalid_client", retryAfter: nil), .terminal("client configuration: invalid_client")),
         (.status(400, error: "unauthorized_client", retryAfter: nil), .terminal("client configuration: unauthorized_client")),
         (.status(400, error: "invalid_scope", retryAfter: nil), .terminal("invalid_scope")),
@@ -155,7 +155,7 @@ struct OAuthClientTests {
             guard case .transient = error.kind else { Issue.record("expected transient, got \(error)"); return }
             #expect(error.reason.hasPrefix("transport:"))
         }
-        await #expect(throws: FetchFailure.terminal("invalid_grant")) { try await client.refresh(token) }
+        await #expect(throws: FetchFailure.deadGrant) { try await client.refresh(token) }
         #expect(issuer.counters.replays == 1)
     }
 
@@ -198,7 +198,7 @@ struct OAuthClientTests {
         let fresh = try await client.refresh(token)
         try await client.revoke(fresh.refreshToken!)
         try await client.revoke(Secret("never-issued"))
-        await #expect(throws: FetchFailure.terminal("invalid_grant")) { try await client.refresh(fresh.refreshToken!) }
+        await #expect(throws: FetchFailure.deadGrant) { try await client.refresh(fresh.refreshToken!) }
         #expect(!issuer.isValidAccessToken(fresh.accessToken.reveal))
         #expect(issuer.counters.revocations == 2)
     }

@@ -98,12 +98,12 @@ final class RotatingIssuer: TokenSource {
         }
         return try state.withLock { state throws -> FetchedToken in
             guard let sent = request.refreshToken?.reveal, let entry = state.families[sent], !state.revoked.contains(entry.family) else {
-                throw FetchFailure.terminal("invalid_grant")
+                throw FetchFailure.deadGrant
             }
             if entry.retired {
                 state.counters.replays += 1
                 state.revoked.insert(entry.family)
-                throw FetchFailure.terminal("invalid_grant")
+                throw FetchFailure.deadGrant
             }
             state.families[sent]?.retired = true
             state.nextToken += 1
