@@ -38,12 +38,15 @@ var package = Package(
         // linked: its dependencies were most of the daemon's start-up. Typed wrappers of the
         // variadic setopt/getinfo functions.
         .target(name: "CCurl"),
-        // The OAuth 2.0 client: one libcurl loop thread, token requests and their classification,
-        // discovery, revocation, the device flow.
-        .target(name: "Upstream", dependencies: ["Basics", "CCurl", "DPoP", "TokenBrokerCore", "WireJSON"]),
+        // HTTP over libcurl: one loop thread for every transfer, bounded requests and answers,
+        // TLS options (the OAuth client's and etcd's transport).
+        .target(name: "HTTPTransport", dependencies: ["Basics", "CCurl"]),
+        // The OAuth 2.0 client: token requests and their classification, discovery,
+        // revocation, the device and code flows.
+        .target(name: "Upstream", dependencies: ["Basics", "DPoP", "HTTPTransport", "TokenBrokerCore", "WireJSON"]),
         // Fleet mode: sessions shared by brokers on many hosts through etcd v3 (its JSON
         // gateway, over the libcurl loop).
-        .target(name: "Fleet", dependencies: ["Basics", "Sealing", "TokenBrokerCore", "Upstream", "WireJSON"]),
+        .target(name: "Fleet", dependencies: ["Basics", "HTTPTransport", "Sealing", "TokenBrokerCore", "WireJSON"]),
         // A development OAuth 2.0 authorization server on loopback HTTP (`tokenbroker serve --dev`, tests).
         .target(name: "DevIssuer", dependencies: ["Basics", "DPoP", "WireJSON"]),
         // libsystemd: sd_notify, socket activation, the watchdog, the journal.
@@ -68,7 +71,7 @@ var package = Package(
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve,
         // check-config.
         .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "DPoP", "TokenBrokerCore",
-                                                         "Varlink", "Upstream", "Sealing", "SQLiteStore", "CSystemd"]),
+                                                         "Varlink", "Upstream", "HTTPTransport", "Sealing", "SQLiteStore", "CSystemd"]),
         // `tokenbroker-daemon`'s command line: `serve` and `check-config` parsed and run, every
         // other subcommand handed to the CLI's. (The daemon itself knows nothing of the CLI.)
         .target(name: "TokenBrokerDaemonCommand", dependencies: ["Basics", "BrokerContract", "TokenBrokerCLI", "TokenBrokerDaemon"]),
@@ -106,14 +109,14 @@ var package = Package(
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "Sealing", "TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "DPoPTests", dependencies: ["DPoP", "Basics", "WireJSON", "TestSupport"]),
-        .testTarget(name: "FleetTests", dependencies: ["Fleet", "Sealing", "TokenBrokerCore", "TestSupport", "Upstream"]),
-        .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "DevIssuer", "DPoP", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
-        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerCLI", "Basics", "BrokerContract", "WireJSON", "TokenBrokerCore", "Varlink", "TestSupport"]),
+        .testTarget(name: "FleetTests", dependencies: ["Fleet", "HTTPTransport", "Sealing", "TokenBrokerCore", "TestSupport"]),
+        .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "HTTPTransport", "DevIssuer", "DPoP", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
+        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerCLI", "Basics", "BrokerContract", "WireJSON", "TokenBrokerCore", "HTTPTransport", "Varlink", "TestSupport"]),
         // Spawns the real binaries; depends on the daemon's so `swift test` builds it first (not on the
         // static `tokenbroker`, whose link flags would apply to the test bundle: `swift test` builds
         // every product anyway).
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker-daemon", "varlink-certification", "example-worker",
-                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "DPoP", "Upstream", "Sealing", "SQLiteStore", "TokenBrokerCore", "Fleet",
+                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "DPoP", "Upstream", "HTTPTransport", "Sealing", "SQLiteStore", "TokenBrokerCore", "Fleet",
                                                             "TestSupport"]),
     ],
     swiftLanguageModes: [.v6]

@@ -1,6 +1,6 @@
 import Basics
 import Synchronization
-import Upstream
+import HTTPTransport
 import WireJSON
 
 /// etcd v3 through its JSON gateway (`/v3/kv/…`, `/v3/lease/…`), over the daemon's libcurl loop.

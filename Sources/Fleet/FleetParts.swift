@@ -1,6 +1,6 @@
 import Basics
 import TokenBrokerCore
-import Upstream
+import HTTPTransport
 
 /// How brokers of a fleet reach etcd, and what they share there.
 public struct FleetSettings: Sendable, Equatable {

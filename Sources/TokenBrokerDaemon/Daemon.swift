@@ -10,6 +10,7 @@ import Synchronization
 import TokenBrokerCore
 import Upstream
 import Varlink
+import HTTPTransport
 
 /// `tokenbroker serve`: loads the configuration, builds one coordinator per session, serves the
 /// socket, and handles SIGTERM/SIGINT (graceful stop) and SIGHUP (reload).

@@ -2,6 +2,7 @@ import Basics
 import DPoP
 import TokenBrokerCore
 import WireJSON
+import HTTPTransport
 
 /// A PKCE pair (RFC 7636): the verifier the client keeps and the S256 challenge it sends.
 public struct PKCE: Sendable {

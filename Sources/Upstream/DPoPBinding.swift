@@ -3,6 +3,7 @@ import DPoP
 import Synchronization
 import TokenBrokerCore
 import WireJSON
+import HTTPTransport
 
 /// Whether a session's tokens are DPoP-bound (`DPoP=`).
 public enum DPoPMode: String, Sendable, Equatable {

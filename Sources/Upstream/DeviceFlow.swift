@@ -1,5 +1,6 @@
 import TokenBrokerCore
 import WireJSON
+import HTTPTransport
 
 /// What the user must do to approve a device login (RFC 8628 §3.2).
 public struct DeviceAuthorization: Sendable {

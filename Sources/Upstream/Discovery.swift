@@ -1,5 +1,6 @@
 import TokenBrokerCore
 import WireJSON
+import HTTPTransport
 
 /// Authorization server metadata (RFC 8414 §2), the fields tokenbroker uses.
 public struct AuthorizationServerMetadata: Sendable, Equatable {

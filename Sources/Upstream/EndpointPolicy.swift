@@ -3,6 +3,7 @@ import Glibc
 #endif
 import Basics
 import CCurl
+import HTTPTransport
 
 /// Which endpoint URLs tokenbroker will talk to: `https://` anywhere, `http://` only to a
 /// loopback IP literal (127.0.0.0/8 or [::1]); credentials must not cross a network in clear

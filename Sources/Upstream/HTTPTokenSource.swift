@@ -2,6 +2,7 @@ import Basics
 import DPoP
 import Synchronization
 import TokenBrokerCore
+import HTTPTransport
 
 /// The OAuth grant a session uses.
 public enum OAuthGrant: String, Sendable, Equatable {

@@ -2,6 +2,7 @@ import Basics
 import DPoP
 import TokenBrokerCore
 import WireJSON
+import HTTPTransport
 
 /// How the client authenticates to the token endpoint (RFC 6749 §2.3.1).
 public enum ClientAuthentication: String, Sendable, Equatable {

@@ -4,6 +4,7 @@ import Synchronization
 import Testing
 import TestSupport
 import Upstream
+import HTTPTransport
 
 /// The etcd client against a real 3-member etcd cluster on loopback.
 @Suite("etcd client", .serialized)

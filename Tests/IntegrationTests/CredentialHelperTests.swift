@@ -6,6 +6,7 @@ import Glibc
 import Testing
 import TestSupport
 import Varlink
+import HTTPTransport
 
 /// `tokenbroker credential …`: each tool's helper protocol against the real daemon, and the
 /// real git and kubectl against loopback servers that accept only a live access token.

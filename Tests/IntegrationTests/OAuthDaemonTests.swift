@@ -4,6 +4,7 @@ import Testing
 import TestSupport
 import Upstream
 import Varlink
+import HTTPTransport
 
 /// The real daemon against the development issuer (running in this test process, on loopback).
 @Suite("tokenbroker serve with an OAuth upstream", .serialized)

@@ -5,6 +5,7 @@ import TokenBrokerCore
 @testable import TokenBrokerDaemon
 import Fleet
 import Upstream
+import HTTPTransport
 
 /// Writes a configuration tree into a temporary directory: the main file and drop-ins.
 struct ConfigFixture {

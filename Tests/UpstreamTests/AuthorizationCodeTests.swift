@@ -6,6 +6,7 @@ import TestSupport
 import TokenBrokerCore
 @testable import Upstream
 import WireJSON
+import HTTPTransport
 
 /// The authorization code grant with PKCE (RFC 6749 §4.1, RFC 7636, RFC 8252) against the
 /// development issuer over real loopback HTTP: the browser's part is a GET whose redirect is

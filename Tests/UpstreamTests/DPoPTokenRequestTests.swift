@@ -3,6 +3,7 @@ import DPoP
 import Testing
 import TokenBrokerCore
 @testable import Upstream
+import HTTPTransport
 
 /// A DPoP session's token requests (RFC 9449 §5, §8) against the development issuer, which
 /// requires proofs and a nonce of its own.

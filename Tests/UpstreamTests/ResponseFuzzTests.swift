@@ -4,6 +4,7 @@ import TestSupport
 import TokenBrokerCore
 @testable import Upstream
 import WireJSON
+import HTTPTransport
 
 /// What an authorization server answers — token responses, device authorizations, discovery
 /// metadata, error bodies, Retry-After — built at random from hostile pieces: every answer ends

@@ -3,6 +3,7 @@ import Testing
 import TestSupport
 import TokenBrokerCore
 @testable import Upstream
+import HTTPTransport
 
 /// HTTPS with a private CA (`CAFile=`) and a client certificate (mTLS), against a Python TLS
 /// server on loopback whose certificates the test makes with openssl.

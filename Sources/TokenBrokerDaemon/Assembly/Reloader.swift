@@ -7,6 +7,7 @@ import TokenBrokerCore
 import Upstream
 import Fleet
 import SQLiteStore
+import HTTPTransport
 
 /// The configuration in force, and every change of it: the first one at start, each reload
 /// (SIGHUP, the Reload method) one at a time, and the last retirement at stop. Its cost is

@@ -2,6 +2,7 @@ import BrokerContract
 import Fleet
 import TokenBrokerCore
 import Upstream
+import HTTPTransport
 
 /// The daemon's configuration: the `[Broker]` section and every `[Session]`.
 public struct BrokerConfiguration: Sendable, Equatable {

@@ -7,6 +7,7 @@ import SQLiteStore
 import TokenBrokerCore
 import Upstream
 import Varlink
+import HTTPTransport
 
 /// Reads `tokenbroker.conf` and the drop-ins in `tokenbroker.conf.d/*.conf` (in name order) into
 /// a `BrokerConfiguration`.

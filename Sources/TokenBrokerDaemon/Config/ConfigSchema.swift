@@ -2,6 +2,7 @@ import Basics
 import Fleet
 import TokenBrokerCore
 import Upstream
+import HTTPTransport
 
 /// Every configuration key, section by section: the one list that parsing (`ConfigLoader`),
 /// reload equality (`SessionConfiguration.needsNewCoordinator`, `==`), `check-config --keys`

@@ -63,6 +63,10 @@ public struct HTTPResponse: Sendable {
     /// same exchange (a token answer's lifetime counts from it: `OAuthClient.tokenEndpointPost`).
     public var requestedAt: Int64?
 
+    public init(status: Int, headers: [(name: String, value: String)], body: [UInt8], retryAfter: Int? = nil, requestedAt: Int64? = nil) {
+        (self.status, self.headers, self.body, self.retryAfter, self.requestedAt) = (status, headers, body, retryAfter, requestedAt)
+    }
+
     public func header(_ name: String) -> String? {
         let lower = name.lowercased()
         return headers.last { $0.name == lower }?.value
