@@ -15,7 +15,7 @@ extension FleetSession {
         if write.replicated || write.guardedBy == .sameGeneration { return try await local.write(write, mark: machine.floor) }
         // What reaches etcd runs to its end even if the caller goes away (a client that hangs
         // up must not leave a boundary half-published).
-        let published: Result<Void, EtcdError> = await Task {
+        let published: Result<Void, EtcdError> = await uncancelled {
             await self.serializer.run { () -> Result<Void, EtcdError> in
                 do throws(EtcdError) {
                     try await self.publishBoundary(write)
@@ -24,7 +24,7 @@ extension FleetSession {
                     return .failure(error)
                 }
             }
-        }.value
+        }
         switch published {
         case .success:
             return try await local.write(write, mark: machine.floor)
@@ -147,7 +147,7 @@ extension FleetSession {
     /// new history's first position.
     public func startHistoryAnew(handingOver: @escaping @Sendable (Secret) -> Void) async throws(EtcdError) -> FleetPosition {
         // What reaches etcd runs to its end even if the caller goes away.
-        try await Task {
+        try await uncancelled {
             await self.serializer.run { () -> Result<FleetPosition, EtcdError> in
                 do throws(EtcdError) {
                     return .success(try await self.startHistoryAnewNow(handingOver: handingOver))
@@ -155,7 +155,7 @@ extension FleetSession {
                     return .failure(error)
                 }
             }
-        }.value.get()
+        }.get()
     }
 
     private func startHistoryAnewNow(handingOver: @escaping @Sendable (Secret) -> Void) async throws(EtcdError) -> FleetPosition {

@@ -1,3 +1,4 @@
+import Basics
 import TokenBrokerCore
 
 /// What became of a holder's commit.
@@ -143,7 +144,7 @@ extension FleetSession {
             }
             let pending = PendingCommit(next: next, fetched: fetched, over: flight.place, generation: request.generation,
                                         sealed: try? codec.seal(next, over: flight.place.record))
-            let committed = await Task { await self.commit(pending, retryUntil: flight.taken.advanced(by: self.settings.flightLease * 2)) }.value
+            let committed = await uncancelled { await self.commit(pending, retryUntil: flight.taken.advanced(by: self.settings.flightLease * 2)) }
             return try await conclude(committed, pending, request)
         case let .failure(error):
             let cancelled = error is CancellationError
@@ -178,7 +179,7 @@ extension FleetSession {
     @discardableResult
     private func write(_ state: FleetState, over place: FleetPlace) async -> Bool {
         guard let sealed = try? codec.seal(state, over: place.record) else { return false }
-        let done = await Task { try? await self.putState(sealed, over: place) }.value
+        let done = await uncancelled { try? await self.putState(sealed, over: place) }
         let succeeded = done?.took == true
         if succeeded { machine.installed(state.position) }
         return succeeded
@@ -218,7 +219,7 @@ extension FleetSession {
     /// A commit left over from an earlier flight: tried once (no retries), then this demand
     /// goes on (nil) or ends with its outcome.
     private func commitPending(_ pending: PendingCommit, for request: FetchRequest) async throws -> FetchedToken? {
-        let committed = await Task { await self.commit(pending, retryUntil: self.clock.now) }.value
+        let committed = await uncancelled { await self.commit(pending, retryUntil: self.clock.now) }
         if case .failed = committed, pendingCommit != nil {
             throw FetchFailure.transient("fleet: a refresh is waiting to be committed; etcd does not take it yet")
         }
