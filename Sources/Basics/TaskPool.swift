@@ -64,6 +64,18 @@ public final class TaskPool: Sendable {
         }
     }
 
+    /// Runs `work` in the pool (in turn, as `enqueue`) and returns its result: work that must
+    /// outlive its caller's cancellation (a redemption that spends a code, a poll that may carry
+    /// an approved login's tokens) and that the pool's owner awaits at its stop. `refused` is
+    /// the result when the pool is closed or its backlog full. (Work still waiting when a close
+    /// passes its deadline is dropped with the backlog: its caller is the stopping daemon's.)
+    public func outliving<Value: Sendable>(_ work: @escaping @Sendable () async -> Value, refused: @autoclosure () -> Value) async -> Value {
+        await withCheckedContinuation { continuation in
+            let started = enqueue { continuation.resume(returning: await work()) }
+            if !started { continuation.resume(returning: refused()) }
+        }
+    }
+
     /// Starts `work` unless `limit` tasks are running or the pool is closed; returns its task, or
     /// `nil` when it was refused.
     @discardableResult

@@ -24,15 +24,16 @@ final class BrokerService: VarlinkHandler {
     let metrics: Metrics
     /// The metrics exposition (the Metrics method).
     let metricsText: @Sendable () async -> String
-    /// Where a logout's revocation runs (the daemon's pool, awaited at stop).
-    let revocations: TaskPool
+    /// Work that outlives its caller (a logout's revocation, a device login's polling, a code's
+    /// redemption): the daemon's pool, awaited at stop.
+    let outliving: TaskPool
     /// The interactive logins under way, one per session (code logins waiting for their redirects among them).
     let interactiveLogins = InteractiveLogins()
 
     init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
          forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }, metrics: Metrics = Metrics(version: "test"),
-         metricsText: @escaping @Sendable () async -> String = { "" }, revocations: TaskPool = TaskPool(limit: 256, backlog: 1 << 16)) {
-        self.revocations = revocations
+         metricsText: @escaping @Sendable () async -> String = { "" }, outliving: TaskPool = TaskPool(limit: 256, backlog: 1 << 16)) {
+        self.outliving = outliving
         self.sessions = sessions
         self.logger = logger
         self.reload = reload
@@ -426,15 +427,15 @@ final class BrokerService: VarlinkHandler {
     }
 
     /// What a logout does with the refresh token it retires: revoke it upstream (RFC 7009),
-    /// best effort, in the background (the revocations pool), so the logout is not delayed.
+    /// best effort, in the background (the pool of work that outlives its caller), so the logout is not delayed.
     func revocation(for session: SessionTable.Session) -> @Sendable (Secret) -> Void {
         guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream, settings.revokeOnLogout else {
             return { _ in }
         }
-        let (logger, revocations) = (self.logger, self.revocations)
+        let (logger, outliving) = (self.logger, self.outliving)
         let name = session.configuration.name
         return { refreshToken in
-            let started = revocations.enqueue {
+            let started = outliving.enqueue {
                 switch await upstream.revoke(refreshToken) {
                 case .revoked:
                     logger.info("session \(name): the refresh token retired by the logout is revoked upstream", session: name)
@@ -446,7 +447,7 @@ final class BrokerService: VarlinkHandler {
             }
             if !started {
                 logger.warning("session \(name): the refresh token retired by the logout is not revoked upstream: the daemon is stopping, "
-                               + "or \(revocations.backlogLimit) revocations are waiting already", session: name)
+                               + "or \(outliving.backlogLimit) tasks are waiting already", session: name)
             }
         }
     }

@@ -48,12 +48,13 @@ public final class Daemon: Sendable {
     private let state: StateStore
     private let metrics = Metrics(version: Daemon.version)
     private let census = SessionCensus()
-    /// Token requests that outlive their callers, and revocations (stopped after the sessions,
-    /// before the HTTP loop). Beyond their limits, a request a logout overtakes is cut off, and
+    /// Token requests that outlive their callers, and the other work that does (revocations, a
+    /// device login's polling, a code's redemption): stopped after the sessions, before the
+    /// HTTP loop. Beyond their limits, a request a logout overtakes is cut off, and
     /// a revocation skipped (and said).
     private let transfers = TaskPool(limit: 1 << 16)
     /// (256 at once, the rest in turn: a logout of thousands of sessions revokes every one.)
-    private let revocations = TaskPool(limit: 256, backlog: 1 << 16)
+    private let outliving = TaskPool(limit: 256, backlog: 1 << 16)
     /// The fleet sessions' follow loops (stopped with the sessions).
     private let followLoops = TaskPool(limit: 1 << 20)
     private let reloader: Reloader
@@ -69,7 +70,7 @@ public final class Daemon: Sendable {
         let table = SessionTable(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
         self.table = table
         let factory = SessionFactory(logger: logger, metrics: metrics, state: state, census: census, transfers: transfers,
-                                     revocations: revocations, followLoops: followLoops)
+                                     outliving: outliving, followLoops: followLoops)
         reloader = Reloader(table: table, factory: factory, logger: logger, metrics: metrics, state: state, configuration: configuration,
                             read: { [options] in
                                 try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
@@ -200,13 +201,13 @@ public final class Daemon: Sendable {
                 await stop.wait()
                 CurlLoop.stopShared()
             },
-            DaemonPart("upstream tasks") { [transfers, revocations, options, logger] stop in
-                // Abandoned token requests (each revokes what it brings) and revocations: each
+            DaemonPart("upstream tasks") { [transfers, outliving, options, logger] stop in
+                // Abandoned token requests (each revokes what it brings) and work that outlives its caller: each
                 // has its own deadline; at the drain timeout the rest are cancelled. (After the
                 // sessions: their retirement may start one.)
                 await stop.wait()
                 async let requests = transfers.close(within: options.drainTimeout)
-                let revoked = await revocations.close(within: options.drainTimeout)
+                let revoked = await outliving.close(within: options.drainTimeout)
                 if !(await requests) || !revoked { logger.warning("upstream requests still running at the stop's deadline were left behind") }
             },
             DaemonPart("connections") { stop in
@@ -266,7 +267,7 @@ public final class Daemon: Sendable {
     private func makeServer(_ configuration: BrokerConfiguration, listening fd: Int32) -> VarlinkServer? {
         let service = BrokerService(sessions: table, logger: logger, reload: { [reloader] in await reloader.reload() },
                                     forget: { [reloader] name in try await reloader.forget(name) }, metrics: metrics,
-                                    metricsText: { [self] in await self.metricsText() }, revocations: revocations)
+                                    metricsText: { [self] in await self.metricsText() }, outliving: outliving)
         let (logger, metrics) = (self.logger, self.metrics)
         do {
             return try VarlinkServer(

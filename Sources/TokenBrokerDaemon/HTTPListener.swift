@@ -29,6 +29,39 @@ struct HTTPListenerLimits: Sendable {
     var longestRequest = 8192
 }
 
+/// Where an HTTP listener serves: a loopback TCP address or a Unix socket path (`MetricsListen=`, a code login's redirect).
+public enum ListenAddress: Sendable, Equatable, CustomStringConvertible {
+    case tcp(host: String, port: UInt16)
+    case unix(path: String)
+
+    /// `127.0.0.1:9464`, `[::1]:9464`, `localhost:9464` or `/run/tokenbroker/metrics.sock`;
+    /// nil for anything else (an address that is not loopback included).
+    public init?(_ text: String) {
+        if text.hasPrefix("/") {
+            guard text.utf8.count < 108 else { return nil }
+            self = .unix(path: text)
+            return
+        }
+        guard let colon = text.lastIndex(of: ":"), let port = UInt16(text[text.index(after: colon)...]), port > 0 else { return nil }
+        var host = String(text[..<colon])
+        if host == "localhost" { host = "127.0.0.1" }
+        if host == "[::1]" {
+            self = .tcp(host: "::1", port: port)
+            return
+        }
+        var address = in_addr()
+        guard inet_pton(AF_INET, host, &address) == 1, UInt32(bigEndian: address.s_addr) >> 24 == 127 else { return nil }
+        self = .tcp(host: host, port: port)
+    }
+
+    public var description: String {
+        switch self {
+        case let .tcp(host, port): return host.contains(":") ? "[\(host)]:\(port)" : "\(host):\(port)"
+        case let .unix(path): return path
+        }
+    }
+}
+
 /// A minimal HTTP/1.1 server, one thread with a poll loop: every connection is non-blocking,
 /// with `firstByteDeadline` for its first byte and `requestDeadline` for its whole request head
 /// (`longestRequest` at most, no body read); at most `maximumConnections` at once (when full,
@@ -39,14 +72,14 @@ final class HTTPListener: Sendable {
     private let fd: Int32
     private let wakeRead: Int32
     private let wakeWrite: Int32
-    let address: MetricsAddress
+    let address: ListenAddress
     /// The port bound (the one asked for, or the one the kernel chose for port 0); 0 on a Unix socket.
     let port: UInt16
     let limits: HTTPListenerLimits
 
     /// - Parameter group: the Unix socket's group (so that its members can connect); the
     ///   daemon's own when nil.
-    init(_ address: MetricsAddress, group: UInt32? = nil, limits: HTTPListenerLimits = HTTPListenerLimits()) throws(SocketError) {
+    init(_ address: ListenAddress, group: UInt32? = nil, limits: HTTPListenerLimits = HTTPListenerLimits()) throws(SocketError) {
         self.address = address
         self.limits = limits
         work = TaskPool(limit: max(1, limits.concurrentWork))

@@ -5,39 +5,6 @@ import Basics
 import TokenBrokerCore
 import Varlink
 
-/// Where `MetricsListen=` serves: a loopback TCP address or a Unix socket path.
-public enum MetricsAddress: Sendable, Equatable, CustomStringConvertible {
-    case tcp(host: String, port: UInt16)
-    case unix(path: String)
-
-    /// `127.0.0.1:9464`, `[::1]:9464`, `localhost:9464` or `/run/tokenbroker/metrics.sock`;
-    /// nil for anything else (an address that is not loopback included).
-    public init?(_ text: String) {
-        if text.hasPrefix("/") {
-            guard text.utf8.count < 108 else { return nil }
-            self = .unix(path: text)
-            return
-        }
-        guard let colon = text.lastIndex(of: ":"), let port = UInt16(text[text.index(after: colon)...]), port > 0 else { return nil }
-        var host = String(text[..<colon])
-        if host == "localhost" { host = "127.0.0.1" }
-        if host == "[::1]" {
-            self = .tcp(host: "::1", port: port)
-            return
-        }
-        var address = in_addr()
-        guard inet_pton(AF_INET, host, &address) == 1, UInt32(bigEndian: address.s_addr) >> 24 == 127 else { return nil }
-        self = .tcp(host: host, port: port)
-    }
-
-    public var description: String {
-        switch self {
-        case let .tcp(host, port): return host.contains(":") ? "[\(host)]:\(port)" : "\(host):\(port)"
-        case let .unix(path): return path
-        }
-    }
-}
-
 /// Who may read what of the exposition (`MetricsGroup=`, `MetricsBearerTokenFile=`).
 struct MetricsAuthorization: Sendable {
     /// Whether a peer on a Unix socket may read the per-session series (admins, `MetricsGroup=`).
@@ -73,11 +40,11 @@ struct MetricsAuthorization: Sendable {
 /// never a token call.
 final class MetricsServer: Sendable {
     private let listener: HTTPListener
-    var address: MetricsAddress { listener.address }
+    var address: ListenAddress { listener.address }
 
     /// - Parameter group: the Unix socket's group (`MetricsGroup=`, so that its members can
     ///   connect); the daemon's own when nil.
-    init(_ address: MetricsAddress, group: UInt32? = nil) throws(SocketError) {
+    init(_ address: ListenAddress, group: UInt32? = nil) throws(SocketError) {
         listener = try HTTPListener(address, group: group)
     }
 

@@ -76,4 +76,26 @@ struct TaskPoolTests {
         #expect(order.withLock { $0 } == [0, 1, 2, 3])
         #expect(!pool.enqueue {}, "a closed pool takes nothing")
     }
+
+    @Test("outliving: the work runs to its end though its caller is cancelled, and the caller gets its result; a closed pool answers refused, evaluated only then (issue 34)")
+    func outliving() async {
+        let pool = TaskPool(limit: 1, backlog: 1)
+        let started = Latch(), release = Latch()
+        let caller = Task {
+            await pool.outliving({ () -> String in
+                started.fire()
+                await release.wait()            // (a cancelled caller does not cancel this)
+                return Task.isCancelled ? "cancelled" : "done"
+            }, refused: "refused")
+        }
+        #expect(await started.wait(upTo: .seconds(10)))
+        caller.cancel()
+        release.fire()
+        #expect(await caller.value == "done")
+        let evaluated = Mutex(0)
+        #expect(await pool.outliving({ "ran" }, refused: { evaluated.withLock { $0 += 1 }; return "refused" }()) == "ran")
+        #expect(evaluated.withLock { $0 } == 0, "refused is not evaluated when the work runs")
+        #expect(await pool.close(within: .seconds(10)))
+        #expect(await pool.outliving({ "ran" }, refused: "refused") == "refused")
+    }
 }

@@ -3,14 +3,14 @@ import TokenBrokerCore
 import Upstream
 
 /// Refresh tokens nobody will use, revoked upstream, best effort: a discarded answer's in the
-/// factory's pool of revocations (bounded, awaited at stop: when it is full or the daemon
+/// factory's pool of work that outlives its caller (bounded, awaited at stop: when it is full or the daemon
 /// stops, the revocation is skipped, and said), an abandoned request's in the request's own task.
 extension SessionFactory {
     /// What happens to an upstream answer that arrived after a logout (or login) had ended its
     /// generation: its refresh token is revoked, like the one the logout retired.
     func discardedTokenRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource?) -> @Sendable (FetchedToken) -> Void {
         guard let upstream, case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return { _ in } }
-        let (logger, tasks, name) = (self.logger, revocations, session.name)
+        let (logger, tasks, name) = (self.logger, outliving, session.name)
         return { fetched in
             guard let refreshToken = fetched.refreshToken else { return }
             let started = tasks.enqueue {
@@ -77,6 +77,6 @@ extension SessionFactory {
     private static func skipped(_ logger: Logger, _ name: String, _ tasks: TaskPool) {
         logger.limited(.warning, key: "revocation-skipped",
                        "session \(name): a refresh token nobody will use is not revoked upstream: the daemon is stopping, "
-                       + "or \(tasks.backlogLimit) revocations are waiting already")
+                       + "or \(tasks.backlogLimit) tasks are waiting already")
     }
 }

@@ -13,8 +13,9 @@ struct SessionFactory: Sendable {
     let census: SessionCensus
     /// Token requests that outlive their callers (a logout overtook them): bounded, awaited at stop.
     let transfers: TaskPool
-    /// Revocations of refresh tokens nobody will use: bounded, awaited at stop.
-    let revocations: TaskPool
+    /// Work that outlives its caller (revocations of refresh tokens nobody will use among it):
+    /// bounded, awaited at stop.
+    let outliving: TaskPool
     /// The fleet sessions' follow loops: awaited at stop.
     let followLoops: TaskPool
     /// Fleet marks and kept commits of sessions without a state database (development mode).

@@ -36,7 +36,7 @@ public struct BrokerConfiguration: Sendable, Equatable {
     public var sessions: [SessionConfiguration] = []
     /// Where Prometheus scrapes `GET /metrics` (`MetricsListen=`): a loopback `host:port` or a
     /// Unix socket path; off when nil. Read at start only.
-    public var metricsListen: MetricsAddress?
+    public var metricsListen: ListenAddress?
     /// Members may read the per-session series on a Unix `MetricsListen=` (`MetricsGroup=`), as
     /// admins may. Read at start only.
     public var metricsGroup: UInt32?

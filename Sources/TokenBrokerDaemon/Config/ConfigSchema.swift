@@ -45,7 +45,7 @@ public enum ConfigSchema {
                 settings.metricsListen = nil
                 return
             }
-            guard let address = MetricsAddress(entry.value) else {
+            guard let address = ListenAddress(entry.value) else {
                 throw fail(entry, "MetricsListen= needs a loopback address and port (127.0.0.1:9464, [::1]:9464) or an absolute socket path")
             }
             settings.metricsListen = address

@@ -28,6 +28,12 @@ extension BrokerService {
         return (try await upstream.client(proofKey: proofKey), proofKey)
     }
 
+    /// A login that failed, said in the journal: the error its caller gets.
+    private func loginFailure(_ name: String, _ flow: String, _ reason: String) -> BrokerError {
+        logger.warning("\(flow) of session \(name) failed: \(reason)", session: name)
+        return .loginFailed(session: name, reason: reason)
+    }
+
     /// The session's one interactive login slot (device or code), or why not.
     private func claimLogin(_ name: String) throws(BrokerError) {
         switch interactiveLogins.claim(name) {
@@ -45,10 +51,7 @@ extension BrokerService {
     /// which the daemon drains at its stop).
     private func deviceLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, _ sink: VarlinkReplySink) async {
         let name = session.configuration.name
-        func failed(_ reason: String) {
-            logger.warning("device login of session \(name) failed: \(reason)", session: name)
-            sink.send(BrokerError.loginFailed(session: name, reason: reason).reply)
-        }
+        func failed(_ reason: String) { sink.send(loginFailure(name, "device login", reason).reply) }
         let began = await session.coordinator.status().generation
         let client: OAuthClient
         let proofKey: Secret?
@@ -69,17 +72,13 @@ extension BrokerService {
         sink.send(VarlinkReply(parameters: prompt.parameters, continues: true))
         let abandoned = SynchronizedBox(false)
         let polled: Result<FetchedToken, DeviceLoginError> = await withTaskCancellationHandler {
-            await withCheckedContinuation { continuation in
-                let started = revocations.enqueue {
-                    do throws(DeviceLoginError) {
-                        continuation.resume(returning: .success(try await client.completeDeviceLogin(authorization, clock: ContinuousClock(),
-                                                                                                   stop: { abandoned.value })))
-                    } catch {
-                        continuation.resume(returning: .failure(error))
-                    }
+            await outliving.outliving({ () -> Result<FetchedToken, DeviceLoginError> in
+                do throws(DeviceLoginError) {
+                    return .success(try await client.completeDeviceLogin(authorization, clock: ContinuousClock(), stop: { abandoned.value }))
+                } catch {
+                    return .failure(error)
                 }
-                if !started { continuation.resume(returning: .failure(.failed(.transient("the daemon is stopping")))) }
-            }
+            }, refused: .failure(.failed(.transient("the daemon is stopping"))))
         } onCancel: {
             abandoned.value = true
         }
@@ -123,10 +122,7 @@ extension BrokerService {
                            _ sink: VarlinkReplySink, tellingRefusals: Bool) async {
         let name = session.configuration.name
         let logger = self.logger
-        func failed(_ reason: String) {
-            logger.warning("code login of session \(name) failed: \(reason)", session: name)
-            sink.send(BrokerError.loginFailed(session: name, reason: reason).reply)
-        }
+        func failed(_ reason: String) { sink.send(loginFailure(name, "code login", reason).reply) }
         let began = await session.coordinator.status().generation
         let client: OAuthClient
         let proofKey: Secret?
@@ -178,10 +174,7 @@ extension BrokerService {
     /// The code login's answer, redeemed and installed; what the login ends with.
     private func redeem(_ login: CodeLogin, within timeout: Duration, _ name: String, _ upstream: HTTPTokenSource, _ client: OAuthClient,
                         _ settings: SessionConfiguration.OAuthSettings, proofKey: Secret?, began: Int) async -> Result<Int, BrokerError> {
-        func failed(_ reason: String) -> Result<Int, BrokerError> {
-            logger.warning("code login of session \(name) failed: \(reason)", session: name)
-            return .failure(.loginFailed(session: name, reason: reason))
-        }
+        func failed(_ reason: String) -> Result<Int, BrokerError> { .failure(loginFailure(name, "code login", reason)) }
         switch await login.answer(within: timeout) {
         case nil:
             if Task.isCancelled { return failed("the login was abandoned (its caller went away, or the daemon is stopping)") }
@@ -192,22 +185,16 @@ extension BrokerService {
             // Once a code is taken, its redemption runs to its end whatever becomes of the
             // caller (cancelled, the request would spend the code and lose what the server
             // issued, unrevoked): in the upstream pool, which the daemon drains at its stop.
-            return await withCheckedContinuation { continuation in
-                let started = revocations.enqueue { [self] in
-                    continuation.resume(returning: await redeem(code, login, name, upstream, client, settings, proofKey: proofKey, began: began))
-                }
-                if !started { continuation.resume(returning: failed("the daemon is stopping, or too many upstream requests wait")) }
-            }
+            return await outliving.outliving({ [self] in
+                await redeem(code, login, name, upstream, client, settings, proofKey: proofKey, began: began)
+            }, refused: failed("the daemon is stopping, or too many upstream requests wait"))
         }
     }
 
     /// Redeems the code, checks the ID token, and installs the tokens.
     private func redeem(_ code: Secret, _ login: CodeLogin, _ name: String, _ upstream: HTTPTokenSource, _ client: OAuthClient,
                         _ settings: SessionConfiguration.OAuthSettings, proofKey: Secret?, began: Int) async -> Result<Int, BrokerError> {
-        func failed(_ reason: String) -> Result<Int, BrokerError> {
-            logger.warning("code login of session \(name) failed: \(reason)", session: name)
-            return .failure(.loginFailed(session: name, reason: reason))
-        }
+        func failed(_ reason: String) -> Result<Int, BrokerError> { .failure(loginFailure(name, "code login", reason)) }
         let token: FetchedToken
         do {
             token = try await client.redeem(code: code, request: login.request)
@@ -318,7 +305,7 @@ extension BrokerService {
         let (credential, hint, kind) = token.refreshToken.map { ($0, "refresh_token", "refresh token") }
             ?? (token.accessToken, "access_token", "access token")
         let logger = self.logger
-        let started = revocations.enqueue {
+        let started = outliving.enqueue {
             do throws(FetchFailure) {
                 let revoked = try await client.revoke(credential, hint: hint)
                 logger.notice("session \(name): a login's \(kind) " + (revoked ? "is revoked" : "stays valid upstream (no revocation endpoint)")
@@ -329,7 +316,7 @@ extension BrokerService {
         }
         if !started {
             logger.warning("session \(name): a refused login's \(kind) is not revoked upstream: the daemon is stopping, "
-                           + "or \(revocations.backlogLimit) revocations are waiting already", session: name)
+                           + "or \(outliving.backlogLimit) tasks are waiting already", session: name)
         }
     }
 }
