@@ -228,8 +228,9 @@ extension BrokerService {
             case .taken:
                 logger.notice("the code login of session \(name) was answered by a redirect pasted by \(peer)", session: name)
                 switch await login.result() {
-                case let .success(generation): sink.send(VarlinkReply(parameters: LoginReply(generation: generation).parameters))
-                case let .failure(error): sink.send(error.reply)
+                case let .success(generation)?: sink.send(VarlinkReply(parameters: LoginReply(generation: generation).parameters))
+                case let .failure(error)?: sink.send(error.reply)
+                case nil: return   // (the caller went away)
                 }
             }
         }

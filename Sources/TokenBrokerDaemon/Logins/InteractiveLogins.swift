@@ -1,3 +1,4 @@
+import Basics
 import BrokerContract
 import Synchronization
 import TokenBrokerCore
@@ -71,16 +72,10 @@ final class CodeLogin: Sendable {
         case denied(error: String, description: String?)
     }
 
-    private struct State {
-        var answer: Answer?
-        var closed = false
-        var cancelled = false
-        var answerWaiter: CheckedContinuation<Answer?, Never>?
-        var result: Result<Int, BrokerError>?
-        var resultWaiters: [CheckedContinuation<Result<Int, BrokerError>, Never>] = []
-    }
-
-    private let state = Mutex(State())
+    /// The first answer, until the login stops taking one (`answer(within:)` returns).
+    private let answered = OneShot<Answer>()
+    /// The login's result, for everyone who brought an answer.
+    private let ended = OneShot<Result<Int, BrokerError>>()
     /// The requests the listener refused, in words (`refuse`), until the login ends.
     let refusals: AsyncStream<String>
     private let refused: AsyncStream<String>.Continuation
@@ -124,79 +119,28 @@ final class CodeLogin: Sendable {
         case let .code(code): answer = .code(code)
         case let .denied(error, description): answer = .denied(error: error, description: description)
         }
-        let waiter: CheckedContinuation<Answer?, Never>?? = state.withLock { state in
-            guard !state.closed, state.answer == nil else { return .none }
-            state.answer = answer
-            defer { state.answerWaiter = nil }
-            return .some(state.answerWaiter)
-        }
-        guard let waiter else { return .closed }
-        waiter?.resume(returning: answer)
-        return .taken
+        return answered.set(answer) ? .taken : .closed
     }
 
     /// The login's answer, or nil when none came within `timeout` or the task was cancelled.
     /// After it returns, nothing more is taken.
     func answer(within timeout: Duration) async -> Answer? {
-        let answer = await withTaskGroup(of: Answer?.self) { group in
-            group.addTask {
-                try? await Task.sleep(for: timeout)
-                return nil
-            }
-            group.addTask { await self.nextAnswer() }
-            let first = await group.next() ?? nil
-            group.cancelAll()
-            return first
-        }
-        // Closed under the lock: an answer taken meanwhile is the one returned.
-        return state.withLock { state in
-            state.closed = true
-            return state.answer ?? answer
-        }
-    }
-
-    private func nextAnswer() async -> Answer? {
-        await withTaskCancellationHandler {
-            await withCheckedContinuation { (continuation: CheckedContinuation<Answer?, Never>) in
-                let now: Answer?? = state.withLock { state in
-                    if let answer = state.answer { return .some(answer) }
-                    if state.cancelled || state.closed { return .some(nil) }
-                    state.answerWaiter = continuation
-                    return .none
-                }
-                if let now { continuation.resume(returning: now) }
-            }
-        } onCancel: {
-            let waiter = state.withLock { state in
-                state.cancelled = true
-                defer { state.answerWaiter = nil }
-                return state.answerWaiter
-            }
-            waiter?.resume(returning: nil)
-        }
+        let got = await answered.wait(upTo: timeout)
+        // Closed at once: an answer taken meanwhile is the one returned.
+        return answered.close() ?? got
     }
 
     /// Ends the login: everyone waiting for `result()` hears it.
     func finish(_ result: Result<Int, BrokerError>) {
         refused.finish()
-        let waiters = state.withLock { state in
-            state.closed = true
-            state.result = result
-            defer { state.resultWaiters = [] }
-            return state.resultWaiters
-        }
-        for waiter in waiters { waiter.resume(returning: result) }
+        answered.close()
+        ended.set(result)
     }
 
-    /// The login's result, once it has one (the login's own task always gives it one).
-    func result() async -> Result<Int, BrokerError> {
-        await withCheckedContinuation { continuation in
-            let now = state.withLock { state in
-                if state.result == nil { state.resultWaiters.append(continuation) }
-                return state.result
-            }
-            if let now { continuation.resume(returning: now) }
-        }
+    /// The login's result, once it has one (the login's own task always gives it one); nil
+    /// when the waiting task is cancelled (its caller went away).
+    func result() async -> Result<Int, BrokerError>? {
+        await ended.wait()
     }
 }
 
@@ -253,12 +197,15 @@ enum RedirectListener {
         case .taken:
             return .work {
                 switch await login.result() {
-                case let .success(generation):
+                case let .success(generation)?:
                     return page(200, "Logged in", "tokenbroker: \(login.session) is logged in (generation \(generation)). You can close this window.")
-                case let .failure(.loginFailed(_, reason)):
+                case let .failure(.loginFailed(_, reason))?:
                     return page(403, "Login failed", "tokenbroker: the login of \(login.session) failed: \(reason)")
-                case let .failure(error):
+                case let .failure(error)?:
                     return page(403, "Login failed", "tokenbroker: the login of \(login.session) failed (\(error.name)).")
+                case nil:
+                    // (The listener stopped before the login ended: the daemon is stopping.)
+                    return page(503, "Login not finished", "tokenbroker stopped before the login of \(login.session) ended; log in again.")
                 }
             }
         }
