@@ -406,10 +406,14 @@ final class BrokerService: VarlinkHandler {
     /// Runs a boundary (logout, login) on the session's coordinator as the table holds it *now*,
     /// under the gate: never on one a reload is handing over (see `BoundaryGate`).
     func boundary(_ name: String, _ body: @Sendable (SessionTable.Session) async throws -> VarlinkReply) async throws -> VarlinkReply {
+        try await inSession(name, body) ?? BrokerError.noSuchSession(session: name).reply
+    }
+
+    /// `body` on the session as the table holds it now, with logouts, logins and reloads held
+    /// back meanwhile (the gate, shared); nil when the table has no such session.
+    func inSession<T: Sendable>(_ name: String, _ body: @Sendable (SessionTable.Session) async throws -> T) async throws -> T? {
         try await sessions.gate.shared { [sessions] in
-            guard let session = sessions.snapshot.sessions[name] else {
-                return BrokerError.noSuchSession(session: name).reply
-            }
+            guard let session = sessions.snapshot.sessions[name] else { return nil }
             return try await body(session)
         }
     }
