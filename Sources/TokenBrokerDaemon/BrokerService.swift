@@ -433,9 +433,7 @@ final class BrokerService: VarlinkHandler {
     /// What a logout does with the refresh token it retires: revoke it upstream (RFC 7009),
     /// best effort, in the background (the pool of work that outlives its caller), so the logout is not delayed.
     func revocation(for session: SessionTable.Session) -> @Sendable (Secret) -> Void {
-        guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream, settings.revokeOnLogout else {
-            return { _ in }
-        }
+        guard let upstream = session.upstream, session.kind.revokesAtLogout else { return { _ in } }
         let (logger, outliving) = (self.logger, self.outliving)
         let name = session.configuration.name
         return { refreshToken in

@@ -372,11 +372,10 @@ public final class Daemon: Sendable {
     /// plus the token request, each under its own deadline.
     private func longestFlight() -> Duration {
         reloader.current.value.sessions.reduce(.zero) { longest, session in
-            guard case let .oauth(settings) = session.upstream else { return longest }
             // A fleet session's flight may wait for another broker's, up to the lease and more.
             // (Its commit is retried for up to twice the lease once the issuer has rotated.)
             let fleet = session.fleet.map { $0.flightLease * 2 + .seconds(5) + $0.requestTimeout * 4 } ?? .zero
-            return max(longest, fleet, settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero))
+            return max(longest, fleet, SessionFactory.kind(of: session).longestFlight)
         }
     }
 

@@ -37,6 +37,9 @@ final class SessionTable: Sendable {
             self.following = fleet?.following
         }
 
+        /// What kind of session it is, and so what it offers (`SessionKind`).
+        var kind: any SessionKind { SessionFactory.kind(of: configuration) }
+
         /// The same served session under a configuration whose changes keep the coordinator.
         func reconfigured(_ configuration: SessionConfiguration) -> Session {
             Session(configuration: configuration, coordinator: coordinator, slot: slot, upstream: upstream,

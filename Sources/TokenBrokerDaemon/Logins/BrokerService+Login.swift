@@ -11,7 +11,7 @@ import Varlink
 extension BrokerService {
     func deviceLogin(_ session: SessionTable.Session, by peer: PeerCredentials) throws(BrokerError) -> VarlinkHandling {
         let name = session.configuration.name
-        guard let upstream = session.upstream else { throw .loginFailed(session: name, reason: "this session has no OAuth upstream") }
+        let upstream = try loginUpstream(session)
         try claimLogin(name)
         logger.notice("device login of session \(name) started by \(peer)", session: name)
         return .async { [self] sink in
@@ -23,12 +23,8 @@ extension BrokerService {
 
     func codeLogin(_ session: SessionTable.Session, by peer: PeerCredentials, tellingRefusals: Bool = false) throws(BrokerError) -> VarlinkHandling {
         let name = session.configuration.name
-        guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream else {
-            throw .loginFailed(session: name, reason: "this session has no OAuth upstream")
-        }
-        guard settings.grant == .refreshToken else {
-            throw .loginFailed(session: name, reason: "a Grant=client_credentials session needs no login")
-        }
+        let upstream = try loginUpstream(session)
+        let settings = try loginSettings(session)
         try claimLogin(name)
         logger.notice("code login of session \(name) started by \(peer)", session: name)
         return .async { [self] sink in
@@ -70,9 +66,8 @@ extension BrokerService {
     /// authorization endpoint (configured or discovered), else the code flow.
     func loginFlow(_ session: SessionTable.Session) throws(BrokerError) -> VarlinkHandling {
         let name = session.configuration.name
-        guard let upstream = session.upstream, case let .oauth(settings) = session.configuration.upstream else {
-            throw .loginFailed(session: name, reason: "this session has no OAuth upstream")
-        }
+        let upstream = try loginUpstream(session)
+        let settings = try loginSettings(session)
         switch settings.login.flow {
         case .device: return .reply(VarlinkReply(parameters: LoginFlowReply(flow: .device, reason: "LoginFlow=device").parameters))
         case .code: return .reply(VarlinkReply(parameters: LoginFlowReply(flow: .code, reason: "LoginFlow=code").parameters))

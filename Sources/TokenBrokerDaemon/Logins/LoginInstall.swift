@@ -21,6 +21,21 @@ extension BrokerService {
         return .loginFailed(session: name, reason: reason)
     }
 
+    /// What the session's interactive logins use (its kind says), or why it has none.
+    func loginSettings(_ session: SessionTable.Session) throws(BrokerError) -> SessionConfiguration.OAuthSettings {
+        switch session.kind.interactiveLogin {
+        case let .offered(settings): return settings
+        case let .none(reason): throw .loginFailed(session: session.configuration.name, reason: reason)
+        }
+    }
+
+    /// The OAuth source an interactive login talks to (checked against the kind first).
+    func loginUpstream(_ session: SessionTable.Session) throws(BrokerError) -> HTTPTokenSource {
+        _ = try loginSettings(session)
+        guard let upstream = session.upstream else { throw .loginFailed(session: session.configuration.name, reason: "this session has no OAuth upstream") }
+        return upstream
+    }
+
     /// The session's one interactive login slot (device or code), or why not.
     func claimLogin(_ name: String) throws(BrokerError) {
         switch interactiveLogins.claim(name) {

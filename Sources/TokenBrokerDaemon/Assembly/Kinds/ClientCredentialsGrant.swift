@@ -3,7 +3,7 @@ import Upstream
 
 /// `Grant=client_credentials`: each refresh is a new grant request with the client's own
 /// credentials; no refresh token. Needs no login: it starts logged in.
-struct ClientCredentialsGrant: SessionKind {
+struct ClientCredentialsGrant: OAuthSessionKind {
     let settings: SessionConfiguration.OAuthSettings
 
     func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, upstream: HTTPTokenSource?) {
@@ -12,4 +12,6 @@ struct ClientCredentialsGrant: SessionKind {
     }
 
     var logsInAtStart: Bool { true }
+
+    var interactiveLogin: InteractiveLoginOffer { .none("a Grant=client_credentials session needs no login") }
 }

@@ -3,7 +3,7 @@ import Upstream
 
 /// `Grant=refresh_token`: a refresh token obtained by a login (`Login`, the device flow),
 /// rotated at each refresh. Waits signed out until someone logs in.
-struct RefreshTokenGrant: SessionKind {
+struct RefreshTokenGrant: OAuthSessionKind {
     let settings: SessionConfiguration.OAuthSettings
 
     func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, upstream: HTTPTokenSource?) {
@@ -12,4 +12,6 @@ struct RefreshTokenGrant: SessionKind {
     }
 
     var logsInAtStart: Bool { false }
+
+    var interactiveLogin: InteractiveLoginOffer { .offered(settings) }
 }

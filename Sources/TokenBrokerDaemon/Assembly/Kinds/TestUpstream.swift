@@ -10,4 +10,10 @@ struct TestUpstream: SessionKind {
     }
 
     var logsInAtStart: Bool { true }
+
+    var interactiveLogin: InteractiveLoginOffer { .none("this session has no OAuth upstream") }
+
+    var revokesAtLogout: Bool { false }
+
+    var longestFlight: Duration { .zero }
 }
