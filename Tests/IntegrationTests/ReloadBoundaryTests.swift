@@ -81,7 +81,9 @@ struct ReloadBoundaryTests {
             Issue.record("cannot mount a tmpfs here: \(mount.stderr)")
             return
         }
-        defer { _ = try? Child("/bin/umount", ["-l", disk], directory: scratch) }
+        // (Detached at once, in this process: a helper process started in a defer was gone
+        // with its value before it ran, and every run left its tmpfs mounted.)
+        defer { _ = umount2(disk, Int32(MNT_DETACH)) }
         let broker = try await Broker(config: "[Session]\nName=placeholder\nUpstream=test\n", extraArguments: ["--state-dir", disk + "/state"])
         defer { try? FileManager.default.removeItem(atPath: broker.directory) }
         do {

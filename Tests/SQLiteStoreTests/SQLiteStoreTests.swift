@@ -8,7 +8,9 @@ import TokenBrokerCore
 @Suite("SQLite session store")
 struct SQLiteStoreTests {
     static func directory() -> String {
-        FileManager.default.temporaryDirectory.appendingPathComponent("tb-store-\(UUID().uuidString.prefix(8))/state").path
+        let scratch = FileManager.default.temporaryDirectory.appendingPathComponent("tb-store-\(UUID().uuidString.prefix(8))").path
+        ScratchDirectories.removeAtExit(scratch)
+        return scratch + "/state"
     }
 
     static func record(_ generation: Int, _ state: SessionRecord.State, refresh: String? = nil, access: String? = nil,

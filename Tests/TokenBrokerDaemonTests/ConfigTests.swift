@@ -14,6 +14,7 @@ struct ConfigFixture {
 
     init(main text: String, dropIns: [String: String] = [:]) throws {
         directory = FileManager.default.temporaryDirectory.appendingPathComponent("tb-config-\(UUID().uuidString.prefix(8))").path
+        ScratchDirectories.removeAtExit(directory)
         try FileManager.default.createDirectory(atPath: directory + "/tokenbroker.conf.d", withIntermediateDirectories: true)
         try text.write(toFile: main, atomically: true, encoding: .utf8)
         for (name, content) in dropIns {

@@ -29,6 +29,8 @@ enum Paths {
     static func temporaryDirectory() throws -> String {
         var template = Array("/tmp/tb-test-XXXXXX".utf8CString)
         guard let path = mkdtemp(&template) else { throw POSIXError(.EIO) }
+        // (Removed at the test process's exit too, for the tests that leave theirs.)
+        ScratchDirectories.removeAtExit(String(cString: path))
         return String(cString: path)
     }
 }
