@@ -338,6 +338,10 @@ public enum DeviceLoginEvent: Sendable, Equatable {
 
 /// One reply of `CodeLogin`: where to send the browser, then the login's end.
 public enum CodeLoginEvent: Sendable, Equatable {
+    /// How `CompleteCodeLogin`'s `LoginFailed` reason ends for a pasted redirect that changed
+    /// nothing: the login goes on waiting (a client tells it from the login's end by it).
+    public static let stillWaiting = "; the login is still waiting"
+
     /// Open `authorizationUri` within `expiresIn` seconds; the server sends the browser back to
     /// `redirectUri`, the daemon's loopback listener (or its URL is pasted to `CompleteCodeLogin`).
     case prompt(authorizationUri: String, redirectUri: String, expiresIn: Int64)

@@ -85,9 +85,10 @@ extension Ctl {
         if let terminal {
             // The lines the rest takes (the URL wraps at the terminal's width), the flow's line
             // above, and the prompt's own line after.
+            // (A terminal that does not say its width wraps nothing.)
             let columns = terminal.columns > 0 ? terminal.columns : Int.max
             let wrapped = (help + open).split(separator: "\n", omittingEmptySubsequences: false).reduce(0) { lines, line in
-                lines + max(1, (line.count + columns - 1) / max(columns, 1))
+                lines + (columns == .max ? 1 : max(1, (line.count + columns - 1) / columns))
             }
             let rows = terminal.rows > 0 ? terminal.rows : Int.max
             if let width = QRCode.width(uri) {
@@ -111,9 +112,6 @@ extension Ctl {
         guard gethostname(&buffer, buffer.count - 1) == 0 else { return "this-host" }
         return String(decoding: buffer.prefix(while: { $0 != 0 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
     }
-
-    /// How the daemon ends the reason of a paste it did not take.
-    static let stillWaiting = "; the login is still waiting"
 
     /// The longest pasted line taken, in bytes (the daemon takes no longer redirect).
     static let longestPaste = 8192
@@ -142,8 +140,8 @@ extension Ctl {
                     _ = try exchange(address, request) { (call) throws(VarlinkClientError) -> VarlinkReply in
                         let reply = try VarlinkClient(address: address, timeout: 700).call(call)
                         // A paste that is not the login's answer changes nothing: not a failure.
-                        if case let .loginFailed(_, reason)? = BrokerError(reply, session: session), reason.hasSuffix(stillWaiting) {
-                            errors.write("Not taken: \(reason.dropLast(stillWaiting.count).prefix(300)). The login is still waiting.\n")
+                        if case let .loginFailed(_, reason)? = BrokerError(reply, session: session), reason.hasSuffix(CodeLoginEvent.stillWaiting) {
+                            errors.write("Not taken: \(reason.dropLast(CodeLoginEvent.stillWaiting.count).prefix(300)). The login is still waiting.\n")
                             return VarlinkReply()
                         }
                         return reply

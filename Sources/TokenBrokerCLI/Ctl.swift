@@ -159,7 +159,6 @@ public enum Ctl {
         if flow != nil && refreshTokenFromStdin { return usage("--flow and --refresh-token-stdin are two ways to log in: choose one", entry, &errors) }
         let operands = Array(words.dropFirst())
         guard operands.count == entry.operands.count else { return usage(entry.operandRule, entry, &errors) }
-        if verb == "proof", let problem = proofOperandProblem(method: operands[1], url: operands[2]) { return usage(problem, entry, &errors) }
         guard let address = address(socket) else {
             return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", entry, &errors)
         }
@@ -201,6 +200,7 @@ public enum Ctl {
     }
 
     static func proof(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        if let problem = proofOperandProblem(method: call.operands[1], url: call.operands[2]) { throw Failure(usage: problem) }
         let reply = try Ctl.call(call.address, .getProof(session: call.session, method: call.operands[1], uri: call.operands[2], nonce: call.nonce,
                                                          rejected: nil, minValid: call.minValid))
         let proof = ProofReply(reply.parameters)
@@ -278,7 +278,8 @@ public enum Ctl {
                      + "every broker logs it out: run `tokenbroker ctl login \(session)`\n")
     }
 
-    /// A usage error: the message, then the verb's usage (all of `ctl`'s help when no verb is known).
+    /// A usage error: the message, then the verb's usage (`ctl`'s short usage and its verbs when
+    /// no verb is known).
     private static func usage(_ message: String, _ verb: CtlVerb?, _ errors: inout some TextOutput) -> Int32 {
         errors.write("Error: \(message)\n\n" + (verb?.usage ?? CtlVerb.shortUsage))
         return ExitCode.usage

@@ -195,13 +195,7 @@ public enum TokenBrokerCommand {
             // Every error and warning, in file order: a warning's "did you mean" may be the
             // cause of the error after it.
             let all = ([error] + error.further).map { ("Error", $0) } + error.warnings.map { ("warning", $0) }
-            // (The files are read in that order: the main file, then the drop-ins by name.)
-            func key(_ item: (offset: Int, element: (String, ConfigError))) -> (Int, String, Int, Int) {
-                let file = item.element.1.file
-                return (file == path ? 0 : 1, file == path ? "" : file, item.element.1.line, item.offset)
-            }
-            let ordered = all.enumerated().sorted { key($0) < key($1) }
-            for (_, (label, one)) in ordered { errors.write("\(label): \(one.location)\n") }
+            for (label, one) in ConfigError.inFileOrder(all, main: path, \.1) { errors.write("\(label): \(one.location)\n") }
             let count = 1 + error.further.count + error.omitted
             if error.omitted > 0 { errors.write("(and \(error.omitted) more errors)\n") }
             if count > 1 || !error.warnings.isEmpty {

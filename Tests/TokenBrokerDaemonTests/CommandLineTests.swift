@@ -109,6 +109,9 @@ struct CommandLineTests {
             let wideButShort = Ctl.prompt("web", url, "http://127.0.0.1:8400/callback", expiresIn: 300, terminal: (200, 24))
             #expect(!wideButShort.contains("█"))
         }
+        // A terminal that does not say its size (0 × 0): nothing wraps, nothing traps.
+        let unsized = Ctl.prompt("web", url, "http://127.0.0.1:8400/callback", expiresIn: 300, terminal: (0, 0))
+        #expect(unsized.hasSuffix("\n\n  \(url)\n\nWaiting for the login (up to 5 min)…\n"))
         let off = Ctl.prompt("web", url, "http://127.0.0.1:8400/callback", expiresIn: 300, terminal: nil)
         #expect(!off.contains("█") && !off.contains("QR code") && off.hasPrefix("The browser comes back to http://127.0.0.1:8400/callback"))
     }

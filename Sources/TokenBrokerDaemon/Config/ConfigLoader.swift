@@ -35,10 +35,11 @@ public enum ConfigLoader {
         var sections: [INISection] = []
         var errors: [ConfigError] = []
         for (file, text) in files { sections += INIFile.parse(text, file: file, errors: &errors) }
-        return try build(sections, errors: errors, fileOrder: files.map(\.0))
+        return try build(sections, errors: errors, mainFile: path)
     }
 
-    static func build(_ sections: [INISection], errors: [ConfigError] = [], fileOrder: [String] = []) throws(ConfigError) -> BrokerConfiguration {
+    /// - Parameter mainFile: the file read first (the drop-ins follow it by name).
+    static func build(_ sections: [INISection], errors: [ConfigError] = [], mainFile: String? = nil) throws(ConfigError) -> BrokerConfiguration {
         var configuration = BrokerConfiguration()
         var context = ConfigContext()
         for error in errors { context.record(error) }
@@ -110,15 +111,10 @@ public enum ConfigLoader {
             }
             configuration.sessions.append(session)
         }
-        // In file order (the files as read, then by line), whatever check found them.
-        var rank: [String: Int] = [:]
-        for file in fileOrder + sections.map(\.file) + context.errors.map(\.file) where rank[file] == nil { rank[file] = rank.count }
-        func inOrder(_ list: [ConfigError]) -> [ConfigError] {
-            list.enumerated().sorted { ($0.element.file == $1.element.file ? 0 : rank[$0.element.file]!, $0.element.line, $0.offset)
-                < ($0.element.file == $1.element.file ? 0 : rank[$1.element.file]!, $1.element.line, $1.offset) }.map(\.element)
-        }
-        configuration.warnings = inOrder(context.warnings)
-        if let error = ConfigError.combined(inOrder(context.errors), omitted: context.omittedErrors, warnings: configuration.warnings) { throw error }
+        // In file order, whatever check found them.
+        configuration.warnings = ConfigError.inFileOrder(context.warnings, main: mainFile) { $0 }
+        if let error = ConfigError.combined(ConfigError.inFileOrder(context.errors, main: mainFile) { $0 }, omitted: context.omittedErrors,
+                                            warnings: configuration.warnings) { throw error }
         return configuration
     }
 

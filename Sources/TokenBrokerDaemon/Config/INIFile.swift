@@ -28,6 +28,16 @@ public struct ConfigError: Error, Sendable, Equatable, CustomStringConvertible {
         ([location] + further.map(\.location) + (omitted > 0 ? ["(and \(omitted) more errors)"] : [])).joined(separator: "\n")
     }
 
+    /// `items` in the order the files are read (`main`, then the drop-ins by name), then by
+    /// line; stable otherwise.
+    public static func inFileOrder<T>(_ items: [T], main: String?, _ place: (T) -> ConfigError) -> [T] {
+        func key(_ item: (offset: Int, element: T)) -> (Int, String, Int, Int) {
+            let error = place(item.element)
+            return (error.file == main ? 0 : 1, error.file == main ? "" : error.file, error.line, item.offset)
+        }
+        return items.enumerated().sorted { key($0) < key($1) }.map(\.element)
+    }
+
     /// The first of `errors` (in order), carrying the others and `warnings`.
     static func combined(_ errors: [ConfigError], omitted: Int = 0, warnings: [ConfigError]) -> ConfigError? {
         guard var first = errors.first else { return nil }

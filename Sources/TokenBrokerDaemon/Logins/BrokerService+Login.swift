@@ -48,7 +48,7 @@ extension BrokerService {
             switch login.offer(redirect) {
             case let .invalid(reason, _):
                 logger.notice("a redirect pasted by \(peer) for the code login of session \(name) was refused: \(reason)", session: name)
-                sink.send(BrokerError.loginFailed(session: name, reason: "\(reason); the login is still waiting").reply)
+                sink.send(BrokerError.loginFailed(session: name, reason: reason + CodeLoginEvent.stillWaiting).reply)
             case .closed:
                 sink.send(BrokerError.loginFailed(session: name, reason: "the login has its answer already, or has ended").reply)
             case .taken:
