@@ -83,10 +83,11 @@ def get(url):
         connection.close()
 
 
-def terminal(columns):
-    """A pty `columns` wide: (primary, secondary)."""
+def terminal(columns, rows=100):
+    """A pty `columns` wide and `rows` high: (primary, secondary). (ctl draws a code only when it
+    fits with the rest of the prompt: a code of 69 modules and its text take about 50 rows.)"""
     primary, secondary = pty.openpty()
-    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     return primary, secondary
 
 
