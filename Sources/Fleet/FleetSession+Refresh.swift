@@ -113,10 +113,8 @@ extension FleetSession {
         let budget = settings.flightLease - margin - flight.taken.duration(to: clock.now)
         let refreshToken = flight.claimed.refreshToken
         // The request is cut off when the budget is spent, whoever still waits for it.
-        // (A real instant: the HTTP layer cuts the request off by the process's clock.)
-        let deadline = ContinuousClock.now.advanced(by: budget)
         let answer = await within(budget) { [upstream, name] in
-            try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken, deadline: deadline))
+            try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken, timeLimit: budget))
         }
         guard case let .answered(outcome) = answer else {
             // Abandoned: the request may still be processed. Nobody tries again (this broker

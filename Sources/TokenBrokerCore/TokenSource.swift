@@ -25,19 +25,20 @@ public struct FetchRequest: Sendable, Equatable {
     /// The type of the generation's current token, if it has one: a generation keeps the kind
     /// of token its first one was (DPoP-bound or bearer).
     public var tokenType: String?
-    /// When the request is cut off, whether or not its caller still waits (under the source's
-    /// own timeouts): a fleet holder's request ends before its flight lease can lapse for the
-    /// others, discovery included.
-    public var deadline: ContinuousClock.Instant?
+    /// How long the request may take from when the source receives it, whether or not its
+    /// caller still waits (under the source's own timeouts): a fleet holder's request ends
+    /// before its flight lease can lapse for the others, discovery included. A duration, not an
+    /// instant: the caller measures its budget by its own clock, the source by the process's.
+    public var timeLimit: Duration?
 
     public init(session: String, generation: Int, refreshToken: Secret?, proofKey: Secret? = nil, tokenType: String? = nil,
-                deadline: ContinuousClock.Instant? = nil) {
+                timeLimit: Duration? = nil) {
         self.session = session
         self.generation = generation
         self.refreshToken = refreshToken
         self.proofKey = proofKey
         self.tokenType = tokenType
-        self.deadline = deadline
+        self.timeLimit = timeLimit
     }
 }
 

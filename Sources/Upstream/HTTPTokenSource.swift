@@ -179,18 +179,20 @@ public final class HTTPTokenSource: TokenSource {
     /// rotated already would otherwise leave the new refresh token alive, known to nobody, and
     /// revoking the old one changes nothing at many servers.
     public func fetch(_ request: FetchRequest) async throws -> FetchedToken {
+        // The time limit runs from here, by the process's clock (libcurl's).
+        let deadline = request.timeLimit.map { ContinuousClock.now.advanced(by: $0) }
         // Without a handler, cancelling ends the transfer. (A fleet holder's request goes on
-        // too, but never past its `deadline`: the flight lease.)
-        guard abandoned.withLock({ $0 != nil }) else { return try await fetchNow(request) }
+        // too, but never past its time limit: the flight lease.)
+        guard abandoned.withLock({ $0 != nil }) else { return try await fetchNow(request, deadline: deadline) }
         try Task.checkCancellation()   // nothing sent yet: nothing to abandon
         let race = AbandonableResult<FetchedToken>()
         let transfer: @Sendable () async -> Void = { [self] in
             let result: Result<FetchedToken, any Error>
-            do { result = .success(try await fetchNow(request)) } catch { result = .failure(error) }
+            do { result = .success(try await fetchNow(request, deadline: deadline)) } catch { result = .failure(error) }
             if !race.deliver(result), let handler = abandoned.withLock({ $0 }) { await handler(request, result) }
         }
         if let tasks {
-            guard tasks.spawn(transfer) != nil else { return try await fetchNow(request) }
+            guard tasks.spawn(transfer) != nil else { return try await fetchNow(request, deadline: deadline) }
         } else {
             Task { await transfer() }
         }
@@ -206,10 +208,10 @@ public final class HTTPTokenSource: TokenSource {
     private let abandoned = Mutex<(@Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)?>(nil)
 
     /// The request, cut off at its deadline if it has one.
-    private func fetchNow(_ request: FetchRequest) async throws -> FetchedToken {
-        guard let deadline = request.deadline else { return try await fetchUnbounded(request) }
+    private func fetchNow(_ request: FetchRequest, deadline: ContinuousClock.Instant?) async throws -> FetchedToken {
+        guard let deadline else { return try await fetchUnbounded(request, deadline: nil) }
         return try await withThrowingTaskGroup(of: FetchedToken?.self) { group in
-            group.addTask { try await self.fetchUnbounded(request) }
+            group.addTask { try await self.fetchUnbounded(request, deadline: deadline) }
             group.addTask {
                 try await Task.sleep(until: deadline, clock: .continuous)
                 return nil
@@ -229,7 +231,7 @@ public final class HTTPTokenSource: TokenSource {
         }
     }
 
-    private func fetchUnbounded(_ request: FetchRequest) async throws -> FetchedToken {
+    private func fetchUnbounded(_ request: FetchRequest, deadline: ContinuousClock.Instant?) async throws -> FetchedToken {
         if dpop == .on, request.proofKey == nil {
             // (Its refresh token would stay alive upstream, known to nobody: revoked first.)
             if let refreshToken = request.refreshToken { _ = await revoke(refreshToken) }
@@ -237,7 +239,7 @@ public final class HTTPTokenSource: TokenSource {
         }
         let client: OAuthClient
         do {
-            client = try await self.client(proofKey: request.proofKey, tokenType: request.tokenType, deadline: request.deadline)
+            client = try await self.client(proofKey: request.proofKey, tokenType: request.tokenType, deadline: deadline)
         } catch {
             // Ending the session before anything was sent (a kept key damaged, a server that
             // takes no ES256): its refresh token is revoked first, as above.

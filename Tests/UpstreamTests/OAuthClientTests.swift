@@ -37,7 +37,7 @@ struct OAuthClientTests {
         }
         issuer.inject([.hold])
         let started = ContinuousClock.now
-        let request = FetchRequest(session: "s", generation: 1, refreshToken: Secret(issuer.issueRefreshToken()), deadline: started + .milliseconds(600))
+        let request = FetchRequest(session: "s", generation: 1, refreshToken: Secret(issuer.issueRefreshToken()), timeLimit: .milliseconds(600))
         // Waited for: the deadline, not RequestTimeout=, ends it.
         await #expect(throws: FetchFailure.transient("the request was cut off at its deadline (the fleet's flight lease)")) {
             try await source.fetch(request)
@@ -50,7 +50,7 @@ struct OAuthClientTests {
         issuer.inject([.hold])
         let second = ContinuousClock.now
         let abandoned = Task { try await source.fetch(FetchRequest(session: "s", generation: 1, refreshToken: Secret(issuer.issueRefreshToken()),
-                                                                  deadline: second + .milliseconds(600))) }
+                                                                  timeLimit: .milliseconds(600))) }
         try await eventually("the request is held") { issuer.heldCount == 1 }
         abandoned.cancel()
         _ = await abandoned.result

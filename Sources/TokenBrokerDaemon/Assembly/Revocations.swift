@@ -29,7 +29,7 @@ extension SessionFactory {
     /// revoked is said.
     ///
     /// `fleetGeneration`: a fleet session's, read when the answer comes. A holder's request goes
-    /// on no longer than its flight lease allows (`FetchRequest.deadline`), so that no broker
+    /// on no longer than its flight lease allows (`FetchRequest.timeLimit`), so that no broker
     /// taking over can overlap it, and what it brings is revoked only when a logout or login
     /// (here, or followed from elsewhere) has ended its generation, and only a rotated refresh
     /// token. One that comes after the holder gave up for want of time is not: its generation
