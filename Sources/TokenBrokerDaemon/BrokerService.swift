@@ -237,7 +237,7 @@ final class BrokerService: VarlinkHandler {
             guard let kept = token.proofKey, token.tokenType == "DPoP" else {
                 return VarlinkReply(parameters: ProofReply(token: TokenReply(token), proof: nil).parameters)
             }
-            guard let upstream = session.upstream else { throw BrokerError.internalError }
+            guard let upstream = session.account else { throw BrokerError.internalError }
             let proof: String
             do {
                 proof = try DPoPProof.make(key: try upstream.proofKey(kept), method: method, url: uri, issuedAt: UTCTime.unixSeconds(),
@@ -319,7 +319,7 @@ final class BrokerService: VarlinkHandler {
             try await boundary(name) { session in
                 // A DPoP session's new generation gets a new key (the old one ends with its generation).
                 let proofKey: Secret?
-                do throws(FetchFailure) { proofKey = try session.upstream?.newProofKey() } catch {
+                do throws(FetchFailure) { proofKey = try session.account?.newProofKey() } catch {
                     throw BrokerError.loginFailed(session: name, reason: error.message)
                 }
                 let generation = try await session.coordinator.login(refreshToken: refreshToken, proofKey: proofKey)
@@ -433,7 +433,7 @@ final class BrokerService: VarlinkHandler {
     /// What a logout does with the refresh token it retires: revoke it upstream (RFC 7009),
     /// best effort, in the background (the pool of work that outlives its caller), so the logout is not delayed.
     func revocation(for session: SessionTable.Session) -> @Sendable (Secret) -> Void {
-        guard let upstream = session.upstream, session.kind.revokesAtLogout else { return { _ in } }
+        guard let upstream = session.account, session.kind.revokesAtLogout else { return { _ in } }
         let (logger, outliving) = (self.logger, self.outliving)
         let name = session.configuration.name
         return { refreshToken in
@@ -467,10 +467,8 @@ final class BrokerService: VarlinkHandler {
         case let error as SessionError:
             switch error {
             case .signedOut:
-                // The way back in for a session no interactive login serves.
-                guard case .test? = sessions.snapshot.sessions[session]?.configuration.upstream else { return .signedOut(session: session) }
-                // (Upstream=test takes any refresh token.)
-                return .signedOut(session: session, login: "printf x | tokenbroker ctl login \(session) --refresh-token-stdin")
+                // The way back in, when the session's kind knows a better one than `ctl login`.
+                return .signedOut(session: session, login: sessions.snapshot.sessions[session]?.kind.wayBackIn(session))
             case let .refreshFailed(reason, retryable, retryAfter):
                 return .refreshFailed(session: session, reason: reason, retryable: retryable, retryAfter: retryAfter?.seconds)
             case let .throttled(retryAfter): return .throttled(session: session, retryAfter: retryAfter.seconds)

@@ -166,7 +166,7 @@ public final class Daemon: Sendable {
         if let development {
             for name in development.sessionNames {
                 guard let demo = table.snapshot.sessions[name] else { continue }
-                await development.logIn(demo.coordinator, proofKey: try? demo.upstream?.newProofKey())
+                await development.logIn(demo.coordinator, proofKey: try? demo.account?.newProofKey())
             }
         }
         // Ready means: the socket listens and the stored state is loaded (not that any

@@ -16,8 +16,9 @@ final class SessionTable: Sendable {
         let coordinator: Coordinator
         /// The coordinator's place in the daemon's census.
         let slot: SessionCensus.Slot
-        /// The OAuth source of an `oauth` session (for revocation, device logins, discovery).
-        let upstream: HTTPTokenSource?
+        /// The session's account at its authorization server, if it has one (for logins,
+        /// revocation, discovery, DPoP keys).
+        let account: (any UpstreamAccount)?
         /// The GetToken reply for the current token, encoded once.
         let replies = TokenReplyCache()
         /// The session's Status entry, encoded once per change of its status.
@@ -27,12 +28,12 @@ final class SessionTable: Sendable {
         let fleet: DaemonFleetSession?
         private let following: Task<Void, Never>?
 
-        init(configuration: SessionConfiguration, coordinator: Coordinator, slot: SessionCensus.Slot, upstream: HTTPTokenSource? = nil,
+        init(configuration: SessionConfiguration, coordinator: Coordinator, slot: SessionCensus.Slot, account: (any UpstreamAccount)? = nil,
              fleet: (session: DaemonFleetSession, following: Task<Void, Never>?)? = nil) {
             self.configuration = configuration
             self.coordinator = coordinator
             self.slot = slot
-            self.upstream = upstream
+            self.account = account
             self.fleet = fleet?.session
             self.following = fleet?.following
         }
@@ -42,7 +43,7 @@ final class SessionTable: Sendable {
 
         /// The same served session under a configuration whose changes keep the coordinator.
         func reconfigured(_ configuration: SessionConfiguration) -> Session {
-            Session(configuration: configuration, coordinator: coordinator, slot: slot, upstream: upstream,
+            Session(configuration: configuration, coordinator: coordinator, slot: slot, account: account,
                     fleet: fleet.map { ($0, following) })
         }
 

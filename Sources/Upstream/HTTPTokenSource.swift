@@ -4,18 +4,11 @@ import Synchronization
 import TokenBrokerCore
 import HTTPTransport
 
-/// The OAuth grant a session uses.
-public enum OAuthGrant: String, Sendable, Equatable {
-    /// Refresh tokens, obtained by a login (device flow or `Login`), rotated on each refresh.
-    case refreshToken = "refresh_token"
-    /// `client_credentials`: no refresh token; each refresh is a new grant request.
-    case clientCredentials = "client_credentials"
-}
-
-/// A `TokenSource` backed by an authorization server. It holds no credential of a session:
-/// the coordinator passes the refresh token in and commits what comes back.
-public final class HTTPTokenSource: TokenSource {
-    public let grant: OAuthGrant
+/// A `TokenSource` backed by an authorization server, and the session's `UpstreamAccount`
+/// there. It holds no credential of a session: the coordinator passes the refresh token in and
+/// commits what comes back. Its grant (`TokenGrant`) is the one request it does not decide.
+public final class HTTPTokenSource: TokenSource, UpstreamAccount {
+    private let grant: any TokenGrant
     /// Whether the session's tokens are DPoP-bound (`DPoP=`): its logins make keys, and with
     /// `on` a refresh without one (a login from before the setting) is refused.
     public let dpop: DPoPMode
@@ -35,7 +28,7 @@ public final class HTTPTokenSource: TokenSource {
     ///   - tasks: the owner of token requests that go on after their caller was cancelled (the
     ///     daemon's, awaited at stop). When it is full or closed, a cancelled caller's request
     ///     is cut off instead.
-    public init(grant: OAuthGrant, configuration: OAuthClientConfiguration, endpoints: OAuthEndpoints?, issuer: String?, loop: CurlLoop = .shared,
+    public init(grant: some TokenGrant, configuration: OAuthClientConfiguration, endpoints: OAuthEndpoints?, issuer: String?, loop: CurlLoop = .shared,
                 tasks: TaskPool? = nil, dpop: DPoPMode = .off, nonces: DPoPNonces = .shared) {
         self.grant = grant
         self.dpop = dpop
@@ -79,16 +72,6 @@ public final class HTTPTokenSource: TokenSource {
         return metadata
     }
 
-    /// What an authorization code login needs of the server: its authorization endpoint
-    /// (configured, else from the metadata), and whether its redirects always carry `iss`.
-    public struct CodeLoginServer: Sendable {
-        public var authorizationEndpoint: String
-        /// The issuer a redirect's `iss` must name (`Issuer=`; nil without one).
-        public var issuer: String?
-        /// The metadata says every redirect carries `iss` (RFC 9207).
-        public var issuerInRedirect: Bool
-    }
-
     /// The server as a code login sees it. A server whose metadata lists PKCE methods without
     /// S256 is refused (tokenbroker sends no other). (Only a login asks for this: the
     /// authorization endpoint never makes a refresh wait on discovery.)
@@ -119,7 +102,11 @@ public final class HTTPTokenSource: TokenSource {
     /// without ES256 (the one tokenbroker signs with) cannot be used with `DPoP=yes`.
     /// `deadline`: when its requests must be over (their timeouts, under `RequestTimeout=`, are
     /// the time left after discovery).
-    public func client(proofKey: Secret? = nil, tokenType: String? = nil, deadline: ContinuousClock.Instant? = nil) async throws(FetchFailure)
+    public func client(proofKey: Secret?) async throws(FetchFailure) -> OAuthClient {
+        try await client(proofKey: proofKey, tokenType: nil, deadline: nil)
+    }
+
+    public func client(proofKey: Secret?, tokenType: String?, deadline: ContinuousClock.Instant?) async throws(FetchFailure)
         -> OAuthClient {
         let endpoints = try await endpoints()
         var dpop: DPoPBinding?
@@ -246,30 +233,16 @@ public final class HTTPTokenSource: TokenSource {
             if case .terminal = error.kind, request.proofKey != nil, let refreshToken = request.refreshToken { _ = await revoke(refreshToken) }
             throw error
         }
-        switch grant {
-        case .refreshToken:
-            guard let refreshToken = request.refreshToken else { throw FetchFailure.terminal("no refresh token: log in first") }
-            return try await client.refresh(refreshToken)
-        case .clientCredentials:
-            return try await client.clientCredentials()
-        }
+        return try await grant.token(for: request, through: client)
     }
 
     /// Best-effort RFC 7009 revocation of a refresh token.
     public func revoke(_ refreshToken: Secret) async -> Revocation {
         do {
-            return try await client().revoke(refreshToken) ? .revoked : .noEndpoint
+            return try await client(proofKey: nil).revoke(refreshToken) ? .revoked : .noEndpoint
         } catch {
             return .failed(error.message)
         }
-    }
-
-    /// What became of a revocation.
-    public enum Revocation: Sendable, Equatable {
-        case revoked
-        /// No revocation endpoint is configured or discovered: nothing was sent.
-        case noEndpoint
-        case failed(String)
     }
 }
 

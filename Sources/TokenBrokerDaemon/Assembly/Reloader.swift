@@ -139,7 +139,7 @@ final class Reloader: Sendable {
                 let made: (session: SessionTable.Session, logIn: Bool)
                 if let existing = previous.sessions[session.name], leaving[session.name] == nil {
                     // Same upstream and policy: keep tokens and flights; re-read discovery metadata.
-                    existing.upstream?.resetDiscovery()
+                    existing.account?.resetDiscovery()
                     made = (changed.contains(session.name) ? existing.reconfigured(session) : existing, false)
                 } else if let existing = leaving[session.name] {
                     let handedOver = await existing.coordinator.handOver()
@@ -206,7 +206,7 @@ final class Reloader: Sendable {
                 group.addTask {
                     // A DPoP session's login makes its key (a failure to make one is the login's).
                     let proofKey: Secret?
-                    do throws(FetchFailure) { proofKey = try session.upstream?.newProofKey() } catch {
+                    do throws(FetchFailure) { proofKey = try session.account?.newProofKey() } catch {
                         logger.error("session \(session.configuration.name): cannot log in: \(error.message)", session: session.configuration.name)
                         return
                     }

@@ -8,8 +8,8 @@ import Upstream
 extension SessionFactory {
     /// What happens to an upstream answer that arrived after a logout (or login) had ended its
     /// generation: its refresh token is revoked, like the one the logout retired.
-    func discardedTokenRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource?) -> @Sendable (FetchedToken) -> Void {
-        guard let upstream, case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return { _ in } }
+    func discardedTokenRevocation(_ session: SessionConfiguration, _ upstream: (any UpstreamAccount)?) -> @Sendable (FetchedToken) -> Void {
+        guard let upstream, Self.kind(of: session).revokesAtLogout else { return { _ in } }
         let (logger, tasks, name) = (self.logger, outliving, session.name)
         return { fetched in
             guard let refreshToken = fetched.refreshToken else { return }
@@ -35,9 +35,9 @@ extension SessionFactory {
     /// token. One that comes after the holder gave up for want of time is not: its generation
     /// goes on, the fleet may still use its predecessor (an issuer with a reuse grace period),
     /// and revoking could end that grant too.
-    func abandonedRequestRevocation(_ session: SessionConfiguration, _ upstream: HTTPTokenSource, fleetGeneration: (@Sendable () -> Int)? = nil)
+    func abandonedRequestRevocation(_ session: SessionConfiguration, _ upstream: any UpstreamAccount, fleetGeneration: (@Sendable () -> Int)? = nil)
         -> (@Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)? {
-        guard case let .oauth(settings) = session.upstream, settings.revokeOnLogout else { return nil }
+        guard Self.kind(of: session).revokesAtLogout else { return nil }
         let (logger, name) = (self.logger, session.name)
         return { request, result in
             if let fleetGeneration, fleetGeneration() == request.generation {

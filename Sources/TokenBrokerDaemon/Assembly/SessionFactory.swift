@@ -63,23 +63,23 @@ struct SessionFactory: Sendable {
             }
         }
         let kind = Self.kind(of: session)
-        let (source, upstream) = kind.source(for: session, in: self)
-        let fleet = session.fleet == nil ? nil : await fleetPart(session, source: source, upstream: upstream)
+        let (source, account) = kind.source(for: session, in: self)
+        let fleet = session.fleet == nil ? nil : await fleetPart(session, source: source, account: account)
         let slot = census.enrol(session.name)
         let coordinator = Coordinator(session: session.name, policy: session.policy, source: fleet ?? source,
                                       store: fleet ?? MeasuredStore(inner: state.sessions, metrics: metrics), restored: restored,
                                       pendingWrite: handedOver?.pendingWrite, counters: handedOver?.counters ?? SessionCounters(),
                                       clock: ContinuousClock(), wall: SystemWallClock(),
-                                      discarded: discardedTokenRevocation(session, upstream),
+                                      discarded: discardedTokenRevocation(session, account),
                                       outcomes: { [log = RefreshLog(logger: logger, policy: session.policy), metrics] outcome in
                                           log.record(outcome)
                                           metrics.record(outcome)
                                       },
                                       summaries: { [census] summary in census.tell(slot, summary) })
         census.begin(slot, coordinator.summary)
-        if fleet != nil, let upstream,
-           let revocation = abandonedRequestRevocation(session, upstream, fleetGeneration: { coordinator.statusSnapshot().generation }) {
-            upstream.whenAbandoned(revocation)
+        if fleet != nil, let account,
+           let revocation = abandonedRequestRevocation(session, account, fleetGeneration: { coordinator.statusSnapshot().generation }) {
+            account.whenAbandoned(revocation)
         }
         if let fleet {
             // The sync loop's first read of etcd logs the session in or out here as the fleet has it.
@@ -88,7 +88,7 @@ struct SessionFactory: Sendable {
             if following == nil { logger.error("session \(session.name): the daemon is stopping; it does not follow the fleet", session: session.name) }
             logger.log(.info, "session \(session.name): shared with the fleet (\(fleet.settings.prefix) on \(fleet.settings.endpoints.count) "
                        + "etcd endpoint(s)); it follows the fleet's state", session: session.name)
-            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, upstream: upstream,
+            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account,
                                          fleet: (fleet, following)), false)
         }
         if let restored {
@@ -98,13 +98,13 @@ struct SessionFactory: Sendable {
                            session: session.name, generation: restored.generation,
                            tokenSerial: restored.accessToken == nil ? nil : restored.tokenSerial)
             }
-            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, upstream: upstream), false)
+            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account), false)
         }
-        return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, upstream: upstream), kind.logsInAtStart)
+        return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account), kind.logsInAtStart)
     }
 
     /// The OAuth source of a session, with what becomes of requests its callers abandon.
-    func httpSource(_ session: SessionConfiguration, _ settings: SessionConfiguration.OAuthSettings, grant: OAuthGrant) -> HTTPTokenSource {
+    func httpSource(_ session: SessionConfiguration, _ settings: SessionConfiguration.OAuthSettings, grant: some TokenGrant) -> HTTPTokenSource {
         let http = HTTPTokenSource(grant: grant, configuration: settings.client.configuration, endpoints: settings.endpoints,
                                    issuer: settings.issuer, tasks: transfers, dpop: settings.dpop)
         // (A fleet session's handler needs its coordinator: see `make`.)
@@ -113,7 +113,7 @@ struct SessionFactory: Sendable {
     }
 
     /// A fleet session's etcd side, from the position this broker has reached in the fleet.
-    private func fleetPart(_ session: SessionConfiguration, source: any TokenSource, upstream: HTTPTokenSource?) async -> DaemonFleetSession? {
+    private func fleetPart(_ session: SessionConfiguration, source: any TokenSource, account: (any UpstreamAccount)?) async -> DaemonFleetSession? {
         guard let settings = session.fleet else { return nil }
         let local = FleetStateStore(state: state, prefix: settings.prefix, metrics: metrics, memory: state.database == nil ? fleetMarks : nil,
                                     pendingMemory: state.database == nil ? fleetPending : nil)
@@ -132,7 +132,7 @@ struct SessionFactory: Sendable {
                 backend: EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout),
                 upstream: source, local: local, floor: floor, pending: pending, clock: ContinuousClock(), wall: SystemWallClock(),
                 pendingLogoutFile: state.directory.map { "\($0)/fleet-logout-\(session.name)" },
-                discarded: discardedTokenRevocation(session, upstream), report: fleetReport(session.name))
+                discarded: discardedTokenRevocation(session, account), report: fleetReport(session.name))
         } catch {
             // The key was checked when the configuration was read.
             logger.error("session \(session.name): the fleet key cannot be used: \(error)", session: session.name)

@@ -71,6 +71,14 @@ public struct SessionConfiguration: Sendable, Equatable {
         case oauth(OAuthSettings)
     }
 
+    /// The OAuth grant a session uses (`Grant=`); each is a session kind (`SessionFactory.kind(of:)`).
+    public enum OAuthGrant: String, Sendable, Equatable {
+        /// Refresh tokens, obtained by a login (device flow, code flow or `Login`), rotated on each refresh.
+        case refreshToken = "refresh_token"
+        /// `client_credentials`: no refresh token; each refresh is a new grant request.
+        case clientCredentials = "client_credentials"
+    }
+
     /// How to reach and authenticate to the authorization server.
     public struct OAuthSettings: Sendable, Equatable {
         public var grant: OAuthGrant = .refreshToken

@@ -87,24 +87,9 @@ public enum ConfigLoader {
                     if !fleetFailed { context.record(fail(entry, "Fleet=yes needs a [Fleet] section with Endpoints= and KeyFile= or KeyCredential=")) }
                     continue
                 }
-                guard case let .oauth(settings) = session.upstream, settings.grant == .refreshToken else {
-                    context.record(fail(entry, "Fleet=yes needs an OAuth session with Grant=refresh_token (a refresh token family is what the fleet shares)"))
-                    continue
-                }
-                // A DPoP key is one host's: sharing it would put a private key in etcd, and a
-                // token bound to it is useless to the other hosts' workers without it.
-                guard settings.dpop == .off else {
-                    context.record(fail(entry, "Fleet=yes cannot be used with DPoP=yes (a DPoP key never leaves its host; give each host a session of its own)"))
-                    continue
-                }
-                // The flight's holder gives up its upstream request before its lease ends, leaving
-                // time for one commit to etcd: a request that may take longer would be cut short
-                // every time.
-                let upstream = settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero)
-                guard fleet.flightLease >= upstream + .seconds(5) + fleet.commitReserve else {
-                    context.record(fail(entry, "[Fleet] FlightLease= (\(fleet.flightLease.seconds)s) must be at least the session's RequestTimeout= "
-                               + "(\(settings.client.timeout.seconds)s)\(settings.issuer == nil ? "" : ", plus its discovery deadline,") plus 5s, "
-                               + "plus [Fleet] RequestTimeout= for each endpoint (\(fleet.commitReserve.seconds)s)"))
+                // Whether the session can be shared, and with this fleet, is its kind's to say.
+                if let refusal = SessionFactory.kind(of: session).fleetRefusal(fleet) {
+                    context.record(fail(entry, refusal))
                     continue
                 }
                 session.fleet = fleet

@@ -86,7 +86,7 @@ public enum ConfigSchema {
         ConfigKey("TestTokenLifetime", \.testTokenLifetime, .duration(.seconds(1)...Duration.seconds(86400 * 30)), default: "1h",
                   change: .rebuildsSession, "lifetime of the tokens the test upstream mints"),
         ConfigKey("Grant", \.oauth.grant,
-                  .oneOf(OAuthGrant.self, [.refreshToken, .clientCredentials], message: "Grant= must be refresh_token or client_credentials"),
+                  .oneOf(SessionConfiguration.OAuthGrant.self, [.refreshToken, .clientCredentials], message: "Grant= must be refresh_token or client_credentials"),
                   default: "refresh_token", change: .rebuildsSession, "the OAuth grant"),
         ConfigKey("Issuer", \.oauth.issuer, .url, change: .rebuildsSession, "the issuer, for RFC 8414 discovery of the endpoints"),
         ConfigKey("TokenEndpoint", \.oauth.tokenEndpoint, .url, change: .rebuildsSession, "the token endpoint (wins over discovery)"),

@@ -13,7 +13,7 @@ extension BrokerService {
     /// request the listener refuses goes to the journal (bounded) and, with `tellingRefusals`,
     /// to `refused`: a user whose server sends an unusable redirect is not
     /// left waiting for `LoginTimeout=` with a message only the browser saw.
-    func runCodeLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, _ settings: SessionConfiguration.OAuthSettings,
+    func runCodeLogin(_ session: SessionTable.Session, _ upstream: any UpstreamAccount, _ settings: SessionConfiguration.OAuthSettings,
                       prompt: (CodeLoginEvent) -> Void, refused: @escaping @Sendable (String) -> Void) async -> LoginOutcome {
         let name = session.configuration.name
         let logger = self.logger
@@ -21,7 +21,7 @@ extension BrokerService {
         let began = await session.coordinator.status().generation
         let client: OAuthClient
         let proofKey: Secret?
-        let server: HTTPTokenSource.CodeLoginServer
+        let server: CodeLoginServer
         do {
             server = try await upstream.codeLoginServer()
             (client, proofKey) = try await loginClient(upstream)
@@ -63,7 +63,7 @@ extension BrokerService {
     }
 
     /// The code login's answer, redeemed and installed; what the login ends with.
-    private func redeem(_ login: CodeLogin, within timeout: Duration, _ name: String, _ upstream: HTTPTokenSource, _ client: OAuthClient,
+    private func redeem(_ login: CodeLogin, within timeout: Duration, _ name: String, _ upstream: any UpstreamAccount, _ client: OAuthClient,
                         _ settings: SessionConfiguration.OAuthSettings, proofKey: Secret?, began: Int) async -> Result<Int, BrokerError> {
         func failed(_ reason: String) -> Result<Int, BrokerError> { .failure(loginFailure(name, "code login", reason)) }
         switch await login.answer(within: timeout) {
@@ -83,7 +83,7 @@ extension BrokerService {
     }
 
     /// Redeems the code, checks the ID token, and installs the tokens.
-    private func redeem(_ code: Secret, _ login: CodeLogin, _ name: String, _ upstream: HTTPTokenSource, _ client: OAuthClient,
+    private func redeem(_ code: Secret, _ login: CodeLogin, _ name: String, _ upstream: any UpstreamAccount, _ client: OAuthClient,
                         _ settings: SessionConfiguration.OAuthSettings, proofKey: Secret?, began: Int) async -> Result<Int, BrokerError> {
         func failed(_ reason: String) -> Result<Int, BrokerError> { .failure(loginFailure(name, "code login", reason)) }
         let token: FetchedToken

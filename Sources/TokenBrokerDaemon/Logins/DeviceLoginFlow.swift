@@ -10,7 +10,7 @@ extension BrokerService {
     /// poll under way runs to its answer: it may carry the tokens of a login the user
     /// approved, which the server gives only once (so the polling runs in the upstream pool,
     /// which the daemon drains at its stop).
-    func runDeviceLogin(_ session: SessionTable.Session, _ upstream: HTTPTokenSource, prompt: (DeviceLoginEvent) -> Void) async -> LoginOutcome {
+    func runDeviceLogin(_ session: SessionTable.Session, _ upstream: any UpstreamAccount, prompt: (DeviceLoginEvent) -> Void) async -> LoginOutcome {
         let name = session.configuration.name
         func failed(_ reason: String) -> LoginOutcome { .failed(loginFailure(name, "device login", reason)) }
         let began = await session.coordinator.status().generation

@@ -10,7 +10,7 @@ import Upstream
 extension BrokerService {
     /// The client of a login, and the new generation's DPoP key for a DPoP session: made
     /// first, so that the grant's token request proves it and the tokens are bound to it.
-    func loginClient(_ upstream: HTTPTokenSource) async throws(FetchFailure) -> (OAuthClient, Secret?) {
+    func loginClient(_ upstream: any UpstreamAccount) async throws(FetchFailure) -> (OAuthClient, Secret?) {
         let proofKey = try upstream.newProofKey()
         return (try await upstream.client(proofKey: proofKey), proofKey)
     }
@@ -30,9 +30,9 @@ extension BrokerService {
     }
 
     /// The OAuth source an interactive login talks to (checked against the kind first).
-    func loginUpstream(_ session: SessionTable.Session) throws(BrokerError) -> HTTPTokenSource {
+    func loginUpstream(_ session: SessionTable.Session) throws(BrokerError) -> any UpstreamAccount {
         _ = try loginSettings(session)
-        guard let upstream = session.upstream else { throw .loginFailed(session: session.configuration.name, reason: "this session has no OAuth upstream") }
+        guard let upstream = session.account else { throw .loginFailed(session: session.configuration.name, reason: "this session has no OAuth upstream") }
         return upstream
     }
 
@@ -50,7 +50,7 @@ extension BrokerService {
     /// is still the one the login began in: the same upstream (no reload rebuilt it) and the
     /// generation `began` (no logout or other login since). Otherwise, or when the login cannot
     /// be stored, the token's refresh token is revoked.
-    func install(_ name: String, _ flow: String, _ upstream: HTTPTokenSource, _ client: OAuthClient, _ token: FetchedToken,
+    func install(_ name: String, _ flow: String, _ upstream: any UpstreamAccount, _ client: OAuthClient, _ token: FetchedToken,
                  proofKey: Secret?, began: Int) async -> Result<Int, BrokerError> {
         let logger = self.logger
         if token.refreshToken == nil {
@@ -62,7 +62,7 @@ extension BrokerService {
             let installed = try await inSession(name) { session -> Result<Int, BrokerError> in
                 // A reload may have pointed the session at another server meanwhile: a token of
                 // this one must not be installed there.
-                guard session.upstream === upstream else {
+                guard session.account === upstream else {
                     return .failure(.loginFailed(session: name, reason: "the session was reconfigured during the login; log in again"))
                 }
                 let generation = try await session.coordinator.login(refreshToken: token.refreshToken, proofKey: proofKey, initial: token,

@@ -6,7 +6,7 @@ import Upstream
 struct ClientCredentialsGrant: OAuthSessionKind {
     let settings: SessionConfiguration.OAuthSettings
 
-    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, upstream: HTTPTokenSource?) {
+    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, account: (any UpstreamAccount)?) {
         let http = factory.httpSource(session, settings, grant: .clientCredentials)
         return (http, http)
     }

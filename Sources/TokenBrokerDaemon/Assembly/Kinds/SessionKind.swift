@@ -1,3 +1,4 @@
+import Fleet
 import TokenBrokerCore
 import Upstream
 
@@ -8,9 +9,9 @@ import Upstream
 /// among them, and the rest of the daemon asks the kind (`SessionTable.Session.kind`) rather
 /// than matching the configuration's upstream.
 protocol SessionKind: Sendable {
-    /// The session's token source, and the OAuth source behind it if there is one (for
-    /// revocation, device logins, discovery).
-    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, upstream: HTTPTokenSource?)
+    /// The session's token source, and its account at an authorization server if it has one
+    /// (for logins, revocation, discovery, DPoP keys).
+    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, account: (any UpstreamAccount)?)
 
     /// A session with nothing stored logs in at start: its credential is the configuration.
     var logsInAtStart: Bool { get }
@@ -27,6 +28,14 @@ protocol SessionKind: Sendable {
 
     /// The session it takes its tokens from, if any (none does yet): started first, stopped after.
     var parent: String? { get }
+
+    /// The command that logs a signed-out session of this kind back in, when it is not the
+    /// usual `ctl login` (a `SignedOut` error's `login`).
+    func wayBackIn(_ session: String) -> String?
+
+    /// Why it cannot be shared with the fleet `fleet` (`Fleet=yes`), or nil when it can: the
+    /// configuration's cross-check.
+    func fleetRefusal(_ fleet: FleetSettings) -> String?
 }
 
 /// What a session's interactive logins use, or why it has none.
@@ -37,6 +46,12 @@ enum InteractiveLoginOffer: Sendable {
 
 extension SessionKind {
     var parent: String? { nil }
+
+    func wayBackIn(_ session: String) -> String? { nil }
+
+    func fleetRefusal(_ fleet: FleetSettings) -> String? {
+        "Fleet=yes needs an OAuth session with Grant=refresh_token (a refresh token family is what the fleet shares)"
+    }
 }
 
 /// The traits the OAuth kinds share.

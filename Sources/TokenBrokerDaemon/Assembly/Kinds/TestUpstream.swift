@@ -5,7 +5,7 @@ import Upstream
 struct TestUpstream: SessionKind {
     let lifetime: Duration
 
-    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, upstream: HTTPTokenSource?) {
+    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, account: (any UpstreamAccount)?) {
         (TestTokenSource(lifetime: lifetime), nil)
     }
 
@@ -16,4 +16,7 @@ struct TestUpstream: SessionKind {
     var revokesAtLogout: Bool { false }
 
     var longestFlight: Duration { .zero }
+
+    /// No interactive login serves it; it takes any refresh token.
+    func wayBackIn(_ session: String) -> String? { "printf x | tokenbroker ctl login \(session) --refresh-token-stdin" }
 }
