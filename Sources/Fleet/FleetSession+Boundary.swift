@@ -139,26 +139,13 @@ extension FleetSession {
     /// An admin's way out of a history at its limit (or one a value sealed with the fleet key
     /// has pushed there, before values too near the limit were refused): writes, in a
     /// transaction on the state key's revision, a signed-out state that starts a later history
-    /// — its generation low again — and logs this host out with it (`handingOver` gets the
-    /// refresh token that was in force, for revocation), its mark moving to the new history's
-    /// start in the same write. Every other broker follows it as a logout, saying so; a value
-    /// of the earlier history (a backup, a replay) stays a rollback to every broker that has
-    /// seen the new one. Needs etcd: one that cannot be reached changes nothing. Returns the
-    /// new history's first position.
-    public func startHistoryAnew(handingOver: @escaping @Sendable (Secret) -> Void) async throws(EtcdError) -> FleetPosition {
-        // What reaches etcd runs to its end even if the caller goes away.
-        try await uncancelled {
-            await self.serializer.run { () -> Result<FleetPosition, EtcdError> in
-                do throws(EtcdError) {
-                    return .success(try await self.startHistoryAnewNow(handingOver: handingOver))
-                } catch {
-                    return .failure(error)
-                }
-            }
-        }.get()
-    }
-
-    private func startHistoryAnewNow(handingOver: @escaping @Sendable (Secret) -> Void) async throws(EtcdError) -> FleetPosition {
+    /// — its generation low again. The caller (`FleetSync.startHistoryAnew`, under the
+    /// serializer) then logs this host out with it, its mark moving to the new history's start
+    /// in the same write. Every other broker follows it as a logout, saying so; a value of the
+    /// earlier history (a backup, a replay) stays a rollback to every broker that has seen the
+    /// new one. Needs etcd: one that cannot be reached changes nothing. Returns the new
+    /// history's first state.
+    func startHistoryAnewNow() async throws(EtcdError) -> FleetState {
         for _ in 0..<16 {
             let view = try await readView()
             let plan = machine.planReset(view: view, now: now())
@@ -187,17 +174,10 @@ extension FleetSession {
             guard took else { continue }
             machine.published(state, local: nil)
             report(.historyStarted(state.position))
-            // This host ends its session with it, as every other broker does when it follows.
             // A logout this host still owed the fleet is done: the new history ends every
             // generation of the old one.
             forgetPendingLogout()
-            if let coordinator {
-                let local = await coordinator.logoutReplicated(handingOver: handingOver)
-                machine.followed(state, local: local)
-            }
-            settle()
-            changes.signal()
-            return state.position
+            return state
         }
         throw EtcdError(kind: .unavailable, message: "the fleet's state kept moving; try again")
     }

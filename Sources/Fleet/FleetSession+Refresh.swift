@@ -35,7 +35,7 @@ extension FleetSession {
                 throw FetchFailure.transient("fleet: \(error.message)")
             }
             let plan = machine.planRefresh(generation: request.generation, view: view, unixNow: wall.unixTime(), now: now(),
-                                           held: coordinator?.currentToken()?.token, holder: holder)
+                                           held: heldToken(), holder: holder)
             settle(view)
             switch plan {
             case .notCaughtUp:

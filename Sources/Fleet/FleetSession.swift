@@ -7,7 +7,7 @@ import Synchronization
 import TokenBrokerCore
 
 /// One session shared by the brokers of a fleet, through etcd: the coordinator's token source
-/// and store, and the loops that follow the fleet into the coordinator.
+/// and store, below it. (`FleetSync`, above it, follows the fleet into the coordinator.)
 ///
 /// etcd holds one key per session, `<prefix>/sessions/<name>/state`, sealed with the fleet key
 /// (`FleetCodec`): the session's state and tokens at a position of its history
@@ -22,7 +22,8 @@ import TokenBrokerCore
 /// token upstream, and commits the new state before anyone sees it. As a **store** (`write`)
 /// it publishes this host's logins and logouts to the fleet first, and keeps this host's copy,
 /// with the highest position it has reached (its mark, so that no restart or reload goes
-/// back). Its loops (`run`) read and watch the keys and apply what other brokers did.
+/// back). Its watch (`watch`) reads the keys into a mirror; `FleetSync` applies what other
+/// brokers did from there.
 public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration == Duration {
     public enum Health: Sendable, Equatable {
         case starting
@@ -65,7 +66,9 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
     let pendingLogoutFile: String?
 
     var machine: FleetStateMachine
-    var coordinator: (any FleetFollower)?
+    /// The token the coordinator hands out now (`FleetSync` gives it): what a refresh plan
+    /// compares the fleet's with. The one thing this source reads of the coordinator above it.
+    var heldToken: @Sendable () -> Secret? = { nil }
     /// The coordinator is being retired: a flight that waits for another broker's gives up.
     var stopping = false
     var synced = false
@@ -158,11 +161,6 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
         } catch {
             report(.pendingCommitNotDurable("\(error)"))
         }
-    }
-
-    /// Binds the coordinator this session feeds (once, right after both are made).
-    public func attach(_ coordinator: any FleetFollower) {
-        self.coordinator = coordinator
     }
 
     /// Makes a refresh that waits for another broker's flight give up at once (the coordinator

@@ -12,7 +12,7 @@ extension BrokerService {
         .async { [self] sink in
             do {
                 sink.send(try await boundary(name) { [self] session in
-                    guard let fleet = session.fleet else { return ParameterError(name: "session").reply }
+                    guard let fleet = session.fleetSync else { return ParameterError(name: "session").reply }
                     let position = try await fleet.startHistoryAnew(handingOver: revocation(for: session))
                     session.replies.clear()
                     logger.log(.warning, "the fleet history of session \(name) was started anew by \(peer) (fleet \(position)); "

@@ -99,21 +99,17 @@ final class HTTPListener: Sendable {
             var one: Int32 = 1
             setsockopt(socketFD, SOL_SOCKET, SO_REUSEADDR, &one, socklen_t(MemoryLayout<Int32>.size))
             var bound: Int32
-            var chosen = port
+            var chosen: UInt16
             if v6 {
                 var sockaddr = sockaddr_in6()
-                sockaddr.sin6_family = sa_family_t(AF_INET6)
-                sockaddr.sin6_port = port.bigEndian
+                (sockaddr.sin6_family, sockaddr.sin6_port) = (sa_family_t(AF_INET6), port.bigEndian)
                 inet_pton(AF_INET6, host, &sockaddr.sin6_addr)
-                bound = Self.bind(socketFD, &sockaddr)
-                if bound == 0, port == 0, Self.name(socketFD, &sockaddr) == 0 { chosen = UInt16(bigEndian: sockaddr.sin6_port) }
+                (bound, chosen) = Self.bind(socketFD, &sockaddr, port: port) { UInt16(bigEndian: $0.sin6_port) }
             } else {
                 var sockaddr = sockaddr_in()
-                sockaddr.sin_family = sa_family_t(AF_INET)
-                sockaddr.sin_port = port.bigEndian
+                (sockaddr.sin_family, sockaddr.sin_port) = (sa_family_t(AF_INET), port.bigEndian)
                 inet_pton(AF_INET, host, &sockaddr.sin_addr)
-                bound = Self.bind(socketFD, &sockaddr)
-                if bound == 0, port == 0, Self.name(socketFD, &sockaddr) == 0 { chosen = UInt16(bigEndian: sockaddr.sin_port) }
+                (bound, chosen) = Self.bind(socketFD, &sockaddr, port: port) { UInt16(bigEndian: $0.sin_port) }
             }
             if bound == 0 { bound = listen(socketFD, 128) }
             guard bound == 0 else {
@@ -138,10 +134,13 @@ final class HTTPListener: Sendable {
         wakeWrite = pipeFDs[1]
     }
 
-    private static func bind<Address>(_ fd: Int32, _ address: inout Address) -> Int32 {
-        withUnsafePointer(to: &address) {
+    /// Binds `fd` to `address`; with port 0, reads back the port the kernel chose (`chosen`).
+    private static func bind<Address>(_ fd: Int32, _ address: inout Address, port: UInt16, chosen: (Address) -> UInt16) -> (Int32, UInt16) {
+        let bound = withUnsafePointer(to: &address) {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.bind(fd, $0, socklen_t(MemoryLayout<Address>.size)) }
         }
+        guard bound == 0, port == 0, name(fd, &address) == 0 else { return (bound, port) }
+        return (bound, chosen(address))
     }
 
     private static func name<Address>(_ fd: Int32, _ address: inout Address) -> Int32 {

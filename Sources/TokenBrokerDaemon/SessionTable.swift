@@ -6,6 +6,7 @@ import Varlink
 
 typealias Coordinator = RefreshCoordinator<ContinuousClock>
 typealias DaemonFleetSession = FleetSession<ContinuousClock>
+typealias DaemonFleetSync = FleetSync<ContinuousClock>
 
 /// The sessions the daemon serves, swapped as a whole on reload.
 final class SessionTable: Sendable {
@@ -23,18 +24,20 @@ final class SessionTable: Sendable {
         let replies = TokenReplyCache()
         /// The session's Status entry, encoded once per change of its status.
         let statusEntry = EncodedCache()
-        /// A session shared with a fleet (`Fleet=yes`): its etcd side, and the task following it
-        /// (in the factory's pool of follow loops).
-        let fleet: DaemonFleetSession?
+        /// A session shared with a fleet (`Fleet=yes`): what follows the fleet into the
+        /// coordinator, and the task doing so (in the factory's pool of follow loops).
+        let fleetSync: DaemonFleetSync?
         private let following: Task<Void, Never>?
+        /// Its etcd side, the coordinator's source and store.
+        var fleet: DaemonFleetSession? { fleetSync?.session }
 
         init(configuration: SessionConfiguration, coordinator: Coordinator, slot: SessionCensus.Slot, account: (any UpstreamAccount)? = nil,
-             fleet: (session: DaemonFleetSession, following: Task<Void, Never>?)? = nil) {
+             fleet: (sync: DaemonFleetSync, following: Task<Void, Never>?)? = nil) {
             self.configuration = configuration
             self.coordinator = coordinator
             self.slot = slot
             self.account = account
-            self.fleet = fleet?.session
+            self.fleetSync = fleet?.sync
             self.following = fleet?.following
         }
 
@@ -44,7 +47,7 @@ final class SessionTable: Sendable {
         /// The same served session under a configuration whose changes keep the coordinator.
         func reconfigured(_ configuration: SessionConfiguration) -> Session {
             Session(configuration: configuration, coordinator: coordinator, slot: slot, account: account,
-                    fleet: fleet.map { ($0, following) })
+                    fleet: fleetSync.map { ($0, following) })
         }
 
         /// Stops following the fleet (the coordinator is retired or handed over), and returns

@@ -66,7 +66,7 @@ struct FleetHistoryTests {
         #expect(h.etcd.entry(FleetHarness.stateKey) == nil)
 
         let revoked = Locked<[String]>([])
-        let started = try await b.fleet.startHistoryAnew { token in revoked.withLock { $0.append(token.reveal) } }
+        let started = try await b.sync.startHistoryAnew { token in revoked.withLock { $0.append(token.reveal) } }
         #expect(started.history == 1 && started.generation < 1 << 32, "\(started)")
         #expect(try h.stored()?.position == started && h.stored()?.phase == .signedOut)
         try await eventually("every broker follows the new history") { brokers.allSatisfy { $0.fleet.status.position == started } }
@@ -99,7 +99,7 @@ struct FleetHistoryTests {
         let backup = h.etcd.snapshot
         #expect(try h.stored()!.position.generation > 1 << 32)
         let revoked = Locked<[String]>([])
-        let started = try await h.brokers[0].fleet.startHistoryAnew { token in revoked.withLock { $0.append(token.reveal) } }
+        let started = try await h.brokers[0].sync.startHistoryAnew { token in revoked.withLock { $0.append(token.reveal) } }
         let brokers = h.brokers
         try await eventually("every broker is logged out by the reset") { brokers.allSatisfy { $0.token == nil } }
         #expect(revoked.value == ["refresh-2"], "the refresh token in force: \(revoked.value)")

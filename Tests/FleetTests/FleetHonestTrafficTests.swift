@@ -18,7 +18,7 @@ func honestIterations(_ fallback: Int) -> Int {
 struct FleetHonestTrafficTests {
     /// What the sync loop does at a wake-up, done now: apply the mirror as it stands.
     static func applyNow(_ broker: TestBroker) async {
-        _ = await broker.fleet.serializer.run { await broker.fleet.applyFleet() }
+        _ = await broker.sync.applyOnce()
     }
 
     static func alarms(_ brokers: [TestBroker]) -> [String] {

@@ -83,13 +83,13 @@ struct SessionFactory: Sendable {
         }
         if let fleet {
             // The sync loop's first read of etcd logs the session in or out here as the fleet has it.
-            await fleet.attach(coordinator)
-            let following = followLoops.spawn { await fleet.run() }
+            let sync = await DaemonFleetSync(session: fleet, coordinator: coordinator)
+            let following = followLoops.spawn { await sync.run() }
             if following == nil { logger.error("session \(session.name): the daemon is stopping; it does not follow the fleet", session: session.name) }
             logger.log(.info, "session \(session.name): shared with the fleet (\(fleet.settings.prefix) on \(fleet.settings.endpoints.count) "
                        + "etcd endpoint(s)); it follows the fleet's state", session: session.name)
             return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account,
-                                         fleet: (fleet, following)), false)
+                                         fleet: (sync, following)), false)
         }
         if let restored {
             if logger.enabled(.info) {

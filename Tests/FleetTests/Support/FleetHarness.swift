@@ -221,6 +221,8 @@ final class TestBroker: Sendable {
     let store: InMemoryFleetStore
     let fleet: FleetSession<TestClock>
     let coordinator: RefreshCoordinator<TestClock>
+    /// Follows the fleet into the coordinator, as the daemon's does.
+    let sync: FleetSync<TestClock>
     let following: Task<Void, Never>
     let discarded = Locked<[String]>([])
     let events = Locked<[FleetEvent]>([])
@@ -248,9 +250,9 @@ final class TestBroker: Sendable {
         restored?.refreshToken = nil
         restored?.accessToken = nil
         coordinator = RefreshCoordinator(session: "api", source: fleet, store: fleet, restored: restored, clock: clock, wall: clock)
-        await fleet.attach(coordinator)
-        let fleet = self.fleet
-        following = Task { await fleet.run() }
+        let sync = await FleetSync(session: fleet, coordinator: coordinator)
+        self.sync = sync
+        following = Task { await sync.run() }
     }
 
     /// Stops as the daemon does: a flight waiting for another broker's gives up, the one under
