@@ -6,10 +6,7 @@ import Upstream
 struct ClientCredentialsGrant: OAuthSessionKind {
     let settings: SessionConfiguration.OAuthSettings
 
-    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, account: (any UpstreamAccount)?) {
-        let http = factory.httpSource(session, settings, grant: .clientCredentials)
-        return (http, http)
-    }
+    var grant: ClientCredentialsRequest { .clientCredentials }
 
     var logsInAtStart: Bool { true }
 

@@ -7,10 +7,7 @@ import Upstream
 struct RefreshTokenGrant: OAuthSessionKind {
     let settings: SessionConfiguration.OAuthSettings
 
-    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, account: (any UpstreamAccount)?) {
-        let http = factory.httpSource(session, settings, grant: .refreshToken)
-        return (http, http)
-    }
+    var grant: RefreshTokenRequest { .refreshToken }
 
     var logsInAtStart: Bool { false }
 

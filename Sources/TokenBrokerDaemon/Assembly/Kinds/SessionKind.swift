@@ -54,12 +54,20 @@ extension SessionKind {
     }
 }
 
-/// The traits the OAuth kinds share.
+/// The traits the OAuth kinds share: an `HTTPTokenSource` that asks for tokens with the kind's
+/// grant request (`TokenGrant`, in Upstream).
 protocol OAuthSessionKind: SessionKind {
+    associatedtype Grant: TokenGrant
     var settings: SessionConfiguration.OAuthSettings { get }
+    var grant: Grant { get }
 }
 
 extension OAuthSessionKind {
+    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, account: (any UpstreamAccount)?) {
+        let http = factory.httpSource(session, settings, grant: grant)
+        return (http, http)
+    }
+
     var revokesAtLogout: Bool { settings.revokeOnLogout }
     var longestFlight: Duration { settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero) }
 }
