@@ -425,4 +425,42 @@ import Testing
                                   + "`noSuchFunction()` `Config/` `GetToken`",
                                   files: files, modules: modules, interface: interface) == ["Daemon.nothingLikeThis", "NoSuchTypeAnywhere", "Daemon.record", "noSuchFunction()"])
     }
+
+    // MARK: - Claims the map makes of the code
+
+    /// The code lines of a Swift file (comments dropped: a line's `//` onward).
+    static func codeLines(_ text: String) -> [(number: Int, text: Substring)] {
+        text.split(separator: "\n", omittingEmptySubsequences: false).enumerated().compactMap { index, line in
+            let code = line.range(of: "//").map { line[..<$0.lowerBound] } ?? line[...]
+            return code.allSatisfy(\.isWhitespace) ? nil : (index + 1, code)
+        }
+    }
+
+    /// The places in `files` whose code matches one of `patterns` (regular expressions).
+    static func matches(_ patterns: [String], in files: [String: String]) -> [String] {
+        let expressions = patterns.map { try! Regex($0) }
+        return files.sorted { $0.key < $1.key }.flatMap { path, text in
+            codeLines(text).filter { line in expressions.contains { line.text.contains($0) } }.map { "\(path):\($0.number)" }
+        }
+    }
+
+    static let kindMatches = [#"case (let )?\.(oauth|test)\b"#, #"\.grant ==|grant != "#, #"configuration\.upstream\b"#]
+    static let coordinatorCalls = [#"\bcoordinator\??\."#]
+
+    @Test("what ARCHITECTURE.md says of the session kinds and the fleet's parts holds (issue 34): nothing outside Config/ and Assembly/ matches an upstream's kind, the daemon holds no HTTPTokenSource outside the factory, FleetSession calls nothing on the coordinator")
+    func claimsHold() throws {
+        let files = try Self.swiftFiles()
+        let daemon = files.filter { $0.key.hasPrefix("Sources/TokenBrokerDaemon/") }
+        let outside = daemon.filter { !$0.key.hasPrefix("Sources/TokenBrokerDaemon/Config/") && !$0.key.hasPrefix("Sources/TokenBrokerDaemon/Assembly/") }
+        #expect(Self.matches(Self.kindMatches, in: outside) == [])
+        let holders = Set(Self.matches([#"\bHTTPTokenSource\b"#], in: daemon).map { $0.prefix { $0 != ":" } })
+        #expect(holders == ["Sources/TokenBrokerDaemon/Assembly/SessionFactory.swift"])
+        let fleetSession = files.filter { $0.key.hasPrefix("Sources/Fleet/FleetSession") }
+        #expect(fleetSession.count >= 4)
+        #expect(Self.matches(Self.coordinatorCalls, in: fleetSession) == [])
+        // The checks themselves catch what they look for, and not comments.
+        let sample = ["a.swift": "switch x {\ncase let .oauth(s): break\n// case .test: in a comment\n}\nawait coordinator?.status()\nif s.grant == .refreshToken {}"]
+        #expect(Self.matches(Self.kindMatches, in: sample) == ["a.swift:2", "a.swift:6"])
+        #expect(Self.matches(Self.coordinatorCalls, in: sample) == ["a.swift:5"])
+    }
 }
