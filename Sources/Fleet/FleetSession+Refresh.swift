@@ -112,9 +112,12 @@ extension FleetSession {
         let margin = min(.seconds(2), settings.flightLease / 4) + min(settings.commitReserve, settings.flightLease / 4)
         let budget = settings.flightLease - margin - flight.taken.duration(to: clock.now)
         let refreshToken = flight.claimed.refreshToken
-        // The request is cut off when the budget is spent, whoever still waits for it.
-        let answer = await within(budget) { [upstream, name] in
-            try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken, timeLimit: budget))
+        // The request is cut off when the budget is spent, whoever still waits for it: what is
+        // left of it when the request is made (never later than the budget's end).
+        let budgetStart = clock.now
+        let answer = await within(budget) { [upstream, name, clock] in
+            try await upstream.fetch(FetchRequest(session: name, generation: request.generation, refreshToken: refreshToken,
+                                                  timeLimit: budget - budgetStart.duration(to: clock.now)))
         }
         guard case let .answered(outcome) = answer else {
             // Abandoned: the request may still be processed. Nobody tries again (this broker
