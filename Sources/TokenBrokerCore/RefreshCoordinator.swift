@@ -37,6 +37,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     private let randomUnit: @Sendable () -> Double
     private let discarded: @Sendable (FetchedToken) -> Void
     private let outcomes: @Sendable (RefreshOutcome) -> Void
+    private let boundaries: @Sendable (SessionBoundary) async -> Void
     private nonisolated let epoch: C.Instant
 
     /// Every change is observed (`observe()`): the status snapshot and the summary follow it.
@@ -103,13 +104,16 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     ///     must not block.
     ///   - summaries: told the session's summary each time it changes, in order, under a lock:
     ///     it must not block nor call back into the coordinator.
+    ///   - boundaries: told of each login and logout once it is in effect, before the call that
+    ///     made it returns, and awaited (the daemon's derived sessions follow their parent's).
     public init(session: String, policy: RefreshPolicy = RefreshPolicy(), source: any TokenSource,
                 store: any SessionStore, restored: SessionRecord? = nil, pendingWrite: StoreWrite? = nil,
                 counters: SessionCounters = SessionCounters(), clock: C, wall: any WallClock,
                 randomUnit: @escaping @Sendable () -> Double = { Double.random(in: 0..<1) },
                 discarded: @escaping @Sendable (FetchedToken) -> Void = { _ in },
                 outcomes: @escaping @Sendable (RefreshOutcome) -> Void = { _ in },
-                summaries: @escaping @Sendable (SessionSummary) -> Void = { _ in }) {
+                summaries: @escaping @Sendable (SessionSummary) -> Void = { _ in },
+                boundaries: @escaping @Sendable (SessionBoundary) async -> Void = { _ in }) {
         self.session = session
         self.source = source
         self.store = store
@@ -118,6 +122,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         self.randomUnit = randomUnit
         self.discarded = discarded
         self.outcomes = outcomes
+        self.boundaries = boundaries
         let epoch = clock.now
         self.epoch = epoch
         let machine = RefreshStateMachine(session: session, policy: policy, restored: restored, pendingWrite: pendingWrite,
@@ -395,6 +400,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         boundary.write?.replicated = replicated
         cross(boundary)
         if let retired { handingOver(retired) }
+        await boundaries(.loggedOut(generation: machine.generation))
         if let write = boundary.write, let reason = await persist(write) {
             throw SessionError.storeFailed(reason: reason)
         }
@@ -412,6 +418,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         cross(boundary)
         if let retired { handingOver(retired) }
         let generation = machine.generation
+        await boundaries(.loggedOut(generation: generation))
         if let write = boundary.write { await persist(write) }
         return generation
     }
@@ -437,6 +444,11 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         republish()
         if case let .success(generation) = result, initial != nil, let token = machine.publishable?.token, token.generation == generation {
             watchers.send(.token(token))
+        }
+        // The old generation is over either way; a new one began only if the login landed.
+        switch result {
+        case let .success(generation): await boundaries(.loggedIn(generation: generation))
+        case .failure: await boundaries(.loggedOut(generation: machine.generation))
         }
         return try result.get()
     }

@@ -82,3 +82,9 @@ public struct SessionSummary: Sendable, Equatable {
         (self.state, self.degraded, self.lastRefresh, self.watched) = (state, degraded, lastRefresh, watched)
     }
 }
+
+/// A login or logout of a session, once it is in effect (`RefreshCoordinator`'s `boundaries`).
+public enum SessionBoundary: Sendable, Equatable {
+    case loggedIn(generation: Int)
+    case loggedOut(generation: Int)
+}
