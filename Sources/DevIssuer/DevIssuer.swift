@@ -15,6 +15,8 @@ import WireJSON
 /// - `client_credentials`, the device flow (RFC 8628) with an approve hook, revocation
 ///   (RFC 7009), metadata (RFC 8414), and a protected resource at `/resource` that answers 200
 ///   for a valid token and 401 `invalid_token` otherwise.
+/// - RFC 8693 token exchange and RFC 8707 resource indicators, with scope narrowing
+///   (`DevIssuer+Exchange`): tokens restricted to the audiences and resources asked for.
 /// - Counters per grant, and faults injected into the next token requests.
 /// - DPoP (RFC 9449) when `Options.dpop` asks for it: proofs checked at the token endpoint and
 ///   the resource, refresh token families and access tokens bound to the proof's key, and
@@ -141,6 +143,10 @@ public final class DevIssuer: Sendable {
         public var codeGrants = 0
         /// Redemptions of a code redeemed before (each revoked what the first gave).
         public var codeReplays = 0
+        /// RFC 8693 token exchange requests, whatever their outcome.
+        public var tokenExchanges = 0
+        /// Requests refused with `invalid_target` or `invalid_scope` (RFC 8707, RFC 6749 §5.2).
+        public var narrowingsRefused = 0
     }
 
     struct RefreshRecord {
@@ -158,6 +164,10 @@ public final class DevIssuer: Sendable {
         var revoked = false
         /// The thumbprint of the DPoP key the token is bound to (`cnf.jkt`); nil for a Bearer token.
         var jkt: String?
+        /// What it is restricted to: the audiences and resources it was asked for (empty: the
+        /// client's own), and its scope (nil: every scope the issuer grants).
+        var audiences: [String] = []
+        var scope: String?
     }
 
     /// The `jti`s of the proofs one endpoint accepted lately, to refuse a replay: at most
@@ -224,6 +234,8 @@ public final class DevIssuer: Sendable {
         var nextFamily = 0
         var devices: [String: Device] = [:]
         var counters = Counters()
+        /// Audiences and resources asked for that this issuer refuses (`invalid_target`).
+        var refusedTargets: Set<String> = []
         var faults: [Fault] = []
         /// The newest refresh token of each family.
         var newest: [Int: String] = [:]
@@ -471,7 +483,8 @@ public final class DevIssuer: Sendable {
             "revocation_endpoint": .string(revocationEndpoint),
             "device_authorization_endpoint": .string(deviceAuthorizationEndpoint),
             "authorization_endpoint": .string(authorizationEndpoint),
-            "grant_types_supported": ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code", "authorization_code"],
+            "grant_types_supported": ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code", "authorization_code",
+                                      .string(Self.tokenExchange)],
             "token_endpoint_auth_methods_supported": ["client_secret_basic", "client_secret_post"],
             "response_types_supported": ["code"],
             "code_challenge_methods_supported": ["S256"],
@@ -598,9 +611,22 @@ public final class DevIssuer: Sendable {
                 state.refreshTokens[presented]?.retired = true
                 // A family refreshed with a proof is bound from then on.
                 if let jkt { state.familyJKT[record.family] = jkt }
+                // RFC 8707 §2.2 and RFC 6749 §6: a refresh may narrow the access token.
+                let narrowing: Narrowing
+                switch Self.narrowing(request.body, within: nil, in: state) {
+                case let .success(value): narrowing = value
+                case let .failure(refusal):
+                    state.counters.narrowingsRefused += 1
+                    return refusal.answer
+                }
                 let refresh = mintRefresh(&state, family: record.family)
-                return tokenAnswer(mintAccess(&state, family: record.family, jkt: jkt), refresh: refresh)
+                let access = mintAccess(&state, family: record.family, jkt: jkt)
+                state.accessTokens[access.token]?.audiences = narrowing.targets
+                state.accessTokens[access.token]?.scope = narrowing.scope
+                return tokenAnswer(access, refresh: refresh)
             }
+        case Self.tokenExchange:
+            return exchange(request, form, jkt: jkt)
         case "client_credentials":
             return state.withLock { state in
                 state.counters.clientCredentialsGrants += 1
@@ -887,7 +913,7 @@ public final class DevIssuer: Sendable {
         return Self.json(200, .object(body), extra: [("Cache-Control", "no-store"), ("Pragma", "no-cache")])
     }
 
-    private static func valid(_ token: String, in state: State) -> Bool {
+    static func valid(_ token: String, in state: State) -> Bool {
         guard let record = state.accessTokens[token], !record.revoked, record.expiresAt > now() else { return false }
         return record.family.map { !state.revokedFamilies.contains($0) } ?? true
     }

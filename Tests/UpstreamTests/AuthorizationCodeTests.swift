@@ -396,7 +396,8 @@ struct AuthorizationCodeTests {
         let answer = try DevIssuerDPoPTests.exchange(port: issuer.port, method: "GET", target: "/.well-known/oauth-authorization-server")
         #expect(answer.json?["authorization_endpoint"]?.stringValue == issuer.authorizationEndpoint)
         #expect(answer.json?["code_challenge_methods_supported"] == ["S256"])
-        #expect(answer.json?["grant_types_supported"] == ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code", "authorization_code"])
+        #expect(answer.json?["grant_types_supported"] == ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code", "authorization_code",
+                                                          "urn:ietf:params:oauth:grant-type:token-exchange"])
         let metadata = try await Discovery.fetch(issuer: issuer.baseURL)
         #expect(metadata.authorizationEndpoint == issuer.authorizationEndpoint && metadata.codeChallengeMethods == ["S256"])
 
