@@ -543,6 +543,8 @@ public struct StatusEntry: Sendable, Equatable {
     /// The uids whose share of the refresh budget is spent (their refreshes are refused, the
     /// others' are not): every one for an admin, else the caller's own at most.
     public var throttledUsers: [UInt32] = []
+    /// A derived session's parent.
+    public var derivedFrom: String?
 
     public init(name: String, state: String, generation: Int) {
         self.name = name
@@ -585,6 +587,7 @@ public struct StatusEntry: Sendable, Equatable {
         fleetRevision = object["fleetRevision"]?.intValue
         flightHolder = object["flightHolder"]?.stringValue
         throttledUsers = (object["throttledUsers"]?.arrayValue ?? []).prefix(4096).compactMap { $0.intValue.flatMap(UInt32.init(exactly:)) }
+        derivedFrom = object["derivedFrom"]?.stringValue
     }
 
     public var parameters: JSONObject {
@@ -606,6 +609,7 @@ public struct StatusEntry: Sendable, Equatable {
         if let fleetRevision { entry.append(("fleetRevision", .int(fleetRevision))) }
         if let flightHolder { entry.append(("flightHolder", .string(flightHolder))) }
         if !throttledUsers.isEmpty { entry.append(("throttledUsers", .array(throttledUsers.map { .int(Int64($0)) }))) }
+        if let derivedFrom { entry.append(("derivedFrom", .string(derivedFrom))) }
         return JSONObject(entry)
     }
 

@@ -495,6 +495,7 @@ public enum Ctl {
             if entry.inert { flags.append("inert (not configured; ctl forget)") }
             if let backoff = entry.backoffRemaining { flags.append("backoff \(seconds(backoff))") }
             if !entry.throttledUsers.isEmpty { flags.append("throttled uid " + entry.throttledUsers.map(String.init).joined(separator: "+")) }
+            if let parent = entry.derivedFrom { flags.append("derived from \(parent)") }
             rows.append([
                 entry.name,
                 entry.state,

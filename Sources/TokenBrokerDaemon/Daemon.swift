@@ -69,7 +69,7 @@ public final class Daemon: Sendable {
         self.state = state
         let table = SessionTable(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
         self.table = table
-        let factory = SessionFactory(logger: logger, metrics: metrics, state: state, census: census, transfers: transfers,
+        let factory = SessionFactory(logger: logger, metrics: metrics, state: state, census: census, sessions: table, transfers: transfers,
                                      outliving: outliving, followLoops: followLoops)
         reloader = Reloader(table: table, factory: factory, logger: logger, metrics: metrics, state: state, configuration: configuration,
                             read: { [options] in
@@ -398,7 +398,7 @@ public final class Daemon: Sendable {
         var views: [Metrics.SessionView] = []
         for name in snapshot.order where full {
             guard let session = snapshot.sessions[name] else { continue }
-            views.append(Metrics.SessionView(status: session.coordinator.statusSnapshot(), fleet: session.fleet?.status))
+            views.append(Metrics.SessionView(status: session.coordinator.statusSnapshot(), fleet: session.fleet?.status, parent: session.kind.parent))
         }
         return metrics.render(sessions: views, connections: connectionCount.value(), unixNow: Int64(SystemWallClock().unixTime()),
                               openMetrics: openMetrics, full: full)

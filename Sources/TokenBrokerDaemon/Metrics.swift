@@ -124,6 +124,8 @@ final class Metrics: Sendable {
     struct SessionView: Sendable {
         var status: SessionStatus
         var fleet: DaemonFleetSession.Status?
+        /// A derived session's parent (`DerivedFrom=`).
+        var parent: String?
     }
 
     /// The exposition: the Prometheus text format (0.0.4), or OpenMetrics 1.0.0. Without
@@ -192,6 +194,11 @@ final class Metrics: Sendable {
             case .healthy?, .starting?, nil: break
             }
             out.sample("tokenbroker_session_degraded", ["session": view.status.name], degraded ? 1 : 0)
+        }
+        let derived = sessions.filter { $0.parent != nil }
+        if !derived.isEmpty {
+            out.family("tokenbroker_derived_session", "gauge", "Derived sessions (DerivedFrom=) and the session each derives its tokens from.", info: true)
+            for view in derived { out.sample("tokenbroker_derived_session_info", ["session": view.status.name, "parent": view.parent ?? ""], 1) }
         }
         let fleet = sessions.filter { $0.fleet != nil }
         if !fleet.isEmpty {

@@ -8,10 +8,12 @@ import Upstream
 
 /// `tokenbroker serve --dev`: the development issuer in this process, and a configuration with
 /// two sessions that use it and are logged in at start: `demo` (bearer tokens) and `demo-dpop`
-/// (`DPoP=yes`: tokens bound to a key the daemon holds).
+/// (`DPoP=yes`: tokens bound to a key the daemon holds); and `demo-read`, derived from `demo`
+/// (its tokens exchanged for ones with the audience `https://read.demo.test` and scope `read`).
 public struct DevelopmentSetup: DevelopmentEnvironment {
     static let session = "demo"
     static let dpopSession = "demo-dpop"
+    static let derivedSession = "demo-read"
     static let clientID = "tokenbroker"
     static let clientSecret = "dev-secret"
 
@@ -42,6 +44,10 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
         // demo serves the development server (Serves=http://127.0.0.1:PORT), so the credential
         // helpers can be tried against it.
         configuration.sessions[0].settings.serves = ServedURL(served).map { [$0] } ?? []
+        let derived = SessionConfiguration.DerivedSettings(parent: Self.session, method: .exchange, audiences: ["https://read.demo.test"],
+                                                           resources: [], scope: "read", oauth: oauth)
+        configuration.sessions.append(SessionConfiguration(name: Self.derivedSession, upstream: .derived(derived), allowUsers: [], allowGroups: [],
+                                                           policy: RefreshPolicy(), origin: "--dev"))
         return configuration
     }
 
@@ -74,11 +80,13 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
               issuer   \(issuer.baseURL)  (development OAuth server, in this process)
               socket   \(socket)
               sessions demo (logged in; serves \(served) to the credential helpers),
-                       demo-dpop (logged in, DPoP: tokens bound to a key held here)
+                       demo-dpop (logged in, DPoP: tokens bound to a key held here),
+                       demo-read (derived from demo: its token exchanged for audience https://read.demo.test, scope read)
 
             Try, in another shell:
               export \(export)
               tokenbroker ctl token demo
+              tokenbroker ctl token demo-read     (a narrower token than demo's; signed out with demo)
               tokenbroker ctl status
               curl -H "Authorization: Bearer $(tokenbroker ctl token demo)" \(issuer.resourceURL)
               curl -H @<(tokenbroker ctl proof demo-dpop GET \(issuer.resourceURL)) \(issuer.resourceURL)

@@ -34,3 +34,45 @@ extension TokenGrant where Self == RefreshTokenRequest {
 extension TokenGrant where Self == ClientCredentialsRequest {
     public static var clientCredentials: ClientCredentialsRequest { ClientCredentialsRequest() }
 }
+
+/// RFC 8693 token exchange: another session's current access token (the subject token) for
+/// one narrowed to `audiences`, `resources` (RFC 8707) and `scope`. A refresh token in the
+/// answer is not kept (the next token is exchanged again) and is revoked, best effort.
+public struct TokenExchangeRequest: TokenGrant {
+    public static let grantType = "urn:ietf:params:oauth:grant-type:token-exchange"
+    public static let accessTokenType = "urn:ietf:params:oauth:token-type:access_token"
+
+    public var audiences: [String]
+    public var resources: [String]
+    public var scope: String?
+    /// The subject token, when a request needs one: the parent session's current access token
+    /// (through its one flight when it has to be refreshed).
+    public var subjectToken: @Sendable () async throws(FetchFailure) -> Secret
+
+    public init(audiences: [String], resources: [String], scope: String?,
+                subjectToken: @escaping @Sendable () async throws(FetchFailure) -> Secret) {
+        self.audiences = audiences
+        self.resources = resources
+        self.scope = scope
+        self.subjectToken = subjectToken
+    }
+
+    /// The form of one exchange of `subject`.
+    public func fields(subject: Secret) -> [(String, String)] {
+        var fields = [("grant_type", Self.grantType), ("subject_token", subject.reveal), ("subject_token_type", Self.accessTokenType),
+                      ("requested_token_type", Self.accessTokenType)]
+        fields += audiences.map { ("audience", $0) } + resources.map { ("resource", $0) }
+        if let scope { fields.append(("scope", scope)) }
+        return fields
+    }
+
+    public func token(for request: FetchRequest, through client: OAuthClient) async throws(FetchFailure) -> FetchedToken {
+        let subject = try await subjectToken()
+        var token = try await client.tokenRequest(fields(subject: subject), rotates: false)
+        if let stranded = token.refreshToken {
+            token.refreshToken = nil
+            _ = try? await client.revoke(stranded)
+        }
+        return token
+    }
+}

@@ -452,6 +452,12 @@ struct OAuthDaemonTests {
         // (Compared aside: a failed expectation must not print a token.)
         let answered = shell.stdout.hasPrefix("\(token)\nusername=oauth2\npassword=\(token)\npassword_expiry_utc=")
         #expect(answered, "the token, then git's answer with it")
+        // The derived session the guide names gives a token of its own (issue 35).
+        let derivedLine = try #require(lines.first { $0.hasPrefix("tokenbroker ctl token demo-read") })
+        let derived = try await Child.run("/bin/bash", ["-c", "\(export) && \(derivedLine[..<derivedLine.range(of: "     (")!.lowerBound])"],
+                                          environment: ["PATH": "/usr/bin:/bin"])
+        let derivedToken = derived.stdout.trimmingCharacters(in: .newlines)
+        #expect(derived.code == 0 && !derivedToken.isEmpty && derivedToken != token, "demo-read: \(derived.stderr)")
         daemon.terminate()
         #expect(await daemon.wait() == 0)
     }

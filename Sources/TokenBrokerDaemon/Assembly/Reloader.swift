@@ -178,6 +178,7 @@ final class Reloader: Sendable {
             snapshot.inert = await inertSessions(previous: table.snapshot.inert, stored: stored, removed: removed, configured: configured)
             table.replace(snapshot)
             current.value = configuration
+            await DerivedSessions.reconcile(snapshot, previous: previous, logger: logger)
         }
     }
 

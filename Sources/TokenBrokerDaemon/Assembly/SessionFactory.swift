@@ -11,6 +11,9 @@ struct SessionFactory: Sendable {
     let metrics: Metrics
     let state: StateStore
     let census: SessionCensus
+    /// The sessions served, for a derived session's parent (looked up when it is needed: a
+    /// reload may have rebuilt the parent).
+    let sessions: SessionTable
     /// Token requests that outlive their callers (a logout overtook them): bounded, awaited at stop.
     let transfers: TaskPool
     /// Work that outlives its caller (revocations of refresh tokens nobody will use among it):
@@ -32,6 +35,8 @@ struct SessionFactory: Sendable {
             case .refreshToken: return RefreshTokenGrant(settings: settings)
             case .clientCredentials: return ClientCredentialsGrant(settings: settings)
             }
+        case let .derived(settings):
+            return DerivedSession(settings: settings)
         }
     }
 
@@ -75,7 +80,10 @@ struct SessionFactory: Sendable {
                                           log.record(outcome)
                                           metrics.record(outcome)
                                       },
-                                      summaries: { [census] summary in census.tell(slot, summary) })
+                                      summaries: { [census] summary in census.tell(slot, summary) },
+                                      boundaries: { [sessions, logger] boundary in
+                                          await DerivedSessions.follow(session.name, boundary, in: sessions, logger: logger)
+                                      })
         census.begin(slot, coordinator.summary)
         if fleet != nil, let account,
            let revocation = abandonedRequestRevocation(session, account, fleetGeneration: { coordinator.statusSnapshot().generation }) {
@@ -101,6 +109,28 @@ struct SessionFactory: Sendable {
             return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account), false)
         }
         return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account), kind.logsInAtStart)
+    }
+
+    /// The current access token of session `name` (a derived session's subject token): its
+    /// coordinator's, through its one flight when it must be refreshed.
+    func currentToken(of name: String) -> @Sendable () async throws(FetchFailure) -> Secret {
+        { [sessions] () async throws(FetchFailure) -> Secret in
+            guard let parent = sessions.snapshot.sessions[name] else { throw .transient("the parent session \(name) is not served") }
+            do {
+                return try await parent.coordinator.token().token
+            } catch let error as SessionError {
+                switch error {
+                case .signedOut: throw .terminal("the parent session \(name) is signed out: log in to \(name)")
+                case let .refreshFailed(reason, retryable, retryAfter):
+                    if retryable { throw .transient("the parent session \(name): \(reason)", retryAfter: retryAfter) }
+                    throw .terminal("the parent session \(name) has ended: \(reason)")
+                case let .throttled(retryAfter): throw .transient("the parent session \(name) is throttled", retryAfter: retryAfter)
+                default: throw .transient("the parent session \(name): \(error)")
+                }
+            } catch {
+                throw .transient("the parent session \(name): \(type(of: error))")
+            }
+        }
     }
 
     /// The OAuth source of a session, with what becomes of requests its callers abandon.

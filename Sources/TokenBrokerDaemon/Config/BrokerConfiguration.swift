@@ -69,6 +69,32 @@ public struct SessionConfiguration: Sendable, Equatable {
         case test(lifetime: Duration)
         /// An OAuth 2.0 authorization server.
         case oauth(OAuthSettings)
+        /// Another session's tokens, narrowed (`DerivedFrom=`).
+        case derived(DerivedSettings)
+    }
+
+    /// How a derived session gets its tokens from its parent's (`Derivation=`).
+    public enum DerivationMethod: String, Sendable, Equatable {
+        /// RFC 8693 token exchange, the parent's current access token as the subject token.
+        case exchange
+        /// The parent's refresh token with `resource` and a narrower `scope` (RFC 8707 §2.2).
+        case refresh
+    }
+
+    /// A derived session: its parent, and what it narrows the parent's tokens to.
+    public struct DerivedSettings: Sendable, Equatable {
+        public var parent: String
+        public var method: DerivationMethod
+        public var audiences: [String]
+        public var resources: [String]
+        /// A scope within the parent's (`Scope=`; nil: the parent's own).
+        public var scope: String?
+        /// The parent's OAuth settings: where and how the derivation is asked for.
+        public var oauth: OAuthSettings
+
+        public init(parent: String, method: DerivationMethod, audiences: [String], resources: [String], scope: String?, oauth: OAuthSettings) {
+            (self.parent, self.method, self.audiences, self.resources, self.scope, self.oauth) = (parent, method, audiences, resources, scope, oauth)
+        }
     }
 
     /// The OAuth grant a session uses (`Grant=`); each is a session kind (`SessionFactory.kind(of:)`).
@@ -153,6 +179,9 @@ public struct SessionConfiguration: Sendable, Equatable {
     public var fleet: FleetSettings?
     /// Where the section was first written, for messages.
     public var origin: String
+    /// A derived session's parent's OAuth settings, as the configuration has them (set when
+    /// the configuration is read as a whole).
+    public var parentOAuth: OAuthSettings?
 
     public var name: String {
         get { settings.name }
@@ -160,8 +189,16 @@ public struct SessionConfiguration: Sendable, Equatable {
     }
 
     public var upstream: Upstream {
-        get { settings.kind == .test ? .test(lifetime: settings.testTokenLifetime) : .oauth(settings.oauth) }
+        get {
+            if let parent = settings.derivedFrom {
+                return .derived(DerivedSettings(parent: parent, method: settings.derivation, audiences: settings.audiences,
+                                                resources: settings.resources, scope: settings.oauth.client.scope,
+                                                oauth: parentOAuth ?? OAuthSettings(client: OAuthClientSettings())))
+            }
+            return settings.kind == .test ? .test(lifetime: settings.testTokenLifetime) : .oauth(settings.oauth)
+        }
         set {
+            settings.derivedFrom = nil
             switch newValue {
             case let .test(lifetime):
                 settings.kind = .test
@@ -169,6 +206,11 @@ public struct SessionConfiguration: Sendable, Equatable {
             case let .oauth(oauth):
                 settings.kind = .oauth
                 settings.oauth = oauth
+            case let .derived(derived):
+                (settings.derivedFrom, settings.derivation, settings.audiences, settings.resources) =
+                    (derived.parent, derived.method, derived.audiences, derived.resources)
+                settings.oauth.client.scope = derived.scope
+                parentOAuth = derived.oauth
             }
         }
     }

@@ -80,8 +80,10 @@ public enum ConfigLoader {
             }
         }
         configuration.sessions.reserveCapacity(sessionEntries.count)
+        var derivedFrom: [String: INIEntry] = [:]
         for (name, origin, entries) in sessionEntries {
             guard var session = session(name, origin: origin, entries: entries, &context) else { continue }
+            if session.settings.derivedFrom != nil { derivedFrom[name] = entries.last { $0.key == "DerivedFrom" } }
             if session.settings.fleet, let entry = entries.last(where: { $0.key == "Fleet" }) {
                 guard let fleet = configuration.fleet else {
                     if !fleetFailed { context.record(fail(entry, "Fleet=yes needs a [Fleet] section with Endpoints= and KeyFile= or KeyCredential=")) }
@@ -96,12 +98,58 @@ public enum ConfigLoader {
             }
             configuration.sessions.append(session)
         }
+        configuration.sessions = derive(configuration.sessions, derivedFrom, &context)
         // In file order, whatever check found them.
         configuration.warnings = ConfigError.inFileOrder(context.warnings, main: mainFile) { $0 }
         if let error = ConfigError.combined(ConfigError.inFileOrder(context.errors, main: mainFile) { $0 }, omitted: context.omittedErrors,
                                             warnings: configuration.warnings) { throw error }
         return configuration
     }
+
+    /// Derived sessions against their parents: a parent must be a configured OAuth session of
+    /// its own (not derived, not a test session; not DPoP-bound yet), whose settings the derived
+    /// session then carries. One that fails is left out, with its error.
+    private static func derive(_ sessions: [SessionConfiguration], _ entries: [String: INIEntry],
+                               _ context: inout ConfigContext) -> [SessionConfiguration] {
+        let byName = Dictionary(sessions.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+        return sessions.compactMap { session in
+            guard let parentName = session.settings.derivedFrom, let entry = entries[session.name] else { return session }
+            guard let parent = byName[parentName], parentName != session.name else {
+                context.record(fail(entry, "DerivedFrom=\(parentName): no such session is configured"
+                                    + (parentName == session.name ? " (a session cannot derive from itself)" : "")))
+                return nil
+            }
+            guard parent.settings.derivedFrom == nil, case let .oauth(oauth) = parent.upstream else {
+                context.record(fail(entry, "DerivedFrom=\(parentName): the parent must be an Upstream=oauth session of its own "
+                                    + "(not a derived or test session)"))
+                return nil
+            }
+            guard oauth.dpop == .off else {
+                context.record(fail(entry, "DerivedFrom=\(parentName): the parent is DPoP-bound (DPoP=); derived sessions of DPoP "
+                                    + "sessions are not supported yet"))
+                return nil
+            }
+            guard parent.fleet == nil else {
+                context.record(fail(entry, "DerivedFrom=\(parentName): the parent is shared with a fleet (Fleet=yes); derived sessions of "
+                                    + "fleet sessions are not supported yet"))
+                return nil
+            }
+            var derived = session
+            derived.parentOAuth = oauth
+            return derived
+        }
+    }
+
+    /// The keys a derived session takes from its parent: it may not set them itself.
+    static let parentKeys: Set<String> = [
+        "Upstream", "TestTokenLifetime", "Grant", "Issuer", "TokenEndpoint", "RevocationEndpoint", "DeviceAuthorizationEndpoint",
+        "AuthorizationEndpoint", "LoginFlow", "LoginRedirectPorts", "LoginTimeout", "ClientID", "ClientSecretFile", "ClientSecretCredential",
+        "ClientSecret", "ClientAuthentication", "CAFile", "ClientCertificate", "ClientKey", "ConnectTimeout", "RequestTimeout",
+        "RevokeOnLogout", "DPoP",
+    ]
+
+    /// The keys only a derived session takes.
+    static let derivedKeys: Set<String> = ["Derivation", "Audience", "Resource"]
 
     /// One assignment, by its key's entry in `index` (the table `keys`); an unknown key warns,
     /// with the key it probably meant.
@@ -159,6 +207,22 @@ public enum ConfigLoader {
         guard !context.errors[before...].contains(where: { upstreamLines.contains("\($0.file):\($0.line)") }) else { return nil }
         if settings.policy.backoff.maximum < settings.policy.backoff.initial, let entry = entries.last(where: { $0.key == "BackoffMax" }) {
             record(fail(entry, "BackoffMax= is shorter than BackoffInitial="))
+        }
+        if settings.derivedFrom != nil {
+            for entry in entries where parentKeys.contains(entry.key) {
+                record(fail(entry, "\(entry.key)= is the parent's: a derived session asks its parent's server (DerivedFrom=)"))
+            }
+            if settings.derivation == .refresh, let entry = entries.last(where: { $0.key == "Derivation" }) {
+                record(fail(entry, "Derivation=refresh is not supported yet: use Derivation=exchange (RFC 8693 token exchange)"))
+            }
+            if settings.audiences.isEmpty, settings.resources.isEmpty, settings.oauth.client.scope == nil {
+                record(missing("Audience=, Resource= or Scope= (a derived session narrows its parent's tokens)", "Audience", "Resource", "Scope"))
+            }
+            guard context.errors.count == before else { return nil }
+            return SessionConfiguration(settings: settings, origin: "\(origin.file):\(origin.line)")
+        }
+        for entry in entries where derivedKeys.contains(entry.key) {
+            record(fail(entry, "\(entry.key)= needs DerivedFrom= (only a derived session narrows tokens)"))
         }
         if settings.kind == .test, settings.oauth.dpop != .off, let entry = entries.last(where: { $0.key == "DPoP" }) {
             record(fail(entry, "DPoP=\(entry.value) needs Upstream=oauth (the test upstream mints bearer tokens)"))

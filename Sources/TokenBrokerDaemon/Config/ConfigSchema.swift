@@ -147,6 +147,30 @@ public enum ConfigSchema {
             }
             guard settings.serves.count <= 64 else { throw fail(entry, "Serves= lists more than 64 URLs") }
         },
+        ConfigKey("DerivedFrom", takes: "a session's name", change: .rebuildsSession,
+                  "derive this session's tokens from another session's (its parent), narrowed by Audience=, Resource= and Scope=",
+                  same: { $0.derivedFrom == $1.derivedFrom }) { settings, entry, _ throws(ConfigError) in
+            guard ConfigValue.isSessionName(entry.value) else { throw fail(entry, "DerivedFrom=: '\(entry.value)' is not a session name") }
+            settings.derivedFrom = entry.value
+        },
+        ConfigKey("Derivation", \.derivation,
+                  .oneOf(SessionConfiguration.DerivationMethod.self, [.exchange, .refresh], message: "Derivation= must be exchange or refresh"),
+                  default: "exchange", change: .rebuildsSession,
+                  "how a derived session gets its tokens: RFC 8693 token exchange of the parent's access token"),
+        ConfigKey("Audience", takes: "audiences, space-separated (empty clears)", change: .rebuildsSession,
+                  "the audiences a derived session's tokens are for (RFC 8693 audience)",
+                  same: { $0.audiences == $1.audiences }) { settings, entry, _ throws(ConfigError) in
+            settings.audiences = try targets(entry, settings.audiences, what: "audience") { _ in true }
+        },
+        ConfigKey("Resource", takes: "absolute URLs, space-separated (empty clears)", change: .rebuildsSession,
+                  "the resources a derived session's tokens are for (RFC 8707 resource indicators)",
+                  same: { $0.resources == $1.resources }) { settings, entry, _ throws(ConfigError) in
+            // RFC 8707 §2: an absolute URI without a fragment.
+            settings.resources = try targets(entry, settings.resources, what: "resource") { word in
+                guard let url = StrictURL(word), url.scheme != nil, !word.contains("#") else { return false }
+                return true
+            }
+        },
         ConfigKey("RefreshAhead", \.policy.refreshAhead, .duration(.zero...Duration.seconds(86400)), default: "60s", change: .rebuildsSession,
                   "refresh in the background this long before expiry (0: off)"),
         ConfigKey("RefreshLimitBurst", \.policy.guardLimit, .count(1...10_000), default: "10", change: .rebuildsSession,
@@ -166,6 +190,22 @@ public enum ConfigSchema {
                   same: { $0.oauth.client.clientSecret == $1.oauth.client.clientSecret }) { settings, entry, _ throws(ConfigError) in
             settings.secretSource = entry
         }
+    }
+
+    /// A derived session's audiences or resources: an empty value clears them, each word adds
+    /// one (at most 16, each 1 to 512 visible ASCII characters that `valid` takes).
+    private static func targets(_ entry: INIEntry, _ current: [String], what: String, valid: (String) -> Bool) throws(ConfigError) -> [String] {
+        guard !entry.value.isEmpty else { return [] }
+        var targets = current
+        for word in ConfigValue.list(entry.value) {
+            guard word.utf8.count <= 512, word.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }), valid(word) else {
+                throw fail(entry, "\(entry.key)=: '\(word.prefix(64))' is not a valid \(what)"
+                           + (what == "resource" ? " (an absolute URL without a fragment, RFC 8707)" : ""))
+            }
+            if !targets.contains(word) { targets.append(word) }
+        }
+        guard targets.count <= 16 else { throw fail(entry, "\(entry.key)= lists more than 16 \(what)s") }
+        return targets
     }
 
     /// An allow list: an empty value clears it, each word adds a name or a number.
@@ -264,6 +304,12 @@ public struct SessionSettings: Sendable, Equatable {
     public var policy = RefreshPolicy()
     /// What credential helpers get this session's token for (`Serves=`).
     public var serves: [ServedURL] = []
+    /// A derived session's parent (`DerivedFrom=`); nil for a session with an upstream of its own.
+    public var derivedFrom: String?
+    public var derivation = SessionConfiguration.DerivationMethod.exchange
+    /// What a derived session narrows its parent's tokens to (`Audience=`, `Resource=`).
+    public var audiences: [String] = []
+    public var resources: [String] = []
 
     public init(name: String) { self.name = name }
 }

@@ -1,0 +1,43 @@
+import Fleet
+import TokenBrokerCore
+import Upstream
+
+/// `DerivedFrom=`: another session's tokens, narrowed to audiences, resources (RFC 8707) and a
+/// scope, by RFC 8693 token exchange of the parent's current access token at the parent's
+/// server. Its own cached token, flight, backoff and refresh guard; its parent's boundaries
+/// (`DerivedSessions`): logged in while the parent is, signed out with it.
+struct DerivedSession: SessionKind {
+    let settings: SessionConfiguration.DerivedSettings
+
+    func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, account: (any UpstreamAccount)?) {
+        let grant = TokenExchangeRequest(audiences: settings.audiences, resources: settings.resources, scope: settings.scope,
+                                         subjectToken: factory.currentToken(of: settings.parent))
+        let http = factory.httpSource(session, settings.oauth, grant: grant)
+        return (http, http)
+    }
+
+    /// It logs in when its parent is logged in (`DerivedSessions.reconcile`), not on its own.
+    var logsInAtStart: Bool { false }
+
+    var interactiveLogin: InteractiveLoginOffer {
+        .none("a derived session logs in with its parent: log in to \(settings.parent)")
+    }
+
+    /// Its tokens carry no refresh token of their own (an exchange's is revoked at once).
+    var revokesAtLogout: Bool { false }
+
+    var revokesDiscardedAccessTokens: Bool { true }
+
+    /// The parent's refresh, when the exchange needs a current subject token, then the exchange.
+    var longestFlight: Duration {
+        settings.oauth.client.timeout * 2 + (settings.oauth.issuer.map(Discovery.longest(for:)) ?? .zero) * 2
+    }
+
+    var parent: String? { settings.parent }
+
+    func wayBackIn(_ session: String) -> String? { "tokenbroker ctl login \(settings.parent)" }
+
+    func fleetRefusal(_ fleet: FleetSettings) -> String? {
+        "Fleet=yes cannot be used on a derived session (it follows its parent on this host: share the parent with the fleet instead)"
+    }
+}

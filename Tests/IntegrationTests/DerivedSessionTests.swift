@@ -1,0 +1,229 @@
+import DevIssuer
+import Foundation
+import Testing
+import TestSupport
+import Varlink
+
+/// Derived sessions (issue 35): the real daemon against the development issuer's RFC 8693 token
+/// exchange. Tokens are compared by fingerprint only.
+@Suite("Derived sessions: narrowed tokens by token exchange, one flight per derived session, the parent's boundary", .serialized)
+struct DerivedSessionTests {
+    static let readAudience = "https://read.example"
+    static let storage = "https://storage.example/bucket"
+
+    static func config(_ issuer: DevIssuer, extra: String = "") -> String {
+        "[Broker]\nSocketMode=0666\n\n" + Broker.oauthSession(issuer.tokenEndpoint) + """
+        RevocationEndpoint=\(issuer.revocationEndpoint)
+
+        [Session]
+        Name=api-read
+        DerivedFrom=api
+        Audience=\(readAudience)
+        Scope=read
+
+        [Session]
+        Name=api-storage
+        DerivedFrom=api
+        Resource=\(storage)
+        \(extra)
+        """
+    }
+
+    static func withIssuerAndBroker(extra: String = "", _ body: (DevIssuer, Broker) async throws -> Void) async throws {
+        var options = DevIssuer.Options()
+        options.deviceInterval = .seconds(1)
+        let issuer = try DevIssuer(options: options)
+        defer { issuer.stop() }
+        try await withBroker(config: config(issuer, extra: extra)) { broker in
+            try await body(issuer, broker)
+        }
+    }
+
+    static func logIn(_ broker: Broker, _ issuer: DevIssuer, generation: Int = 1) async throws {
+        let login = try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n")
+        #expect(login.code == 0 && login.out == "logged in api (generation \(generation))\n", "\(login.err)")
+    }
+
+    /// A blocking call on a thread of its own (many at once really are at once).
+    static func onThread<T: Sendable>(_ body: @escaping @Sendable () throws -> T) async throws -> T {
+        try await withCheckedThrowingContinuation { continuation in
+            Thread { continuation.resume(with: Result { try body() }) }.start()
+        }
+    }
+
+    @Test("a derived session's token is the parent's exchanged (RFC 8693): narrowed to its audience, resource and scope, the parent's own token unchanged; it needs no refresh of the parent, and a parent refresh does not derive again")
+    func narrowedTokens() async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            try await Self.logIn(broker, issuer)
+            let parent = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"]?.stringValue)
+            let refreshes = issuer.counters.refreshGrants
+            let read = try #require(try broker.call("GetToken", ["session": "api-read"]).parameters["token"]?.stringValue)
+            let storage = try #require(try broker.call("GetToken", ["session": "api-storage"]).parameters["token"]?.stringValue)
+            #expect(fp(read) != fp(parent) && fp(storage) != fp(parent) && fp(read) != fp(storage))
+            #expect(issuer.audiences(ofAccessToken: read) == [Self.readAudience] && issuer.scope(ofAccessToken: read) == "read")
+            #expect(issuer.audiences(ofAccessToken: storage) == [Self.storage] && issuer.scope(ofAccessToken: storage) == nil)
+            #expect(issuer.audiences(ofAccessToken: parent) == [], "the parent's token is not narrowed")
+            #expect(issuer.counters.tokenExchanges == 2 && issuer.counters.refreshGrants == refreshes, "the parent's valid token was the subject")
+            // Served from each one's cache from now on.
+            #expect(fp(try broker.call("GetToken", ["session": "api-read"]).parameters["token"]) == fp(read))
+            // A refresh of the parent does not derive again; the derived token stays.
+            #expect(try broker.call("Refresh", ["session": "api"]).error == nil)
+            #expect(fp(try broker.call("GetToken", ["session": "api-read"]).parameters["token"]) == fp(read))
+            #expect(issuer.counters.tokenExchanges == 2)
+            let status = try #require(try broker.status("api-read"))
+            #expect(status["derivedFrom"] == "api" && status["state"] == "active")
+            #expect(try broker.status("api")?["derivedFrom"] == nil)
+            // The tree in the metrics too, and in ctl status.
+            let metrics = try await broker.ctl(["metrics"])
+            #expect(metrics.code == 0 && metrics.out.contains("tokenbroker_derived_session_info{parent=\"api\",session=\"api-read\"} 1"))
+            #expect(metrics.out.contains("tokenbroker_derived_session_info{parent=\"api\",session=\"api-storage\"} 1"))
+            #expect(metrics.out.split(separator: "\n").filter { $0.hasPrefix("tokenbroker_derived_session_info{") }.count == 2, "the parent has none")
+            let table = try await broker.ctl(["status"])
+            #expect(table.code == 0 && table.out.split(separator: "\n").contains { $0.hasPrefix("api-read ") && $0.contains("derived from api") })
+        }
+    }
+
+    @Test("eight demands at once on a derived session share one exchange: they join its flight, and all get its token", arguments: 0..<3)
+    func oneFlight(_ run: Int) async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            try await Self.logIn(broker, issuer)
+            _ = try broker.call("GetToken", ["session": "api"])   // the subject token, at hand
+            issuer.inject([.hold])
+            let demands = (0..<8).map { _ in
+                Task { try await Self.onThread { try broker.call("GetToken", ["session": "api-storage"]).parameters["token"]?.stringValue } }
+            }
+            try await eventually("the exchange is held") { issuer.heldCount == 1 }
+            try await eventually("the other seven demands joined it") { (try? broker.status("api-storage"))?["joinedWaiters"] == 7 }
+            issuer.releaseHeld()
+            var tokens: Set<String> = []
+            for demand in demands { tokens.insert(fp(try await demand.value)) }
+            #expect(tokens.count == 1 && !tokens.contains(fp(nil as String?)), "one token for all: \(tokens)")
+            #expect(issuer.counters.tokenExchanges == 1)
+        }
+    }
+
+    @Test("the parent's logout is every derived session's: its workers get SignedOut naming the parent's login, its watchers are told, the parent's next login derives anew")
+    func oneBoundary() async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            try await Self.logIn(broker, issuer)
+            let first = try broker.call("GetToken", ["session": "api-read"]).parameters
+            let watcher = try broker.client()
+            let initial = try watcher.call("io.tokenbroker.Broker.Watch", ["session": "api-read"], more: true)
+            #expect(initial.parameters["event"] == "token" && fp(initial.parameters["token"]) == fp(first["token"]))
+
+            #expect(try broker.call("Logout", ["session": "api"]) == VarlinkReply())
+            // When the logout returns, the derived session is signed out already.
+            #expect(try broker.call("GetToken", ["session": "api-read"])
+                    == .error("io.tokenbroker.Broker.SignedOut", ["session": "api-read", "login": "tokenbroker ctl login api"]))
+            #expect(try broker.call("GetToken", ["session": "api-storage"]).error == "io.tokenbroker.Broker.SignedOut")
+            let last = try watcher.nextReply()
+            #expect(last.parameters["event"] == "signedOut" && !last.continues)
+            #expect(try broker.status("api-read")?["state"] == "signedOut")
+            let exchanges = issuer.counters.tokenExchanges
+
+            try await Self.logIn(broker, issuer, generation: 3)
+            let next = try broker.call("GetToken", ["session": "api-read"]).parameters
+            #expect(fp(next["token"]) != fp(first["token"]) && issuer.counters.tokenExchanges == exchanges + 1)
+            #expect((next["generation"]?.intValue ?? 0) > (first["generation"]?.intValue ?? 0))
+            #expect(issuer.audiences(ofAccessToken: try #require(next["token"]?.stringValue)) == [Self.readAudience])
+        }
+    }
+
+    @Test("the parent's logout while exchanges are under way: none installs, their waiters get SignedOut, the late tokens are revoked at the issuer (race suite: logout during derivations)", arguments: 0..<3)
+    func logoutDuringExchanges(_ run: Int) async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            try await Self.logIn(broker, issuer)
+            _ = try broker.call("GetToken", ["session": "api"])
+            // Both exchanges are processed (their tokens issued), then held: answers that come late.
+            issuer.inject([.holdAfterProcessing, .holdAfterProcessing])
+            let read = Task { try await Self.onThread { try broker.call("GetToken", ["session": "api-read"]) } }
+            let storage = Task { try await Self.onThread { try broker.call("GetToken", ["session": "api-storage"]) } }
+            try await eventually("both exchanges are held") { issuer.heldCount == 2 }
+            #expect(try broker.call("Logout", ["session": "api"]) == VarlinkReply())
+            issuer.releaseHeld()
+            #expect(try await read.value.error == "io.tokenbroker.Broker.SignedOut")
+            #expect(try await storage.value.error == "io.tokenbroker.Broker.SignedOut")
+            #expect(try broker.call("GetToken", ["session": "api-read"]).error == "io.tokenbroker.Broker.SignedOut")
+            #expect(try broker.status("api-read")?["tokenSerial"] == nil)
+            #expect(try broker.status("api-storage")?["tokenSerial"] == nil)
+            #expect(issuer.counters.tokenExchanges == 2)
+            // What the exchanges issued is dead at the issuer (with the parent's refresh token
+            // family, revoked at the logout; a dropped answer's token is revoked by the broker too).
+            try await eventually("no exchanged token lives on") {
+                issuer.liveAccessTokens(for: Self.readAudience) == 0 && issuer.liveAccessTokens(for: Self.storage) == 0
+            }
+        }
+    }
+
+    @Test("a refused exchange (invalid_target) ends that derived session with the server's reason, not the parent nor its other derived sessions; the parent's next login brings it back")
+    func failuresStayLocal() async throws {
+        try await Self.withIssuerAndBroker { issuer, broker in
+            try await Self.logIn(broker, issuer)
+            issuer.refuseTarget(Self.storage)
+            let refused = try broker.call("GetToken", ["session": "api-storage"])
+            #expect(refused.error == "io.tokenbroker.Broker.RefreshFailed", "\(refused.error ?? "")")
+            #expect(refused.parameters["retryable"] == false)
+            let status = try #require(try broker.status("api-storage"))
+            #expect(status["state"] == "ended" && (status["lastError"]?.stringValue ?? "").contains("invalid_target"))
+            #expect(try broker.call("GetToken", ["session": "api"]).error == nil)
+            #expect(try broker.call("GetToken", ["session": "api-read"]).error == nil)
+            #expect(try broker.status("api")?["state"] == "active")
+            // Still ended while the parent's generation lasts; the parent's next login starts it anew.
+            issuer.refuseTarget(Self.storage, false)
+            #expect(try broker.call("GetToken", ["session": "api-storage"]).error == "io.tokenbroker.Broker.RefreshFailed")
+            try await Self.logIn(broker, issuer, generation: 2)
+            let back = try broker.call("GetToken", ["session": "api-storage"])
+            #expect(back.error == nil && issuer.audiences(ofAccessToken: back.parameters["token"]?.stringValue ?? "") == [Self.storage])
+        }
+    }
+
+    @Test("a derived session of a signed-out parent is signed out from the start; a restart derives anew from the stored parent")
+    func followsAtStart() async throws {
+        let issuer = try DevIssuer(options: DevIssuer.Options())
+        defer { issuer.stop() }
+        let broker = try await Broker(config: Self.config(issuer))
+        defer { try? FileManager.default.removeItem(atPath: broker.directory) }
+        #expect(try broker.status("api-read")?["state"] == "signedOut")
+        #expect(try broker.call("GetToken", ["session": "api-read"]).error == "io.tokenbroker.Broker.SignedOut")
+        try await Self.logIn(broker, issuer)
+        #expect(try broker.status("api-read")?["state"] == "active")
+        let parent = try broker.call("GetToken", ["session": "api"]).parameters["token"]
+        let before = try broker.call("GetToken", ["session": "api-read"]).parameters["token"]
+        #expect(before != nil)
+        #expect(await broker.stop() == 0)
+
+        let restarted = try await Broker(config: Self.config(issuer), reusing: broker.directory)
+        let exchanges = issuer.counters.tokenExchanges
+        #expect(fp(try restarted.call("GetToken", ["session": "api"]).parameters["token"]) == fp(parent), "the parent's token is restored")
+        let after = try restarted.call("GetToken", ["session": "api-read"]).parameters["token"]
+        #expect(after != nil && fp(after) != fp(before) && issuer.counters.tokenExchanges == exchanges + 1, "derived anew")
+        #expect(await restarted.stop() == 0)
+    }
+
+    @Test("configuration: a derived session names an OAuth parent of its own, narrows something, and sets none of the parent's keys")
+    func configuration() async throws {
+        let issuer = try DevIssuer(options: DevIssuer.Options())
+        defer { issuer.stop() }
+        let base = Self.config(issuer)
+        let cases: [(String, String)] = [
+            (base + "\n[Session]\nName=orphan\nDerivedFrom=nowhere\nScope=read\n", "DerivedFrom=nowhere: no such session is configured"),
+            (base + "\n[Session]\nName=chain\nDerivedFrom=api-read\nScope=read\n", "the parent must be an Upstream=oauth session of its own"),
+            (base + "\n[Session]\nName=wide\nDerivedFrom=api\n", "needs Audience=, Resource= or Scope="),
+            (base + "\n[Session]\nName=own\nDerivedFrom=api\nScope=read\nClientID=other\n", "ClientID= is the parent's"),
+            (base + "\n[Session]\nName=later\nDerivedFrom=api\nScope=read\nDerivation=refresh\n", "Derivation=refresh is not supported yet"),
+            (base + "\n[Session]\nName=bad\nDerivedFrom=api\nResource=not-a-url\n", "is not a valid resource"),
+            (base + "\n[Session]\nName=plain\nUpstream=test\nAudience=x\n", "Audience= needs DerivedFrom="),
+            (base + "\n[Session]\nName=bound\nTokenEndpoint=\(issuer.tokenEndpoint)\nClientID=c\nClientSecretFile=@DIR@/client-secret\nDPoP=yes\n"
+                + "\n[Session]\nName=of-bound\nDerivedFrom=bound\nScope=read\n", "the parent is DPoP-bound"),
+        ]
+        for (config, message) in cases {
+            let directory = try Paths.temporaryDirectory()
+            let path = directory + "/tokenbroker.conf"
+            try SecretFile.write("dev-secret\n", to: directory + "/client-secret")
+            try config.replacingOccurrences(of: "@DIR@", with: directory).write(toFile: path, atomically: true, encoding: .utf8)
+            let run = try Child(Paths.tokenbroker, ["check-config", "--config", path], directory: directory)
+            let code = await run.wait()
+            #expect(code != 0 && run.stderr.contains(message), "\(message): \(run.stderr)")
+        }
+    }
+}
