@@ -867,7 +867,7 @@ public final class DevIssuer: Sendable {
             "replays": .int(Int64(counters.replays)), "token_requests": .int(Int64(counters.tokenRequests)),
             "dpop_refused": .int(Int64(counters.dpopProofsRefused)), "dpop_nonce_challenges": .int(Int64(counters.dpopNonceChallenges)),
             "authorization": .int(Int64(counters.authorizationRequests)), "authorization_code": .int(Int64(counters.codeGrants)),
-            "code_replays": .int(Int64(counters.codeReplays)),
+            "code_replays": .int(Int64(counters.codeReplays)), "token_exchange": .int(Int64(counters.tokenExchanges)),
         ])
     }
 

@@ -9,13 +9,14 @@ import DevIssuer
 // systemd). Loopback HTTP only. Not installed; never for production.
 //
 //   dev-issuer [--port N] [--client-id ID] --client-secret-file PATH [--refresh-token-file PATH]
-//              [--dpop accepted|required] [--dpop-nonces]
+//              [--dpop accepted|required] [--dpop-nonces] [--access-token-lifetime SECONDS]
 //
 // Prints `issuer http://127.0.0.1:PORT` on stdout once it listens; `--refresh-token-file`
 // receives (mode 0600) a refresh token of a new login, so no token passes through a test's
 // output. Stops on SIGTERM or SIGINT.
 
-let usage = "usage: dev-issuer [--port N] [--client-id ID] --client-secret-file PATH [--refresh-token-file PATH] [--dpop accepted|required] [--dpop-nonces]\n"
+let usage = "usage: dev-issuer [--port N] [--client-id ID] --client-secret-file PATH [--refresh-token-file PATH] [--dpop accepted|required] [--dpop-nonces] "
+    + "[--access-token-lifetime SECONDS]\n"
 
 func emit(_ text: String, to fd: Int32) {
     let bytes = Array(text.utf8)
@@ -65,6 +66,11 @@ while let argument = arguments.popFirst() {
         }
     case "--dpop-nonces":
         options.dpopNonces = true
+    case "--access-token-lifetime":
+        guard let value = arguments.popFirst(), let seconds = Int(value), (1...86_400).contains(seconds) else {
+            fail("--access-token-lifetime needs 1 to 86400 seconds")
+        }
+        options.accessTokenLifetime = .seconds(seconds)
     case "-h", "--help":
         emit(usage, to: 1)
         exit(0)
