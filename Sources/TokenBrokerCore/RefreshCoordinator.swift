@@ -105,7 +105,8 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     ///   - summaries: told the session's summary each time it changes, in order, under a lock:
     ///     it must not block nor call back into the coordinator.
     ///   - boundaries: told of each login and logout once it is in effect, before the call that
-    ///     made it returns, and awaited (the daemon's derived sessions follow their parent's).
+    ///     made it returns, and of a refresh that ended the session, and awaited (the daemon's
+    ///     derived sessions follow their parent's).
     public init(session: String, policy: RefreshPolicy = RefreshPolicy(), source: any TokenSource,
                 store: any SessionStore, restored: SessionRecord? = nil, pendingWrite: StoreWrite? = nil,
                 counters: SessionCounters = SessionCounters(), clock: C, wall: any WallClock,
@@ -321,6 +322,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
             // The journal gets the server's own words too (`lastError`); workers get the reason.
             if case let .ended(reason) = machine.phase {
                 report(.ended(reason: machine.lastError ?? reason))
+                await boundaries(.ended(generation: machine.generation))
             } else {
                 var refused = false
                 if case .refused = failure.kind { refused = true }

@@ -83,8 +83,11 @@ public struct SessionSummary: Sendable, Equatable {
     }
 }
 
-/// A login or logout of a session, once it is in effect (`RefreshCoordinator`'s `boundaries`).
+/// A login or logout of a session, or its end, once it is in effect (`RefreshCoordinator`'s
+/// `boundaries`).
 public enum SessionBoundary: Sendable, Equatable {
     case loggedIn(generation: Int)
     case loggedOut(generation: Int)
+    /// A refresh ended the session (the issuer says its grant is dead): no token until a login.
+    case ended(generation: Int)
 }

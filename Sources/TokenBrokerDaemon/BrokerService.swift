@@ -317,6 +317,9 @@ final class BrokerService: VarlinkHandler {
         let logger = self.logger
         return asyncReply(name) { [self] in
             try await boundary(name) { session in
+                if let parent = session.kind.parent {
+                    throw BrokerError.loginFailed(session: name, reason: "a derived session logs in with its parent: log in to \(parent)")
+                }
                 // A DPoP session's new generation gets a new key (the old one ends with its generation).
                 let proofKey: Secret?
                 do throws(FetchFailure) { proofKey = try session.account?.newProofKey() } catch {

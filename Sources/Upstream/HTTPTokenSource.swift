@@ -238,16 +238,8 @@ public final class HTTPTokenSource: TokenSource, UpstreamAccount {
 
     /// Best-effort RFC 7009 revocation of a refresh token.
     public func revoke(_ refreshToken: Secret) async -> Revocation {
-        await revoke(refreshToken, hint: "refresh_token")
-    }
-
-    public func revoke(accessToken: Secret) async -> Revocation {
-        await revoke(accessToken, hint: "access_token")
-    }
-
-    private func revoke(_ token: Secret, hint: String) async -> Revocation {
         do {
-            return try await client(proofKey: nil).revoke(token, hint: hint) ? .revoked : .noEndpoint
+            return try await client(proofKey: nil).revoke(refreshToken) ? .revoked : .noEndpoint
         } catch {
             return .failed(error.message)
         }

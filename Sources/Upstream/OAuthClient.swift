@@ -103,6 +103,15 @@ public struct OAuthClient: Sendable {
         return try await accept(response, rotates: rotates)
     }
 
+    /// As `tokenRequest` for a grant that rotates nothing, with the answer's JSON object too
+    /// (a token exchange's `issued_token_type` and `scope` are checked by its caller).
+    func tokenRequestAndBody(_ fields: [(String, String)]) async throws(FetchFailure) -> (token: FetchedToken, body: JSONObject?) {
+        let response = try await tokenEndpointPost(fields)
+        guard response.status == 200 else { throw Self.classify(response) }
+        let token = try await accept(response, rotates: false)
+        return (token, (try? JSONParser.parse(response.body))?.objectValue)
+    }
+
     /// A 200 answer read (`parseToken`). One that is refused may still have rotated the refresh
     /// token: the one sent is spent then, and the new one alive upstream, known to nobody. So a
     /// refused answer that brings a refresh token ends the session (sending the spent one again

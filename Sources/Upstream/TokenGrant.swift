@@ -1,4 +1,5 @@
 import TokenBrokerCore
+import WireJSON
 
 /// How a session asks its authorization server for a token: the one request that differs
 /// between kinds of session. `HTTPTokenSource` does everything around it (discovery, DPoP,
@@ -36,8 +37,11 @@ extension TokenGrant where Self == ClientCredentialsRequest {
 }
 
 /// RFC 8693 token exchange: another session's current access token (the subject token) for
-/// one narrowed to `audiences`, `resources` (RFC 8707) and `scope`. A refresh token in the
-/// answer is not kept (the next token is exchanged again) and is revoked, best effort.
+/// one narrowed to `audiences`, `resources` (RFC 8707) and `scope`. An answer that is not
+/// narrowed as asked is refused: the subject token itself back, another `issued_token_type`
+/// than an access token, or a wider scope than the one asked for. A refresh token in the answer
+/// is dropped, not kept and not revoked: revoking it with the parent's client may end the
+/// parent's own grant at some servers.
 public struct TokenExchangeRequest: TokenGrant {
     public static let grantType = "urn:ietf:params:oauth:grant-type:token-exchange"
     public static let accessTokenType = "urn:ietf:params:oauth:token-type:access_token"
@@ -45,12 +49,13 @@ public struct TokenExchangeRequest: TokenGrant {
     public var audiences: [String]
     public var resources: [String]
     public var scope: String?
-    /// The subject token, when a request needs one: the parent session's current access token
-    /// (through its one flight when it has to be refreshed).
-    public var subjectToken: @Sendable () async throws(FetchFailure) -> Secret
+    /// The subject token: the parent session's current access token (through its one flight
+    /// when it has to be refreshed); given the one the server refused as `invalid_grant`, the
+    /// parent's next (its Recover).
+    public var subjectToken: @Sendable (_ rejected: Secret?) async throws(FetchFailure) -> Secret
 
     public init(audiences: [String], resources: [String], scope: String?,
-                subjectToken: @escaping @Sendable () async throws(FetchFailure) -> Secret) {
+                subjectToken: @escaping @Sendable (_ rejected: Secret?) async throws(FetchFailure) -> Secret) {
         self.audiences = audiences
         self.resources = resources
         self.scope = scope
@@ -67,12 +72,33 @@ public struct TokenExchangeRequest: TokenGrant {
     }
 
     public func token(for request: FetchRequest, through client: OAuthClient) async throws(FetchFailure) -> FetchedToken {
-        let subject = try await subjectToken()
-        var token = try await client.tokenRequest(fields(subject: subject), rotates: false)
-        if let stranded = token.refreshToken {
-            token.refreshToken = nil
-            _ = try? await client.revoke(stranded)
+        let subject = try await subjectToken(nil)
+        do {
+            return try await exchange(subject, through: client)
+        } catch where error.grantIsDead {
+            // The subject token was refused (revoked, or it ended in flight): once more with the
+            // parent's next one; a second refusal ends this session, not the parent.
+            return try await exchange(try await subjectToken(subject), through: client)
         }
+    }
+
+    private func exchange(_ subject: Secret, through client: OAuthClient) async throws(FetchFailure) -> FetchedToken {
+        var (token, body) = try await client.tokenRequestAndBody(fields(subject: subject))
+        token.refreshToken = nil
+        if let problem = Self.problem(with: token, body, subject: subject, asked: scope) { throw .terminal("token exchange: \(problem)") }
         return token
+    }
+
+    /// Why an exchange's answer is not the narrowed access token asked for, or nil.
+    static func problem(with token: FetchedToken, _ body: JSONObject?, subject: Secret, asked scope: String?) -> String? {
+        if token.accessToken == subject { return "the server answered the subject token itself, not a narrowed one" }
+        if let issued = body?["issued_token_type"]?.stringValue, issued != accessTokenType {
+            return "the server issued a \(issued.prefix(80)), not an access token"
+        }
+        if let scope, let granted = body?["scope"]?.stringValue,
+           !Set(granted.split(separator: " ")).isSubset(of: Set(scope.split(separator: " "))) {
+            return "the server granted a wider scope than the one asked for"
+        }
+        return nil
     }
 }

@@ -22,8 +22,6 @@ public protocol UpstreamAccount: AnyObject, Sendable {
     func whenAbandoned(_ handler: @escaping @Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)
     /// Best-effort RFC 7009 revocation of a refresh token.
     func revoke(_ refreshToken: Secret) async -> Revocation
-    /// Best-effort RFC 7009 revocation of an access token (`token_type_hint=access_token`).
-    func revoke(accessToken: Secret) async -> Revocation
 }
 
 /// What an authorization code login needs of the server: its authorization endpoint

@@ -19,8 +19,16 @@ enum DerivedSessions {
             for child in children {
                 group.addTask {
                     switch boundary {
-                    case .loggedOut: await signOut(child, with: parent, logger: logger)
-                    case .loggedIn: await logIn(child, with: parent, logger: logger)
+                    case .loggedOut, .ended:
+                        await signOut(child, with: parent, logger: logger)
+                    case .loggedIn:
+                        await logIn(child, with: parent, logger: logger)
+                        // A logout of the parent that came while this login was under way has
+                        // signed the child out already, or will: whichever landed last, the
+                        // child ends as the parent is now.
+                        if table.snapshot.sessions[parent]?.coordinator.statusSnapshot().state != .active {
+                            await signOut(child, with: parent, logger: logger)
+                        }
                     }
                 }
             }
@@ -49,9 +57,10 @@ enum DerivedSessions {
         }
     }
 
+    /// (Also when it shows as signed out: a login of it may be under way, which this ends.)
     private static func signOut(_ child: SessionTable.Session, with parent: String, logger: Logger) async {
         let name = child.configuration.name
-        guard child.coordinator.statusSnapshot().state != .signedOut else { return }
+        defer { child.replies.clear() }
         do {
             try await child.coordinator.logout()
             logger.info("session \(name): signed out with its parent \(parent)", session: name)
@@ -62,6 +71,7 @@ enum DerivedSessions {
 
     private static func logIn(_ child: SessionTable.Session, with parent: String, logger: Logger) async {
         let name = child.configuration.name
+        defer { child.replies.clear() }
         do {
             try await child.coordinator.login(refreshToken: nil)
             logger.info("session \(name): logged in with its parent \(parent); its tokens are derived from the parent's", session: name)

@@ -7,20 +7,15 @@ import Upstream
 /// stops, the revocation is skipped, and said), an abandoned request's in the request's own task.
 extension SessionFactory {
     /// What happens to an upstream answer that arrived after a logout (or login) had ended its
-    /// generation: its refresh token is revoked, like the one the logout retired; a derived
-    /// session's answer (no refresh token) has its access token revoked.
+    /// generation: its refresh token is revoked, like the one the logout retired.
     func discardedTokenRevocation(_ session: SessionConfiguration, _ upstream: (any UpstreamAccount)?) -> @Sendable (FetchedToken) -> Void {
-        let kind = Self.kind(of: session)
-        guard let upstream, kind.revokesAtLogout || kind.revokesDiscardedAccessTokens else { return { _ in } }
-        let (logger, tasks, name, accessTokens) = (self.logger, outliving, session.name, !kind.revokesAtLogout)
+        guard let upstream, Self.kind(of: session).revokesAtLogout else { return { _ in } }
+        let (logger, tasks, name) = (self.logger, outliving, session.name)
         return { fetched in
-            let revoked: Secret? = accessTokens ? fetched.accessToken : fetched.refreshToken
-            guard let token = revoked else { return }
+            guard let refreshToken = fetched.refreshToken else { return }
             let started = tasks.enqueue {
-                let revocation = accessTokens ? await upstream.revoke(accessToken: token) : await upstream.revoke(token)
-                if case let .failed(problem) = revocation {
-                    logger.warning("revoking the \(accessTokens ? "access" : "refresh") token of a discarded answer of session \(name) failed: \(problem)",
-                                   session: name)
+                if case let .failed(problem) = await upstream.revoke(refreshToken) {
+                    logger.warning("revoking the refresh token of a discarded answer of session \(name) failed: \(problem)", session: name)
                 }
             }
             if !started { Self.skipped(logger, name, tasks) }

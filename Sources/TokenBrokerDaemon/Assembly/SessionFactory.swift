@@ -68,6 +68,14 @@ struct SessionFactory: Sendable {
             }
         }
         let kind = Self.kind(of: session)
+        if kind.parent != nil, restored?.state == .active {
+            // What a derived session held was derived under a parent's generation that may have
+            // ended meanwhile, or under other settings: nothing of it is served.
+            // (`DerivedSessions.reconcile` logs it in anew when its parent is logged in.)
+            restored?.state = .signedOut
+            restored?.refreshToken = nil
+            restored?.accessToken = nil
+        }
         let (source, account) = kind.source(for: session, in: self)
         let fleet = session.fleet == nil ? nil : await fleetPart(session, source: source, account: account)
         let slot = census.enrol(session.name)
@@ -112,26 +120,37 @@ struct SessionFactory: Sendable {
     }
 
     /// The current access token of session `name` (a derived session's subject token): its
-    /// coordinator's, through its one flight when it must be refreshed.
-    func currentToken(of name: String) -> @Sendable () async throws(FetchFailure) -> Secret {
-        { [sessions] () async throws(FetchFailure) -> Secret in
+    /// coordinator's, valid for a while yet (an exchange must not present one that ends on the
+    /// way), through its one flight when it must be refreshed; given the one a server refused,
+    /// the next (the parent's Recover: its stale-rejection rule applies). What went wrong says
+    /// nothing of the parent's own reasons (a derived session's workers are not the parent's).
+    func currentToken(of name: String) -> @Sendable (_ rejected: Secret?) async throws(FetchFailure) -> Secret {
+        { [sessions] (rejected: Secret?) async throws(FetchFailure) -> Secret in
             guard let parent = sessions.snapshot.sessions[name] else { throw .transient("the parent session \(name) is not served") }
             do {
-                return try await parent.coordinator.token().token
+                if let rejected { return try await parent.coordinator.recover(rejected: rejected).token }
+                do {
+                    return try await parent.coordinator.token(validFor: Self.subjectMargin).token
+                } catch SessionError.lifetimeTooShort {
+                    return try await parent.coordinator.token().token   // tokens that live less than the margin
+                }
             } catch let error as SessionError {
                 switch error {
                 case .signedOut: throw .terminal("the parent session \(name) is signed out: log in to \(name)")
-                case let .refreshFailed(reason, retryable, retryAfter):
-                    if retryable { throw .transient("the parent session \(name): \(reason)", retryAfter: retryAfter) }
-                    throw .terminal("the parent session \(name) has ended: \(reason)")
+                case let .refreshFailed(_, retryable, retryAfter):
+                    if retryable { throw .transient("the parent session \(name) cannot refresh now", retryAfter: retryAfter) }
+                    throw .terminal("the parent session \(name) has ended: log in to \(name)")
                 case let .throttled(retryAfter): throw .transient("the parent session \(name) is throttled", retryAfter: retryAfter)
-                default: throw .transient("the parent session \(name): \(error)")
+                default: throw .transient("the parent session \(name) gives no token now")
                 }
             } catch {
-                throw .transient("the parent session \(name): \(type(of: error))")
+                throw .transient("the parent session \(name) gives no token now")
             }
         }
     }
+
+    /// How long a subject token must stay valid when an exchange starts.
+    static let subjectMargin = Duration.seconds(30)
 
     /// The OAuth source of a session, with what becomes of requests its callers abandon.
     func httpSource(_ session: SessionConfiguration, _ settings: SessionConfiguration.OAuthSettings, grant: some TokenGrant) -> HTTPTokenSource {

@@ -246,9 +246,9 @@ public struct SessionConfiguration: Sendable, Equatable {
     }
 
     /// Equal when every key of `ConfigSchema.session` agrees (every field of the settings, which
-    /// the keys set), and the fleet does.
+    /// the keys set), and the fleet does, and a derived session's parent's settings do.
     public static func == (lhs: SessionConfiguration, rhs: SessionConfiguration) -> Bool {
-        lhs.settings == rhs.settings && lhs.fleet == rhs.fleet
+        lhs.settings == rhs.settings && lhs.fleet == rhs.fleet && lhs.parentOAuth == rhs.parentOAuth
     }
 
     /// Whether a key that shapes the coordinator differs (`ConfigChange.rebuildsSession`: a
@@ -256,7 +256,8 @@ public struct SessionConfiguration: Sendable, Equatable {
     /// tokens. (A session none of whose settings changed is told at once: a reload of
     /// thousands of sessions compares each key only for the few that changed.)
     public func needsNewCoordinator(comparedTo other: SessionConfiguration) -> Bool {
-        if fleet != other.fleet { return true }
+        // A derived session asks its parent's server as its parent's settings say.
+        if fleet != other.fleet || parentOAuth != other.parentOAuth { return true }
         if settings == other.settings { return false }
         return ConfigSchema.session.contains { $0.change == .rebuildsSession && !$0.same(settings, other.settings) }
     }

@@ -23,10 +23,10 @@ struct DerivedSession: SessionKind {
         .none("a derived session logs in with its parent: log in to \(settings.parent)")
     }
 
-    /// Its tokens carry no refresh token of their own (an exchange's is revoked at once).
+    /// Its tokens carry no refresh token of their own (an exchange's is dropped). Nothing is
+    /// revoked with the parent's client on its behalf: at some servers that ends the parent's
+    /// grant; its tokens end with the parent's at servers that tie them to it.
     var revokesAtLogout: Bool { false }
-
-    var revokesDiscardedAccessTokens: Bool { true }
 
     /// The parent's refresh, when the exchange needs a current subject token, then the exchange.
     var longestFlight: Duration {

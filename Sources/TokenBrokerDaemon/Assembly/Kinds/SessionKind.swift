@@ -22,11 +22,6 @@ protocol SessionKind: Sendable {
     /// Whether a logout revokes the retired refresh token upstream (`RevokeOnLogout=`).
     var revokesAtLogout: Bool { get }
 
-    /// Whether the access token of an answer nobody will use (one a boundary overtook) is
-    /// revoked upstream: a derived session's narrowed token must not outlive its parent's
-    /// logout where the server can end it.
-    var revokesDiscardedAccessTokens: Bool { get }
-
     /// The longest one of its refreshes may take: discovery, when an issuer is configured,
     /// plus the token request, each under its own deadline (a stop waits for it).
     var longestFlight: Duration { get }
@@ -51,8 +46,6 @@ enum InteractiveLoginOffer: Sendable {
 
 extension SessionKind {
     var parent: String? { nil }
-
-    var revokesDiscardedAccessTokens: Bool { false }
 
     func wayBackIn(_ session: String) -> String? { nil }
 
