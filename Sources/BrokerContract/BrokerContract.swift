@@ -60,11 +60,58 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
 }
 
+/// What a call narrows a session's token to (`resource`, `scope`): a key with its own token
+/// and flight, within what the session allows (`AllowResources=`, `AllowScopes=`).
+public struct TokenKey: Sendable, Hashable {
+    /// An RFC 8707 resource indicator: an absolute URL without a fragment.
+    public var resource: String?
+    /// Scope words, each once, in order (the same key however they were written).
+    public var scope: String?
+
+    public init?(resource: String?, scope: String?) {
+        guard resource != nil || scope != nil else { return nil }
+        self.resource = resource
+        self.scope = scope.map { Array(Set($0.split(separator: " ").map(String.init))).sorted().joined(separator: " ") }
+    }
+
+    /// The scope's words.
+    public var scopeWords: Set<String> { Set((scope ?? "").split(separator: " ").map(String.init)) }
+
+    /// Reads `resource` and `scope` from a call's parameters: bounded, visible ASCII; a resource
+    /// with a scheme and no fragment, a scope of at most 32 words.
+    static func read(_ parameters: Parameters) throws(ParameterError) -> TokenKey? {
+        let resource = try parameters.optionalString("resource")
+        if let resource {
+            guard (1...512).contains(resource.utf8.count), resource.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }), !resource.contains("#"),
+                  let colon = resource.firstIndex(of: ":"), colon > resource.startIndex, resource[colon...].hasPrefix("://") else {
+                throw ParameterError(name: "resource")
+            }
+        }
+        let scope = try parameters.optionalString("scope")
+        if let scope {
+            let words = scope.split(separator: " ")
+            guard (1...512).contains(scope.utf8.count), (1...32).contains(words.count),
+                  scope.utf8.allSatisfy({ $0 >= 0x20 && $0 < 0x7F && $0 != UInt8(ascii: "\"") && $0 != UInt8(ascii: "\\") }) else {
+                throw ParameterError(name: "scope")
+            }
+        }
+        return TokenKey(resource: resource, scope: scope)
+    }
+
+    var parameters: JSONObject {
+        var parameters: JSONObject = [:]
+        if let resource { parameters["resource"] = .string(resource) }
+        if let scope { parameters["scope"] = .string(scope) }
+        return parameters
+    }
+}
+
 /// A call, decoded once from its parameters (unknown parameters are refused).
 public enum BrokerRequest: Sendable, Equatable {
-    /// With `minValid` (seconds), a token that stays valid that long (`LifetimeTooShort` if none can).
-    case getToken(session: String, minValid: Int64? = nil)
-    case recover(session: String, rejected: String)
+    /// With `minValid` (seconds), a token that stays valid that long (`LifetimeTooShort` if none
+    /// can); with `key`, the session's token narrowed to it.
+    case getToken(session: String, minValid: Int64? = nil, key: TokenKey? = nil)
+    case recover(session: String, rejected: String, key: TokenKey? = nil)
     case watch(session: String)
     case logout(session: String)
     case login(session: String, refreshToken: String)
@@ -113,7 +160,7 @@ public enum BrokerRequest: Sendable, Equatable {
     /// The session the call names, if any.
     public var session: String? {
         switch self {
-        case let .getToken(session, _), let .recover(session, _), let .watch(session), let .logout(session), let .login(session, _),
+        case let .getToken(session, _, _), let .recover(session, _, _), let .watch(session), let .logout(session), let .login(session, _),
              let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _, _),
              let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session), let .resetFleetHistory(session):
             return session
@@ -131,8 +178,12 @@ public enum BrokerRequest: Sendable, Equatable {
             return try parameters.string("session")
         }
         switch method {
-        case .getToken: self = .getToken(session: try session(["minValid"]), minValid: try Self.minValid(of: parameters))
-        case .recover: self = .recover(session: try session(["rejected"]), rejected: try parameters.string("rejected"))
+        case .getToken:
+            self = .getToken(session: try session(["minValid", "resource", "scope"]), minValid: try Self.minValid(of: parameters),
+                             key: try TokenKey.read(parameters))
+        case .recover:
+            self = .recover(session: try session(["rejected", "resource", "scope"]), rejected: try parameters.string("rejected"),
+                            key: try TokenKey.read(parameters))
         case .watch: self = .watch(session: try session())
         case .logout: self = .logout(session: try session())
         case .login:
@@ -209,13 +260,21 @@ public enum BrokerRequest: Sendable, Equatable {
     public var parameters: JSONObject {
         BrokerContract.secretsRegistered
         switch self {
-        case let .getToken(session, minValid?): return ["session": .string(session), "minValid": .int(minValid)]
-        case let .getToken(session, nil), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
+        case let .getToken(session, minValid, key?):
+            var parameters = key.parameters
+            parameters["session"] = .string(session)
+            if let minValid { parameters["minValid"] = .int(minValid) }
+            return parameters
+        case let .getToken(session, minValid?, nil): return ["session": .string(session), "minValid": .int(minValid)]
+        case let .getToken(session, nil, nil), let .watch(session), let .logout(session), let .refresh(session), let .deviceLogin(session),
              let .forget(session), let .codeLogin(session, false), let .loginFlow(session), let .resetFleetHistory(session):
             return ["session": .string(session)]
         case let .codeLogin(session, true): return ["session": .string(session), "refusals": true]
         case let .completeCodeLogin(session, redirect): return ["session": .string(session), "redirectUrl": .string(redirect)]
-        case let .recover(session, rejected): return ["session": .string(session), "rejected": .string(rejected)]
+        case let .recover(session, rejected, key):
+            var parameters = key?.parameters ?? [:]
+            (parameters["session"], parameters["rejected"]) = (.string(session), .string(rejected))
+            return parameters
         case let .login(session, refreshToken): return ["session": .string(session), "refreshToken": .string(refreshToken)]
         case .status, .reload, .metrics: return [:]
         case let .credential(url, rejected, minValid):

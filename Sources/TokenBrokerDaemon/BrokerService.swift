@@ -71,12 +71,12 @@ final class BrokerService: VarlinkHandler {
 
     static let methods: [BrokerMethod: Method] = [
         .getToken: Method(access: .sessionUser, handler: .session { service, request, peer, session in
-            guard case let .getToken(_, minValid) = request else { throw BrokerError.internalError }
-            return service.getToken(session, validFor: minValid, by: peer)
+            guard case let .getToken(_, minValid, key) = request else { throw BrokerError.internalError }
+            return try service.keyed(session, key) { service.getToken($0, validFor: minValid, by: peer) }
         }),
         .recover: Method(access: .sessionUser, handler: .session { service, request, peer, session in
-            guard case let .recover(_, rejected) = request else { throw BrokerError.internalError }
-            return service.recover(session, rejected: Secret(rejected), by: peer)
+            guard case let .recover(_, rejected, key) = request else { throw BrokerError.internalError }
+            return try service.keyed(session, key) { service.recover($0, rejected: Secret(rejected), by: peer) }
         }),
         .watch: Method(access: .sessionUser, streams: true, handler: .session { service, _, peer, session in
             .async { sink in await service.watch(session, peer, sink) }
@@ -200,6 +200,19 @@ final class BrokerService: VarlinkHandler {
     }
 
     // MARK: - The methods
+
+    /// `body` on the session, or, with `key`, on the session of that key (made at its first
+    /// call). A key the session does not allow is refused as one no session has: InvalidParameter
+    /// naming what it narrows. A signed-out session makes no key.
+    private func keyed(_ session: SessionTable.Session, _ key: TokenKey?, _ body: (SessionTable.Session) -> VarlinkHandling) throws -> VarlinkHandling {
+        guard let key else { return body(session) }
+        guard let keys = session.keys, keys.allows(key) else { throw ParameterError(name: key.resource != nil ? "resource" : "scope") }
+        guard session.coordinator.statusSnapshot().state == .active else {
+            throw contractError(SessionError.signedOut, session: session.configuration.name)
+        }
+        guard let keyed = keys.session(for: key) else { throw ParameterError(name: key.resource != nil ? "resource" : "scope") }
+        return body(keyed)
+    }
 
     /// GetToken: a fresh token inline, from the coordinator's snapshot; otherwise wait for it.
     /// With `minValid`, fresh means valid that long too (else the session's one refresh, charged

@@ -398,7 +398,8 @@ public final class Daemon: Sendable {
         var views: [Metrics.SessionView] = []
         for name in snapshot.order where full {
             guard let session = snapshot.sessions[name] else { continue }
-            views.append(Metrics.SessionView(status: session.coordinator.statusSnapshot(), fleet: session.fleet?.status, parent: session.kind.parent))
+            views.append(Metrics.SessionView(status: session.coordinator.statusSnapshot(), fleet: session.fleet?.status, parent: session.kind.parent,
+                                             keys: session.keys?.counts))
         }
         return metrics.render(sessions: views, connections: connectionCount.value(), unixNow: Int64(SystemWallClock().unixTime()),
                               openMetrics: openMetrics, full: full)

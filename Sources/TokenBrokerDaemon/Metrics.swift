@@ -126,6 +126,8 @@ final class Metrics: Sendable {
         var fleet: DaemonFleetSession.Status?
         /// A derived session's parent (`DerivedFrom=`).
         var parent: String?
+        /// Its keys asked for call by call, held now and dropped beyond `MaxKeys=` so far.
+        var keys: (live: Int, evicted: Int)?
     }
 
     /// The exposition: the Prometheus text format (0.0.4), or OpenMetrics 1.0.0. Without
@@ -199,6 +201,13 @@ final class Metrics: Sendable {
         if !derived.isEmpty {
             out.family("tokenbroker_derived_session", "gauge", "Derived sessions (DerivedFrom=) and the session each derives its tokens from.", info: true)
             for view in derived { out.sample("tokenbroker_derived_session_info", ["session": view.status.name, "parent": view.parent ?? ""], 1) }
+        }
+        let keyed = sessions.filter { $0.keys != nil }
+        if !keyed.isEmpty {
+            out.family("tokenbroker_derived_keys", "gauge", "Keys (resource, scope) callers narrowed the session's token to, held now.")
+            for view in keyed { out.sample("tokenbroker_derived_keys", ["session": view.status.name], Double(view.keys?.live ?? 0)) }
+            out.family("tokenbroker_derived_keys_evicted", "counter", "Keys dropped to stay within MaxKeys= (the least recently used).")
+            for view in keyed { out.sample("tokenbroker_derived_keys_evicted_total", ["session": view.status.name], Double(view.keys?.evicted ?? 0)) }
         }
         let fleet = sessions.filter { $0.fleet != nil }
         if !fleet.isEmpty {

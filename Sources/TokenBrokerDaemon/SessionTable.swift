@@ -30,9 +30,12 @@ final class SessionTable: Sendable {
         private let following: Task<Void, Never>?
         /// Its etcd side, the coordinator's source and store.
         var fleet: DaemonFleetSession? { fleetSync?.session }
+        /// The keys its callers narrow its token to (`AllowResources=`, `AllowScopes=`).
+        let keys: DerivedKeys?
 
         init(configuration: SessionConfiguration, coordinator: Coordinator, slot: SessionCensus.Slot, account: (any UpstreamAccount)? = nil,
-             fleet: (sync: DaemonFleetSync, following: Task<Void, Never>?)? = nil) {
+             fleet: (sync: DaemonFleetSync, following: Task<Void, Never>?)? = nil, keys: DerivedKeys? = nil) {
+            self.keys = keys
             self.configuration = configuration
             self.coordinator = coordinator
             self.slot = slot
@@ -47,7 +50,7 @@ final class SessionTable: Sendable {
         /// The same served session under a configuration whose changes keep the coordinator.
         func reconfigured(_ configuration: SessionConfiguration) -> Session {
             Session(configuration: configuration, coordinator: coordinator, slot: slot, account: account,
-                    fleet: fleetSync.map { ($0, following) })
+                    fleet: fleetSync.map { ($0, following) }, keys: keys)
         }
 
         /// Stops following the fleet (the coordinator is retired or handed over), and returns

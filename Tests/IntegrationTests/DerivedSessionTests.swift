@@ -29,12 +29,13 @@ struct DerivedSessionTests {
         """
     }
 
-    static func withIssuerAndBroker(extra: String = "", _ body: (DevIssuer, Broker) async throws -> Void) async throws {
+    /// `keys`: `api` allows keys per call (`keyed`).
+    static func withIssuerAndBroker(extra: String = "", keys: Bool = false, _ body: (DevIssuer, Broker) async throws -> Void) async throws {
         var options = DevIssuer.Options()
         options.deviceInterval = .seconds(1)
         let issuer = try DevIssuer(options: options)
         defer { issuer.stop() }
-        try await withBroker(config: config(issuer, extra: extra)) { broker in
+        try await withBroker(config: keys ? keyedConfig(issuer) : config(issuer, extra: extra)) { broker in
             try await body(issuer, broker)
         }
     }
@@ -237,6 +238,73 @@ struct DerivedSessionTests {
         #expect(await restarted.stop() == 0)
     }
 
+    static let k1 = "https://k1.example/"
+    static let k2 = "https://k2.example/"
+    static let keyed = "AllowResources=\(k1) \(k2)\nAllowScopes=read write\nMaxKeys=2\n"
+
+    static func keyedConfig(_ issuer: DevIssuer) -> String {
+        config(issuer).replacingOccurrences(of: "ClientSecretFile=@DIR@/client-secret\n", with: "ClientSecretFile=@DIR@/client-secret\n" + keyed)
+    }
+
+    @Test("keys asked for per call: GetToken with resource or scope gets the session's token narrowed to that key, its own cached token; the same key however its scope is written; a key the session does not allow is refused as one no session has")
+    func keysPerCall() async throws {
+        try await Self.withIssuerAndBroker(keys: true) { issuer, broker in
+            try await Self.logIn(broker, issuer)
+            let parent = try broker.call("GetToken", ["session": "api"]).parameters["token"]
+            let k1 = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)])
+            #expect(k1.error == nil && k1.parameters["generation"] != nil, "\(k1.error ?? "")")
+            let k1Token = try #require(k1.parameters["token"]?.stringValue)
+            #expect(fp(k1Token) != fp(parent) && issuer.audiences(ofAccessToken: k1Token) == [Self.k1])
+            let read = try #require(try broker.call("GetToken", ["session": "api", "scope": "read write"]).parameters["token"]?.stringValue)
+            #expect(issuer.scope(ofAccessToken: read) == "read write" && issuer.audiences(ofAccessToken: read) == [])
+            #expect(issuer.counters.tokenExchanges == 2)
+            // Cached per key; the scope's words in any order are one key.
+            #expect(fp(try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]) == fp(k1Token))
+            #expect(fp(try broker.call("GetToken", ["session": "api", "scope": "write read"]).parameters["token"]) == fp(read))
+            #expect(issuer.counters.tokenExchanges == 2)
+            #expect(fp(try broker.call("GetToken", ["session": "api"]).parameters["token"]) == fp(parent), "the session's own token unchanged")
+            // Refused alike: a resource or scope the session does not allow, and a key on a session that allows none.
+            let notAllowed = VarlinkReply.error("org.varlink.service.InvalidParameter", ["parameter": "resource"])
+            #expect(try broker.call("GetToken", ["session": "api", "resource": "https://elsewhere.example/"]) == notAllowed)
+            #expect(try broker.call("GetToken", ["session": "api-read", "resource": .string(Self.k1)]) == notAllowed)
+            #expect(try broker.call("GetToken", ["session": "api", "scope": "read admin"])
+                    == .error("org.varlink.service.InvalidParameter", ["parameter": "scope"]))
+            #expect(try broker.call("GetToken", ["session": "api", "resource": "not a url"])
+                    == .error("org.varlink.service.InvalidParameter", ["parameter": "resource"]))
+            #expect(issuer.counters.tokenExchanges == 2)
+            // Recover per key: a stale token gets the key's current one, the current one a new one.
+            let stale = try broker.call("Recover", ["session": "api", "rejected": "some-old-token", "resource": .string(Self.k1)])
+            #expect(fp(stale.parameters["token"]) == fp(k1Token) && issuer.counters.tokenExchanges == 2)
+            let next = try broker.call("Recover", ["session": "api", "rejected": .string(k1Token), "resource": .string(Self.k1)])
+            #expect(next.error == nil && fp(next.parameters["token"]) != fp(k1Token) && issuer.counters.tokenExchanges == 3)
+        }
+    }
+
+    @Test("keys: at most MaxKeys=, the least recently used dropped (counted in the metrics) and derived anew when asked again; the parent's logout ends every key (SignedOut naming the session), its login derives them anew")
+    func keysBounded() async throws {
+        try await Self.withIssuerAndBroker(keys: true) { issuer, broker in
+            try await Self.logIn(broker, issuer)
+            let first = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]
+            _ = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k2)])
+            _ = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k2)])   // k1 is the least recently used
+            _ = try broker.call("GetToken", ["session": "api", "scope": "read"])                 // a third key: k1 goes
+            #expect(issuer.counters.tokenExchanges == 3)
+            let metrics = try await broker.ctl(["metrics"])
+            #expect(metrics.out.contains("tokenbroker_derived_keys{session=\"api\"} 2"), "\(metrics.err)")
+            #expect(metrics.out.contains("tokenbroker_derived_keys_evicted_total{session=\"api\"} 1"))
+            let again = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]
+            #expect(again != nil && fp(again) != fp(first) && issuer.counters.tokenExchanges == 4, "derived anew")
+
+            #expect(try broker.call("Logout", ["session": "api"]) == VarlinkReply())
+            #expect(try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)])
+                    == .error("io.tokenbroker.Broker.SignedOut", ["session": "api"]))
+            try await Self.logIn(broker, issuer, generation: 3)
+            let after = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)])
+            #expect(after.error == nil && fp(after.parameters["token"]) != fp(again) && issuer.counters.tokenExchanges == 5)
+            #expect(issuer.audiences(ofAccessToken: after.parameters["token"]?.stringValue ?? "") == [Self.k1])
+        }
+    }
+
     @Test("configuration: a derived session names an OAuth parent of its own, narrows something, and sets none of the parent's keys")
     func configuration() async throws {
         let issuer = try DevIssuer(options: DevIssuer.Options())
@@ -252,6 +320,8 @@ struct DerivedSessionTests {
             (base + "\n[Session]\nName=later\nDerivedFrom=api\nScope=read\nDerivation=refresh\n", "Derivation=refresh is not supported yet"),
             (base + "\n[Session]\nName=bad\nDerivedFrom=api\nResource=not-a-url\n", "is not a valid resource"),
             (base + "\n[Session]\nName=plain\nUpstream=test\nAudience=x\n", "Audience= needs DerivedFrom="),
+            (base + "\n[Session]\nName=plain\nUpstream=test\nAllowScopes=read\n", "AllowScopes= needs an Upstream=oauth session of its own"),
+            (base + "\n[Session]\nName=keyed-child\nDerivedFrom=api\nScope=read\nAllowResources=https://x.example/\n", "AllowResources= needs an Upstream=oauth session of its own"),
             (base + "\n[Session]\nName=bound\nTokenEndpoint=\(issuer.tokenEndpoint)\nClientID=c\nClientSecretFile=@DIR@/client-secret\nDPoP=yes\n"
                 + "\n[Session]\nName=of-bound\nDerivedFrom=bound\nScope=read\n", "the parent is DPoP-bound"),
         ]

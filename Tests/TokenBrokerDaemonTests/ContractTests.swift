@@ -159,6 +159,25 @@ import TokenBrokerCore
         #expect(BrokerRequest.getToken(session: "a").parameters == ["session": "a"])
     }
 
+    @Test("GetToken and Recover take a key (resource, scope): bounded, a resource with a scheme and no fragment, scope words in one order; round-trips (issue 35)")
+    func tokenKeys() throws {
+        let key = TokenKey(resource: "https://r.example/", scope: "write read write")
+        #expect(key?.scope == "read write")
+        let request = try BrokerRequest(.getToken, ["session": "a", "resource": "https://r.example/", "scope": "write read"])
+        #expect(request == .getToken(session: "a", key: key))
+        #expect(try BrokerRequest(.getToken, request.parameters) == request)
+        let recover = BrokerRequest.recover(session: "a", rejected: "t", key: TokenKey(resource: nil, scope: "read"))
+        #expect(recover.parameters == ["session": "a", "rejected": "t", "scope": "read"])
+        #expect(try BrokerRequest(.recover, recover.parameters) == recover)
+        #expect(try BrokerRequest(.getToken, ["session": "a"]) == .getToken(session: "a"))
+        for (name, bad): (String, JSON) in [("resource", "r.example"), ("resource", "https://r.example/#f"), ("resource", "https://r.example/ x"),
+                                            ("resource", .string("https://" + String(repeating: "a", count: 600))), ("resource", 1),
+                                            ("scope", ""), ("scope", "a\"b"), ("scope", .string((0..<33).map { "w\($0)" }.joined(separator: " ")))] {
+            #expect(throws: ParameterError(name: name)) { try BrokerRequest(.getToken, ["session": "a", name: bad]) }
+        }
+        #expect(throws: ParameterError.self) { try BrokerRequest(.getProof, ["session": "a", "method": "GET", "uri": "https://h/", "resource": "https://r/"]) }
+    }
+
     @Test("where a client finds the broker: $TOKENBROKER_SOCKET, else this user's own when one listens there, else the system's (issue 33)")
     func socketDiscovery() {
         let user = "/run/user/1000/tokenbroker/io.tokenbroker.Broker"

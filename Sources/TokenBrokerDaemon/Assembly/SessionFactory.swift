@@ -1,4 +1,5 @@
 import Basics
+import BrokerContract
 import Fleet
 import TokenBrokerCore
 import Upstream
@@ -114,9 +115,59 @@ struct SessionFactory: Sendable {
                            session: session.name, generation: restored.generation,
                            tokenSerial: restored.accessToken == nil ? nil : restored.tokenSerial)
             }
-            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account), false)
+            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account, keys: keys(of: session)), false)
         }
-        return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account), kind.logsInAtStart)
+        return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account, keys: keys(of: session)),
+                kind.logsInAtStart)
+    }
+
+    /// The keys callers may narrow `session`'s token to (`AllowResources=`, `AllowScopes=`), or
+    /// nil when it allows none.
+    func keys(of session: SessionConfiguration) -> DerivedKeys? {
+        let settings = session.settings
+        guard !settings.allowResources.isEmpty || !settings.allowScopes.isEmpty, case let .oauth(oauth) = session.upstream else { return nil }
+        return DerivedKeys(limit: settings.maxKeys, allowResources: settings.allowResources, allowScopes: settings.allowScopes,
+                           make: { [self] key, serial in makeKey(key, serial, of: session, oauth) },
+                           retire: { [self] in retireKeys($0) })
+    }
+
+    /// A key's session: a derived session of `parent`, active from the start with nothing
+    /// fetched, its state in memory only. Its replies name the parent (the session its callers
+    /// asked for); its coordinator is `<parent>~<serial>` in the journal.
+    private func makeKey(_ key: TokenKey, _ serial: Int, of parent: SessionConfiguration, _ oauth: SessionConfiguration.OAuthSettings)
+        -> SessionTable.Session {
+        let name = "\(parent.name)~\(serial)"
+        let derived = SessionConfiguration.DerivedSettings(parent: parent.name, method: .exchange, audiences: [],
+                                                           resources: key.resource.map { [$0] } ?? [], scope: key.scope, oauth: oauth)
+        let configuration = SessionConfiguration(name: parent.name, upstream: .derived(derived), allowUsers: parent.allowUsers,
+                                                 allowGroups: parent.allowGroups, policy: parent.policy, origin: parent.origin)
+        let (source, account) = DerivedSession(settings: derived).source(for: configuration, in: self)
+        // (In the census without a summary: the daemon's totals count configured sessions.)
+        let slot = census.enrol(name)
+        let record = SessionRecord(name: name, generation: 1, state: .active)
+        let coordinator = Coordinator(session: name, policy: parent.policy, source: source, store: InMemorySessionStore([record]),
+                                      restored: record,
+                                      clock: ContinuousClock(), wall: SystemWallClock(),
+                                      outcomes: { [log = RefreshLog(logger: logger, policy: parent.policy)] outcome in log.record(outcome) })
+        logger.log(.info, "session \(parent.name): key \(name) for" + (key.resource.map { " resource \($0)" } ?? "")
+                   + (key.scope.map { " scope \($0)" } ?? ""), session: parent.name)
+        return SessionTable.Session(configuration: configuration, coordinator: coordinator, slot: slot, account: account)
+    }
+
+    /// Keys dropped: signed out (their callers get SignedOut), then stopped, in the pool of work
+    /// that outlives its caller.
+    private func retireKeys(_ sessions: [SessionTable.Session]) {
+        let census = self.census
+        let started = outliving.enqueue {
+            for session in sessions {
+                try? await session.coordinator.logout()
+                await session.coordinator.shutdown()
+                census.leave(session.slot)
+            }
+        }
+        if !started {
+            for session in sessions { census.leave(session.slot) }
+        }
     }
 
     /// The current access token of session `name` (a derived session's subject token): its

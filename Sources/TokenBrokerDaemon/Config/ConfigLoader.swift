@@ -81,9 +81,13 @@ public enum ConfigLoader {
         }
         configuration.sessions.reserveCapacity(sessionEntries.count)
         var derivedFrom: [String: INIEntry] = [:]
+        var keyEntries: [String: INIEntry] = [:]
         for (name, origin, entries) in sessionEntries {
             guard var session = session(name, origin: origin, entries: entries, &context) else { continue }
             if session.settings.derivedFrom != nil { derivedFrom[name] = entries.last { $0.key == "DerivedFrom" } }
+            if !session.settings.allowResources.isEmpty || !session.settings.allowScopes.isEmpty {
+                keyEntries[name] = entries.last { $0.key == "AllowResources" || $0.key == "AllowScopes" }
+            }
             if session.settings.fleet, let entry = entries.last(where: { $0.key == "Fleet" }) {
                 guard let fleet = configuration.fleet else {
                     if !fleetFailed { context.record(fail(entry, "Fleet=yes needs a [Fleet] section with Endpoints= and KeyFile= or KeyCredential=")) }
@@ -98,7 +102,7 @@ public enum ConfigLoader {
             }
             configuration.sessions.append(session)
         }
-        configuration.sessions = derive(configuration.sessions, derivedFrom, &context)
+        configuration.sessions = derive(configuration.sessions, derivedFrom, keyEntries: keyEntries, &context)
         // In file order, whatever check found them.
         configuration.warnings = ConfigError.inFileOrder(context.warnings, main: mainFile) { $0 }
         if let error = ConfigError.combined(ConfigError.inFileOrder(context.errors, main: mainFile) { $0 }, omitted: context.omittedErrors,
@@ -109,10 +113,18 @@ public enum ConfigLoader {
     /// Derived sessions against their parents: a parent must be a configured OAuth session of
     /// its own (not derived, not a test session; not DPoP-bound yet), whose settings the derived
     /// session then carries. One that fails is left out, with its error.
-    private static func derive(_ sessions: [SessionConfiguration], _ entries: [String: INIEntry],
+    private static func derive(_ sessions: [SessionConfiguration], _ entries: [String: INIEntry], keyEntries: [String: INIEntry],
                                _ context: inout ConfigContext) -> [SessionConfiguration] {
         let byName = Dictionary(sessions.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
         return sessions.compactMap { session in
+            if let entry = keyEntries[session.name] {
+                // Keys are derived like derived sessions: from a session of its own, bearer, on this host.
+                guard session.settings.derivedFrom == nil, case let .oauth(oauth) = session.upstream, oauth.dpop == .off, session.fleet == nil else {
+                    context.record(fail(entry, "\(entry.key)= needs an Upstream=oauth session of its own, without DPoP= or Fleet=yes "
+                                        + "(its keys are derived from its token by exchange)"))
+                    return nil
+                }
+            }
             guard let parentName = session.settings.derivedFrom, let entry = entries[session.name] else { return session }
             guard let parent = byName[parentName], parentName != session.name else {
                 context.record(fail(entry, "DerivedFrom=\(parentName): no such session is configured"

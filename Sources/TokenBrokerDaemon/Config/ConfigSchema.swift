@@ -171,6 +171,22 @@ public enum ConfigSchema {
                 return true
             }
         },
+        ConfigKey("AllowResources", takes: "absolute URLs, space-separated (empty clears)", change: .rebuildsSession,
+                  "the resources callers may ask this session's token narrowed to (resource= on GetToken and Recover)",
+                  same: { $0.allowResources == $1.allowResources }) { settings, entry, _ throws(ConfigError) in
+            settings.allowResources = try targets(entry, settings.allowResources, what: "resource", limit: 64) { word in
+                StrictURL(word)?.scheme != nil && !word.contains("#")
+            }
+        },
+        ConfigKey("AllowScopes", takes: "scope words, space-separated (empty clears)", change: .rebuildsSession,
+                  "the scope words callers may ask this session's token narrowed to (scope= on GetToken and Recover)",
+                  same: { $0.allowScopes == $1.allowScopes }) { settings, entry, _ throws(ConfigError) in
+            settings.allowScopes = try targets(entry, settings.allowScopes, what: "scope word", limit: 64) { word in
+                !word.contains("\"") && !word.contains("\\")
+            }
+        },
+        ConfigKey("MaxKeys", \.maxKeys, .count(1...1024), default: "32", change: .rebuildsSession,
+                  "how many narrowed tokens (keys) the session keeps at most; the least recently used goes first"),
         ConfigKey("RefreshAhead", \.policy.refreshAhead, .duration(.zero...Duration.seconds(86400)), default: "60s", change: .rebuildsSession,
                   "refresh in the background this long before expiry (0: off)"),
         ConfigKey("RefreshLimitBurst", \.policy.guardLimit, .count(1...10_000), default: "10", change: .rebuildsSession,
@@ -194,7 +210,8 @@ public enum ConfigSchema {
 
     /// A derived session's audiences or resources: an empty value clears them, each word adds
     /// one (at most 16, each 1 to 512 visible ASCII characters that `valid` takes).
-    private static func targets(_ entry: INIEntry, _ current: [String], what: String, valid: (String) -> Bool) throws(ConfigError) -> [String] {
+    private static func targets(_ entry: INIEntry, _ current: [String], what: String, limit: Int = 16,
+                                valid: (String) -> Bool) throws(ConfigError) -> [String] {
         guard !entry.value.isEmpty else { return [] }
         var targets = current
         for word in ConfigValue.list(entry.value) {
@@ -204,7 +221,7 @@ public enum ConfigSchema {
             }
             if !targets.contains(word) { targets.append(word) }
         }
-        guard targets.count <= 16 else { throw fail(entry, "\(entry.key)= lists more than 16 \(what)s") }
+        guard targets.count <= limit else { throw fail(entry, "\(entry.key)= lists more than \(limit) \(what)s") }
         return targets
     }
 
@@ -310,6 +327,11 @@ public struct SessionSettings: Sendable, Equatable {
     /// What a derived session narrows its parent's tokens to (`Audience=`, `Resource=`).
     public var audiences: [String] = []
     public var resources: [String] = []
+    /// What callers may narrow this session's token to, call by call (`AllowResources=`,
+    /// `AllowScopes=`), and how many such keys it keeps at most (`MaxKeys=`).
+    public var allowResources: [String] = []
+    public var allowScopes: [String] = []
+    public var maxKeys = 32
 
     public init(name: String) { self.name = name }
 }
