@@ -71,22 +71,31 @@ public struct TokenKey: Sendable, Hashable {
     public init?(resource: String?, scope: String?) {
         guard resource != nil || scope != nil else { return nil }
         self.resource = resource
-        self.scope = scope.map { Array(Set($0.split(separator: " ").map(String.init))).sorted().joined(separator: " ") }
+        self.scope = scope.map(Self.normalized)
+    }
+
+    /// Scope words each once, in order (a one-word scope as it is: the common case costs nothing).
+    static func normalized(_ scope: String) -> String {
+        guard scope.contains(" ") else { return scope }
+        return Array(Set(scope.split(separator: " ").map(String.init))).sorted().joined(separator: " ")
+    }
+
+    /// Whether `text` is a resource a call may name (and `AllowResources=` may list): 1 to 512
+    /// bytes of visible ASCII, `scheme://…`, no fragment.
+    public static func isResource(_ text: String) -> Bool {
+        guard (1...512).contains(text.utf8.count), text.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }), !text.contains("#"),
+              let colon = text.firstIndex(of: ":"), colon > text.startIndex, text[colon...].hasPrefix("://") else { return false }
+        return text[..<colon].allSatisfy { $0.isASCII && ($0.isLetter || $0.isNumber || "+-.".contains($0)) }
     }
 
     /// The scope's words.
-    public var scopeWords: Set<String> { Set((scope ?? "").split(separator: " ").map(String.init)) }
+    public var scopeWords: [Substring] { (scope ?? "").split(separator: " ") }
 
     /// Reads `resource` and `scope` from a call's parameters: bounded, visible ASCII; a resource
     /// with a scheme and no fragment, a scope of at most 32 words.
     static func read(_ parameters: Parameters) throws(ParameterError) -> TokenKey? {
         let resource = try parameters.optionalString("resource")
-        if let resource {
-            guard (1...512).contains(resource.utf8.count), resource.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }), !resource.contains("#"),
-                  let colon = resource.firstIndex(of: ":"), colon > resource.startIndex, resource[colon...].hasPrefix("://") else {
-                throw ParameterError(name: "resource")
-            }
-        }
+        if let resource, !isResource(resource) { throw ParameterError(name: "resource") }
         let scope = try parameters.optionalString("scope")
         if let scope {
             let words = scope.split(separator: " ")

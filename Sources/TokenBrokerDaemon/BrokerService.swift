@@ -203,15 +203,20 @@ final class BrokerService: VarlinkHandler {
 
     /// `body` on the session, or, with `key`, on the session of that key (made at its first
     /// call). A key the session does not allow is refused as one no session has: InvalidParameter
-    /// naming what it narrows. A signed-out session makes no key.
+    /// naming what it narrows. A signed-out session makes no key. (A key that exists was made
+    /// in the session's current generation: every boundary drops them all.)
     private func keyed(_ session: SessionTable.Session, _ key: TokenKey?, _ body: (SessionTable.Session) -> VarlinkHandling) throws -> VarlinkHandling {
         guard let key else { return body(session) }
-        guard let keys = session.keys, keys.allows(key) else { throw ParameterError(name: key.resource != nil ? "resource" : "scope") }
-        guard session.coordinator.statusSnapshot().state == .active else {
+        if let keyed = session.keys?.existing(key) { return body(keyed) }
+        guard let keys = session.keys else { throw ParameterError(name: key.resource != nil ? "resource" : "scope") }
+        if let parameter = keys.refusal(key) { throw ParameterError(name: parameter) }
+        guard session.coordinator.summary.state == .active else {
             throw contractError(SessionError.signedOut, session: session.configuration.name)
         }
-        guard let keyed = keys.session(for: key) else { throw ParameterError(name: key.resource != nil ? "resource" : "scope") }
-        return body(keyed)
+        switch keys.session(for: key) {
+        case let .session(keyed): return body(keyed)
+        case let .throttled(retryAfter): throw contractError(SessionError.throttled(retryAfter: retryAfter), session: session.configuration.name)
+        }
     }
 
     /// GetToken: a fresh token inline, from the coordinator's snapshot; otherwise wait for it.

@@ -42,8 +42,11 @@ def counters(base):
         return json.load(answer)
 
 
-def message(session):
-    return json.dumps({"method": "io.tokenbroker.Broker.GetToken", "parameters": {"session": session}}, separators=(",", ":"))
+def message(session, resource=None):
+    parameters = {"session": session}
+    if resource:
+        parameters["resource"] = resource
+    return json.dumps({"method": "io.tokenbroker.Broker.GetToken", "parameters": parameters}, separators=(",", ":"))
 
 
 def main():
@@ -75,6 +78,7 @@ ClientID=tokenbroker
 ClientSecretFile={work}/client-secret
 RefreshAhead=0
 RefreshLimitBurst=10000
+AllowResources=https://key.example/
 {derived}""")
     socket_path = f"{work}/tokenbroker.sock"
     server = Server([os.path.join(bin_dir, "tokenbroker"), "serve", "--config", f"{work}/tokenbroker.conf",
@@ -89,19 +93,25 @@ RefreshLimitBurst=10000
 
     # GetToken: derived against plain, alternated. (The tokens live LIFETIME seconds: each run
     # may include one refresh of each, as both sides do.)
-    print("GetToken, derived session d0 against its parent api (medians of", RUNS, "runs):")
+    _, error = call(socket_path, "GetToken", {"session": "api", "resource": "https://key.example/"})
+    assert error is None, error
+    print("GetToken: derived session d0, and api's key resource=https://key.example/, against api itself (medians of", RUNS, "runs):")
+    messages = {"api": message("api"), "d0": message("d0"), "key": message("api", "https://key.example/")}
     for conns in (1, 16):
-        runs = {"api": [], "d0": []}
+        runs = {name: [] for name in messages}
         for _ in range(RUNS):
-            for session in ("api", "d0"):
-                runs[session].append(load(tools, server, conns, seconds=SECONDS, message=message(session)))
-        med = {session: {key: statistics.median(run[key] for run in runs[session]) for key in ("req_per_s", "cpu_us", "errors")}
-               for session in runs}
-        plain, narrowed = med["api"], med["d0"]
-        print(f"  {conns:>2} connections: api {plain['req_per_s']:,.0f} req/s {plain['cpu_us']:.1f} us CPU/req, "
-              f"d0 {narrowed['req_per_s']:,.0f} req/s {narrowed['cpu_us']:.1f} us CPU/req; "
-              f"ratio d0/api {narrowed['req_per_s'] / plain['req_per_s']:.3f} (req/s), {narrowed['cpu_us'] / max(plain['cpu_us'], 0.001):.3f} (CPU); "
-              f"errors {plain['errors']:.0f}/{narrowed['errors']:.0f}")
+            for name, text in messages.items():
+                runs[name].append(load(tools, server, conns, seconds=SECONDS, message=text))
+        med = {name: {key: statistics.median(run[key] for run in runs[name]) for key in ("req_per_s", "cpu_us", "errors")}
+               for name in runs}
+        plain = med["api"]
+        line = f"  {conns:>2} connections: api {plain['req_per_s']:,.0f} req/s {plain['cpu_us']:.1f} us CPU/req"
+        for name in ("d0", "key"):
+            m = med[name]
+            line += (f"; {name} {m['req_per_s']:,.0f} req/s {m['cpu_us']:.1f} us CPU/req, ratio {m['req_per_s'] / plain['req_per_s']:.3f} (req/s) "
+                     f"{m['cpu_us'] / max(plain['cpu_us'], 0.001):.3f} (CPU)")
+        errors = sum(med[name]["errors"] for name in med)
+        print(line + f"; errors {errors:.0f}")
 
     # After expiry: 64 processes, 8 per derived session.
     time.sleep(LIFETIME + 1)   # every token has expired (the bench measures expiry; no test waits so)

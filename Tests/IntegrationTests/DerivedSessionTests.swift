@@ -269,6 +269,8 @@ struct DerivedSessionTests {
             #expect(try broker.call("GetToken", ["session": "api-read", "resource": .string(Self.k1)]) == notAllowed)
             #expect(try broker.call("GetToken", ["session": "api", "scope": "read admin"])
                     == .error("org.varlink.service.InvalidParameter", ["parameter": "scope"]))
+            #expect(try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1), "scope": "admin"])
+                    == .error("org.varlink.service.InvalidParameter", ["parameter": "scope"]))
             #expect(try broker.call("GetToken", ["session": "api", "resource": "not a url"])
                     == .error("org.varlink.service.InvalidParameter", ["parameter": "resource"]))
             #expect(issuer.counters.tokenExchanges == 2)
@@ -280,28 +282,64 @@ struct DerivedSessionTests {
         }
     }
 
-    @Test("keys: at most MaxKeys=, the least recently used dropped (counted in the metrics) and derived anew when asked again; the parent's logout ends every key (SignedOut naming the session), its login derives them anew")
+    @Test("keys: at most MaxKeys=, the least recently used dropped (counted in the metrics) and derived anew when asked again")
     func keysBounded() async throws {
         try await Self.withIssuerAndBroker(keys: true) { issuer, broker in
             try await Self.logIn(broker, issuer)
-            let first = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]
-            _ = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k2)])
-            _ = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k2)])   // k1 is the least recently used
-            _ = try broker.call("GetToken", ["session": "api", "scope": "read"])                 // a third key: k1 goes
+            let k1 = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]
+            let k2 = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k2)]).parameters["token"]
+            // k1 used after k2: k2 is the least recently used when a third key comes.
+            #expect(fp(try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]) == fp(k1))
+            _ = try broker.call("GetToken", ["session": "api", "scope": "read"])
             #expect(issuer.counters.tokenExchanges == 3)
             let metrics = try await broker.ctl(["metrics"])
             #expect(metrics.out.contains("tokenbroker_derived_keys{session=\"api\"} 2"), "\(metrics.err)")
             #expect(metrics.out.contains("tokenbroker_derived_keys_evicted_total{session=\"api\"} 1"))
-            let again = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]
-            #expect(again != nil && fp(again) != fp(first) && issuer.counters.tokenExchanges == 4, "derived anew")
+            // k1 kept, k2 gone (derived anew when asked again, which drops the next least recent: k1).
+            #expect(fp(try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]) == fp(k1))
+            #expect(issuer.counters.tokenExchanges == 3)
+            let again = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k2)]).parameters["token"]
+            #expect(again != nil && fp(again) != fp(k2) && issuer.counters.tokenExchanges == 4, "derived anew")
+        }
+    }
 
+    @Test("keys end with the session's generation: a key's exchange under way at the logout installs nothing and its caller gets SignedOut; after the logout no key is held; the next login derives them anew", arguments: 0..<3)
+    func keysEndAtLogout(_ run: Int) async throws {
+        try await Self.withIssuerAndBroker(keys: true) { issuer, broker in
+            try await Self.logIn(broker, issuer)
+            let before = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]
+            // k2's first exchange is processed at the issuer, then its answer held until after the logout.
+            issuer.inject([.holdAfterProcessing])
+            let pending = Task { try await Self.onThread { try broker.call("GetToken", ["session": "api", "resource": .string(Self.k2)]) } }
+            try await eventually("k2's exchange is held") { issuer.heldCount == 1 }
             #expect(try broker.call("Logout", ["session": "api"]) == VarlinkReply())
+            let metrics = try await broker.ctl(["metrics"])
+            #expect(metrics.out.contains("tokenbroker_derived_keys{session=\"api\"} 0"), "no key outlives the logout")
+            issuer.releaseHeld()
+            #expect(try await pending.value.error == "io.tokenbroker.Broker.SignedOut")
             #expect(try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)])
                     == .error("io.tokenbroker.Broker.SignedOut", ["session": "api"]))
             try await Self.logIn(broker, issuer, generation: 3)
             let after = try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)])
-            #expect(after.error == nil && fp(after.parameters["token"]) != fp(again) && issuer.counters.tokenExchanges == 5)
+            #expect(after.error == nil && fp(after.parameters["token"]) != fp(before))
             #expect(issuer.audiences(ofAccessToken: after.parameters["token"]?.stringValue ?? "") == [Self.k1])
+        }
+    }
+
+    @Test("keys are made at most MaxKeys= (or the guard's burst) per RefreshLimitInterval=: a caller cycling through keys gets Throttled, and costs the issuer no more exchanges")
+    func keyCreationBudget() async throws {
+        try await Self.withIssuerAndBroker(keys: true) { issuer, broker in
+            try await Self.logIn(broker, issuer)
+            // MaxKeys=2 with the default burst of 10: ten keys may be made per 60 s.
+            var throttled = 0
+            for index in 0..<14 {
+                let reply = try broker.call("GetToken", ["session": "api", "resource": .string(index % 2 == 0 ? Self.k1 : Self.k2),
+                                                         "scope": index % 4 < 2 ? "read" : "write"])
+                if reply.error == "io.tokenbroker.Broker.Throttled" { throttled += 1 } else { #expect(reply.error == nil) }
+            }
+            // Calls 0 to 9 each make a key (four keys in turn, two kept); 10 and 11 would make
+            // more: Throttled, evicting nothing; 12 and 13 find the two keys 8 and 9 made.
+            #expect(throttled == 2 && issuer.counters.tokenExchanges == 10, "throttled \(throttled), exchanges \(issuer.counters.tokenExchanges)")
         }
     }
 

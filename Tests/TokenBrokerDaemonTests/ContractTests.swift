@@ -170,9 +170,13 @@ import TokenBrokerCore
         #expect(recover.parameters == ["session": "a", "rejected": "t", "scope": "read"])
         #expect(try BrokerRequest(.recover, recover.parameters) == recover)
         #expect(try BrokerRequest(.getToken, ["session": "a"]) == .getToken(session: "a"))
+        #expect(try BrokerRequest(.getToken, ["session": "a", "resource": .string("https://" + String(repeating: "a", count: 504))]) != nil)
+        #expect(try BrokerRequest(.getToken, ["session": "a", "scope": "  read   write "]) == .getToken(session: "a", key: TokenKey(resource: nil, scope: "read write")))
         for (name, bad): (String, JSON) in [("resource", "r.example"), ("resource", "https://r.example/#f"), ("resource", "https://r.example/ x"),
                                             ("resource", .string("https://" + String(repeating: "a", count: 600))), ("resource", 1),
-                                            ("scope", ""), ("scope", "a\"b"), ("scope", .string((0..<33).map { "w\($0)" }.joined(separator: " ")))] {
+                                            ("resource", .string("https://" + String(repeating: "a", count: 505))), ("resource", "a b://x"),
+                                            ("scope", ""), ("scope", "   "), ("scope", "a\"b"), ("scope", .string(String(repeating: "s", count: 513))),
+                                            ("scope", .string((0..<33).map { "w\($0)" }.joined(separator: " ")))] {
             #expect(throws: ParameterError(name: name)) { try BrokerRequest(.getToken, ["session": "a", name: bad]) }
         }
         #expect(throws: ParameterError.self) { try BrokerRequest(.getProof, ["session": "a", "method": "GET", "uri": "https://h/", "resource": "https://r/"]) }

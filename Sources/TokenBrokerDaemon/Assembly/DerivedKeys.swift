@@ -6,71 +6,117 @@ import TokenBrokerCore
 /// and Recover): each a derived session of its own, made at its first call — its own token,
 /// one flight, refresh guard — kept in memory only (derived anew after a restart), at most
 /// `MaxKeys=`, the least recently used dropped first. What a key may be is the session's
-/// `AllowResources=` and `AllowScopes=`; a key outside them is refused as one that does not exist.
+/// `AllowResources=` and `AllowScopes=`; a key outside them is refused as one that does not
+/// exist. New keys are made at most `MaxKeys=` (or the refresh guard's burst, if larger) per
+/// `RefreshLimitInterval=`: a caller cycling through keys costs the issuer that many exchanges
+/// at most, then gets `Throttled`.
 final class DerivedKeys: Sendable {
     private struct State {
         var entries: [TokenKey: (session: SessionTable.Session, lastUse: UInt64)] = [:]
         var tick: UInt64 = 0
         var serial = 0
         var evicted = 0
+        /// When keys were made lately (monotonic), for the creation budget.
+        var made: [ContinuousClock.Instant] = []
     }
 
     private let state = Mutex(State())
     let limit: Int
     let allowResources: Set<String>
     let allowScopes: Set<String>
+    /// How many keys may be made per `window`.
+    let creations: Int
+    let window: Duration
     /// Makes the session of a key (its coordinator active, nothing fetched), named by `serial`.
     private let make: @Sendable (TokenKey, Int) -> SessionTable.Session
-    /// Retires what is dropped (evicted, or ended with the parent's generation).
-    private let retire: @Sendable ([SessionTable.Session]) -> Void
+    /// Stops what is no longer reachable (its logout awaited first where a boundary needs it).
+    private let stop: @Sendable ([SessionTable.Session]) -> Void
 
-    init(limit: Int, allowResources: [String], allowScopes: [String], make: @escaping @Sendable (TokenKey, Int) -> SessionTable.Session,
-         retire: @escaping @Sendable ([SessionTable.Session]) -> Void) {
+    init(limit: Int, allowResources: [String], allowScopes: [String], creations: Int, window: Duration,
+         make: @escaping @Sendable (TokenKey, Int) -> SessionTable.Session, stop: @escaping @Sendable ([SessionTable.Session]) -> Void) {
         self.limit = limit
         self.allowResources = Set(allowResources)
         self.allowScopes = Set(allowScopes)
+        self.creations = creations
+        self.window = window
         self.make = make
-        self.retire = retire
+        self.stop = stop
     }
 
-    /// Whether callers may ask for `key`.
-    func allows(_ key: TokenKey) -> Bool {
-        if let resource = key.resource, !allowResources.contains(resource) { return false }
-        return key.scopeWords.isSubset(of: allowScopes)
+    /// Why callers may not ask for `key` (the parameter to name), or nil when they may.
+    func refusal(_ key: TokenKey) -> String? {
+        if let resource = key.resource, !allowResources.contains(resource) { return "resource" }
+        return key.scopeWords.allSatisfy({ allowScopes.contains(String($0)) }) ? nil : "scope"
     }
 
-    /// The session of `key`, made now if there is none (dropping the least recently used
-    /// beyond the limit); nil when callers may not ask for it.
-    func session(for key: TokenKey) -> SessionTable.Session? {
-        guard allows(key) else { return nil }
-        var dropped: SessionTable.Session?
+    /// The session of `key` if it has been made (the hot path: one lookup under the lock).
+    func existing(_ key: TokenKey) -> SessionTable.Session? {
+        state.withLock { state in
+            guard let entry = state.entries[key] else { return nil }
+            state.tick &+= 1
+            state.entries[key]?.lastUse = state.tick
+            return entry.session
+        }
+    }
+
+    enum Made {
+        case session(SessionTable.Session)
+        /// The creation budget is spent: try again after this.
+        case throttled(Duration)
+    }
+
+    /// The session of an allowed `key`, made now if there is none (dropping the least recently
+    /// used beyond the limit), within the creation budget.
+    func session(for key: TokenKey) -> Made {
+        if let found = existing(key) { return .session(found) }
+        let now = ContinuousClock.now
+        let serial = state.withLock { state -> Int? in
+            state.made.removeAll { $0.duration(to: now) >= window }
+            guard state.made.count < creations else { return nil }
+            state.made.append(now)
+            state.serial += 1
+            return state.serial
+        }
+        guard let serial else {
+            let oldest = state.withLock { $0.made.first } ?? now
+            return .throttled(max(window - oldest.duration(to: now), .seconds(1)))
+        }
+        // Made outside the lock (a coordinator, its HTTP source, a journal line); another caller
+        // may have made the same key meanwhile: the first one in is kept.
+        let made = make(key, serial)
+        var unused: [SessionTable.Session] = []
         let session = state.withLock { state -> SessionTable.Session in
             state.tick &+= 1
             if let entry = state.entries[key] {
-                state.entries[key]?.lastUse = state.tick
+                unused.append(made)
                 return entry.session
             }
             if state.entries.count >= limit, let oldest = state.entries.min(by: { $0.value.lastUse < $1.value.lastUse }) {
                 state.entries[oldest.key] = nil
                 state.evicted += 1
-                dropped = oldest.value.session
+                unused.append(oldest.value.session)
             }
-            state.serial += 1
-            let made = make(key, state.serial)
             state.entries[key] = (made, state.tick)
             return made
         }
-        if let dropped { retire([dropped]) }
-        return session
+        // (An evicted key's token was derived in the current generation: no boundary is owed.)
+        if !unused.isEmpty { stop(unused) }
+        return .session(session)
     }
 
-    /// Drops every key (the parent's generation ended): their callers get SignedOut.
-    func dropAll() {
+    /// Ends every key (the session's generation ended, or it leaves at a reload): each signed
+    /// out before this returns — a flight under way installs nothing, its callers get
+    /// SignedOut — then stopped.
+    func endAll() async {
         let all = state.withLock { state -> [SessionTable.Session] in
             defer { state.entries.removeAll() }
             return state.entries.values.map(\.session)
         }
-        if !all.isEmpty { retire(all) }
+        guard !all.isEmpty else { return }
+        await withTaskGroup(of: Void.self) { group in
+            for key in all { group.addTask { try? await key.coordinator.logout() } }
+        }
+        stop(all)
     }
 
     /// Keys held now, and dropped to stay within the limit so far.

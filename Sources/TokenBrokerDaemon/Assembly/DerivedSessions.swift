@@ -14,7 +14,7 @@ enum DerivedSessions {
     /// `parent` crossed `boundary`: its derived sessions cross one too, all at once.
     static func follow(_ parent: String, _ boundary: SessionBoundary, in table: SessionTable, logger: Logger) async {
         // Keys asked for call by call end with the generation they were derived in.
-        table.snapshot.sessions[parent]?.keys?.dropAll()
+        await table.snapshot.sessions[parent]?.keys?.endAll()
         let children = children(of: parent, in: table.snapshot)
         guard !children.isEmpty else { return }
         await withTaskGroup(of: Void.self) { group in

@@ -125,6 +125,8 @@ final class Reloader: Sendable {
                         logger.info("session \(name): settings changed; waiting for its refresh in flight", session: name)
                     }
                     await existing.fleet?.stopWaiting()
+                    // Its keys were derived under its settings: they end with it.
+                    await existing.keys?.endAll()
                     await existing.coordinator.quiesce()
                 }
             }
@@ -307,6 +309,7 @@ final class Reloader: Sendable {
                 for session in table.snapshot.sessions.values {
                     group.addTask { [logger] in
                         await session.fleet?.stopWaiting()
+                        await session.keys?.endAll()
                         await session.coordinator.retire()
                         await session.stopFollowing()
                         if await !session.coordinator.flushPendingWrite() {

@@ -127,8 +127,9 @@ struct SessionFactory: Sendable {
         let settings = session.settings
         guard !settings.allowResources.isEmpty || !settings.allowScopes.isEmpty, case let .oauth(oauth) = session.upstream else { return nil }
         return DerivedKeys(limit: settings.maxKeys, allowResources: settings.allowResources, allowScopes: settings.allowScopes,
+                           creations: max(settings.maxKeys, settings.policy.guardLimit), window: settings.policy.guardWindow,
                            make: { [self] key, serial in makeKey(key, serial, of: session, oauth) },
-                           retire: { [self] in retireKeys($0) })
+                           stop: { [self] in stopKeys($0) })
     }
 
     /// A key's session: a derived session of `parent`, active from the start with nothing
@@ -149,24 +150,18 @@ struct SessionFactory: Sendable {
                                       restored: record,
                                       clock: ContinuousClock(), wall: SystemWallClock(),
                                       outcomes: { [log = RefreshLog(logger: logger, policy: parent.policy)] outcome in log.record(outcome) })
-        logger.log(.info, "session \(parent.name): key \(name) for" + (key.resource.map { " resource \($0)" } ?? "")
-                   + (key.scope.map { " scope \($0)" } ?? ""), session: parent.name)
+        logger.limited(.info, key: parent.name + ":key", "session \(parent.name): key \(name) for" + (key.resource.map { " resource \($0)" } ?? "")
+                       + (key.scope.map { " scope \($0)" } ?? ""))
         return SessionTable.Session(configuration: configuration, coordinator: coordinator, slot: slot, account: account)
     }
 
-    /// Keys dropped: signed out (their callers get SignedOut), then stopped, in the pool of work
-    /// that outlives its caller.
-    private func retireKeys(_ sessions: [SessionTable.Session]) {
-        let census = self.census
-        let started = outliving.enqueue {
-            for session in sessions {
-                try? await session.coordinator.logout()
-                await session.coordinator.shutdown()
-                census.leave(session.slot)
-            }
-        }
-        if !started {
-            for session in sessions { census.leave(session.slot) }
+    /// Keys no longer reachable: out of the census, and stopped (a flight under way is cut
+    /// off) in the pool of work that outlives its caller. (Unreachable, a key the pool cannot
+    /// take hands out nothing more; its flight ends at its own deadline.)
+    private func stopKeys(_ sessions: [SessionTable.Session]) {
+        for session in sessions { census.leave(session.slot) }
+        _ = outliving.enqueue {
+            for session in sessions { await session.coordinator.shutdown() }
         }
     }
 

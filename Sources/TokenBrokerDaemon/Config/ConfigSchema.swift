@@ -1,4 +1,5 @@
 import Basics
+import BrokerContract
 import Fleet
 import TokenBrokerCore
 import Upstream
@@ -175,7 +176,7 @@ public enum ConfigSchema {
                   "the resources callers may ask this session's token narrowed to (resource= on GetToken and Recover)",
                   same: { $0.allowResources == $1.allowResources }) { settings, entry, _ throws(ConfigError) in
             settings.allowResources = try targets(entry, settings.allowResources, what: "resource", limit: 64) { word in
-                StrictURL(word)?.scheme != nil && !word.contains("#")
+                TokenKey.isResource(word) && StrictURL(word)?.scheme != nil
             }
         },
         ConfigKey("AllowScopes", takes: "scope words, space-separated (empty clears)", change: .rebuildsSession,
