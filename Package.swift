@@ -43,7 +43,7 @@ var package = Package(
         .target(name: "HTTPTransport", dependencies: ["Basics", "CCurl"]),
         // The OAuth 2.0 client: token requests and their classification, discovery,
         // revocation, the device and code flows.
-        .target(name: "Upstream", dependencies: ["Basics", "DPoP", "HTTPTransport", "TokenBrokerCore", "WireJSON"]),
+        .target(name: "Upstream", dependencies: ["Basics", "CCurl", "DPoP", "HTTPTransport", "TokenBrokerCore", "WireJSON"]),
         // Fleet mode: sessions shared by brokers on many hosts through etcd v3 (its JSON
         // gateway, over the libcurl loop).
         .target(name: "Fleet", dependencies: ["Basics", "HTTPTransport", "Sealing", "TokenBrokerCore", "WireJSON"]),
@@ -74,7 +74,7 @@ var package = Package(
                                                          "Varlink", "Upstream", "HTTPTransport", "Sealing", "SQLiteStore", "CSystemd"]),
         // `tokenbroker-daemon`'s command line: `serve` and `check-config` parsed and run, every
         // other subcommand handed to the CLI's. (The daemon itself knows nothing of the CLI.)
-        .target(name: "TokenBrokerDaemonCommand", dependencies: ["Basics", "BrokerContract", "TokenBrokerCLI", "TokenBrokerDaemon"]),
+        .target(name: "TokenBrokerDaemonCommand", dependencies: ["Basics", "BrokerContract", "Fleet", "TokenBrokerCLI", "TokenBrokerDaemon"]),
         // `serve --dev`: the development issuer beside the daemon. Only the executable links it.
         .target(name: "TokenBrokerDevelopment", dependencies: ["DevIssuer", "TokenBrokerCore", "TokenBrokerDaemon", "Upstream"]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the
@@ -89,12 +89,12 @@ var package = Package(
         // `check-config` exec `tokenbroker-daemon`. Linked by lld with warnings off: the one warning
         // is glibc's on any static link that contains dlopen (libswiftCore.a's optional lookup of
         // a prespecialization library, which finds none), and `make test` shows no warnings.
-        .executableTarget(name: "tokenbroker", dependencies: ["TokenBrokerCLI"],
+        .executableTarget(name: "tokenbroker", dependencies: ["Basics", "TokenBrokerCLI"],
                           linkerSettings: [.unsafeFlags(["-static-executable", "-use-ld=lld", "-Xlinker", "--no-warnings"])]),
         // `tokenbroker-daemon`: serve and check-config (and the rest of the command line too).
         // Packed relative relocations (DT_RELR, glibc 2.36): the loader reads 5 KB instead of
         // 640 KB of them at each start.
-        .executableTarget(name: "tokenbroker-daemon", dependencies: ["TokenBrokerDaemonCommand", "TokenBrokerDevelopment"],
+        .executableTarget(name: "tokenbroker-daemon", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerDevelopment"],
                           linkerSettings: [.unsafeFlags(["-use-ld=lld", "-Xlinker", "-z", "-Xlinker", "pack-relative-relocs"])]),
         // The development issuer as a process of its own, for the real-systemd test (not installed).
         .executableTarget(name: "dev-issuer", dependencies: ["Basics", "DevIssuer"]),
@@ -109,9 +109,9 @@ var package = Package(
         .testTarget(name: "VarlinkTests", dependencies: ["Varlink", "TestSupport"]),
         .testTarget(name: "SQLiteStoreTests", dependencies: ["SQLiteStore", "Sealing", "TokenBrokerCore", "TestSupport"]),
         .testTarget(name: "DPoPTests", dependencies: ["DPoP", "Basics", "WireJSON", "TestSupport"]),
-        .testTarget(name: "FleetTests", dependencies: ["Fleet", "HTTPTransport", "Sealing", "TokenBrokerCore", "TestSupport"]),
+        .testTarget(name: "FleetTests", dependencies: ["Fleet", "HTTPTransport", "Sealing", "TokenBrokerCore", "Basics", "WireJSON", "TestSupport"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "HTTPTransport", "DevIssuer", "DPoP", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
-        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerCLI", "Basics", "BrokerContract", "WireJSON", "TokenBrokerCore", "HTTPTransport", "Varlink", "TestSupport"]),
+        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerCLI", "Basics", "BrokerContract", "WireJSON", "TokenBrokerCore", "HTTPTransport", "Varlink", "Fleet", "Upstream", "TestSupport"]),
         // Spawns the real binaries; depends on the daemon's so `swift test` builds it first (not on the
         // static `tokenbroker`, whose link flags would apply to the test bundle: `swift test` builds
         // every product anyway).

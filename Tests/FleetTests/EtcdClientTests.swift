@@ -3,7 +3,6 @@ import Foundation
 import Synchronization
 import Testing
 import TestSupport
-import Upstream
 import HTTPTransport
 
 /// The etcd client against a real 3-member etcd cluster on loopback.

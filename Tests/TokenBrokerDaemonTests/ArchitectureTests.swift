@@ -463,4 +463,35 @@ import Testing
         #expect(Self.matches(Self.kindMatches, in: sample) == ["a.swift:2", "a.swift:6"])
         #expect(Self.matches(Self.coordinatorCalls, in: sample) == ["a.swift:5"])
     }
+
+    /// Modules outside the package a file may import without declaring them.
+    static let toolchainModules: Set<String> = ["Foundation", "FoundationEssentials", "FoundationNetworking", "Testing", "XCTest", "Glibc",
+                                                "Synchronization", "Dispatch", "_Concurrency"]
+
+    /// Each file's imports of the package's modules that its target does not declare: they build
+    /// only when another target happened to build the module first (a fresh clone's CI once failed so).
+    static func undeclaredImports(targets: [Target], files: [String: String]) -> [String] {
+        let byName = Dictionary(targets.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+        let modules = Set(byName.keys)
+        var problems: [String] = []
+        for (path, text) in files.sorted(by: { $0.key < $1.key }) {
+            let parts = path.split(separator: "/")
+            guard parts.count > 2, let target = byName[String(parts[1])] else { continue }
+            for line in text.split(separator: "\n") where line.hasPrefix("import ") {
+                let module = String(line.dropFirst(7).prefix { $0 != " " && $0 != "." })
+                if module != target.name, modules.contains(module), !target.dependencies.contains(module) { problems.append("\(path): \(module)") }
+            }
+        }
+        return problems
+    }
+
+    @Test("every file imports only modules its target declares (a module some other target builds first is no dependency)")
+    func importsAreDeclared() throws {
+        let targets = Self.targets(inPackage: try Self.read("Package.swift"))
+        let undeclared = Self.undeclaredImports(targets: targets, files: try Self.swiftFiles())
+        #expect(undeclared.isEmpty, "\(undeclared.joined(separator: "; "))")
+        // The check itself.
+        let sample = ["Tests/FleetTests/X.swift": "import Fleet\nimport Upstream\nimport Foundation\n"]
+        #expect(Self.undeclaredImports(targets: targets, files: sample) == ["Tests/FleetTests/X.swift: Upstream"])
+    }
 }
