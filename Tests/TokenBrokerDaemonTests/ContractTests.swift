@@ -170,7 +170,8 @@ import TokenBrokerCore
         #expect(recover.parameters == ["session": "a", "rejected": "t", "scope": "read"])
         #expect(try BrokerRequest(.recover, recover.parameters) == recover)
         #expect(try BrokerRequest(.getToken, ["session": "a"]) == .getToken(session: "a"))
-        #expect(try BrokerRequest(.getToken, ["session": "a", "resource": .string("https://" + String(repeating: "a", count: 504))]) != nil)
+        let longest = "https://" + String(repeating: "a", count: 504)   // 512 bytes
+        #expect(try BrokerRequest(.getToken, ["session": "a", "resource": .string(longest)]) == .getToken(session: "a", key: TokenKey(resource: longest, scope: nil)))
         #expect(try BrokerRequest(.getToken, ["session": "a", "scope": "  read   write "]) == .getToken(session: "a", key: TokenKey(resource: nil, scope: "read write")))
         for (name, bad): (String, JSON) in [("resource", "r.example"), ("resource", "https://r.example/#f"), ("resource", "https://r.example/ x"),
                                             ("resource", .string("https://" + String(repeating: "a", count: 600))), ("resource", 1),
