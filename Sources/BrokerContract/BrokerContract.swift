@@ -83,9 +83,15 @@ public struct TokenKey: Sendable, Hashable {
     /// Whether `text` is a resource a call may name (and `AllowResources=` may list): 1 to 512
     /// bytes of visible ASCII, `scheme://…`, no fragment.
     public static func isResource(_ text: String) -> Bool {
-        guard (1...512).contains(text.utf8.count), text.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }), !text.contains("#"),
-              let colon = text.firstIndex(of: ":"), colon > text.startIndex, text[colon...].hasPrefix("://") else { return false }
-        return text[..<colon].allSatisfy { $0.isASCII && ($0.isLetter || $0.isNumber || "+-.".contains($0)) }
+        // Bytes, not characters: this runs on every call that names a key.
+        let bytes = text.utf8
+        guard (1...512).contains(bytes.count), bytes.allSatisfy({ $0 > 0x20 && $0 < 0x7F && $0 != UInt8(ascii: "#") }),
+              let colon = bytes.firstIndex(of: UInt8(ascii: ":")), colon > bytes.startIndex,
+              bytes[colon...].starts(with: "://".utf8) else { return false }
+        return bytes[..<colon].allSatisfy { byte in
+            (0x41...0x5A).contains(byte) || (0x61...0x7A).contains(byte) || (0x30...0x39).contains(byte)
+                || byte == UInt8(ascii: "+") || byte == UInt8(ascii: "-") || byte == UInt8(ascii: ".")
+        }
     }
 
     /// The scope's words.

@@ -52,10 +52,10 @@ final class DerivedKeys: Sendable {
     /// The session of `key` if it has been made (the hot path: one lookup under the lock).
     func existing(_ key: TokenKey) -> SessionTable.Session? {
         state.withLock { state in
-            guard let entry = state.entries[key] else { return nil }
+            guard let index = state.entries.index(forKey: key) else { return nil }
             state.tick &+= 1
-            state.entries[key]?.lastUse = state.tick
-            return entry.session
+            state.entries.values[index].lastUse = state.tick
+            return state.entries.values[index].session
         }
     }
 
