@@ -36,6 +36,7 @@ final class SessionTable: Sendable {
         init(configuration: SessionConfiguration, coordinator: Coordinator, slot: SessionCensus.Slot, account: (any UpstreamAccount)? = nil,
              fleet: (sync: DaemonFleetSync, following: Task<Void, Never>?)? = nil, keys: DerivedKeys? = nil) {
             self.keys = keys
+            kind = SessionFactory.kind(of: configuration)
             self.configuration = configuration
             self.coordinator = coordinator
             self.slot = slot
@@ -44,8 +45,8 @@ final class SessionTable: Sendable {
             self.following = fleet?.following
         }
 
-        /// What kind of session it is, and so what it offers (`SessionKind`).
-        var kind: any SessionKind { SessionFactory.kind(of: configuration) }
+        /// What kind of session it is, and so what it offers (`SessionKind`): chosen once.
+        let kind: any SessionKind
 
         /// The same served session under a configuration whose changes keep the coordinator.
         func reconfigured(_ configuration: SessionConfiguration) -> Session {
@@ -71,6 +72,8 @@ final class SessionTable: Sendable {
         var inert: [InertSession] = []
         /// Which sessions serve which hosts (`Serves=`), for `Credential`.
         var serving = ServingIndex()
+        /// The sessions derived from each parent (`DerivedFrom=`), in configuration order.
+        var derived: [String: [String]] = [:]
     }
 
     private let state: Mutex<Snapshot>

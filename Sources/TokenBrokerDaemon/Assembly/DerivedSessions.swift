@@ -8,7 +8,7 @@ import TokenBrokerCore
 enum DerivedSessions {
     /// The sessions derived from `parent`, in configuration order.
     static func children(of parent: String, in snapshot: SessionTable.Snapshot) -> [SessionTable.Session] {
-        snapshot.order.compactMap { snapshot.sessions[$0] }.filter { $0.kind.parent == parent }
+        snapshot.derived[parent]?.compactMap { snapshot.sessions[$0] } ?? []
     }
 
     /// `parent` crossed `boundary`: its derived sessions cross one too, all at once.
@@ -43,7 +43,7 @@ enum DerivedSessions {
     /// state.
     static func reconcile(_ snapshot: SessionTable.Snapshot, previous: SessionTable.Snapshot, logger: Logger) async {
         await withTaskGroup(of: Void.self) { group in
-            for name in snapshot.order {
+            for name in snapshot.derived.values.joined() {
                 guard let child = snapshot.sessions[name], let parent = child.kind.parent else { continue }
                 let parentActive = snapshot.sessions[parent]?.coordinator.statusSnapshot().state == .active
                 let fresh = previous.sessions[name]?.coordinator !== child.coordinator

@@ -134,6 +134,9 @@ final class Reloader: Sendable {
         await table.gate.exclusive { [self] in
             var snapshot = SessionTable.Snapshot(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
             snapshot.serving = ServingIndex(configuration.sessions)
+            for session in configuration.sessions {
+                if let parent = session.settings.derivedFrom { snapshot.derived[parent, default: []].append(session.name) }
+            }
             snapshot.sessions.reserveCapacity(configuration.sessions.count)
             snapshot.order.reserveCapacity(configuration.sessions.count)
             var logins: [SessionTable.Session] = []
