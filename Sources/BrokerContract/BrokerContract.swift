@@ -619,6 +619,9 @@ public struct StatusEntry: Sendable, Equatable {
     public var throttledUsers: [UInt32] = []
     /// A derived session's parent.
     public var derivedFrom: String?
+    /// A parent's redemptions of its refresh token for its derived sessions (`Derivation=refresh`),
+    /// when it made any.
+    public var derivations: Int?
 
     public init(name: String, state: String, generation: Int) {
         self.name = name
@@ -662,6 +665,7 @@ public struct StatusEntry: Sendable, Equatable {
         flightHolder = object["flightHolder"]?.stringValue
         throttledUsers = (object["throttledUsers"]?.arrayValue ?? []).prefix(4096).compactMap { $0.intValue.flatMap(UInt32.init(exactly:)) }
         derivedFrom = object["derivedFrom"]?.stringValue
+        derivations = object["derivations"]?.intValue.map { Int(clamping: $0) }
     }
 
     public var parameters: JSONObject {
@@ -684,6 +688,7 @@ public struct StatusEntry: Sendable, Equatable {
         if let flightHolder { entry.append(("flightHolder", .string(flightHolder))) }
         if !throttledUsers.isEmpty { entry.append(("throttledUsers", .array(throttledUsers.map { .int(Int64($0)) }))) }
         if let derivedFrom { entry.append(("derivedFrom", .string(derivedFrom))) }
+        if let derivations { entry.append(("derivations", .int(Int64(derivations)))) }
         return JSONObject(entry)
     }
 

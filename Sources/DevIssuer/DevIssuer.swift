@@ -147,6 +147,9 @@ public final class DevIssuer: Sendable {
         public var tokenExchanges = 0
         /// Requests refused with `invalid_target` or `invalid_scope` (RFC 8707, RFC 6749 §5.2).
         public var narrowingsRefused = 0
+        /// Refreshes that narrowed their access token (`resource` or `scope`, RFC 8707 §2.2),
+        /// among `refreshGrants`, answered.
+        public var narrowedRefreshes = 0
     }
 
     struct RefreshRecord {
@@ -608,10 +611,8 @@ public final class DevIssuer: Sendable {
                     return Self.oauthError("invalid_grant")
                 }
                 guard !state.revokedFamilies.contains(record.family) else { return Self.oauthError("invalid_grant") }
-                state.refreshTokens[presented]?.retired = true
-                // A family refreshed with a proof is bound from then on.
-                if let jkt { state.familyJKT[record.family] = jkt }
-                // RFC 8707 §2.2 and RFC 6749 §6: a refresh may narrow the access token.
+                // RFC 8707 §2.2 and RFC 6749 §6: a refresh may narrow the access token. A
+                // refused narrowing spends nothing: the refresh token stays the family's.
                 let narrowing: Narrowing
                 switch Self.narrowing(request.body, within: nil, in: state) {
                 case let .success(value): narrowing = value
@@ -619,10 +620,14 @@ public final class DevIssuer: Sendable {
                     state.counters.narrowingsRefused += 1
                     return refusal.answer
                 }
+                state.refreshTokens[presented]?.retired = true
+                // A family refreshed with a proof is bound from then on.
+                if let jkt { state.familyJKT[record.family] = jkt }
                 let refresh = mintRefresh(&state, family: record.family)
                 let access = mintAccess(&state, family: record.family, jkt: jkt)
                 state.accessTokens[access.token]?.audiences = narrowing.targets
                 state.accessTokens[access.token]?.scope = narrowing.scope
+                if !narrowing.targets.isEmpty || narrowing.scope != nil { state.counters.narrowedRefreshes += 1 }
                 return tokenAnswer(access, refresh: refresh)
             }
         case Self.tokenExchange:
@@ -868,6 +873,7 @@ public final class DevIssuer: Sendable {
             "dpop_refused": .int(Int64(counters.dpopProofsRefused)), "dpop_nonce_challenges": .int(Int64(counters.dpopNonceChallenges)),
             "authorization": .int(Int64(counters.authorizationRequests)), "authorization_code": .int(Int64(counters.codeGrants)),
             "code_replays": .int(Int64(counters.codeReplays)), "token_exchange": .int(Int64(counters.tokenExchanges)),
+            "narrowed_refresh": .int(Int64(counters.narrowedRefreshes)),
         ])
     }
 

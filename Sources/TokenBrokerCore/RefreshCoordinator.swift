@@ -44,7 +44,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     private var machine: RefreshStateMachine {
         didSet { observe() }
     }
-    private var flightTask: (id: FlightID, task: Task<Void, Never>)?
+    private var flightTask: RunningFlight?
     private var nextWaiter: UInt64 = 0
     private let waiters = WaiterTable()
     private let watchers: WatcherList
@@ -81,6 +81,20 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
                 change(&state)
                 if state.summary != before { observer(state.summary) }
             }
+        }
+    }
+
+    /// The task of the flight under way: a refresh's, or a derivation's (which answers its one
+    /// caller).
+    private struct RunningFlight {
+        let id: FlightID
+        let cancel: @Sendable () -> Void
+        let finished: @Sendable () async -> Void
+
+        init<T: Sendable>(_ id: FlightID, _ task: Task<T, Never>) {
+            self.id = id
+            cancel = { task.cancel() }
+            finished = { _ = await task.value }
         }
     }
 
@@ -187,7 +201,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// The current token; waits for the shared refresh when it has expired or there is none.
     /// Inside the refresh-ahead window it answers at once and starts one background refresh.
     public func token() async throws -> IssuedToken {
-        try await run(machine.demand(.get, now: now()))
+        try await run(.get)
     }
 
     /// The current token if it is valid for `minimum` more; else it waits for the session's one
@@ -195,9 +209,9 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// or `lifetimeTooShort` when the issuer's tokens live less than `minimum` (no second
     /// refresh: at most one more demand, which delivers or says so).
     public func token(validFor minimum: Duration, by demander: Demander? = nil) async throws -> IssuedToken {
-        let token = try await run(machine.demand(.valid(for: minimum), now: now(), by: demander), by: demander)
+        let token = try await run(.valid(for: minimum), by: demander)
         guard let published = machine.publishable, let deadline = published.deadline, deadline - now() < minimum else { return token }
-        return try await run(machine.demand(.valid(for: minimum), now: now(), by: demander), by: demander)
+        return try await run(.valid(for: minimum), by: demander)
     }
 
     /// The worker's request was rejected with `rejected`, the token it actually sent. If that is
@@ -207,7 +221,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// A refresh it starts is charged to `demander` (`RefreshBudget`): a peer that spent its
     /// share is throttled alone.
     public func recover(rejected: Secret, by demander: Demander? = nil) async throws -> IssuedToken {
-        try await run(machine.demand(.recover(rejected: rejected), now: now(), by: demander), by: demander)
+        try await run(.recover(rejected: rejected), by: demander)
     }
 
     /// Starts the refresh a demand would start now — refresh-ahead inside the window, or a
@@ -219,7 +233,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         switch machine.demand(.get, now: now()) {
         case let .deliverAndStart(_, request, id), let .startAndWait(request, id):
             launch(request, id)
-        case .deliver, .wait, .fail:
+        case .deliver, .wait, .waitForLineage, .fail:
             break
         }
     }
@@ -230,10 +244,20 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// Refreshes now, whatever the current token (an operator's `ctl refresh`): joins the
     /// flight under way or starts one; backoff and the refresh guard still apply.
     public func refresh(by demander: Demander? = nil) async throws -> IssuedToken {
-        try await run(machine.demand(.refresh, now: now(), by: demander), by: demander)
+        try await run(.refresh, by: demander)
     }
 
-    private func run(_ action: RefreshStateMachine.DemandAction, by demander: Demander? = nil) async throws -> IssuedToken {
+    private func run(_ demand: RefreshStateMachine.Demand, by demander: Demander? = nil) async throws -> IssuedToken {
+        while true {
+            let action = machine.demand(demand, now: now(), by: demander)
+            guard case let .waitForLineage(flight) = action else { return try await run(action, by: demander) }
+            // A derivation redeems the refresh token: once it is over, this demand is decided anew.
+            await awaitFlight(flight)
+            try Task.checkCancellation()
+        }
+    }
+
+    private func run(_ action: RefreshStateMachine.DemandAction, by demander: Demander?) async throws -> IssuedToken {
         switch action {
         case let .deliver(token):
             return token
@@ -245,6 +269,8 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
             return try await wait(on: id)
         case let .wait(id):
             return try await wait(on: id)
+        case .waitForLineage:
+            preconditionFailure("decided by run(_ demand:)")
         case let .fail(error):
             if case let .throttled(retryAfter) = error {
                 // Whose budget is spent: this demander's share (it alone is turned away), or the session's.
@@ -283,7 +309,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
             }
             await self.landed(id, outcome, started: started, generation: request.generation)
         }
-        flightTask = (id, task)
+        flightTask = RunningFlight(id, task)
     }
 
     private func landed(_ id: FlightID, _ outcome: Result<FetchedToken, any Error>, started: Duration, generation: Int) async {
@@ -374,6 +400,10 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     /// caller waits like a joined waiter, and its result is dropped.
     public func awaitFlight() async {
         guard let flight = machine.currentFlight else { return }
+        await awaitFlight(flight)
+    }
+
+    private func awaitFlight(_ flight: FlightID) async {
         nextWaiter += 1
         let waiter = nextWaiter
         waiters.register(waiter, on: flight)
@@ -383,6 +413,83 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
             }
         } onCancel: { [waiters] in
             waiters.cancel(waiter)
+        }
+    }
+
+    // MARK: - Derivations
+
+    /// A token derived from this session's refresh token by `source` (a derived session's
+    /// `Derivation=refresh`: the refresh token with `resource` and a narrower `scope`, RFC 8707
+    /// §2.2), in this session's one lineage: after its flight under way, never beside another
+    /// redemption. A rotated refresh token is this session's, durable before the derived token
+    /// is returned; the token returned carries none. A boundary of this session (logout, login,
+    /// stop) ends the derivation: its answer is dropped, and `signedOut` (or `shuttingDown`)
+    /// thrown. The server's refusal is thrown as it came (a `FetchFailure`), changing nothing
+    /// here. A redemption, once started, is waited for even by a cancelled caller (its answer
+    /// may have rotated the refresh token), within the source's own deadline.
+    public func derive(by source: any TokenSource, timeLimit: Duration? = nil) async throws -> FetchedToken {
+        while true {
+            switch machine.beginDerivation() {
+            case let .fail(error):
+                throw error
+            case let .waitForLineage(flight):
+                await awaitFlight(flight)
+                try Task.checkCancellation()
+            case let .start(request, id):
+                var request = request
+                request.timeLimit = timeLimit
+                let task = Task { () -> Result<FetchedToken, any Error> in
+                    let outcome: Result<FetchedToken, any Error>
+                    do {
+                        outcome = .success(try await source.fetch(request))
+                    } catch {
+                        outcome = .failure(error)
+                    }
+                    return await self.derivationLanded(id, outcome)
+                }
+                flightTask = RunningFlight(id, task)
+                return try await task.value.get()
+            }
+        }
+    }
+
+    private func derivationLanded(_ id: FlightID, _ outcome: Result<FetchedToken, any Error>) async -> Result<FetchedToken, any Error> {
+        defer { if flightTask?.id == id { flightTask = nil } }
+        let over: SessionError = machine.isShutDown ? .shuttingDown : .signedOut
+        switch outcome {
+        case let .success(fetched):
+            var derived = fetched
+            derived.refreshToken = nil
+            switch machine.derivationSucceeded(id, fetched) {
+            case .dropped:
+                discarded(fetched)
+                return .failure(over)
+            case .deliver:
+                waiters.resolve(id, with: .failure(.superseded))
+                return .success(derived)
+            case let .commit(write):
+                let committed = await commit(write)
+                guard let (error, event) = machine.derivationCommitted(id, committed) else {
+                    discarded(fetched)
+                    let over: SessionError = machine.isShutDown ? .shuttingDown : .signedOut
+                    return .failure(over)
+                }
+                republish()
+                waiters.resolve(id, with: .failure(error ?? .superseded))
+                if let event { watchers.send(event) }
+                if let error {
+                    // Another writer ended this generation: the rotated refresh token is nobody's.
+                    discarded(fetched)
+                    return .failure(error)
+                }
+                return .success(derived)
+            }
+        case let .failure(error):
+            // After a boundary (which cancelled the request, or whatever else became of it):
+            // the boundary is the answer, not what the cut-off request threw.
+            guard machine.derivationFailed(id) else { return .failure(over) }
+            waiters.resolve(id, with: .failure(.superseded))
+            return .failure(error)
         }
     }
 
@@ -469,7 +576,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     public func quiesce() async {
         machine.retire()
         republish()
-        if let flight = flightTask?.task { await flight.value }
+        if let flight = flightTask { await flight.finished() }
     }
 
     /// Ends this coordinator and gives its whole state to a successor (a reload that changes the
@@ -492,7 +599,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         republish()
         if let cancelled = boundary.cancelled {
             if let flight = flightTask, flight.id == cancelled {
-                flight.task.cancel()
+                flight.cancel()
                 flightTask = nil
             }
             waiters.resolve(cancelled, with: .failure(boundary.error))

@@ -65,8 +65,31 @@ public struct RefreshStateMachine: Sendable {
         case startAndWait(FetchRequest, FlightID)
         /// Wait for the flight already under way.
         case wait(FlightID)
+        /// The refresh token is being redeemed for a derived token (`beginDerivation`), which
+        /// brings this session no token: demand again once that flight is over.
+        case waitForLineage(FlightID)
         /// Fail at once.
         case fail(SessionError)
+    }
+
+    /// What to do about a derived session's demand for a token derived from this session's
+    /// refresh token (`beginDerivation`).
+    public enum DerivationAction: Sendable, Equatable {
+        /// Redeem the refresh token (the request carries it) in the flight `FlightID`.
+        case start(FetchRequest, FlightID)
+        /// A flight is under way: ask again once it is over (one redemption at a time).
+        case waitForLineage(FlightID)
+        case fail(SessionError)
+    }
+
+    /// What to do with the answer to a derivation.
+    public enum DerivationLanding: Sendable, Equatable {
+        /// Its flight is over (a boundary came): drop it, and revoke what it brought.
+        case dropped
+        /// The server did not rotate the refresh token: hand the derived token out.
+        case deliver
+        /// The server rotated it: the write must be durable before the derived token is handed out.
+        case commit(StoreWrite)
     }
 
     /// The outcome of writing a fetched token to the store.
@@ -125,6 +148,11 @@ public struct RefreshStateMachine: Sendable {
         var refreshAhead: Bool
         /// Set once the fetch returned and its write is under way.
         var committing: (current: Current, refreshToken: Secret?, unixNow: Int64)?
+        /// A redemption of the refresh token for a derived session's token (RFC 8707 §2.2):
+        /// it brings this session no access token, only the refresh token rotated.
+        var derivation = false
+        /// The rotated refresh token of a derivation, once its write is under way.
+        var rotating: Secret?
     }
 
     private struct BackoffState: Sendable {
@@ -289,6 +317,7 @@ public struct RefreshStateMachine: Sendable {
     /// allow (joining costs nobody's budget).
     private mutating func refresh(now: Duration, by demander: Demander?) -> DemandAction {
         if let flight {
+            if flight.derivation { return .waitForLineage(flight.id) }
             counters.joinedWaiters += 1
             return .wait(flight.id)
         }
@@ -334,12 +363,93 @@ public struct RefreshStateMachine: Sendable {
         return id
     }
 
+    // MARK: - Derivations: one refresh-token lineage
+
+    /// A derived session (`Derivation=refresh`) asks for a token derived from this session's
+    /// refresh token. The redemption is a flight of this session: never beside its own refresh
+    /// nor another derivation (a rotating refresh token is redeemed once), ended by its
+    /// boundaries like any flight; it charges nothing to this session's refresh guard or
+    /// backoff (the derived session has its own) and brings this session no access token.
+    public mutating func beginDerivation() -> DerivationAction {
+        if isShutDown { return .fail(.shuttingDown) }
+        switch phase {
+        case .signedOut: return .fail(.signedOut)
+        case let .ended(reason): return .fail(.refreshFailed(reason: reason, retryable: false, retryAfter: nil))
+        case .active: break
+        }
+        if let flight { return .waitForLineage(flight.id) }
+        if isRetiring { return .fail(.shuttingDown) }
+        guard let refreshToken else {
+            return .fail(.refreshFailed(reason: "the session holds no refresh token to derive from", retryable: false, retryAfter: nil))
+        }
+        nextFlight += 1
+        let id = FlightID(nextFlight)
+        flight = Flight(id: id, generation: generation, refreshAhead: false, derivation: true)
+        counters.derivations += 1
+        return .start(FetchRequest(session: session, generation: generation, refreshToken: refreshToken, proofKey: proofKey,
+                                   tokenType: current?.tokenType), id)
+    }
+
+    /// A derivation's answer arrived.
+    public mutating func derivationSucceeded(_ id: FlightID, _ fetched: FetchedToken) -> DerivationLanding {
+        guard var flight, flight.id == id, flight.derivation, flight.generation == generation, flight.rotating == nil else {
+            counters.droppedResults += 1
+            return .dropped
+        }
+        guard let rotated = fetched.refreshToken, rotated != refreshToken else {
+            self.flight = nil
+            return .deliver
+        }
+        flight.rotating = rotated
+        self.flight = flight
+        var record = self.record
+        record.refreshToken = rotated
+        return .commit(StoreWrite(record, guardedBy: writeGuard(.sameGeneration)))
+    }
+
+    /// The write of a derivation's rotated refresh token finished: `nil` when a boundary came
+    /// meanwhile (the derived token is dropped), else the error the derived session gets, if
+    /// any. A failed write is kept to retry (degraded), as a refresh's is; a rejected one means
+    /// another writer ended this generation.
+    public mutating func derivationCommitted(_ id: FlightID, _ outcome: CommitOutcome) -> (error: SessionError?, event: SessionEvent?)? {
+        guard let flight, flight.id == id, flight.derivation, let rotated = flight.rotating else {
+            counters.droppedResults += 1
+            return nil
+        }
+        self.flight = nil
+        switch outcome {
+        case .applied:
+            refreshToken = rotated
+            pendingWrite = nil
+            return (nil, nil)
+        case let .failed(reason):
+            refreshToken = rotated
+            lastError = "store: \(reason)"
+            pendingWrite = StoreWrite(record, guardedBy: writeGuard(.sameGeneration), replicated: true)
+            return (nil, nil)
+        case .rejected:
+            generation += 1
+            phase = .signedOut
+            clearCredentials()
+            lastError = "store holds a newer generation"
+            return (.signedOut, .signedOut(generation: generation))
+        }
+    }
+
+    /// A derivation failed: the failure is the derived session's alone (its backoff, its end);
+    /// this session's state is unchanged. Returns whether the flight was still current.
+    public mutating func derivationFailed(_ id: FlightID) -> Bool {
+        guard let flight, flight.id == id, flight.derivation, flight.rotating == nil else { return false }
+        self.flight = nil
+        return true
+    }
+
     // MARK: - Flight outcomes
 
     /// The fetch returned a token: returns the write that must be durable before anyone sees it,
     /// or `nil` when the flight is no longer current (its answer is dropped).
     public mutating func fetchSucceeded(_ id: FlightID, _ fetched: FetchedToken, now: Duration, unixNow: Double) -> StoreWrite? {
-        guard var flight, flight.id == id, flight.generation == generation, flight.committing == nil else {
+        guard var flight, flight.id == id, !flight.derivation, flight.generation == generation, flight.committing == nil else {
             counters.droppedResults += 1
             return nil
         }
@@ -408,7 +518,7 @@ public struct RefreshStateMachine: Sendable {
     ///
     /// - Parameter unit: a random number in [0, 1) for the backoff's jitter.
     public mutating func fetchFailed(_ id: FlightID, _ failure: FetchFailure, now: Duration, unit: Double) -> Resolution? {
-        guard let flight, flight.id == id, flight.committing == nil else {
+        guard let flight, flight.id == id, !flight.derivation, flight.committing == nil else {
             counters.droppedResults += 1
             return nil
         }

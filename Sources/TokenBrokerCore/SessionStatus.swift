@@ -13,6 +13,8 @@ public struct SessionCounters: Sendable, Equatable {
     /// Upstream answers dropped because their generation had ended (logout or login while the
     /// request was in flight).
     public var droppedResults = 0
+    /// Redemptions of the refresh token for derived sessions' tokens (`Derivation=refresh`).
+    public var derivations = 0
 
     public init() {}
 }

@@ -65,6 +65,9 @@ public struct FetchedToken: Sendable {
     /// The OpenID Connect ID token of a login's answer (`id_token`), if it brought one: read for
     /// its claims (the login checks its `nonce`), never stored, logged or handed out.
     public var idToken: Secret?
+    /// The answer's `scope`, where the caller reads it (a narrowed refresh: a wider one than
+    /// asked is refused). Not stored.
+    public var grantedScope: String?
 
     public init(accessToken: Secret, tokenType: String = "Bearer", expiresIn: Duration? = nil, refreshToken: Secret? = nil,
                 idToken: Secret? = nil) {

@@ -12,5 +12,6 @@ extension StatusEntry {
         (counters[.fetches], counters[.joinedWaiters], counters[.failures]) = (counted.fetches, counted.joinedWaiters, counted.failures)
         (counters[.staleRejections], counters[.throttled], counters[.droppedResults]) = (counted.staleRejections, counted.throttled, counted.droppedResults)
         throttledUsers = status.throttled.map(\.uid)
+        derivations = counted.derivations > 0 ? counted.derivations : nil
     }
 }

@@ -103,12 +103,12 @@ public struct OAuthClient: Sendable {
         return try await accept(response, rotates: rotates)
     }
 
-    /// As `tokenRequest` for a grant that rotates nothing, with the answer's JSON object too
-    /// (a token exchange's `issued_token_type` and `scope` are checked by its caller).
-    func tokenRequestAndBody(_ fields: [(String, String)]) async throws(FetchFailure) -> (token: FetchedToken, body: JSONObject?) {
+    /// As `tokenRequest`, with the answer's JSON object too (a token exchange's
+    /// `issued_token_type` and `scope`, a narrowed refresh's `scope`, are checked by its caller).
+    func tokenRequestAndBody(_ fields: [(String, String)], rotates: Bool = false) async throws(FetchFailure) -> (token: FetchedToken, body: JSONObject?) {
         let response = try await tokenEndpointPost(fields)
         guard response.status == 200 else { throw Self.classify(response) }
-        let token = try await accept(response, rotates: false)
+        let token = try await accept(response, rotates: rotates)
         return (token, (try? JSONParser.parse(response.body))?.objectValue)
     }
 

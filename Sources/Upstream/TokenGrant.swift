@@ -9,13 +9,34 @@ public protocol TokenGrant: Sendable {
     func token(for request: FetchRequest, through client: OAuthClient) async throws(FetchFailure) -> FetchedToken
 }
 
-/// `grant_type=refresh_token` (RFC 6749 §6): redeems the refresh token a login obtained.
+/// `grant_type=refresh_token` (RFC 6749 §6): redeems the refresh token a login obtained;
+/// narrowed (a derived session's `Derivation=refresh`) to `resources` (RFC 8707 §2.2) and a
+/// `scope` within the grant's (RFC 6749 §6). The answer's `scope` comes back in
+/// `grantedScope`: whoever hands the token out refuses a wider one (`widens`) only after the
+/// rotated refresh token, which is the grant's whatever the access token is worth, is kept.
 public struct RefreshTokenRequest: TokenGrant {
-    public init() {}
+    public var resources: [String]
+    public var scope: String?
+
+    public init(resources: [String] = [], scope: String? = nil) {
+        self.resources = resources
+        self.scope = scope
+    }
 
     public func token(for request: FetchRequest, through client: OAuthClient) async throws(FetchFailure) -> FetchedToken {
         guard let refreshToken = request.refreshToken else { throw .terminal("no refresh token: log in first") }
-        return try await client.refresh(refreshToken)
+        guard !resources.isEmpty || scope != nil else { return try await client.refresh(refreshToken) }
+        var fields = [("grant_type", "refresh_token"), ("refresh_token", refreshToken.reveal)] + resources.map { ("resource", $0) }
+        if let scope { fields.append(("scope", scope)) }
+        var (token, body) = try await client.tokenRequestAndBody(fields, rotates: true)
+        token.grantedScope = body?["scope"]?.stringValue
+        return token
+    }
+
+    /// Whether a server that was asked for `asked` granted more (`granted`, its answer's `scope`).
+    public static func widens(_ granted: String?, asked: String?) -> Bool {
+        guard let asked, let granted else { return false }
+        return !Set(granted.split(separator: " ")).isSubset(of: Set(asked.split(separator: " ")))
     }
 }
 
@@ -95,8 +116,7 @@ public struct TokenExchangeRequest: TokenGrant {
         if let issued = body?["issued_token_type"]?.stringValue, issued != accessTokenType {
             return "the server issued a \(issued.prefix(80)), not an access token"
         }
-        if let scope, let granted = body?["scope"]?.stringValue,
-           !Set(granted.split(separator: " ")).isSubset(of: Set(scope.split(separator: " "))) {
+        if RefreshTokenRequest.widens(body?["scope"]?.stringValue, asked: scope) {
             return "the server granted a wider scope than the one asked for"
         }
         return nil

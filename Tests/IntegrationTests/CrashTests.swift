@@ -8,7 +8,9 @@ import TokenBrokerCore
 import Varlink
 
 /// Kills the real daemon with SIGKILL at random points while it refreshes against the
-/// development issuer, restarts it, and checks every time that nothing was lost.
+/// development issuer, restarts it, and checks every time that nothing was lost. Every other
+/// refresh is a derived session's (`Derivation=refresh`), which rotates the parent's refresh
+/// token in the parent's lineage: that rotation must be as durable as the parent's own.
 ///
 /// After each kill the test reads the state database and asks the issuer where the stored
 /// refresh token stands in its family:
@@ -45,6 +47,14 @@ struct CrashTests {
             TokenEndpoint=\(issuer.tokenEndpoint)
             ClientID=tokenbroker
             ClientSecretFile=\(directory)/secret
+            RefreshLimitBurst=10000
+            RefreshLimitInterval=1s
+
+            [Session]
+            Name=derived
+            DerivedFrom=api
+            Derivation=refresh
+            Resource=https://derived.example/api
             RefreshLimitBurst=10000
             RefreshLimitInterval=1s
             """.write(toFile: directory + "/tokenbroker.conf", atomically: true, encoding: .utf8)
@@ -89,10 +99,14 @@ struct CrashTests {
                 let refresher = Thread {
                     // Each round: the current token, rejected, forces one refresh. It ends when
                     // the daemon dies under it.
+                    // Every other round is the derived session's: a derivation, which redeems and
+                    // rotates the parent's refresh token in the parent's lineage.
                     if let client = try? VarlinkClient(address: address, timeout: 20) {
-                        while let token = try? client.call("io.tokenbroker.Broker.GetToken", ["session": "api"]).parameters["token"],
-                              let reply = try? client.call("io.tokenbroker.Broker.Recover", ["session": "api", "rejected": token]),
-                              reply.error == nil {}
+                        var round = 0
+                        while case let session: JSON = round % 2 == 0 ? "api" : "derived",
+                              let token = try? client.call("io.tokenbroker.Broker.GetToken", ["session": session]).parameters["token"],
+                              let reply = try? client.call("io.tokenbroker.Broker.Recover", ["session": session, "rejected": token]),
+                              reply.error == nil { round += 1 }
                     }
                     finished.store(true, ordering: .releasing)
                 }
@@ -141,7 +155,9 @@ struct CrashTests {
         _ = await daemon.wait()
         print("crash test: \(iterations) kills; \(continued) continued with the newest refresh token, "
               + "\(deathWindow) replays in the death window (issuer answered, daemon died before its commit), "
-              + "\(logoutsKept) logouts kept, \(lost) lost; issuer replays \(issuer.counters.replays)")
+              + "\(logoutsKept) logouts kept, \(lost) lost; issuer replays \(issuer.counters.replays), "
+              + "derivations \(issuer.counters.narrowedRefreshes) of \(issuer.counters.refreshGrants) refreshes")
+        #expect(issuer.counters.narrowedRefreshes > 0, "the kills came during derivations too")
         #expect(lost == 0)
         #expect(issuer.counters.replays == deathWindow)
     }

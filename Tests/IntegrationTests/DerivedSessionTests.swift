@@ -355,7 +355,11 @@ struct DerivedSessionTests {
             (base + "\n[Session]\nName=chain\nDerivedFrom=api-read\nScope=read\n", "the parent must be an Upstream=oauth session of its own"),
             (base + "\n[Session]\nName=wide\nDerivedFrom=api\n", "needs Audience=, Resource= or Scope="),
             (base + "\n[Session]\nName=own\nDerivedFrom=api\nScope=read\nClientID=other\n", "ClientID= is the parent's"),
-            (base + "\n[Session]\nName=later\nDerivedFrom=api\nScope=read\nDerivation=refresh\n", "Derivation=refresh is not supported yet"),
+            (base + "\n[Session]\nName=aud\nDerivedFrom=api\nAudience=https://a.example\nDerivation=refresh\n",
+             "Audience= is an RFC 8693 token exchange parameter"),
+            (base + "\n[Session]\nName=machine\nTokenEndpoint=\(issuer.tokenEndpoint)\nClientID=c\nClientSecretFile=@DIR@/client-secret\n"
+                + "Grant=client_credentials\n\n[Session]\nName=of-machine\nDerivedFrom=machine\nScope=read\nDerivation=refresh\n",
+             "Grant=client_credentials has none"),
             (base + "\n[Session]\nName=bad\nDerivedFrom=api\nResource=not-a-url\n", "is not a valid resource"),
             (base + "\n[Session]\nName=plain\nUpstream=test\nAudience=x\n", "Audience= needs DerivedFrom="),
             (base + "\n[Session]\nName=plain\nUpstream=test\nAllowScopes=read\n", "AllowScopes= needs an Upstream=oauth session of its own"),

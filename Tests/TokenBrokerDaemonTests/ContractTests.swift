@@ -89,6 +89,7 @@ import TokenBrokerCore
         (entry.fleetHealth, entry.fleetGeneration, entry.fleetRevision, entry.flightHolder) = ("healthy", 4, 812, "host-b pid 7 1f")
         entry.throttledUsers = [1001, 4_000_000_000]
         entry.derivedFrom = "parent"
+        entry.derivations = 3
         let parameters = entry.parameters
         #expect(StatusEntry(parameters) == entry)
         #expect(parameters["fetches"] == 1 && parameters["droppedResults"] == 6)

@@ -181,19 +181,42 @@ struct SessionFactory: Sendable {
                     return try await parent.coordinator.token().token   // tokens that live less than the margin
                 }
             } catch let error as SessionError {
-                switch error {
-                case .signedOut: throw .terminal("the parent session \(name) is signed out: log in to \(name)")
-                case let .refreshFailed(_, retryable, retryAfter):
-                    if retryable { throw .transient("the parent session \(name) cannot refresh now", retryAfter: retryAfter) }
-                    throw .terminal("the parent session \(name) has ended: log in to \(name)")
-                case let .throttled(retryAfter): throw .transient("the parent session \(name) is throttled", retryAfter: retryAfter)
-                default: throw .transient("the parent session \(name) gives no token now")
-                }
+                throw await Self.parentFailure(error, of: name)
             } catch {
                 throw .transient("the parent session \(name) gives no token now")
             }
         }
     }
+
+    /// A token derived from the refresh token of session `name` (`Derivation=refresh`) by
+    /// `via`, in the parent's one lineage (`RefreshCoordinator.derive`); a scope wider than
+    /// `scope` refused (after the parent kept the refresh token rotated with it).
+    func lineage(of name: String, via: any TokenSource, scope: String?) -> any TokenSource {
+        ParentLineage(parent: name, sessions: sessions, via: via, scope: scope)
+    }
+
+    /// What a parent's state means for the session derived from it: its own failure, which
+    /// says nothing of the parent's reasons (a derived session's workers are not the parent's).
+    /// A parent signed out or ended takes its derived sessions with it (`DerivedSessions.follow`,
+    /// before its logout returns): the derived session's flight waits for that boundary, which
+    /// cancels it and gives its waiters `SignedOut`, rather than end the derived session on its
+    /// own first; only if none comes within `boundaryWait` does the failure end it.
+    static func parentFailure(_ error: SessionError, of name: String) async -> FetchFailure {
+        switch error {
+        case .signedOut:
+            try? await Task.sleep(for: boundaryWait)
+            return .terminal("the parent session \(name) is signed out: log in to \(name)")
+        case let .refreshFailed(_, retryable, retryAfter):
+            if retryable { return .transient("the parent session \(name) cannot refresh now", retryAfter: retryAfter) }
+            try? await Task.sleep(for: boundaryWait)
+            return .terminal("the parent session \(name) has ended: log in to \(name)")
+        case let .throttled(retryAfter): return .transient("the parent session \(name) is throttled", retryAfter: retryAfter)
+        default: return .transient("the parent session \(name) gives no token now")
+        }
+    }
+
+    /// How long a derived session's flight waits for its parent's boundary to reach it.
+    static let boundaryWait = Duration.seconds(5)
 
     /// How long a subject token must stay valid when an exchange starts.
     static let subjectMargin = Duration.seconds(30)
@@ -252,6 +275,33 @@ struct SessionFactory: Sendable {
                 logger.log(level, "session \(name): \(event.message)", session: name)
             }
         }
+    }
+}
+
+/// A derived session's source by `Derivation=refresh`: its parent's coordinator redeems the
+/// parent's refresh token through `via` (with the resource and scope), one redemption at a time
+/// with the parent's own refreshes; the parent keeps the refresh token, durably, before the
+/// derived token comes here.
+struct ParentLineage: TokenSource {
+    let parent: String
+    let sessions: SessionTable
+    let via: any TokenSource
+    let scope: String?
+
+    func fetch(_ request: FetchRequest) async throws -> FetchedToken {
+        guard let coordinator = sessions.snapshot.sessions[parent]?.coordinator else {
+            throw FetchFailure.transient("the parent session \(parent) is not served")
+        }
+        let token: FetchedToken
+        do {
+            token = try await coordinator.derive(by: via, timeLimit: request.timeLimit)
+        } catch let error as SessionError {
+            throw await SessionFactory.parentFailure(error, of: parent)
+        }
+        if RefreshTokenRequest.widens(token.grantedScope, asked: scope) {
+            throw FetchFailure.terminal("refresh with resource: the server granted a wider scope than the one asked for")
+        }
+        return token
     }
 }
 

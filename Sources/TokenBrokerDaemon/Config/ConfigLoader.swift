@@ -141,6 +141,11 @@ public enum ConfigLoader {
                                     + "sessions are not supported yet"))
                 return nil
             }
+            if session.settings.derivation == .refresh, oauth.grant != .refreshToken {
+                context.record(fail(entry, "DerivedFrom=\(parentName): Derivation=refresh redeems the parent's refresh token, and "
+                                    + "Grant=\(oauth.grant.rawValue) has none (use Derivation=exchange)"))
+                return nil
+            }
             guard parent.fleet == nil else {
                 context.record(fail(entry, "DerivedFrom=\(parentName): the parent is shared with a fleet (Fleet=yes); derived sessions of "
                                     + "fleet sessions are not supported yet"))
@@ -224,8 +229,8 @@ public enum ConfigLoader {
             for entry in entries where parentKeys.contains(entry.key) {
                 record(fail(entry, "\(entry.key)= is the parent's: a derived session asks its parent's server (DerivedFrom=)"))
             }
-            if settings.derivation == .refresh, let entry = entries.last(where: { $0.key == "Derivation" }) {
-                record(fail(entry, "Derivation=refresh is not supported yet: use Derivation=exchange (RFC 8693 token exchange)"))
+            if settings.derivation == .refresh, !settings.audiences.isEmpty, let entry = entries.last(where: { $0.key == "Audience" }) {
+                record(fail(entry, "Audience= is an RFC 8693 token exchange parameter: Derivation=refresh narrows by Resource= and Scope="))
             }
             if settings.audiences.isEmpty, settings.resources.isEmpty, settings.oauth.client.scope == nil {
                 record(missing("Audience=, Resource= or Scope= (a derived session narrows its parent's tokens)", "Audience", "Resource", "Scope"))

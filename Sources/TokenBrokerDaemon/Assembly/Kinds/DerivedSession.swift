@@ -3,17 +3,24 @@ import TokenBrokerCore
 import Upstream
 
 /// `DerivedFrom=`: another session's tokens, narrowed to audiences, resources (RFC 8707) and a
-/// scope, by RFC 8693 token exchange of the parent's current access token at the parent's
-/// server. Its own cached token, flight, backoff and refresh guard; its parent's boundaries
+/// scope, at the parent's server: by RFC 8693 token exchange of the parent's current access
+/// token (`Derivation=exchange`), or by the parent's refresh token with `resource` and `scope`
+/// in the parent's one lineage (`Derivation=refresh`, RFC 8707 §2.2). Its own cached token, flight, backoff and refresh guard; its parent's boundaries
 /// (`DerivedSessions`): logged in while the parent is, signed out with it.
 struct DerivedSession: SessionKind {
     let settings: SessionConfiguration.DerivedSettings
 
     func source(for session: SessionConfiguration, in factory: SessionFactory) -> (source: any TokenSource, account: (any UpstreamAccount)?) {
-        let grant = TokenExchangeRequest(audiences: settings.audiences, resources: settings.resources, scope: settings.scope,
-                                         subjectToken: factory.currentToken(of: settings.parent))
-        let http = factory.httpSource(session, settings.oauth, grant: grant)
-        return (http, http)
+        switch settings.method {
+        case .exchange:
+            let grant = TokenExchangeRequest(audiences: settings.audiences, resources: settings.resources, scope: settings.scope,
+                                             subjectToken: factory.currentToken(of: settings.parent))
+            let http = factory.httpSource(session, settings.oauth, grant: grant)
+            return (http, http)
+        case .refresh:
+            let http = factory.httpSource(session, settings.oauth, grant: RefreshTokenRequest(resources: settings.resources, scope: settings.scope))
+            return (factory.lineage(of: settings.parent, via: http, scope: settings.scope), http)
+        }
     }
 
     /// It logs in when its parent is logged in (`DerivedSessions.reconcile`), not on its own.
@@ -28,7 +35,8 @@ struct DerivedSession: SessionKind {
     /// grant; its tokens end with the parent's at servers that tie them to it.
     var revokesAtLogout: Bool { false }
 
-    /// The parent's refresh, when the exchange needs a current subject token, then the exchange.
+    /// The parent's refresh (the exchange needs a current subject token; a refresh derivation
+    /// waits for the parent's flight under way), then its own request.
     var longestFlight: Duration {
         settings.oauth.client.timeout * 2 + (settings.oauth.issuer.map(Discovery.longest(for:)) ?? .zero) * 2
     }
