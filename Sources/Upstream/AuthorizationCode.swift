@@ -66,12 +66,13 @@ public struct AuthorizationRequest: Sendable {
 
     /// The URL to open in a browser: `authorizationEndpoint` (whose own query is kept, RFC 6749
     /// §3.1) with `response_type=code`, the client, the redirect URI, `state`, the S256
-    /// challenge, `scope` when given, and `nonce`. Every value is percent-encoded but RFC 3986's
+    /// challenge, `scope` and RFC 8707 `resource`s when given, and `nonce`. Every value is percent-encoded but RFC 3986's
     /// unreserved characters (a space as `%20`), which a query and a form decoder read alike.
-    public func url(authorizationEndpoint: String, clientID: String, scope: String?) -> String {
+    public func url(authorizationEndpoint: String, clientID: String, scope: String?, resources: [String] = []) -> String {
         var fields = [("response_type", "code"), ("client_id", clientID), ("redirect_uri", redirectURI), ("state", state),
                       ("code_challenge", pkce.challenge), ("code_challenge_method", PKCE.method)]
         if let scope { fields.append(("scope", scope)) }
+        fields += resources.map { ("resource", $0) }
         fields.append(("nonce", nonce))
         let separator = !authorizationEndpoint.contains("?") ? "?" : authorizationEndpoint.hasSuffix("?") || authorizationEndpoint.hasSuffix("&") ? "" : "&"
         return authorizationEndpoint + separator + FormEncoding.encode(fields)
@@ -79,7 +80,7 @@ public struct AuthorizationRequest: Sendable {
 
     /// The parameters `url` sends.
     static let parameterNames: Set<String> = ["response_type", "client_id", "redirect_uri", "state", "code_challenge", "code_challenge_method",
-                                              "scope", "nonce"]
+                                              "scope", "nonce", "resource"]
 
     /// Why the authorization endpoint's own query (configured, or from metadata) cannot carry
     /// a request: it sets a parameter the request sends too (a URL with both is read one way

@@ -40,6 +40,7 @@ extension OAuthClient {
         guard let url = endpoints.deviceAuthorization else { throw .unsupported }
         var fields: [(String, String)] = []
         if let scope = configuration.scope { fields.append(("scope", scope)) }
+        fields += configuration.loginResources.map { ("resource", $0) }
         let response: HTTPResponse
         do {
             response = try await post(url, fields, clientIDInBody: true)

@@ -36,6 +36,10 @@ public struct OAuthClientConfiguration: Sendable {
     public var authentication: ClientAuthentication
     /// Optional `scope` for client_credentials and device authorization requests.
     public var scope: String?
+    /// RFC 8707 resources a login asks for (device and code flows): the grant's, which a
+    /// narrowed refresh may later pick one of (at servers that tie a refresh's `resource` to
+    /// the authorization's, such as Glewlwyd).
+    public var loginResources: [String] = []
     public var tls: TLSOptions
     public var connectTimeout: Duration
     public var timeout: Duration

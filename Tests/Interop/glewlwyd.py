@@ -20,7 +20,11 @@ with it is written at that section): device logins bound to the daemon's key (to
 cnf.jkt, Glewlwyd's own records), the token at Glewlwyd's userinfo with `ctl proof` and its
 refusals without a proof, with a replayed proof, a proof for another URL or another token; a
 forced refresh with a proof; Glewlwyd's mandatory nonce (DPoP=auto); a refresh token issued
-without DPoP, which Glewlwyd 2.7.5 refuses to refresh with a proof. Exit 0 when every check
+without DPoP, which Glewlwyd 2.7.5 refuses to refresh with a proof; and RFC 8707 resource
+indicators with derived sessions by refresh (Derivation=refresh): the parent's device login asks
+for its derived sessions' resources, a derived token's aud is its resource, the rotated refresh
+token stays the parent's (Glewlwyd revokes a grant at any reuse), 8 processes -> one derivation,
+invalid_target ends only that derived session, the parent's logout signs them out. Exit 0 when every check
 passed, 1 when one failed, 0 with a SKIP line when Glewlwyd cannot be installed here. No token
 is printed: tokens are named by a short fingerprint.
 """
@@ -46,6 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "glewlwyd_fixture.py")
 sys.path.insert(0, os.path.join(HERE, "..", "PyCommon"))
 from checks import FAILURES, STEP_TIMEOUT, check, eventually, fingerprint, stop  # noqa: E402
+from glewlwyd_fixture import RESOURCES  # noqa: E402
 
 
 class Fixture:
@@ -344,6 +349,12 @@ def main():
                           DeviceAuthorizationEndpoint=info["device_authorization_endpoint"], **endpoints)
         config += session("glwd-code", clients["post"], "client_secret_post", Issuer=info["issuer"], Scope="openid api",
                           LoginRedirectPorts=info["code_redirect_port"], LoginFlow="code")
+        # RFC 8707 (issue 35): derived sessions by refresh of a device-login parent. The parent's
+        # login asks for both resources its derived sessions narrow to.
+        config += session("glwd-rs", clients["post"], "client_secret_post", Scope="api",
+                          DeviceAuthorizationEndpoint=info["device_authorization_endpoint"], **endpoints)
+        for suffix, resource in (("a", RESOURCES[0]), ("b", RESOURCES[1])):
+            config += f"[Session]\nName=glwd-rs-{suffix}\nDerivedFrom=glwd-rs\nDerivation=refresh\nResource={resource}\n\n"
         # DPoP sessions: the `oidc` plugin accepts DPoP; `oidcnonce` insists on its nonce.
         nonce_plugin = info["dpop_nonce_plugin"]
         config += session("glwd-dpop", clients["post"], "client_secret_post", Scope="api", DPoP="yes",
@@ -393,6 +404,71 @@ def main():
         secrets_seen.append(device_token.stdout.strip())
         check(returncode == 0 and device_token.returncode == 0 and device_token.stdout.strip(),
               "glwd-device: the device login completes and the session serves a token", errors)
+
+        # -- RFC 8707 resource indicators, derived sessions by refresh (Derivation=refresh) -------
+        # What Glewlwyd 2.7.5 does (read in its protocol_oidc.c, and seen here): a refresh may
+        # name only a resource its grant was authorized for (gpor_resource), else invalid_target,
+        # which spends nothing; the access token's aud is the resource; a rotating refresh
+        # (refresh-token-one-use) with a resource narrows the rotated refresh token to it, so
+        # after the first derivation the grant has that one resource: a second derived session
+        # with another resource is refused, and the parent's own later tokens carry that aud.
+        # It implements no RFC 8693 token exchange (a bare 400).
+        def rs_grant_resources():
+            rows = server.query("SELECT gpor_resource, gpor_enabled FROM gpo_refresh_token WHERE gpor_plugin_name='oidc' "
+                                "AND gpor_client_id='postclient' AND gpor_resource IS NOT NULL ORDER BY gpor_id")
+            return rows
+
+        login, code = start_device_login(daemon, "glwd-rs")
+        check(server.approve(code), "glwd-rs: the device login's code approved at Glewlwyd")
+        returncode, errors = finish_device_login(login)
+        check(returncode == 0, "glwd-rs: the device login completes", errors)
+        granted = rs_grant_resources()
+        check(bool(granted) and set(granted[0][0].split(",")) == set(RESOURCES),
+              "glwd-rs: the login asked for the resources of its derived sessions (RFC 8707 §2.1: Glewlwyd's grant records both)",
+              str([row[0] for row in granted]))
+        parent = daemon.ctl("token", "glwd-rs").stdout.strip()
+        derived = daemon.ctl("token", "glwd-rs-a")
+        derived_token = derived.stdout.strip()
+        secrets_seen += [parent, derived_token]
+        check(derived.returncode == 0 and jwt_part(derived_token, 1).get("aud") == RESOURCES[0] and derived_token != parent,
+              "glwd-rs-a: its token is the parent's refresh token redeemed with resource= (aud is the resource)",
+              f"{derived.stderr.strip()[:120]} aud={jwt_part(derived_token, 1).get('aud')}")
+        check(daemon.ctl("token", "glwd-rs").stdout.strip() == parent, "glwd-rs: the parent's own token is unchanged by the derivation")
+        forced = daemon.ctl("refresh", "glwd-rs")
+        check(forced.returncode == 0, "glwd-rs: the parent refreshes with the refresh token the derivation rotated "
+              "(Glewlwyd revokes the whole grant at any reuse)", forced.stderr.strip())
+        # Eight worker processes recover the same derived token at once: one derivation.
+        workers = [subprocess.Popen([os.path.join(bin_dir, "tokenbroker"), "ctl", "--socket", daemon.socket, "recover", "glwd-rs-a"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for _ in range(8)]
+        results = [worker.communicate(derived_token + "\n", timeout=STEP_TIMEOUT) for worker in workers]
+        tokens = {out.strip() for out, _ in results}
+        secrets_seen += list(tokens)
+        check(all(w.returncode == 0 for w in workers) and len(tokens) == 1 and derived_token not in tokens
+              and all(jwt_part(t, 1).get("aud") == RESOURCES[0] for t in tokens),
+              "glwd-rs-a: 8 processes recovering the same derived token get one new one, narrowed", f"{len(tokens)} distinct")
+        derivations = daemon.status("glwd-rs").get("derivations")
+        check(derivations == 2, f"glwd-rs: two derivations in its lineage ({derivations})")
+        after = daemon.ctl("refresh", "glwd-rs")
+        check(after.returncode == 0 and daemon.status("glwd-rs").get("state") == "active",
+              "glwd-rs: the parent refreshes again after the storm: no reuse", after.stderr.strip())
+        print(f"  note: after a derivation, Glewlwyd's rotated grant has {rs_grant_resources()[-1][0]!r} alone; the parent's "
+              f"token now has aud={jwt_part(daemon.ctl('token', 'glwd-rs').stdout.strip(), 1).get('aud')!r}")
+        refused = daemon.ctl("token", "glwd-rs-b")
+        status_b = daemon.status("glwd-rs-b")
+        check(refused.returncode != 0 and status_b.get("state") == "ended" and "invalid_target" in (status_b.get("lastError") or ""),
+              "glwd-rs-b: Glewlwyd refuses its resource (invalid_target, the grant was narrowed to the other): that derived session ends",
+              f"{status_b.get('state')} {status_b.get('lastError')}")
+        again = daemon.ctl("refresh", "glwd-rs")
+        check(again.returncode == 0 and daemon.ctl("token", "glwd-rs-a").returncode == 0,
+              "glwd-rs: the refusal spent nothing: the parent and its other derived session go on", again.stderr.strip())
+        out = daemon.ctl("logout", "glwd-rs")
+        signed_out = daemon.ctl("token", "glwd-rs-a")
+        check(out.returncode == 0 and signed_out.returncode != 0 and daemon.status("glwd-rs-a").get("state") == "signedOut",
+              "glwd-rs: the parent's logout signs its derived sessions out", signed_out.stderr.strip()[:120])
+        check(eventually(lambda: not any(enabled for _, enabled in rs_grant_resources()), timeout=STEP_TIMEOUT),
+              "glwd-rs: the logout revoked the grant at Glewlwyd (after it returned: revocation does not delay a logout)",
+              str([enabled for _, enabled in rs_grant_resources()]))
 
         # -- Authorization code + PKCE: ctl prints the URL, the fixture plays the browser at Glewlwyd
         # (login, consent, g_continue), and the redirect comes back to the daemon: at its loopback

@@ -25,6 +25,9 @@ import sqlite3, string, subprocess, sys, time, urllib.parse
 
 HOST = "127.0.0.1"
 SCOPE = "api"                      # the one custom scope granted to user and clients
+# RFC 8707 resources the scope allows (resource-scope): a login may ask for them, and a refresh
+# then name one of those its grant has (Glewlwyd ties them: `gpor_resource`).
+RESOURCES = ["https://storage.example/api", "https://other.example/api"]
 NONCE_PLUGIN = "oidcnonce"         # the second OIDC instance: DPoP with a mandatory nonce
 USERNAME = "alice"
 ADMIN = ("admin", "password")      # seeded by init.sqlite3.sql
@@ -228,6 +231,10 @@ def oidc_plugin(base, at_duration, name="oidc", dpop_nonce=False):
         # the dpop_jkt authorization parameter: the token and userinfo endpoints verify and bind
         # proofs whether it is set or not (tried: with it false, the glwd-dpop checks pass).
         "oauth-dpop-allowed": True, "oauth-dpop-iat-duration": 60,
+        # RFC 8707 resource indicators: a resource must be https (or loopback), without a
+        # fragment, and allowed by a scope of the grant; requests that name none are as before.
+        "resource-allowed": True, "resource-scope": {SCOPE: RESOURCES},
+        "resource-client-property": "resource", "resource-scope-and-client-property": False,
     }
     if dpop_nonce:
         p.update({"oauth-dpop-nonce-mandatory": True, "oauth-dpop-nonce-counter": 1})

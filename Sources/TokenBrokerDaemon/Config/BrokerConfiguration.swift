@@ -160,6 +160,9 @@ public struct SessionConfiguration: Sendable, Equatable {
         public var clientSecret: Secret?
         public var authentication = ClientAuthentication.basic
         public var scope: String?
+        /// The resources its derived sessions by refresh narrow to (`Derivation=refresh`,
+        /// `Resource=`): its logins ask for them (RFC 8707), set from the whole configuration.
+        public var loginResources: [String] = []
         public var tls = TLSOptions()
         public var connectTimeout: Duration = .seconds(5)
         public var timeout: Duration = .seconds(30)
@@ -167,8 +170,10 @@ public struct SessionConfiguration: Sendable, Equatable {
         public init() {}
 
         public var configuration: OAuthClientConfiguration {
-            OAuthClientConfiguration(clientID: clientID, clientSecret: clientSecret, authentication: authentication, scope: scope,
-                                     tls: tls, connectTimeout: connectTimeout, timeout: timeout)
+            var configuration = OAuthClientConfiguration(clientID: clientID, clientSecret: clientSecret, authentication: authentication,
+                                                         scope: scope, tls: tls, connectTimeout: connectTimeout, timeout: timeout)
+            configuration.loginResources = loginResources
+            return configuration
         }
     }
 

@@ -116,7 +116,20 @@ public enum ConfigLoader {
     private static func derive(_ sessions: [SessionConfiguration], _ entries: [String: INIEntry], keyEntries: [String: INIEntry],
                                _ context: inout ConfigContext) -> [SessionConfiguration] {
         let byName = Dictionary(sessions.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+        // A parent's logins ask for the resources its derived sessions by refresh narrow to
+        // (RFC 8707): servers such as Glewlwyd let a refresh name only a resource the grant has.
+        var loginResources: [String: [String]] = [:]
+        for session in sessions where session.settings.derivation == .refresh {
+            guard let parent = session.settings.derivedFrom else { continue }
+            for resource in session.settings.resources where !(loginResources[parent]?.contains(resource) ?? false) {
+                loginResources[parent, default: []].append(resource)
+            }
+        }
         return sessions.compactMap { session in
+            var session = session
+            if let resources = loginResources[session.name], session.settings.derivedFrom == nil {
+                session.settings.oauth.client.loginResources = resources
+            }
             if let entry = keyEntries[session.name] {
                 // Keys are derived like derived sessions: from a session of its own, bearer, on this host.
                 guard session.settings.derivedFrom == nil, case let .oauth(oauth) = session.upstream, oauth.dpop == .off, session.fleet == nil else {

@@ -42,7 +42,7 @@ extension BrokerService {
         interactiveLogins.publish(login)
         let scope = settings.client.scope
         let event = CodeLoginEvent.prompt(authorizationUri: request.url(authorizationEndpoint: server.authorizationEndpoint, clientID: settings.client.clientID,
-                                                                         scope: scope),
+                                                                         scope: scope, resources: settings.client.loginResources),
                                            redirectUri: request.redirectURI, expiresIn: Int64(settings.login.timeout.seconds))
         prompt(event)
         logger.info("code login of session \(name) waits for its redirect at \(request.redirectURI)", session: name)
