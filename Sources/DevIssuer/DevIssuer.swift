@@ -244,6 +244,8 @@ public final class DevIssuer: Sendable {
         var newest: [Int: String] = [:]
         var familySize: [Int: Int] = [:]
         var held = 0
+        /// `holdGrants`: answers of this grant type still to hold (after processing).
+        var grantHolds: [String: Int] = [:]
         var resourceRejectsAll = false
         /// Set by `setAccessTokenLifetime`: the lifetime of tokens minted from then on.
         var accessTokenLifetime: Duration?
@@ -365,6 +367,13 @@ public final class DevIssuer: Sendable {
         for _ in 0..<held { gate.signal() }
     }
 
+    /// Holds the answers of the next `count` token requests of one grant type (processed, then
+    /// held until `releaseHeld()`), letting the others through: a benchmark's flights in
+    /// flight at once without catching a request it did not aim at.
+    public func holdGrants(_ grantType: String, count: Int) {
+        state.withLock { $0.grantHolds[grantType, default: 0] += count }
+    }
+
     /// Requests currently held.
     public var heldCount: Int { state.withLock { $0.held } }
 
@@ -474,6 +483,30 @@ public final class DevIssuer: Sendable {
         case ("GET", "/authorize"): return authorize(request)
         case ("GET", "/authorize/decide"): return authorizationDecision(request)
         case ("GET", "/_dev/counters"): return counterReport()
+        // For benchmarks on the real processes (make bench-derived): the next `count` token
+        // requests (of `grant`'s type, if named) are answered, then held until a release; the
+        // lifetime of tokens minted from now on; live tokens for a target.
+        case ("POST", "/_dev/hold"):
+            let count = min(max(request.query.first { $0.0 == "count" }.flatMap { Int($0.1) } ?? 1, 0), 64)
+            if let grant = request.query.first(where: { $0.0 == "grant" })?.1 {
+                holdGrants(String(grant.prefix(128)), count: count)
+            } else {
+                inject(Array(repeating: .holdAfterProcessing, count: count))
+            }
+            return Self.json(200, ["queued": .int(Int64(count))])
+        case ("GET", "/_dev/held"): return Self.json(200, ["held": .int(Int64(heldCount))])
+        case ("POST", "/_dev/release"):
+            releaseHeld()
+            return Self.json(200, [:])
+        case ("POST", "/_dev/lifetime"):
+            guard let seconds = request.query.first(where: { $0.0 == "seconds" }).flatMap({ Int($0.1) }), (1...86_400).contains(seconds) else {
+                return Self.json(400, ["error": "invalid_request"])
+            }
+            setAccessTokenLifetime(.seconds(seconds))
+            return Self.json(200, [:])
+        case ("GET", "/_dev/live"):
+            let target = request.query.first { $0.0 == "target" }?.1 ?? ""
+            return Self.json(200, ["live": .int(Int64(liveAccessTokens(for: target)))])
         default: return Self.json(404, ["error": "not_found"])
         }
     }
@@ -570,9 +603,21 @@ public final class DevIssuer: Sendable {
             state.withLock { $0.held += 1 }
             gate.wait()
         default:
-            break
+            if holdsGrant(of: request) { gate.wait() }
         }
         return answer
+    }
+
+    /// Whether a `holdGrants` hold takes this request (counted as held if so).
+    private func holdsGrant(of request: HTTPServerRequest) -> Bool {
+        guard state.withLock({ !$0.grantHolds.isEmpty }) else { return false }
+        let type = FormEncoding.decode(String(decoding: request.body, as: UTF8.self)).first { $0.0 == "grant_type" }?.1
+        return state.withLock { state in
+            guard let type, let left = state.grantHolds[type] else { return false }
+            state.grantHolds[type] = left > 1 ? left - 1 : nil
+            state.held += 1
+            return true
+        }
     }
 
     private func grant(_ request: HTTPServerRequest) -> HTTPServerAction {

@@ -9,8 +9,15 @@ narrowed to a resource of its own, RFC 8693 token exchange). Prints:
   - after every token has expired, 64 `tokenbroker ctl token` processes at once, eight per
     derived session: the exchanges at the issuer (the goal: exactly 8) and the parent's refreshes
     (its one flight), and refresh token replays the issuer saw (the goal: 0);
-  - 1,000 mixed demands from 16 threads (GetToken and Recover on the derived sessions, Recover
-    of the parent's current token, which rotates its refresh token): replays (the goal: 0).
+  - the same for eight sessions derived by refresh (`r0`..`r7`, Derivation=refresh: the parent's
+    refresh token redeemed with the resource, in the parent's one lineage): 8 redemptions, 0 replays;
+  - 1,000 mixed demands from 16 threads (GetToken and Recover on the derived sessions of both
+    kinds, Recover of the parent's current token, which rotates its refresh token): replays (the
+    goal: 0);
+  - the parent's logout while 8 derivations are in flight (7 exchanges and a redemption by
+    refresh, answered by the issuer, their answers held) and 7 redemptions queued in the lineage:
+    how long the logout takes, every derived demand SignedOut, none installed after it, no
+    derived token alive at the issuer (revoked with the parent's grant).
 
 Knobs (environment): BENCH_RUNS (3), BENCH_SECONDS (2), DERIVED_LIFETIME (3), DERIVED_DEMANDS (1000).
 """
@@ -24,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +43,13 @@ SECONDS = float(os.environ.get("BENCH_SECONDS", "2"))
 LIFETIME = int(os.environ.get("DERIVED_LIFETIME", "3"))
 DEMANDS = int(os.environ.get("DERIVED_DEMANDS", "1000"))
 DERIVED = [f"d{i}" for i in range(8)]
+REFRESHED = [f"r{i}" for i in range(8)]
+
+
+def dev(base, method, path):
+    request = urllib.request.Request(base + path, method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return json.load(answer)
 
 
 def counters(base):
@@ -66,7 +81,15 @@ DerivedFrom=api
 Resource=https://r{index}.example/
 RefreshAhead=0
 RefreshLimitBurst=10000
-""" for index, name in enumerate(DERIVED))
+""" for index, name in enumerate(DERIVED)) + "".join(f"""
+[Session]
+Name={name}
+DerivedFrom=api
+Derivation=refresh
+Resource=https://s{index}.example/
+RefreshAhead=0
+RefreshLimitBurst=10000
+""" for index, name in enumerate(REFRESHED))
     with open(f"{work}/tokenbroker.conf", "w") as f:
         f.write(f"""[Broker]
 SocketMode=0600
@@ -78,6 +101,7 @@ ClientID=tokenbroker
 ClientSecretFile={work}/client-secret
 RefreshAhead=0
 RefreshLimitBurst=10000
+RevocationEndpoint={base}/revoke
 AllowResources=https://key.example/
 {derived}""")
     socket_path = f"{work}/tokenbroker.sock"
@@ -87,7 +111,7 @@ AllowResources=https://key.example/
     with open(f"{work}/refresh-token") as f:
         _, error = call(socket_path, "Login", {"session": "api", "refreshToken": f.read().strip()})
     assert error is None, error
-    for name in DERIVED:
+    for name in DERIVED + REFRESHED:
         _, error = call(socket_path, "GetToken", {"session": name})
         assert error is None, (name, error)
 
@@ -123,6 +147,16 @@ AllowResources=https://key.example/
     print(f"64 ctl processes x 8 derived sessions, all tokens expired: {len(failed)} failed, "
           f"{after['token_exchange'] - before['token_exchange']} exchanges (goal 8), "
           f"{after['refresh_token'] - before['refresh_token']} parent refreshes, {after['replays'] - before['replays']} replays")
+    time.sleep(LIFETIME + 1)
+    before = counters(base)
+    processes = [subprocess.Popen([os.path.join(bin_dir, "tokenbroker"), "ctl", "--socket", socket_path, "token", REFRESHED[i % 8]],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(64)]
+    failed = [p for p in processes if p.wait(timeout=120) != 0]
+    after = counters(base)
+    narrowed = after['narrowed_refresh'] - before['narrowed_refresh']
+    print(f"64 ctl processes x 8 sessions derived by refresh, all tokens expired: {len(failed)} failed, "
+          f"{narrowed} redemptions with a resource (goal 8), "
+          f"{after['refresh_token'] - before['refresh_token'] - narrowed} parent refreshes, {after['replays'] - before['replays']} replays (goal 0)")
 
     # Mixed demands on a rotating parent.
     before = counters(base)
@@ -132,7 +166,7 @@ AllowResources=https://key.example/
     def worker(count):
         for _ in range(count):
             kind = random.random()
-            session = random.choice(DERIVED)
+            session = random.choice(DERIVED + REFRESHED)
             if kind < 0.6:
                 _, error = call(socket_path, "GetToken", {"session": session})
             else:
@@ -152,7 +186,55 @@ AllowResources=https://key.example/
     after = counters(base)
     print(f"{DEMANDS} mixed demands on a rotating parent (16 threads): {len(errors)} errors "
           f"({', '.join(sorted(set(errors))) or 'none'}), {after['token_exchange'] - before['token_exchange']} exchanges, "
-          f"{after['refresh_token'] - before['refresh_token']} parent refreshes, {after['replays'] - before['replays']} replays (goal 0)")
+          f"{after['narrowed_refresh'] - before['narrowed_refresh']} redemptions with a resource, "
+          f"{after['refresh_token'] - before['refresh_token']} refresh grants in all, {after['replays'] - before['replays']} replays (goal 0)")
+
+    # The parent's logout with 8 derivations in flight upstream: 7 exchanges and one redemption
+    # by refresh answered by the issuer and their answers held, 7 more redemptions queued behind
+    # that one in the parent's lineage. (Eight, not more, in flight: the daemon opens at most 8
+    # connections to one host.) Tokens minted from here live long, so "none alive" is the
+    # revocation's doing, not their expiry.
+    dev(base, "POST", "/_dev/lifetime?seconds=600")
+    call(socket_path, "Recover", {"session": "api", "rejected": call(socket_path, "GetToken", {"session": "api"})[0]["token"]})
+    exchanged, redeemed = DERIVED[:7], REFRESHED
+    everyone = exchanged + redeemed
+    current = {name: call(socket_path, "GetToken", {"session": name})[0]["token"] for name in everyone}
+    before = counters(base)
+    dev(base, "POST", "/_dev/hold?count=7&grant=" + urllib.parse.quote("urn:ietf:params:oauth:grant-type:token-exchange", safe=""))
+    dev(base, "POST", "/_dev/hold?count=1&grant=refresh_token")
+    replies = {}
+
+    def recover(name):
+        try:
+            replies[name] = call(socket_path, "Recover", {"session": name, "rejected": current[name]})[1]
+        except OSError as e:
+            replies[name] = repr(e)
+
+    threads = [threading.Thread(target=recover, args=(name,)) for name in everyone]
+    for thread in threads:
+        thread.start()
+    eventually("7 exchanges and 1 redemption held", lambda: dev(base, "GET", "/_dev/held")["held"] == 8)
+    started = time.monotonic()
+    _, error = call(socket_path, "Logout", {"session": "api"})
+    took = time.monotonic() - started
+    dev(base, "POST", "/_dev/release")
+    for thread in threads:
+        thread.join(timeout=60)
+    signed_out = sum(1 for name in everyone if replies.get(name) == "io.tokenbroker.Broker.SignedOut")
+    served = sum(1 for name in everyone if call(socket_path, "GetToken", {"session": name})[1] != "io.tokenbroker.Broker.SignedOut")
+    resources = [f"https://r{index}.example/" for index in range(7)] + [f"https://s{index}.example/" for index in range(8)]
+    started = time.monotonic()
+    while True:
+        live = sum(dev(base, "GET", "/_dev/live?target=" + urllib.parse.quote(r, safe=""))["live"] for r in resources)
+        if live == 0 or time.monotonic() - started > 5:
+            break
+        time.sleep(0.02)
+    after = counters(base)
+    print(f"parent logout with 8 derivations in flight (7 exchanges, 1 redemption by refresh) and 7 redemptions queued: "
+          f"{error or 'ok'} in {took * 1000:.1f} ms; {signed_out}/15 demands SignedOut (goal 15), {served} derived sessions "
+          f"served after it (goal 0), {live} derived tokens alive at the issuer {time.monotonic() - started:.2f} s after it (goal 0), "
+          f"{after['narrowed_refresh'] - before['narrowed_refresh']} redemptions (goal 1: the queued ones never start), "
+          f"{after['revocation'] - before['revocation']} revocations, {after['replays'] - before['replays']} replays (goal 0)")
     server.stop()
 
 
