@@ -7,7 +7,8 @@ import WireJSON
 /// for, with a scope within the subject's. A target in `refusedTargets`, or a resource that is
 /// not an absolute URI without a fragment, is `invalid_target`; a wider scope `invalid_scope`.
 /// The exchanged token belongs to the subject's family: revoking that family (a replay, the
-/// parent's logout) ends it too.
+/// parent's logout) ends it too. A DPoP-bound subject token needs a proof by its key, and the
+/// exchanged token is bound to that key.
 extension DevIssuer {
     static let tokenExchange = "urn:ietf:params:oauth:grant-type:token-exchange"
     static let accessTokenType = "urn:ietf:params:oauth:token-type:access_token"
@@ -64,6 +65,13 @@ extension DevIssuer {
             }
             guard let record = state.accessTokens[subject], Self.valid(subject, in: state) else {
                 return Self.oauthError("invalid_grant", description: "The subject token is not valid.")
+            }
+            // A DPoP-bound subject token is exchanged only with its key's proof (else whoever
+            // saw the token could trade it for a bearer one), and the new token is bound to it.
+            if let bound = record.jkt, bound != jkt {
+                state.counters.dpopProofsRefused += 1
+                return Self.oauthError("invalid_grant", description: jkt == nil ? "The subject token is DPoP-bound: a proof by its key is required."
+                                                                                 : "The subject token is bound to another DPoP key.")
             }
             let narrowing: Narrowing
             switch Self.narrowing(request.body, within: record.scope, in: state) {

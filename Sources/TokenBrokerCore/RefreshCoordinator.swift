@@ -418,6 +418,10 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
 
     // MARK: - Derivations
 
+    /// The current generation's DPoP key, if its requests carry proofs: what a derived
+    /// session's login takes from its parent, so the derived tokens are bound to the same key.
+    public var proofKey: Secret? { machine.currentProofKey }
+
     /// A token derived from this session's refresh token by `source` (a derived session's
     /// `Derivation=refresh`: the refresh token with `resource` and a narrower `scope`, RFC 8707
     /// §2.2), in this session's one lineage: after its flight under way, never beside another

@@ -623,6 +623,10 @@ public struct RefreshStateMachine: Sendable {
     /// The refresh token in force (the one a logout should revoke).
     public var currentRefreshToken: Secret? { refreshToken }
 
+    /// The generation's DPoP key, if its requests carry proofs (a derived session's login takes
+    /// its parent's: its tokens are bound to the same key).
+    public var currentProofKey: Secret? { proofKey }
+
     /// Retirement, first half: no new flight starts (demands that would need one fail with
     /// `shuttingDown`); the one under way, if any, may still land and commit.
     public mutating func retire() {

@@ -47,10 +47,10 @@ struct DPoPDaemonTests {
         return try DevIssuer(options: options)
     }
 
-    static func withDPoPBroker(nonces: Bool = true, _ body: (DevIssuer, Broker) async throws -> Void) async throws {
+    static func withDPoPBroker(nonces: Bool = true, extra: String = "", _ body: (DevIssuer, Broker) async throws -> Void) async throws {
         let issuer = try Self.issuer(nonces: nonces)
         defer { issuer.stop() }
-        try await withBroker(config: Self.config(issuer)) { broker in
+        try await withBroker(config: Self.config(issuer) + extra) { broker in
             let login = try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n")
             #expect(login.code == 0, "\(login.err)")
             try await body(issuer, broker)
@@ -71,8 +71,8 @@ struct DPoPDaemonTests {
 
     /// The GetProof reply's headers, for `url`.
     static func proof(_ broker: Broker, _ url: String, method: String = "GET", nonce: String? = nil,
-                      rejected: String? = nil) throws -> (token: String, type: String, proof: String) {
-        var parameters: JSONObject = ["session": "api", "method": .string(method), "uri": .string(url)]
+                      rejected: String? = nil, session: String = "api") throws -> (token: String, type: String, proof: String) {
+        var parameters: JSONObject = ["session": .string(session), "method": .string(method), "uri": .string(url)]
         if let nonce { parameters["nonce"] = .string(nonce) }
         if let rejected { parameters["rejected"] = .string(rejected) }
         let reply = try broker.call("GetProof", parameters)
@@ -224,6 +224,50 @@ struct DPoPDaemonTests {
             // The session ended: the spent refresh token is never sent again, the new one is revoked.
             #expect(try broker.status("api")?["state"] == "ended")
             #expect(issuer.activeRefreshTokens == 0 && issuer.counters.replays == 0)
+        }
+    }
+
+    @Test("derived sessions of a DPoP session, by exchange and by refresh: their requests prove the parent's key, their tokens are bound to it, GetProof on them signs with it and the resource takes it; a new login of the parent, a new key for them too; the issuer exchanges a bound token only with its key's proof")
+    func derivedSessions() async throws {
+        let extra = "\n[Session]\nName=narrow\nDerivedFrom=api\nResource=https://r.example/\nScope=read\nAllowUsers=root\n"
+            + "\n[Session]\nName=narrow-r\nDerivedFrom=api\nDerivation=refresh\nResource=https://s.example/\nAllowUsers=root\n"
+        try await Self.withDPoPBroker(extra: extra) { issuer, broker in
+            let now = { Int64(Date().timeIntervalSince1970) }
+            for round in 0..<2 {
+                let parent = try Self.proof(broker, issuer.resourceURL)
+                let key = try #require(issuer.thumbprint(ofAccessToken: parent.token), "round \(round): the parent's token is bound")
+                for (name, resource) in [("narrow", "https://r.example/"), ("narrow-r", "https://s.example/")] {
+                    let derived = try Self.proof(broker, issuer.resourceURL, nonce: issuer.currentResourceNonce, session: name)
+                    #expect(derived.type == "DPoP" && issuer.audiences(ofAccessToken: derived.token) == [resource], "round \(round): \(name)")
+                    #expect(issuer.thumbprint(ofAccessToken: derived.token) == key, "round \(round): \(name)'s token is bound to the parent's key")
+                    #expect((try? DPoPVerifier.verify(derived.proof, method: "GET", url: issuer.resourceURL, now: now(),
+                                                       accessToken: derived.token))?.thumbprint == key, "round \(round): \(name)'s proof")
+                    #expect(try await Self.resource(issuer, Self.headers(derived)).status == 200, "round \(round): the resource takes \(name)'s proof")
+                }
+                #expect(issuer.counters.dpopProofsRefused == 0 && issuer.counters.replays == 0, "round \(round): \(issuer.counters)")
+                // A new login: a new key for the parent and what it derives.
+                #expect(try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n").code == 0)
+            }
+            let firstRound = issuer.counters.tokenExchanges
+            #expect(firstRound == 2 && issuer.counters.narrowedRefreshes == 2, "one exchange and one redemption per round")
+
+            // The issuer's side: a bound subject token with another key's proof is not exchanged.
+            let parent = try Self.proof(broker, issuer.resourceURL)
+            let stranger = try DPoPKey()
+            let nonce = issuer.currentTokenNonce
+            var request = URLRequest(url: URL(string: issuer.tokenEndpoint)!)
+            request.httpMethod = "POST"
+            request.timeoutInterval = 10
+            request.setValue("Basic " + Data("tokenbroker:dev-secret".utf8).base64EncodedString(), forHTTPHeaderField: "Authorization")
+            request.setValue("application/x-www-form-urlencoded", forHTTPHeaderField: "Content-Type")
+            request.httpBody = Data(("grant_type=urn%3Aietf%3Aparams%3Aoauth%3Agrant-type%3Atoken-exchange&subject_token_type="
+                                     + "urn%3Aietf%3Aparams%3Aoauth%3Atoken-type%3Aaccess_token&subject_token=" + parent.token).utf8)
+            request.setValue(try DPoPProof.make(key: stranger, method: "POST", url: issuer.tokenEndpoint, issuedAt: now(), nonce: nonce),
+                             forHTTPHeaderField: "DPoP")
+            let (body, response) = try await URLSession.shared.data(for: request)
+            #expect((response as? HTTPURLResponse)?.statusCode == 400
+                    && String(decoding: body, as: UTF8.self).contains("The subject token is bound to another DPoP key"))
+            #expect(issuer.counters.tokenExchanges == firstRound + 1)
         }
     }
 

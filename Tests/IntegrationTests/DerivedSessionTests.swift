@@ -365,7 +365,7 @@ struct DerivedSessionTests {
             (base + "\n[Session]\nName=plain\nUpstream=test\nAllowScopes=read\n", "AllowScopes= needs an Upstream=oauth session of its own"),
             (base + "\n[Session]\nName=keyed-child\nDerivedFrom=api\nScope=read\nAllowResources=https://x.example/\n", "AllowResources= needs an Upstream=oauth session of its own"),
             (base + "\n[Session]\nName=bound\nTokenEndpoint=\(issuer.tokenEndpoint)\nClientID=c\nClientSecretFile=@DIR@/client-secret\nDPoP=yes\n"
-                + "\n[Session]\nName=of-bound\nDerivedFrom=bound\nScope=read\n", "the parent is DPoP-bound"),
+                + "AllowResources=https://x.example/\n", "without DPoP= or Fleet=yes"),
         ]
         for (config, message) in cases {
             let directory = try Paths.temporaryDirectory()

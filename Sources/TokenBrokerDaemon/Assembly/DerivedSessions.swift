@@ -24,7 +24,7 @@ enum DerivedSessions {
                     case .loggedOut, .ended:
                         await signOut(child, with: parent, logger: logger)
                     case .loggedIn:
-                        await logIn(child, with: parent, logger: logger)
+                        await logIn(child, with: parent, in: table.snapshot, logger: logger)
                         // A logout of the parent that came while this login was under way has
                         // signed the child out already, or will: whichever landed last, the
                         // child ends as the parent is now.
@@ -50,7 +50,7 @@ enum DerivedSessions {
                 let state = child.coordinator.statusSnapshot().state
                 group.addTask {
                     if parentActive, fresh || state != .active {
-                        await logIn(child, with: parent, logger: logger)
+                        await logIn(child, with: parent, in: snapshot, logger: logger)
                     } else if !parentActive, state != .signedOut {
                         await signOut(child, with: parent, logger: logger)
                     }
@@ -71,11 +71,22 @@ enum DerivedSessions {
         }
     }
 
-    private static func logIn(_ child: SessionTable.Session, with parent: String, logger: Logger) async {
+    /// A DPoP parent's key is the child's too, for the child's generation: its requests prove
+    /// it, its tokens are bound to it, GetProof on the child signs with it. A parent that logged
+    /// in anew while the child did (another key) is followed again.
+    private static func logIn(_ child: SessionTable.Session, with parent: String, in snapshot: SessionTable.Snapshot,
+                              logger: Logger) async {
         let name = child.configuration.name
         defer { child.replies.clear() }
+        let parentCoordinator = snapshot.sessions[parent]?.coordinator
         do {
-            try await child.coordinator.login(refreshToken: nil)
+            var key = await parentCoordinator?.proofKey
+            for _ in 0..<4 {
+                try await child.coordinator.login(refreshToken: nil, proofKey: key)
+                let now = await parentCoordinator?.proofKey
+                if now == key { break }
+                key = now
+            }
             logger.info("session \(name): logged in with its parent \(parent); its tokens are derived from the parent's", session: name)
         } catch {
             logger.error("session \(name): cannot log in with its parent \(parent): \(error)", session: name)

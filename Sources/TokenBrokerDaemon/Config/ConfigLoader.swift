@@ -111,8 +111,9 @@ public enum ConfigLoader {
     }
 
     /// Derived sessions against their parents: a parent must be a configured OAuth session of
-    /// its own (not derived, not a test session; not DPoP-bound yet), whose settings the derived
-    /// session then carries. One that fails is left out, with its error.
+    /// its own (not derived, not a test session, not a fleet's), whose settings the derived
+    /// session then carries (a DPoP parent's: its derived tokens are bound to the parent's key).
+    /// One that fails is left out, with its error.
     private static func derive(_ sessions: [SessionConfiguration], _ entries: [String: INIEntry], keyEntries: [String: INIEntry],
                                _ context: inout ConfigContext) -> [SessionConfiguration] {
         let byName = Dictionary(sessions.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
@@ -147,11 +148,6 @@ public enum ConfigLoader {
             guard parent.settings.derivedFrom == nil, case let .oauth(oauth) = parent.upstream else {
                 context.record(fail(entry, "DerivedFrom=\(parentName): the parent must be an Upstream=oauth session of its own "
                                     + "(not a derived or test session)"))
-                return nil
-            }
-            guard oauth.dpop == .off else {
-                context.record(fail(entry, "DerivedFrom=\(parentName): the parent is DPoP-bound (DPoP=); derived sessions of DPoP "
-                                    + "sessions are not supported yet"))
                 return nil
             }
             if session.settings.derivation == .refresh, oauth.grant != .refreshToken {
