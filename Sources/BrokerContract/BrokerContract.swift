@@ -137,9 +137,9 @@ public enum BrokerRequest: Sendable, Equatable {
     case forget(session: String)
     case metrics
     /// The token for `url`, for credential helpers; with `rejected`, as Recover answers.
-    case credential(url: String, rejected: String?, minValid: Int64? = nil)
+    case credential(url: String, rejected: String?, minValid: Int64? = nil, key: TokenKey? = nil)
     /// The token with a DPoP proof for one request; with `rejected`, as Recover answers.
-    case getProof(session: String, method: String, uri: String, nonce: String?, rejected: String?, minValid: Int64? = nil)
+    case getProof(session: String, method: String, uri: String, nonce: String?, rejected: String?, minValid: Int64? = nil, key: TokenKey? = nil)
     /// An authorization code login (PKCE), waiting for the browser's redirect at the daemon's
     /// listener; with `refusals`, each request the listener refuses is told (`refused` events).
     case codeLogin(session: String, refusals: Bool = false)
@@ -176,7 +176,7 @@ public enum BrokerRequest: Sendable, Equatable {
     public var session: String? {
         switch self {
         case let .getToken(session, _, _), let .recover(session, _, _), let .watch(session), let .logout(session), let .login(session, _),
-             let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _, _),
+             let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _, _, _),
              let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session), let .resetFleetHistory(session):
             return session
         case .status, .reload, .metrics, .credential:
@@ -219,14 +219,15 @@ public enum BrokerRequest: Sendable, Equatable {
             try parameters.only([])
             self = .metrics
         case .credential:
-            try parameters.only(["url", "rejected", "minValid"])
+            try parameters.only(["url", "rejected", "minValid", "resource", "scope"])
             let url = try parameters.string("url")
             guard !url.isEmpty, url.utf8.count <= 2048 else { throw ParameterError(name: "url") }
             let rejected = try parameters.optionalString("rejected")
             if let rejected, rejected.isEmpty { throw ParameterError(name: "rejected") }
-            self = .credential(url: url, rejected: rejected, minValid: try Self.minValid(of: parameters, rejected: rejected))
+            self = .credential(url: url, rejected: rejected, minValid: try Self.minValid(of: parameters, rejected: rejected),
+                               key: try TokenKey.read(parameters))
         case .getProof:
-            let name = try session(["method", "uri", "nonce", "rejected", "minValid"])
+            let name = try session(["method", "uri", "nonce", "rejected", "minValid", "resource", "scope"])
             let method = try parameters.string("method")
             guard (1...16).contains(method.utf8.count), method.utf8.allSatisfy({ (0x41...0x5A).contains($0) }) else {
                 throw ParameterError(name: "method")
@@ -244,7 +245,7 @@ public enum BrokerRequest: Sendable, Equatable {
             let rejected = try parameters.optionalString("rejected")
             if let rejected, rejected.isEmpty { throw ParameterError(name: "rejected") }
             self = .getProof(session: name, method: method, uri: uri, nonce: nonce, rejected: rejected,
-                             minValid: try Self.minValid(of: parameters, rejected: rejected))
+                             minValid: try Self.minValid(of: parameters, rejected: rejected), key: try TokenKey.read(parameters))
         case .codeLogin:
             let name = try session(["refusals"])
             self = .codeLogin(session: name, refusals: try parameters.optionalBool("refusals") ?? false)
@@ -292,13 +293,15 @@ public enum BrokerRequest: Sendable, Equatable {
             return parameters
         case let .login(session, refreshToken): return ["session": .string(session), "refreshToken": .string(refreshToken)]
         case .status, .reload, .metrics: return [:]
-        case let .credential(url, rejected, minValid):
-            var parameters: JSONObject = ["url": .string(url)]
+        case let .credential(url, rejected, minValid, key):
+            var parameters = key?.parameters ?? [:]
+            parameters["url"] = .string(url)
             if let rejected { parameters["rejected"] = .string(rejected) }
             if let minValid { parameters["minValid"] = .int(minValid) }
             return parameters
-        case let .getProof(session, method, uri, nonce, rejected, minValid):
-            var parameters: JSONObject = ["session": .string(session), "method": .string(method), "uri": .string(uri)]
+        case let .getProof(session, method, uri, nonce, rejected, minValid, key):
+            var parameters = key?.parameters ?? [:]
+            (parameters["session"], parameters["method"], parameters["uri"]) = (.string(session), .string(method), .string(uri))
             if let nonce { parameters["nonce"] = .string(nonce) }
             if let rejected { parameters["rejected"] = .string(rejected) }
             if let minValid { parameters["minValid"] = .int(minValid) }

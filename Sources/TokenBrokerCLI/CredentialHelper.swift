@@ -57,7 +57,7 @@ public enum CredentialHelper {
                 output.write(Help.credential)
                 return ExitCode.ok
             }
-            if let option = ["--socket", "--username", "--url", "--session"].first(where: { argument == $0 || argument.hasPrefix($0 + "=") }) {
+            if let option = ["--socket", "--username", "--url", "--session", "--resource", "--scope"].first(where: { argument == $0 || argument.hasPrefix($0 + "=") }) {
                 if argument == option {
                     guard index + 1 < arguments.count else { return usage("\(option) needs a value", &errors) }
                     options[option] = arguments[index + 1]
@@ -73,11 +73,17 @@ public enum CredentialHelper {
             index += 1
         }
         if let socket = options["--socket"] { environment.socket = socket }
+        if let resource = options["--resource"], !TokenKey.isResource(resource) {
+            return usage("--resource needs an absolute URL without a fragment (RFC 8707), at most 512 bytes", &errors)
+        }
+        if let scope = options["--scope"], scope.split(separator: " ").isEmpty {
+            return usage("--scope needs scope words, space-separated (one argument: quote them)", &errors)
+        }
         guard let name = words.first else { return usage("missing protocol (one of \(protocols.joined(separator: ", ")))", &errors) }
         guard let chosen = CredentialProtocol.named(name) else {
             return usage("unknown protocol '\(name.prefix(64))' (one of \(protocols.joined(separator: ", ")))", &errors)
         }
-        let relay = Relay(environment: environment)
+        let relay = Relay(environment: environment, key: TokenKey(resource: options["--resource"], scope: options["--scope"]))
         let answer: CredentialProtocol.Answer
         switch chosen.plan(CredentialProtocol.Request(operands: Array(words.dropFirst()), options: options, environment: environment)) {
         case let .done(done):
@@ -110,11 +116,13 @@ public enum CredentialHelper {
     /// One `Credential` (or `GetToken`) call; a failure is a message for standard error.
     struct Relay {
         let environment: Environment
+        /// `--resource`, `--scope`: the key of the session asked for, if any.
+        var key: TokenKey?
 
         func lookup(_ url: String, rejected: String? = nil) -> Result<Lookup, Ctl.Failure> {
             // What the broker would refuse to read is nobody's: the tool asks its next helper.
             guard !url.isEmpty, url.utf8.count <= 2048 else { return .success(.notFound) }
-            return request(.credential(url: url, rejected: rejected)).flatMap { lookup in
+            return request(.credential(url: url, rejected: rejected, key: key)).flatMap { lookup in
                 // A token the protocols could not carry as one field is not handed on.
                 if case let .found(reply) = lookup, !reply.token.token.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) {
                     return .failure(Ctl.Failure(code: ExitCode.failure, message: "the broker's token is not visible ASCII"))
@@ -124,7 +132,7 @@ public enum CredentialHelper {
         }
 
         func session(_ name: String) -> Result<Lookup, Ctl.Failure> {
-            request(.getToken(session: name)).map { lookup in
+            request(.getToken(session: name, key: key)).map { lookup in
                 guard case let .found(reply) = lookup else { return lookup }
                 return .found(CredentialReply(session: name, token: reply.token))
             }

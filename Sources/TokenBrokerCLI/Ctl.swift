@@ -35,6 +35,8 @@ public enum Ctl {
         var nonce: String?
         var flow: LoginFlow?
         var minValid: Int64?
+        var resource: String?
+        var scope: String?
         var index = 0
         // A usage error names the verb's usage once the verb is known.
         func usage(_ message: String, _ errors: inout some TextOutput) -> Int32 {
@@ -60,6 +62,18 @@ public enum Ctl {
                 guard index + 1 < arguments.count else { return .exit(usage("--nonce needs the server's nonce", &errors)) }
                 nonce = arguments[index + 1]
                 index += 1
+            case "--resource":
+                guard index + 1 < arguments.count, TokenKey.isResource(arguments[index + 1]) else {
+                    return .exit(usage("--resource needs an absolute URL without a fragment (RFC 8707), at most 512 bytes", &errors))
+                }
+                index += 1
+                resource = arguments[index]
+            case "--scope":
+                guard index + 1 < arguments.count, !arguments[index + 1].split(separator: " ").isEmpty else {
+                    return .exit(usage("--scope needs scope words, space-separated (one argument: quote them)", &errors))
+                }
+                index += 1
+                scope = arguments[index]
             case "--min-valid":
                 guard index + 1 < arguments.count, let seconds = duration(arguments[index + 1]) else {
                     return .exit(usage("--min-valid needs a duration such as 10m, 90s or 1h30m (at most a year)", &errors))
@@ -97,7 +111,8 @@ public enum Ctl {
             index += 1
         }
         return .exit(perform(words, socket: socket, json: json, refreshTokenFromStdin: refreshTokenFromStdin, showToken: showToken,
-                             nonce: nonce, flow: flow, minValid: minValid, output: &output, errors: &errors))
+                             nonce: nonce, flow: flow, minValid: minValid, key: TokenKey(resource: resource, scope: scope),
+                             output: &output, errors: &errors))
     }
 
     /// A duration on the command line: `90`, `90s`, `10m`, `1h30m`, `2d` (seconds, 1 to a year).
@@ -137,6 +152,8 @@ public enum Ctl {
         let nonce: String?
         let flow: LoginFlow?
         let minValid: Int64?
+        /// `--resource`, `--scope`: a key of the session.
+        let key: TokenKey?
 
         var session: String { operands[0] }
     }
@@ -144,7 +161,7 @@ public enum Ctl {
     /// Runs the verb `words[0]` by its entry in `CtlVerb.all`, once its operands and options
     /// are what the entry says.
     private static func perform<Output: TextOutput>(_ words: [String], socket: String, json: Bool, refreshTokenFromStdin: Bool, showToken: Bool,
-                                                    nonce: String?, flow: LoginFlow?, minValid: Int64?, output: inout Output,
+                                                    nonce: String?, flow: LoginFlow?, minValid: Int64?, key: TokenKey?, output: inout Output,
                                                     errors: inout some TextOutput) -> Int32 {
         guard let verb = words.first else { return usage("missing verb", nil, &errors) }
         guard let entry = CtlVerb.named(verb) else {
@@ -152,9 +169,12 @@ public enum Ctl {
             return usage("unknown verb '\(verb.prefix(64))'\(hint)", nil, &errors)
         }
         let given = [("--refresh-token-stdin", refreshTokenFromStdin), ("--flow", flow != nil), ("--show-token", showToken),
-                     ("--nonce", nonce != nil), ("--min-valid", minValid != nil)]
+                     ("--nonce", nonce != nil), ("--min-valid", minValid != nil), ("--resource", key?.resource != nil),
+                     ("--scope", key?.scope != nil)]
         for (option, isGiven) in given where isGiven && !entry.options.contains(option) {
-            return usage("\(option) belongs to \(CtlVerb.takers(of: option).joined(separator: " and "))", entry, &errors)
+            let takers = CtlVerb.takers(of: option)
+            let named = takers.count < 3 ? takers.joined(separator: " and ") : takers.dropLast().joined(separator: ", ") + " and " + takers.last!
+            return usage("\(option) belongs to \(named)", entry, &errors)
         }
         if flow != nil && refreshTokenFromStdin { return usage("--flow and --refresh-token-stdin are two ways to log in: choose one", entry, &errors) }
         let operands = Array(words.dropFirst())
@@ -163,7 +183,7 @@ public enum Ctl {
             return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", entry, &errors)
         }
         let invocation = Invocation(address: address, operands: operands, json: json, refreshTokenFromStdin: refreshTokenFromStdin,
-                                    showToken: showToken, nonce: nonce, flow: flow, minValid: minValid)
+                                    showToken: showToken, nonce: nonce, flow: flow, minValid: minValid, key: key)
         // (The handlers write to an existential; it holds the same value, handed back after.)
         var sink: any TextOutput = output
         defer { output = sink as! Output }
@@ -186,7 +206,7 @@ public enum Ctl {
     }
 
     static func token(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
-        let reply = try Ctl.call(call.address, .getToken(session: call.session, minValid: call.minValid))
+        let reply = try Ctl.call(call.address, .getToken(session: call.session, minValid: call.minValid, key: call.key))
         guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
         output.write(call.json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
     }
@@ -194,7 +214,7 @@ public enum Ctl {
     static func recover(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
         let rejected = readStandardInput()
         guard !rejected.isEmpty else { throw Failure(usage: "recover reads the rejected token from standard input, which is empty") }
-        let reply = try Ctl.call(call.address, .recover(session: call.session, rejected: rejected))
+        let reply = try Ctl.call(call.address, .recover(session: call.session, rejected: rejected, key: call.key))
         guard let token = reply.parameters["token"]?.stringValue else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
         output.write(call.json ? JSON.object(reply.parameters).text + "\n" : token + "\n")
     }
@@ -202,7 +222,7 @@ public enum Ctl {
     static func proof(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
         if let problem = proofOperandProblem(method: call.operands[1], url: call.operands[2]) { throw Failure(usage: problem) }
         let reply = try Ctl.call(call.address, .getProof(session: call.session, method: call.operands[1], uri: call.operands[2], nonce: call.nonce,
-                                                         rejected: nil, minValid: call.minValid))
+                                                         rejected: nil, minValid: call.minValid, key: call.key))
         let proof = ProofReply(reply.parameters)
         guard !proof.token.token.isEmpty else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
         output.write(call.json ? JSON.object(reply.parameters).text + "\n" : proof.headers.map { "\($0.name): \($0.value)\n" }.joined())

@@ -43,9 +43,9 @@ public struct CtlVerb: Sendable {
         CtlVerb("status", [], "Show the sessions this user may use.", help: Help.ctlStatus, Ctl.status),
         CtlVerb("watch", ["session"], options: ["--show-token"],
                 "Print one line per token and logout event (no token unless --show-token).", help: Help.ctlWatch, Ctl.watch),
-        CtlVerb("token", ["session"], options: ["--min-valid"], "Print the session's current access token alone, for $(…).", help: Help.ctlToken, Ctl.token),
-        CtlVerb("recover", ["session"], "Read a rejected token on stdin; print the token to retry with.", help: Help.ctlRecover, Ctl.recover),
-        CtlVerb("proof", ["session", "method", "url"], options: ["--nonce", "--min-valid"],
+        CtlVerb("token", ["session"], options: ["--min-valid", "--resource", "--scope"], "Print the session's current access token alone, for $(…).", help: Help.ctlToken, Ctl.token),
+        CtlVerb("recover", ["session"], options: ["--resource", "--scope"], "Read a rejected token on stdin; print the token to retry with.", help: Help.ctlRecover, Ctl.recover),
+        CtlVerb("proof", ["session", "method", "url"], options: ["--nonce", "--min-valid", "--resource", "--scope"],
                 "Print the two headers of one DPoP request (Authorization, DPoP).", help: Help.ctlProof, Ctl.proof),
         CtlVerb("login", ["session"], options: ["--flow", "--refresh-token-stdin"],
                 "Log the session in: device or code flow, or --refresh-token-stdin (admin).", help: Help.ctlLogin, execution: .daemonOnTerminal, Ctl.login),
@@ -67,7 +67,7 @@ public struct CtlVerb: Sendable {
         var skipNext = false
         for argument in arguments {
             if skipNext { skipNext = false; continue }
-            if ["--socket", "--nonce", "--min-valid", "--flow"].contains(argument) { skipNext = true; continue }
+            if ["--socket", "--nonce", "--min-valid", "--flow", "--resource", "--scope"].contains(argument) { skipNext = true; continue }
             if argument.hasPrefix("-") { continue }
             return named(argument)
         }

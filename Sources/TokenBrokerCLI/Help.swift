@@ -64,6 +64,9 @@ public enum Help {
           --url <url>             kubectl: the URL to find the session by (else the cluster's
                                   server, with provideClusterInfo: true).
           --session <name>        kubectl: the session itself.
+          --resource <url>, --scope <words>
+                                  The session's token narrowed to this key (one it allows:
+                                  AllowResources=, AllowScopes=), e.g. a read-only token for git.
           --socket <path>         The broker's socket (default $TOKENBROKER_SOCKET, else this
                                   user's own broker if one listens, else the system's:
                                   /run/tokenbroker/io.tokenbroker.Broker).
@@ -187,18 +190,23 @@ public enum Help {
         Prints the token alone on stdout (refreshed first if it has expired), for use in $(…).
         With --min-valid, a token that stays valid that long: one that ends sooner is refreshed
         first, in the session's one refresh; if the issuer's tokens live less, it fails saying
-        how long they live.
+        how long they live. With --resource and/or --scope, the session's token narrowed to that
+        key (one the session allows: AllowResources=, AllowScopes=), with its own token and refresh.
 
-        USAGE: tokenbroker ctl [--socket <path>] token <session> [--min-valid <duration>] [--json]
+        USAGE: tokenbroker ctl [--socket <path>] token <session> [--min-valid <duration>]
+                                   [--resource <url>] [--scope <words>] [--json]
 
         OPTIONS:
           --min-valid <duration>  How long the token must stay valid: 90s, 10m, 1h30m (at most a year).
+          --resource <url>        An RFC 8707 resource the token is narrowed to (AllowResources=).
+          --scope <words>         Scope words the token is narrowed to, one argument (AllowScopes=).
           --json                  The whole GetToken reply as JSON (token, type, expiry, generation).
           -h, --help              Show this help.
 
         EXAMPLES:
           export TOKEN=$(tokenbroker ctl token api)
           TOKEN=$(tokenbroker ctl token api --min-valid 10m) && ./job-of-ten-minutes
+          TOKEN=$(tokenbroker ctl token api --resource https://storage.example.com/ --scope read)
 
         """
 
@@ -257,9 +265,11 @@ public enum Help {
         longer the session's current token, prints the current one at once; otherwise joins the
         session's single refresh and prints the new token.
 
-        USAGE: tokenbroker ctl [--socket <path>] recover <session> [--json]
+        USAGE: tokenbroker ctl [--socket <path>] recover <session> [--resource <url>] [--scope <words>] [--json]
 
         OPTIONS:
+          --resource <url>, --scope <words>
+                                  The key the token was asked for with (as for ctl token).
           --json                  The whole Recover reply as JSON.
           -h, --help              Show this help.
 
@@ -277,12 +287,15 @@ public enum Help {
         names the method and the URL (without query and fragment) and is good once, for about a
         minute. A bearer session prints `Authorization: Bearer <token>` alone.
 
-        USAGE: tokenbroker ctl [--socket <path>] proof <session> <method> <url> [--nonce <nonce>] [--min-valid <duration>] [--json]
+        USAGE: tokenbroker ctl [--socket <path>] proof <session> <method> <url> [--nonce <nonce>] [--min-valid <duration>]
+                                   [--resource <url>] [--scope <words>] [--json]
 
         OPTIONS:
           --nonce <nonce>         The nonce the resource server asked for (its DPoP-Nonce header,
                                   with a 401 use_dpop_nonce).
           --min-valid <duration>  How long the token must stay valid, as for ctl token.
+          --resource <url>, --scope <words>
+                                  A key of the session, as for ctl token.
           --json                  The whole GetProof reply as JSON.
           -h, --help              Show this help.
 

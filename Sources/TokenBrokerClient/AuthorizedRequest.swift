@@ -12,13 +12,14 @@ extension TokenBrokerClient {
     ///   - replay: whether the request can be sent twice; see `AuthRetryPolicy.replay(method:hasIdempotencyKey:bodyIsStream:)`.
     ///   - send: sends the request with `Authorization: Bearer <token>`.
     ///   - inspect: the response's status and `WWW-Authenticate` values.
+    ///   - resource, scope: a key of the session (`token(session:resource:scope:)`).
     public func perform<Response>(
-        session: String,
+        session: String, resource: String? = nil, scope: String? = nil,
         replay: AuthRetryPolicy.Replay,
         send: (String) async throws -> Response,
         inspect: (Response) -> (status: Int, wwwAuthenticate: [String])
     ) async throws -> Response {
-        let token = try await self.token(session: session)
+        let token = try await self.token(session: session, resource: resource, scope: scope)
         // A DPoP-bound token is refused without its proof (and each refusal would cost a refresh).
         guard token.tokenType.lowercased() == "bearer" else {
             throw TokenBrokerError.unexpected("session '\(session)' has \(token.tokenType.prefix(16))-bound tokens: "
@@ -29,7 +30,7 @@ extension TokenBrokerClient {
             send: { try await send($0.reveal) },
             inspect: inspect,
             recover: { rejected in
-                let fresh = try await self.recover(session: session, rejected: rejected.reveal)
+                let fresh = try await self.recover(session: session, rejected: rejected.reveal, resource: resource, scope: scope)
                 // (The session's tokens may have become bound meanwhile: never sent as bearer.)
                 guard fresh.tokenType.lowercased() == "bearer" else {
                     throw TokenBrokerError.unexpected("session '\(session)' has \(fresh.tokenType.prefix(16))-bound tokens now")
@@ -46,15 +47,16 @@ extension TokenBrokerClient {
     /// - Parameters:
     ///   - send: sends the request with these headers added.
     ///   - inspect: the response's status, `WWW-Authenticate` values and `DPoP-Nonce`.
+    ///   - resource, scope: a key of the session (`token(session:resource:scope:)`).
     public func perform<Response>(
-        session: String, method: String, url: String,
+        session: String, method: String, url: String, resource: String? = nil, scope: String? = nil,
         replay: AuthRetryPolicy.Replay,
         send: ([(name: String, value: String)]) async throws -> Response,
         inspect: (Response) -> (status: Int, wwwAuthenticate: [String], dpopNonce: String?)
     ) async throws -> Response {
         /// The request as a bearer session's, through the bearer `perform` (which refuses a bound token).
         func asBearer() async throws -> Response {
-            try await perform(session: session, replay: replay, send: { token in
+            try await perform(session: session, resource: resource, scope: scope, replay: replay, send: { token in
                 try await send([(name: "Authorization", value: "Bearer " + token)])
             }, inspect: { response in let (status, challenges, _) = inspect(response); return (status, challenges) })
         }
@@ -67,7 +69,7 @@ extension TokenBrokerClient {
         var nonce: String?
         var proven: ProvenToken
         do throws(TokenBrokerError) {
-            proven = try await proof(session: session, method: method, url: target)
+            proven = try await proof(session: session, method: method, url: target, resource: resource, scope: scope)
         } catch {
             // A broker from before GetProof (bearer tokens only) says it has no such method.
             guard case let .unexpected(name) = error, [VarlinkServiceError.methodNotFound, VarlinkServiceError.methodNotImplemented].contains(name)
@@ -86,10 +88,11 @@ extension TokenBrokerClient {
             case let .retryWithNonce(fresh):
                 nonceRetried = true
                 nonce = fresh
-                proven = try await proof(session: session, method: method, url: target, nonce: fresh)
+                proven = try await proof(session: session, method: method, url: target, nonce: fresh, resource: resource, scope: scope)
             case .recoverAndRetry:
                 recovered = true
-                proven = try await proof(session: session, method: method, url: target, nonce: nonce, rejected: proven.token.token)
+                proven = try await proof(session: session, method: method, url: target, nonce: nonce, rejected: proven.token.token,
+                                         resource: resource, scope: scope)
             }
         }
     }

@@ -105,24 +105,32 @@ public final class TokenBrokerClient: Sendable {
     /// The session's current token (refreshed first by the broker if it has expired). With
     /// `minValid`, one that stays valid at least that long (a job's length): a token that ends
     /// sooner is refreshed first, in the session's one refresh; `lifetimeTooShort` when the
-    /// issuer's tokens live less (whole seconds, rounded up).
-    public func token(session: String, minValid: Duration? = nil) async throws(TokenBrokerError) -> AccessToken {
-        AccessToken(TokenReply(try await call(.getToken(session: session, minValid: minValid.map(Self.wholeSeconds))).parameters))
+    /// issuer's tokens live less (whole seconds, rounded up). With `resource` and/or `scope`,
+    /// the session's token narrowed to that key (RFC 8707, a scope within the session's), one
+    /// the session allows (`AllowResources=`, `AllowScopes=`): its own token and refresh.
+    public func token(session: String, minValid: Duration? = nil, resource: String? = nil,
+                      scope: String? = nil) async throws(TokenBrokerError) -> AccessToken {
+        AccessToken(TokenReply(try await call(.getToken(session: session, minValid: minValid.map(Self.wholeSeconds),
+                                                        key: TokenKey(resource: resource, scope: scope))).parameters))
     }
 
     /// The token to retry with after `rejected` was refused (`401 invalid_token`): the current
-    /// one if it is another, else a new one from the session's single refresh.
-    public func recover(session: String, rejected: String) async throws(TokenBrokerError) -> AccessToken {
-        AccessToken(TokenReply(try await call(.recover(session: session, rejected: rejected)).parameters))
+    /// one if it is another, else a new one from the session's single refresh (of the key
+    /// `rejected` was asked for with, if any).
+    public func recover(session: String, rejected: String, resource: String? = nil,
+                        scope: String? = nil) async throws(TokenBrokerError) -> AccessToken {
+        AccessToken(TokenReply(try await call(.recover(session: session, rejected: rejected,
+                                                       key: TokenKey(resource: resource, scope: scope))).parameters))
     }
 
     /// The session's current token with a DPoP proof for one request of `method` to `url`
     /// (`GetProof`); `nonce` is the resource server's (`DPoP-Nonce`), `rejected` a token the
-    /// server refused (then the token to retry with, as `recover` answers).
-    public func proof(session: String, method: String, url: String, nonce: String? = nil,
-                      rejected: String? = nil, minValid: Duration? = nil) async throws(TokenBrokerError) -> ProvenToken {
+    /// server refused (then the token to retry with, as `recover` answers); `resource` and
+    /// `scope` a key, as `token` takes.
+    public func proof(session: String, method: String, url: String, nonce: String? = nil, rejected: String? = nil,
+                      minValid: Duration? = nil, resource: String? = nil, scope: String? = nil) async throws(TokenBrokerError) -> ProvenToken {
         let request = BrokerRequest.getProof(session: session, method: method, uri: url, nonce: nonce, rejected: rejected,
-                                             minValid: minValid.map(Self.wholeSeconds))
+                                             minValid: minValid.map(Self.wholeSeconds), key: TokenKey(resource: resource, scope: scope))
         let reply = ProofReply(try await call(request).parameters)
         return ProvenToken(token: AccessToken(reply.token), proof: reply.proof)
     }

@@ -103,12 +103,14 @@ final class BrokerService: VarlinkHandler {
         .forget: Method(access: .admin, handler: .other { service, request, peer in try service.forget(request.session ?? "", by: peer) }),
         .reload: Method(access: .admin, handler: .other { service, _, peer in service.reload(by: peer) }),
         .credential: Method(access: .anyone, handler: .other { service, request, peer in
-            guard case let .credential(url, rejected, minValid) = request else { throw BrokerError.internalError }
-            return service.credential(url, rejected: rejected.map(Secret.init), validFor: minValid, for: peer)
+            guard case let .credential(url, rejected, minValid, key) = request else { throw BrokerError.internalError }
+            return service.credential(url, rejected: rejected.map(Secret.init), validFor: minValid, key: key, for: peer)
         }),
         .getProof: Method(access: .sessionUser, handler: .session { service, request, peer, session in
-            guard case let .getProof(_, method, uri, nonce, rejected, minValid) = request else { throw BrokerError.internalError }
-            return service.getProof(session, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init), validFor: minValid, by: peer)
+            guard case let .getProof(_, method, uri, nonce, rejected, minValid, key) = request else { throw BrokerError.internalError }
+            return try service.keyed(session, key) {
+                service.getProof($0, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init), validFor: minValid, by: peer)
+            }
         }),
         .resetFleetHistory: Method(access: .admin, handler: .session { service, _, peer, session in
             service.resetFleetHistory(session.configuration.name, by: peer)
@@ -206,15 +208,20 @@ final class BrokerService: VarlinkHandler {
     /// naming what it narrows. A signed-out session makes no key. (A key that exists was made
     /// in the session's current generation: every boundary drops them all.)
     private func keyed(_ session: SessionTable.Session, _ key: TokenKey?, _ body: (SessionTable.Session) -> VarlinkHandling) throws -> VarlinkHandling {
-        guard let key else { return body(session) }
-        if let keyed = session.keys?.existing(key) { return body(keyed) }
+        body(try keyedSession(session, key))
+    }
+
+    /// The session of `key` on `session` (`session` itself without one), as `keyed`.
+    private func keyedSession(_ session: SessionTable.Session, _ key: TokenKey?) throws -> SessionTable.Session {
+        guard let key else { return session }
+        if let keyed = session.keys?.existing(key) { return keyed }
         guard let keys = session.keys else { throw ParameterError(name: key.resource != nil ? "resource" : "scope") }
         if let parameter = keys.refusal(key) { throw ParameterError(name: parameter) }
         guard session.coordinator.summary.state == .active else {
             throw contractError(SessionError.signedOut, session: session.configuration.name)
         }
         switch keys.session(for: key) {
-        case let .session(keyed): return body(keyed)
+        case let .session(keyed): return keyed
         case let .throttled(retryAfter): throw contractError(SessionError.throttled(retryAfter: retryAfter), session: session.configuration.name)
         }
     }
@@ -299,7 +306,7 @@ final class BrokerService: VarlinkHandler {
     ///
     /// Resolved in a task, never on the I/O thread: a host thousands of sessions serve costs
     /// the caller its scan, and nobody else.
-    private func credential(_ url: String, rejected: Secret?, validFor minValid: Int64?, for peer: PeerCredentials) -> VarlinkHandling {
+    private func credential(_ url: String, rejected: Secret?, validFor minValid: Int64?, key: TokenKey?, for peer: PeerCredentials) -> VarlinkHandling {
         let sessions = self.sessions
         return .async { [self] sink in
             guard let served = ServedURL(url), let session = sessions.serving(served, for: peer) else {
@@ -308,7 +315,13 @@ final class BrokerService: VarlinkHandler {
             }
             let name = session.configuration.name
             do {
-                let token = try await Self.token(session, rejected: rejected, validFor: minValid, by: peer)
+                // A key of the session that serves the URL, as GetToken's on it.
+                let keyed: SessionTable.Session
+                do { keyed = try keyedSession(session, key) } catch let error as ParameterError {
+                    sink.send(error.reply)
+                    return
+                }
+                let token = try await Self.token(keyed, rejected: rejected, validFor: minValid, by: peer)
                 sink.send(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
             } catch is CancellationError {
                 // The client is gone; nobody to answer.

@@ -2,6 +2,7 @@ import DevIssuer
 import Foundation
 import Testing
 import TestSupport
+import TokenBrokerClient
 import Varlink
 
 /// Derived sessions (issue 35): the real daemon against the development issuer's RFC 8693 token
@@ -279,6 +280,64 @@ struct DerivedSessionTests {
             #expect(fp(stale.parameters["token"]) == fp(k1Token) && issuer.counters.tokenExchanges == 2)
             let next = try broker.call("Recover", ["session": "api", "rejected": .string(k1Token), "resource": .string(Self.k1)])
             #expect(next.error == nil && fp(next.parameters["token"]) != fp(k1Token) && issuer.counters.tokenExchanges == 3)
+        }
+    }
+
+    @Test("keys through every face a worker has: GetProof, Credential (of the session that serves the URL), ctl token, recover and proof, a credential helper in real git, and the Swift client: each the key's one token; a key the session does not allow refused the same way everywhere")
+    func keysEverywhere() async throws {
+        let issuer = try DevIssuer(options: DevIssuer.Options())
+        defer { issuer.stop() }
+        let config = Self.keyedConfig(issuer).replacingOccurrences(of: "MaxKeys=2\n", with: "MaxKeys=2\nServes=https://git.example.test/\n")
+        try await withBroker(config: config) { broker in
+            try await Self.logIn(broker, issuer)
+            let k1 = try #require(try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1)]).parameters["token"]?.stringValue)
+            let read = try #require(try broker.call("GetToken", ["session": "api", "scope": "read"]).parameters["token"]?.stringValue)
+            #expect(issuer.counters.tokenExchanges == 2)
+            let url = "https://git.example.test/org/repo.git"
+
+            let proof = try broker.call("GetProof", ["session": "api", "method": "GET", "uri": .string(url), "resource": .string(Self.k1)])
+            #expect(proof.error == nil && fp(proof.parameters["token"]) == fp(k1) && proof.parameters["proof"] == nil
+                    && proof.parameters["tokenType"] == "Bearer", "GetProof with a key: \(proof.error ?? "")")
+            let credential = try broker.call("Credential", ["url": .string(url), "scope": "read"])
+            #expect(credential.error == nil && credential.parameters["session"] == "api" && fp(credential.parameters["token"]) == fp(read))
+
+            let token = try await broker.ctl(["token", "api", "--resource", Self.k1])
+            #expect(token.code == 0 && fp(token.out.trimmingCharacters(in: .newlines)) == fp(k1), "ctl token: \(token.err)")
+            let headers = try await broker.ctl(["proof", "api", "GET", url, "--scope", "read"])
+            #expect(headers.code == 0 && headers.out.hasPrefix("Authorization: Bearer ") && headers.out.filter({ $0 == "\n" }).count == 1
+                    && fp(String(headers.out.dropFirst("Authorization: Bearer ".count).dropLast())) == fp(read), "ctl proof: \(headers.err)")
+            let recovered = try await broker.ctl(["recover", "api", "--resource", Self.k1], stdin: "an-old-token")
+            #expect(recovered.code == 0 && fp(recovered.out.trimmingCharacters(in: .newlines)) == fp(k1), "ctl recover: \(recovered.err)")
+            let wrongVerb = try await broker.ctl(["status", "--resource", Self.k1])
+            #expect(wrongVerb.code == 64 && wrongVerb.err.contains("--resource belongs to"), "\(wrongVerb.err)")
+            let badResource = try await broker.ctl(["token", "api", "--resource", "not-a-url"])
+            #expect(badResource.code == 64 && badResource.err.contains("--resource needs an absolute URL"), "\(badResource.err)")
+
+            // Real git, its helper narrowed to the key.
+            var environment = ProcessInfo.processInfo.environment
+            (environment["HOME"], environment["GIT_CONFIG_NOSYSTEM"], environment["TOKENBROKER_SOCKET"]) = (broker.directory, "1", broker.socket)
+            let git = try Child("/usr/bin/git", ["-c", "credential.helper=", "-c", "credential.helper=\(Paths.tokenbroker) credential git --resource \(Self.k1)",
+                                                 "credential", "fill"], environment: environment, directory: broker.directory,
+                                stdin: "protocol=https\nhost=git.example.test\npath=org/repo.git\n\n")
+            #expect(await git.wait(timeout: 60) == 0)
+            let password = git.stdout.split(separator: "\n").first { $0.hasPrefix("password=") }.map { String($0.dropFirst("password=".count)) }
+            #expect(fp(password) == fp(k1), "git's credential is the key's token")
+
+            // The Swift client.
+            let client = TokenBrokerClient(socketPath: broker.socket)
+            #expect(fp(try await client.token(session: "api", resource: Self.k1).token) == fp(k1))
+            #expect(fp(try await client.proof(session: "api", method: "GET", url: url, scope: "read").token.token) == fp(read))
+            #expect(issuer.counters.tokenExchanges == 2, "every face found the two keys' tokens: no exchange more")
+
+            // Refused alike everywhere: a resource the session does not allow.
+            let notAllowed = VarlinkReply.error("org.varlink.service.InvalidParameter", ["parameter": "resource"])
+            #expect(try broker.call("GetProof", ["session": "api", "method": "GET", "uri": .string(url), "resource": "https://elsewhere.example/"]) == notAllowed)
+            #expect(try broker.call("Credential", ["url": .string(url), "resource": "https://elsewhere.example/"]) == notAllowed)
+            do {
+                _ = try await client.token(session: "api", resource: "https://elsewhere.example/")
+                Issue.record("the client got a key the session does not allow")
+            } catch {}
+            #expect(issuer.counters.tokenExchanges == 2)
         }
     }
 

@@ -63,11 +63,13 @@ struct CommandLineTests {
     }
 
     @Test("a usage error shows the verb's usage, not all of ctl's help; did you mean for verbs and subcommands (issue 33)", arguments: [
-        (["ctl", "token"], "Error: token needs exactly one SESSION\n\nUSAGE: tokenbroker ctl [--socket <path>] token <session> [--min-valid <duration>] [--json]\n\n"
+        (["ctl", "token"], "Error: token needs exactly one SESSION\n\nUSAGE: tokenbroker ctl [--socket <path>] token <session> [--min-valid <duration>]\n"
+            + "                           [--resource <url>] [--scope <words>] [--json]\n\n"
             + "See `tokenbroker help ctl token`.\n"),
         (["ctl", "status", "extra"], "Error: status takes no operand\n\nUSAGE: tokenbroker ctl [--socket <path>] status [--json]\n\nSee `tokenbroker help ctl status`.\n"),
         (["ctl", "proof", "api", "GET"], "Error: proof needs a SESSION, a METHOD and a URL\n\nUSAGE: tokenbroker ctl [--socket <path>] proof <session> <method> <url> "
-            + "[--nonce <nonce>] [--min-valid <duration>] [--json]\n\nSee `tokenbroker help ctl proof`.\n"),
+            + "[--nonce <nonce>] [--min-valid <duration>]\n                           [--resource <url>] [--scope <words>] [--json]\n\n"
+            + "See `tokenbroker help ctl proof`.\n"),
         (["ctl", "proof", "api", "get", "https://api.example.com/"], "Error: METHOD is upper-case letters, such as GET or POST\n\n"),
         (["ctl", "proof", "api", "GET", "/items"], "Error: URL must be an absolute http(s) URL, such as https://api.example.com/items\n\n"),
         (["ctl", "proof", "api", "GET", "api.example.com/items"], "Error: URL must be an absolute http(s) URL, such as https://api.example.com/items\n\n"),

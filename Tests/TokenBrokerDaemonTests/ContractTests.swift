@@ -181,7 +181,14 @@ import TokenBrokerCore
                                             ("scope", .string((0..<33).map { "w\($0)" }.joined(separator: " ")))] {
             #expect(throws: ParameterError(name: name)) { try BrokerRequest(.getToken, ["session": "a", name: bad]) }
         }
-        #expect(throws: ParameterError.self) { try BrokerRequest(.getProof, ["session": "a", "method": "GET", "uri": "https://h/", "resource": "https://r/"]) }
+        // GetProof and Credential take the key too (round-trip), and refuse a bad one alike.
+        for request in [BrokerRequest.getProof(session: "a", method: "GET", uri: "https://h/", nonce: nil, rejected: nil,
+                                               key: TokenKey(resource: "https://r/", scope: "read")),
+                        .credential(url: "https://h/", rejected: nil, key: TokenKey(resource: nil, scope: "read write"))] {
+            #expect(try BrokerRequest(request.method, request.parameters) == request)
+        }
+        #expect(throws: ParameterError(name: "resource")) { try BrokerRequest(.getProof, ["session": "a", "method": "GET", "uri": "https://h/", "resource": "r/"]) }
+        #expect(throws: ParameterError(name: "scope")) { try BrokerRequest(.credential, ["url": "https://h/", "scope": ""]) }
     }
 
     @Test("where a client finds the broker: $TOKENBROKER_SOCKET, else this user's own when one listens there, else the system's (issue 33)")

@@ -57,9 +57,9 @@ class Stack:
     With `dpop` ("accepted" or "required"), dev-issuer takes DPoP proofs (with `nonces`, it
     and its resource demand server nonces too) and `api` is a DPoP session (DPoP=yes), whose
     first refresh binds the login's refresh token family to the daemon's key; `serves` gives
-    `api` a Serves= entry; `authorization`, dev-issuer's authorization endpoint (code logins)."""
+    `api` a Serves= entry; `keys`, resources its callers may narrow its token to (and scope read); `authorization`, dev-issuer's authorization endpoint (code logins)."""
 
-    def __init__(self, slow=False, dpop=None, nonces=False, serves=None, authorization=False):
+    def __init__(self, slow=False, dpop=None, nonces=False, serves=None, authorization=False, keys=None):
         if not BIN or not os.path.exists(os.path.join(BIN, "tokenbroker")):
             pytest.skip("TOKENBROKER_BIN does not hold a build (run through make python-test)")
         self.directory = tempfile.mkdtemp(prefix="tb-py-")
@@ -83,6 +83,9 @@ class Stack:
                 f.write("DPoP=yes\n")
             if serves:
                 f.write(f"Serves={serves}\n")
+            if keys:
+                # Keys per call: these resources, and the scope word read.
+                f.write(f"AllowResources={' '.join(keys)}\nAllowScopes=read\n")
             if authorization:
                 f.write(f"AuthorizationEndpoint={self.base}/authorize\nScope=openid\n")
             if slow:

@@ -521,3 +521,38 @@ def test_a_call_interrupted_while_waiting_leaves_no_reply_behind():
     finally:
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         stack.stop()
+
+
+def test_keys_narrow_the_token_in_every_call_and_auth():
+    """A key (resource, scope) through token, recover, proof, credential and both auths: each the
+    key's one token, exchanged once; a key the session does not allow is InvalidParameter."""
+    k1 = "https://k1.example/"
+    stack = Stack(keys=[k1], serves="https://git.example.test/")
+    try:
+        broker = Broker(stack.socket)
+        before = stack.counters()
+        plain = broker.token("api")
+        narrowed = broker.token("api", resource=k1)
+        scoped = broker.token("api", scope="read")
+        assert len({fingerprint(plain.token), fingerprint(narrowed.token), fingerprint(scoped.token)}) == 3
+        assert fingerprint(broker.token("api", resource=k1).token) == fingerprint(narrowed.token)
+        assert fingerprint(broker.recover("api", "an-old-token", resource=k1).token) == fingerprint(narrowed.token)
+        proven = broker.proof("api", "GET", stack.base + "/resource", resource=k1)
+        assert proven.proof is None and fingerprint(proven.token.token) == fingerprint(narrowed.token)
+        credential = broker.credential("https://git.example.test/org/repo.git", scope="read")
+        assert credential.session == "api" and fingerprint(credential.token.token) == fingerprint(scoped.token)
+        sent = []
+        response = requests.get(stack.base + "/resource", auth=BrokerAuth(broker, "api", scope="read"), timeout=10)
+        sent.append(response.request.headers["Authorization"])
+        response = httpx.get(stack.base + "/resource", auth=HTTPXBrokerAuth(broker, "api", resource=k1), timeout=10)
+        sent.append(response.request.headers["Authorization"])
+        assert [fingerprint(s) for s in sent] == [fingerprint("Bearer " + scoped.token), fingerprint("Bearer " + narrowed.token)]
+        assert stack.counters()["token_exchange"] - before["token_exchange"] == 2, "one exchange per key"
+        with pytest.raises(tokenbroker.InvalidParameter):
+            broker.token("api", resource="https://elsewhere.example/")
+        with pytest.raises(tokenbroker.InvalidParameter):
+            broker.token("api", scope="admin")
+        with pytest.raises(TypeError):
+            broker.token("api", resource=1)
+    finally:
+        stack.stop()

@@ -165,13 +165,15 @@ def replayable(method: str, headers, body_is_stream: bool) -> bool:
     return method.upper() in IDEMPOTENT_METHODS or "idempotency-key" in {name.lower() for name in headers.keys()}
 
 
-def _obtain(broker: Broker, session: str, method: str, url: str, nonce: Optional[str] = None,
+def _obtain(broker: Broker, session, method: str, url: str, nonce: Optional[str] = None,
             rejected: Optional[str] = None) -> Proof:
     """GetProof's answer for a request; for one it cannot name, GetToken's (or Recover's) bearer
-    token alone."""
+    token alone. `session`: a name, or (name, resource, scope) for a key of it."""
+    name, resource, scope = session if isinstance(session, tuple) else (session, None, None)
     if valid_method(method) and proof_url(url) is not None:
-        return broker.proof(session, method, url, nonce=nonce, rejected=rejected)
-    token = broker.recover(session, rejected) if rejected is not None else broker.token(session)
+        return broker.proof(name, method, url, nonce=nonce, rejected=rejected, resource=resource, scope=scope)
+    token = (broker.recover(name, rejected, resource=resource, scope=scope) if rejected is not None
+             else broker.token(name, resource=resource, scope=scope))
     if token.token_type.lower() == "dpop":
         raise ValueError("a DPoP session's token needs a proof, and GetProof cannot name this request "
                          "(a method of 1 to 16 upper-case letters and an http or https URL)")
@@ -281,11 +283,12 @@ class BrokerAuth(_RequestsAuthBase):
     requests does), so the redirect's `next` (allow_redirects=False) carries it too.
     """
 
-    def __init__(self, broker: Broker, session: str):
+    def __init__(self, broker: Broker, session: str, resource: Optional[str] = None, scope: Optional[str] = None):
         if requests is None:
             raise ImportError("BrokerAuth needs the requests package")
         self.broker = broker
-        self.session = session
+        # With a key (resource, scope), its token: the session's narrowed, as Broker.token gives it.
+        self.session = session if resource is None and scope is None else (session, resource, scope)
         self._nonces = _Nonces()
 
     def __call__(self, request):
@@ -399,11 +402,12 @@ class HTTPXBrokerAuth(httpx.Auth if httpx is not None else object):
 
     requires_response_body = False
 
-    def __init__(self, broker: Broker, session: str):
+    def __init__(self, broker: Broker, session: str, resource: Optional[str] = None, scope: Optional[str] = None):
         if httpx is None:
             raise ImportError("HTTPXBrokerAuth needs the httpx package")
         self.broker = broker
-        self.session = session
+        # With a key (resource, scope), its token: the session's narrowed, as Broker.token gives it.
+        self.session = session if resource is None and scope is None else (session, resource, scope)
         self._nonces = _Nonces()
 
     def _start(self, request) -> Tuple[str, str, Optional[str]]:

@@ -131,6 +131,18 @@ def proof_url(url: str) -> Optional[str]:
     return target if len(target) <= MAX_PROOF_URL else None
 
 
+def key_parameters(resource: Optional[str], scope: Optional[str]) -> Dict[str, str]:
+    """A key's parameters (`resource`, `scope`), each given or not; the broker checks them."""
+    parameters: Dict[str, str] = {}
+    for name, value in (("resource", resource), ("scope", scope)):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str or None")
+        parameters[name] = value
+    return parameters
+
+
 def valid_method(method: Any) -> bool:
     """Whether GetProof takes `method`: 1 to 16 upper-case letters."""
     return isinstance(method, str) and _METHOD.fullmatch(method) is not None
@@ -285,23 +297,30 @@ class Broker:
             raise error_from_reply(reply["error"], reply.get("parameters") or {})
         return reply.get("parameters") or {}
 
-    def token(self, session: str, min_valid: Optional[float] = None) -> Token:
+    def token(self, session: str, min_valid: Optional[float] = None, resource: Optional[str] = None,
+              scope: Optional[str] = None) -> Token:
         """The session's current access token (refreshed first when it has expired). With
         `min_valid` (seconds, rounded up to whole ones, 1 to a year), one that stays valid that
         long: a token that ends sooner is refreshed first, in the session's one refresh;
-        LifetimeTooShort when the issuer's tokens live less than that."""
-        parameters: Dict[str, Any] = {"session": session}
+        LifetimeTooShort when the issuer's tokens live less than that. With `resource` (an
+        RFC 8707 resource, an absolute URL) and/or `scope` (space-separated words), the
+        session's token narrowed to that key, one the session allows (AllowResources=,
+        AllowScopes=; InvalidParameter otherwise): its own token and single refresh."""
+        parameters: Dict[str, Any] = {"session": session, **key_parameters(resource, scope)}
         if min_valid is not None:
             parameters["minValid"] = whole_seconds(min_valid)
         return Token.from_parameters(self.call("GetToken", parameters))
 
-    def recover(self, session: str, rejected: str) -> Token:
+    def recover(self, session: str, rejected: str, resource: Optional[str] = None, scope: Optional[str] = None) -> Token:
         """A request made with `rejected` was refused as an invalid token: the token to retry
-        with (the current one if `rejected` is stale, else the result of the one shared refresh)."""
-        return Token.from_parameters(self.call("Recover", {"session": session, "rejected": rejected}))
+        with (the current one if `rejected` is stale, else the result of the one shared refresh);
+        `resource` and `scope`: the key `rejected` was asked for with, as `token` takes."""
+        return Token.from_parameters(self.call("Recover", {"session": session, "rejected": rejected,
+                                                           **key_parameters(resource, scope)}))
 
     def proof(self, session: str, method: str, url: str, nonce: Optional[str] = None,
-              rejected: Optional[str] = None, min_valid: Optional[float] = None) -> Proof:
+              rejected: Optional[str] = None, min_valid: Optional[float] = None, resource: Optional[str] = None,
+              scope: Optional[str] = None) -> Proof:
         """The session's current token with a DPoP proof for one request of `method` to `url`
         (GetProof), signed in the broker with the session's key, which never leaves it; send
         `Proof.headers()` with that request only. A bearer session's answer has no proof (and
@@ -332,7 +351,7 @@ class Broker:
             raise ValueError(f"GetProof takes a nonce of 1 to {MAX_NONCE} visible ASCII characters without '\"' or '\\'")
         if rejected == "":
             raise ValueError("rejected must not be empty")
-        parameters: Dict[str, Any] = {"session": session, "method": method, "uri": target}
+        parameters: Dict[str, Any] = {"session": session, "method": method, "uri": target, **key_parameters(resource, scope)}
         if nonce is not None:
             parameters["nonce"] = nonce
         if rejected is not None:
@@ -344,10 +363,12 @@ class Broker:
         reply = self.call("GetProof", parameters)
         return Proof(token=Token.from_parameters(reply), proof=reply.get("proof"))
 
-    def credential(self, url: str, rejected: Optional[str] = None) -> Credential:
+    def credential(self, url: str, rejected: Optional[str] = None, resource: Optional[str] = None,
+                   scope: Optional[str] = None) -> Credential:
         """The token for `url`, for credential helpers: that of the session whose `Serves=` entry
         matches it most specifically among the sessions this caller may use. A URL without a
-        scheme (a bare `host:port`) is served by none: it could be sent over plain HTTP. With `rejected` (the token a request to it was refused with), as `recover`.
+        scheme (a bare `host:port`) is served by none: it could be sent over plain HTTP. With `rejected` (the token a request to it was refused with), as `recover`;
+        `resource` and `scope`: a key of that session, as `token` takes.
 
         Raises NotServed (a NoSuchSession) when no such session serves the URL, ValueError for an
         empty URL or one longer than the contract's 2048 bytes, and the session's errors as
@@ -358,7 +379,7 @@ class Broker:
             raise TypeError("rejected must be a str or None")
         if not url or len(url.encode("utf-8", "surrogatepass")) > MAX_URL:
             raise ValueError(f"a URL of 1 to {MAX_URL} bytes")
-        parameters: Dict[str, Any] = {"url": url}
+        parameters: Dict[str, Any] = {"url": url, **key_parameters(resource, scope)}
         if rejected is not None:
             parameters["rejected"] = rejected
         try:
