@@ -49,6 +49,8 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     private let waiters = WaiterTable()
     private let watchers: WatcherList
     private nonisolated let published = Mutex<Published?>(nil)
+    /// The generation's DPoP key as of the last change (`proofKey`).
+    private nonisolated let publishedKey = Mutex<Secret?>(nil)
     private nonisolated let observation: Observation
 
     /// The session as `status()` would answer it, kept current at every change of the state
@@ -147,6 +149,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         self.observation = observation
         watchers = WatcherList(countChanged: { count in observation.update { $0.summary.watched = count > 0 } })
         published.withLock { $0 = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil, deadline: $0.deadline) } }
+        publishedKey.withLock { $0 = machine.currentProofKey }
     }
 
     private static func observed(_ machine: RefreshStateMachine, watched: Bool, now: Duration) -> Observation.State {
@@ -419,8 +422,9 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     // MARK: - Derivations
 
     /// The current generation's DPoP key, if its requests carry proofs: what a derived
-    /// session's login takes from its parent, so the derived tokens are bound to the same key.
-    public var proofKey: Secret? { machine.currentProofKey }
+    /// session's login (or a key made of this session) takes from it, so the derived tokens are
+    /// bound to the same key. Published with the state at every change (no actor hop).
+    public nonisolated var proofKey: Secret? { publishedKey.withLock { $0 } }
 
     /// A token derived from this session's refresh token by `source` (a derived session's
     /// `Derivation=refresh`: the refresh token with `resource` and a narrower `scope`, RFC 8707
@@ -700,6 +704,8 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     private func republish() {
         let snapshot = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil, deadline: $0.deadline) }
         published.withLock { $0 = snapshot }
+        let key = machine.currentProofKey
+        publishedKey.withLock { $0 = key }
     }
 
     /// Number of callers currently parked on a flight (for tests and status).

@@ -71,8 +71,9 @@ struct DPoPDaemonTests {
 
     /// The GetProof reply's headers, for `url`.
     static func proof(_ broker: Broker, _ url: String, method: String = "GET", nonce: String? = nil,
-                      rejected: String? = nil, session: String = "api") throws -> (token: String, type: String, proof: String) {
+                      rejected: String? = nil, session: String = "api", resource: String? = nil) throws -> (token: String, type: String, proof: String) {
         var parameters: JSONObject = ["session": .string(session), "method": .string(method), "uri": .string(url)]
+        if let resource { parameters["resource"] = .string(resource) }
         if let nonce { parameters["nonce"] = .string(nonce) }
         if let rejected { parameters["rejected"] = .string(rejected) }
         let reply = try broker.call("GetProof", parameters)
@@ -227,17 +228,20 @@ struct DPoPDaemonTests {
         }
     }
 
-    @Test("derived sessions of a DPoP session, by exchange and by refresh: their requests prove the parent's key, their tokens are bound to it, GetProof on them signs with it and the resource takes it; a new login of the parent, a new key for them too; the issuer exchanges a bound token only with its key's proof")
+    @Test("derived sessions and keys of a DPoP session, by exchange and by refresh: their requests prove the parent's key, their tokens are bound to it, GetProof on them signs with it and the resource takes it; a new login of the parent, a new key for them too; the issuer exchanges a bound token only with its key's proof")
     func derivedSessions() async throws {
-        let extra = "\n[Session]\nName=narrow\nDerivedFrom=api\nResource=https://r.example/\nScope=read\nAllowUsers=root\n"
+        let extra = "AllowResources=https://k.example/\n"
+            + "\n[Session]\nName=narrow\nDerivedFrom=api\nResource=https://r.example/\nScope=read\nAllowUsers=root\n"
             + "\n[Session]\nName=narrow-r\nDerivedFrom=api\nDerivation=refresh\nResource=https://s.example/\nAllowUsers=root\n"
         try await Self.withDPoPBroker(extra: extra) { issuer, broker in
             let now = { Int64(Date().timeIntervalSince1970) }
             for round in 0..<2 {
                 let parent = try Self.proof(broker, issuer.resourceURL)
                 let key = try #require(issuer.thumbprint(ofAccessToken: parent.token), "round \(round): the parent's token is bound")
-                for (name, resource) in [("narrow", "https://r.example/"), ("narrow-r", "https://s.example/")] {
-                    let derived = try Self.proof(broker, issuer.resourceURL, nonce: issuer.currentResourceNonce, session: name)
+                for (name, resource) in [("narrow", "https://r.example/"), ("narrow-r", "https://s.example/"), ("api", "https://k.example/")] {
+                    // (`api` with a resource: its key.)
+                    let derived = try Self.proof(broker, issuer.resourceURL, nonce: issuer.currentResourceNonce, session: name,
+                                                 resource: name == "api" ? resource : nil)
                     #expect(derived.type == "DPoP" && issuer.audiences(ofAccessToken: derived.token) == [resource], "round \(round): \(name)")
                     #expect(issuer.thumbprint(ofAccessToken: derived.token) == key, "round \(round): \(name)'s token is bound to the parent's key")
                     #expect((try? DPoPVerifier.verify(derived.proof, method: "GET", url: issuer.resourceURL, now: now(),
@@ -249,7 +253,7 @@ struct DPoPDaemonTests {
                 #expect(try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken() + "\n").code == 0)
             }
             let firstRound = issuer.counters.tokenExchanges
-            #expect(firstRound == 2 && issuer.counters.narrowedRefreshes == 2, "one exchange and one redemption per round")
+            #expect(firstRound == 4 && issuer.counters.narrowedRefreshes == 2, "two exchanges (a derived session, a key) and one redemption per round")
 
             // The issuer's side: a bound subject token with another key's proof is not exchanged.
             let parent = try Self.proof(broker, issuer.resourceURL)

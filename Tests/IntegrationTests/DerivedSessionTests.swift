@@ -423,8 +423,6 @@ struct DerivedSessionTests {
             (base + "\n[Session]\nName=plain\nUpstream=test\nAudience=x\n", "Audience= needs DerivedFrom="),
             (base + "\n[Session]\nName=plain\nUpstream=test\nAllowScopes=read\n", "AllowScopes= needs an Upstream=oauth session of its own"),
             (base + "\n[Session]\nName=keyed-child\nDerivedFrom=api\nScope=read\nAllowResources=https://x.example/\n", "AllowResources= needs an Upstream=oauth session of its own"),
-            (base + "\n[Session]\nName=bound\nTokenEndpoint=\(issuer.tokenEndpoint)\nClientID=c\nClientSecretFile=@DIR@/client-secret\nDPoP=yes\n"
-                + "AllowResources=https://x.example/\n", "without DPoP= or Fleet=yes"),
         ]
         for (config, message) in cases {
             let directory = try Paths.temporaryDirectory()

@@ -80,10 +80,10 @@ enum DerivedSessions {
         defer { child.replies.clear() }
         let parentCoordinator = snapshot.sessions[parent]?.coordinator
         do {
-            var key = await parentCoordinator?.proofKey
+            var key = parentCoordinator?.proofKey
             for _ in 0..<4 {
                 try await child.coordinator.login(refreshToken: nil, proofKey: key)
-                let now = await parentCoordinator?.proofKey
+                let now = parentCoordinator?.proofKey
                 if now == key { break }
                 key = now
             }

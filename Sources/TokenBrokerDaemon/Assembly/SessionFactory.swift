@@ -115,27 +115,28 @@ struct SessionFactory: Sendable {
                            session: session.name, generation: restored.generation,
                            tokenSerial: restored.accessToken == nil ? nil : restored.tokenSerial)
             }
-            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account, keys: keys(of: session)), false)
+            return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account, keys: keys(of: session, coordinator: coordinator)), false)
         }
-        return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account, keys: keys(of: session)),
+        return (SessionTable.Session(configuration: session, coordinator: coordinator, slot: slot, account: account, keys: keys(of: session, coordinator: coordinator)),
                 kind.logsInAtStart)
     }
 
     /// The keys callers may narrow `session`'s token to (`AllowResources=`, `AllowScopes=`), or
     /// nil when it allows none.
-    func keys(of session: SessionConfiguration) -> DerivedKeys? {
+    func keys(of session: SessionConfiguration, coordinator: Coordinator) -> DerivedKeys? {
         let settings = session.settings
         guard !settings.allowResources.isEmpty || !settings.allowScopes.isEmpty, case let .oauth(oauth) = session.upstream else { return nil }
         return DerivedKeys(limit: settings.maxKeys, allowResources: settings.allowResources, allowScopes: settings.allowScopes,
                            creations: max(settings.maxKeys, settings.policy.guardLimit), window: settings.policy.guardWindow,
-                           make: { [self] key, serial in makeKey(key, serial, of: session, oauth) },
+                           make: { [self] key, serial in makeKey(key, serial, of: session, oauth, proofKey: coordinator.proofKey) },
                            stop: { [self] in stopKeys($0) })
     }
 
     /// A key's session: a derived session of `parent`, active from the start with nothing
     /// fetched, its state in memory only. Its replies name the parent (the session its callers
     /// asked for); its coordinator is `<parent>~<serial>` in the journal.
-    private func makeKey(_ key: TokenKey, _ serial: Int, of parent: SessionConfiguration, _ oauth: SessionConfiguration.OAuthSettings)
+    private func makeKey(_ key: TokenKey, _ serial: Int, of parent: SessionConfiguration, _ oauth: SessionConfiguration.OAuthSettings,
+                         proofKey: Secret?)
         -> SessionTable.Session {
         let name = "\(parent.name)~\(serial)"
         let derived = SessionConfiguration.DerivedSettings(parent: parent.name, method: .exchange, audiences: [],
@@ -145,7 +146,9 @@ struct SessionFactory: Sendable {
         let (source, account) = DerivedSession(settings: derived).source(for: configuration, in: self)
         // (In the census without a summary: the daemon's totals count configured sessions.)
         let slot = census.enrol(name)
-        let record = SessionRecord(name: name, generation: 1, state: .active)
+        // A DPoP session's key is its generation's too (every boundary drops the keys, so a key
+        // never outlives the generation it took the key from).
+        let record = SessionRecord(name: name, generation: 1, state: .active, proofKey: proofKey)
         let coordinator = Coordinator(session: name, policy: parent.policy, source: source, store: InMemorySessionStore([record]),
                                       restored: record,
                                       clock: ContinuousClock(), wall: SystemWallClock(),

@@ -132,9 +132,9 @@ public enum ConfigLoader {
                 session.settings.oauth.client.loginResources = resources
             }
             if let entry = keyEntries[session.name] {
-                // Keys are derived like derived sessions: from a session of its own, bearer, on this host.
-                guard session.settings.derivedFrom == nil, case let .oauth(oauth) = session.upstream, oauth.dpop == .off, session.fleet == nil else {
-                    context.record(fail(entry, "\(entry.key)= needs an Upstream=oauth session of its own, without DPoP= or Fleet=yes "
+                // Keys are derived like derived sessions: from a session of its own, on this host.
+                guard session.settings.derivedFrom == nil, case .oauth = session.upstream, session.fleet == nil else {
+                    context.record(fail(entry, "\(entry.key)= needs an Upstream=oauth session of its own, without Fleet=yes "
                                         + "(its keys are derived from its token by exchange)"))
                     return nil
                 }
