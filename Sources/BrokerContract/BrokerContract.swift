@@ -625,6 +625,8 @@ public struct StatusEntry: Sendable, Equatable {
     /// A parent's redemptions of its refresh token for its derived sessions (`Derivation=refresh`),
     /// when it made any.
     public var derivations: Int?
+    /// A session that allows keys (`AllowResources=`, `AllowScopes=`): how many it holds now.
+    public var keys: Int?
 
     public init(name: String, state: String, generation: Int) {
         self.name = name
@@ -669,6 +671,7 @@ public struct StatusEntry: Sendable, Equatable {
         throttledUsers = (object["throttledUsers"]?.arrayValue ?? []).prefix(4096).compactMap { $0.intValue.flatMap(UInt32.init(exactly:)) }
         derivedFrom = object["derivedFrom"]?.stringValue
         derivations = object["derivations"]?.intValue.map { Int(clamping: $0) }
+        keys = object["keys"]?.intValue.map { Int(clamping: $0) }
     }
 
     public var parameters: JSONObject {
@@ -692,6 +695,7 @@ public struct StatusEntry: Sendable, Equatable {
         if !throttledUsers.isEmpty { entry.append(("throttledUsers", .array(throttledUsers.map { .int(Int64($0)) }))) }
         if let derivedFrom { entry.append(("derivedFrom", .string(derivedFrom))) }
         if let derivations { entry.append(("derivations", .int(Int64(derivations)))) }
+        if let keys { entry.append(("keys", .int(Int64(keys)))) }
         return JSONObject(entry)
     }
 

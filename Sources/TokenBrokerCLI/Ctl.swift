@@ -516,6 +516,7 @@ public enum Ctl {
             if let backoff = entry.backoffRemaining { flags.append("backoff \(seconds(backoff))") }
             if !entry.throttledUsers.isEmpty { flags.append("throttled uid " + entry.throttledUsers.map(String.init).joined(separator: "+")) }
             if let parent = entry.derivedFrom { flags.append("derived from \(parent)") }
+            if let keys = entry.keys, keys > 0 { flags.append("\(keys) key\(keys == 1 ? "" : "s")") }
             rows.append([
                 entry.name,
                 entry.state,

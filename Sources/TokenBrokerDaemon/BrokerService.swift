@@ -389,7 +389,8 @@ final class BrokerService: VarlinkHandler {
                     // Who is throttled: admins see every peer, others only themselves. (Only
                     // while someone is: the snapshot is then never steady, so never cached.)
                     if !admin { status.throttled.removeAll { $0 != peer.demander } }
-                    return Self.statusEntry(status, fleet: session.fleet?.status, derivedFrom: session.kind.parent).encoded
+                    return Self.statusEntry(status, fleet: session.fleet?.status, derivedFrom: session.kind.parent,
+                                            keys: session.keys?.counts.live).encoded
                 }
                 if session.fleet == nil, let version = session.coordinator.steadyStatusVersion {
                     entries.append(session.statusEntry.bytes(version: version, fresh))
@@ -579,9 +580,10 @@ final class BrokerService: VarlinkHandler {
         return .object(entry.parameters)
     }
 
-    static func statusEntry(_ status: SessionStatus, fleet: DaemonFleetSession.Status? = nil, derivedFrom: String? = nil) -> JSON {
+    static func statusEntry(_ status: SessionStatus, fleet: DaemonFleetSession.Status? = nil, derivedFrom: String? = nil,
+                            keys: Int? = nil) -> JSON {
         var entry = StatusEntry(status)
-        entry.derivedFrom = derivedFrom
+        (entry.derivedFrom, entry.keys) = (derivedFrom, keys)
         if let fleet {
             switch fleet.health {
             case .healthy: entry.fleetHealth = "healthy"

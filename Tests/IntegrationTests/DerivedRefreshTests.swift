@@ -93,6 +93,49 @@ struct DerivedRefreshTests {
         }
     }
 
+    @Test("keys by refresh (KeyDerivation=refresh): 32 workers on 4 keys with the parent's refresh held get one redemption per key in the one lineage, 0 reuse; the parent holds the newest refresh token; a stale rejection per key costs nothing; the logout signs the keys out")
+    func keysByRefresh() async throws {
+        let issuer = try DevIssuer(options: DevIssuer.Options())
+        defer { issuer.stop() }
+        let keys = (0..<4).map { "https://k\($0).example/" }
+        let config = "[Broker]\nSocketMode=0666\n\n" + Broker.oauthSession(issuer.tokenEndpoint)
+            + "RevocationEndpoint=\(issuer.revocationEndpoint)\nAllowResources=\(keys.joined(separator: " "))\nKeyDerivation=refresh\n"
+        try await withBroker(config: config) { broker in
+            let login = try await Self.logIn(broker, issuer)
+            let parent = try #require(try broker.call("GetToken", ["session": "api"]).parameters["token"])
+            issuer.inject([.hold])
+            let refresh = Task { try await DerivedSessionTests.onThread { try broker.call("Recover", ["session": "api", "rejected": parent]) } }
+            try await eventually("the parent's refresh is held") { issuer.heldCount == 1 }
+            let workers = (0..<32).map { worker in
+                Task { try await DerivedSessionTests.onThread { try broker.call("GetToken", ["session": "api", "resource": .string(keys[worker % 4])]) } }
+            }
+            try await eventually("the keys' redemptions wait for the lineage") { (try? broker.status("api"))?["keys"] == 4 }
+            #expect(issuer.counters.narrowedRefreshes == 0, "nothing redeemed beside the held refresh")
+            issuer.releaseHeld()
+            #expect(try await refresh.value.error == nil)
+            var tokens: [Int: Set<String>] = [:]
+            for (worker, task) in workers.enumerated() {
+                let reply = try await task.value
+                #expect(reply.error == nil, "worker \(worker): \(reply.error ?? "")")
+                tokens[worker % 4, default: []].insert(fp(reply.parameters["token"]))
+                if let token = reply.parameters["token"]?.stringValue { #expect(issuer.audiences(ofAccessToken: token) == [keys[worker % 4]]) }
+            }
+            #expect(tokens.values.allSatisfy { $0.count == 1 } && Set(tokens.values.joined()).count == 4, "one token per key")
+            #expect(issuer.counters.narrowedRefreshes == 4 && issuer.counters.replays == 0 && issuer.counters.tokenExchanges == 0)
+            let stored = try #require(try await StateDatabase.open(broker.directory + "/state").load("api")?.refreshToken?.reveal)
+            #expect(issuer.lineage(of: stored)?.index == issuer.lineage(of: login)?.newest, "the parent holds the newest refresh token")
+            // Stale per key: the key's first token again gets its current one, no redemption.
+            let k0 = try #require(try broker.call("GetToken", ["session": "api", "resource": .string(keys[0])]).parameters["token"])
+            let next = try broker.call("Recover", ["session": "api", "rejected": k0, "resource": .string(keys[0])])
+            #expect(next.error == nil && issuer.counters.narrowedRefreshes == 5)
+            let stale = try broker.call("Recover", ["session": "api", "rejected": k0, "resource": .string(keys[0])])
+            #expect(fp(stale.parameters["token"]) == fp(next.parameters["token"]) && issuer.counters.narrowedRefreshes == 5)
+            #expect(try broker.call("Logout", ["session": "api"]) == VarlinkReply())
+            #expect(try broker.call("GetToken", ["session": "api", "resource": .string(keys[1])]).error == "io.tokenbroker.Broker.SignedOut")
+            #expect(issuer.counters.replays == 0 && issuer.activeRefreshTokens == 0)
+        }
+    }
+
     @Test("stale per derived session: a rejection of a derived token that is no longer current gets the current one at once, with no redemption")
     func stalePerKey() async throws {
         try await Self.withIssuerAndBroker { issuer, broker in

@@ -90,6 +90,7 @@ import TokenBrokerCore
         entry.throttledUsers = [1001, 4_000_000_000]
         entry.derivedFrom = "parent"
         entry.derivations = 3
+        entry.keys = 2
         let parameters = entry.parameters
         #expect(StatusEntry(parameters) == entry)
         #expect(parameters["fetches"] == 1 && parameters["droppedResults"] == 6)

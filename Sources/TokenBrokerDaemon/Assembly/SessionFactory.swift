@@ -139,7 +139,7 @@ struct SessionFactory: Sendable {
                          proofKey: Secret?)
         -> SessionTable.Session {
         let name = "\(parent.name)~\(serial)"
-        let derived = SessionConfiguration.DerivedSettings(parent: parent.name, method: .exchange, audiences: [],
+        let derived = SessionConfiguration.DerivedSettings(parent: parent.name, method: parent.settings.keyDerivation, audiences: [],
                                                            resources: key.resource.map { [$0] } ?? [], scope: key.scope, oauth: oauth)
         let configuration = SessionConfiguration(name: parent.name, upstream: .derived(derived), allowUsers: parent.allowUsers,
                                                  allowGroups: parent.allowGroups, policy: parent.policy, origin: parent.origin)

@@ -120,9 +120,14 @@ public enum ConfigLoader {
         // A parent's logins ask for the resources its derived sessions by refresh narrow to
         // (RFC 8707): servers such as Glewlwyd let a refresh name only a resource the grant has.
         var loginResources: [String: [String]] = [:]
-        for session in sessions where session.settings.derivation == .refresh {
-            guard let parent = session.settings.derivedFrom else { continue }
-            for resource in session.settings.resources where !(loginResources[parent]?.contains(resource) ?? false) {
+        for session in sessions {
+            // A derived session by refresh's resources are its parent's to ask for; keys by
+            // refresh (KeyDerivation=refresh) are the session's own.
+            let (parent, resources): (String?, [String]) = session.settings.derivation == .refresh && session.settings.derivedFrom != nil
+                ? (session.settings.derivedFrom, session.settings.resources)
+                : (session.settings.keyDerivation == .refresh ? (session.name, session.settings.allowResources) : (nil, []))
+            guard let parent else { continue }
+            for resource in resources where !(loginResources[parent]?.contains(resource) ?? false) {
                 loginResources[parent, default: []].append(resource)
             }
         }
@@ -133,9 +138,14 @@ public enum ConfigLoader {
             }
             if let entry = keyEntries[session.name] {
                 // Keys are derived like derived sessions: from a session of its own, on this host.
-                guard session.settings.derivedFrom == nil, case .oauth = session.upstream, session.fleet == nil else {
+                guard session.settings.derivedFrom == nil, case let .oauth(oauth) = session.upstream, session.fleet == nil else {
                     context.record(fail(entry, "\(entry.key)= needs an Upstream=oauth session of its own, without Fleet=yes "
-                                        + "(its keys are derived from its token by exchange)"))
+                                        + "(its keys are derived from its tokens)"))
+                    return nil
+                }
+                if session.settings.keyDerivation == .refresh, oauth.grant != .refreshToken {
+                    context.record(fail(entry, "KeyDerivation=refresh redeems the session's refresh token, and Grant=\(oauth.grant.rawValue) "
+                                        + "has none (use KeyDerivation=exchange)"))
                     return nil
                 }
             }

@@ -186,6 +186,11 @@ public enum ConfigSchema {
                 !word.contains("\"") && !word.contains("\\")
             }
         },
+        ConfigKey("KeyDerivation", \.keyDerivation,
+                  .oneOf(SessionConfiguration.DerivationMethod.self, [.exchange, .refresh], message: "KeyDerivation= must be exchange or refresh"),
+                  default: "exchange", change: .rebuildsSession,
+                  "how keys asked for per call get their tokens: RFC 8693 token exchange of the session's access token, or its refresh "
+                  + "token redeemed with the resource and scope (refresh, RFC 8707 §2.2) in the session's one lineage"),
         ConfigKey("MaxKeys", \.maxKeys, .count(1...1024), default: "32", change: .rebuildsSession,
                   "how many narrowed tokens (keys) the session keeps at most; the least recently used goes first"),
         ConfigKey("RefreshAhead", \.policy.refreshAhead, .duration(.zero...Duration.seconds(86400)), default: "60s", change: .rebuildsSession,
@@ -333,6 +338,8 @@ public struct SessionSettings: Sendable, Equatable {
     public var allowResources: [String] = []
     public var allowScopes: [String] = []
     public var maxKeys = 32
+    /// How keys get their tokens (`KeyDerivation=`).
+    public var keyDerivation = SessionConfiguration.DerivationMethod.exchange
 
     public init(name: String) { self.name = name }
 }
