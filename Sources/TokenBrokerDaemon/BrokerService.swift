@@ -72,11 +72,11 @@ final class BrokerService: VarlinkHandler {
     static let methods: [BrokerMethod: Method] = [
         .getToken: Method(access: .sessionUser, handler: .session { service, request, peer, session in
             guard case let .getToken(_, minValid, key) = request else { throw BrokerError.internalError }
-            return try service.keyed(session, key) { service.getToken($0, validFor: minValid, by: peer) }
+            return try service.keyed(session, key, by: peer) { service.getToken($0, validFor: minValid, by: peer) }
         }),
         .recover: Method(access: .sessionUser, handler: .session { service, request, peer, session in
             guard case let .recover(_, rejected, key) = request else { throw BrokerError.internalError }
-            return try service.keyed(session, key) { service.recover($0, rejected: Secret(rejected), by: peer) }
+            return try service.keyed(session, key, by: peer) { service.recover($0, rejected: Secret(rejected), by: peer) }
         }),
         .watch: Method(access: .sessionUser, streams: true, handler: .session { service, _, peer, session in
             .async { sink in await service.watch(session, peer, sink) }
@@ -108,7 +108,7 @@ final class BrokerService: VarlinkHandler {
         }),
         .getProof: Method(access: .sessionUser, handler: .session { service, request, peer, session in
             guard case let .getProof(_, method, uri, nonce, rejected, minValid, key) = request else { throw BrokerError.internalError }
-            return try service.keyed(session, key) {
+            return try service.keyed(session, key, by: peer) {
                 service.getProof($0, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init), validFor: minValid, by: peer)
             }
         }),
@@ -207,12 +207,14 @@ final class BrokerService: VarlinkHandler {
     /// call). A key the session does not allow is refused as one no session has: InvalidParameter
     /// naming what it narrows. A signed-out session makes no key. (A key that exists was made
     /// in the session's current generation: every boundary drops them all.)
-    private func keyed(_ session: SessionTable.Session, _ key: TokenKey?, _ body: (SessionTable.Session) -> VarlinkHandling) throws -> VarlinkHandling {
-        body(try keyedSession(session, key))
+    private func keyed(_ session: SessionTable.Session, _ key: TokenKey?, by peer: PeerCredentials,
+                       _ body: (SessionTable.Session) -> VarlinkHandling) throws -> VarlinkHandling {
+        body(try keyedSession(session, key, by: peer))
     }
 
-    /// The session of `key` on `session` (`session` itself without one), as `keyed`.
-    private func keyedSession(_ session: SessionTable.Session, _ key: TokenKey?) throws -> SessionTable.Session {
+    /// The session of `key` on `session` (`session` itself without one), as `keyed`; a key
+    /// made now is charged to `peer`'s uid.
+    private func keyedSession(_ session: SessionTable.Session, _ key: TokenKey?, by peer: PeerCredentials) throws -> SessionTable.Session {
         guard let key else { return session }
         if let keyed = session.keys?.existing(key) { return keyed }
         guard let keys = session.keys else { throw ParameterError(name: key.resource != nil ? "resource" : "scope") }
@@ -220,7 +222,7 @@ final class BrokerService: VarlinkHandler {
         guard session.coordinator.summary.state == .active else {
             throw contractError(SessionError.signedOut, session: session.configuration.name)
         }
-        switch keys.session(for: key) {
+        switch keys.session(for: key, by: peer.uid) {
         case let .session(keyed): return keyed
         case let .throttled(retryAfter): throw contractError(SessionError.throttled(retryAfter: retryAfter), session: session.configuration.name)
         }
@@ -317,7 +319,7 @@ final class BrokerService: VarlinkHandler {
             do {
                 // A key of the session that serves the URL, as GetToken's on it.
                 let keyed: SessionTable.Session
-                do { keyed = try keyedSession(session, key) } catch let error as ParameterError {
+                do { keyed = try keyedSession(session, key, by: peer) } catch let error as ParameterError {
                     sink.send(error.reply)
                     return
                 }

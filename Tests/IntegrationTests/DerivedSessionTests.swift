@@ -385,20 +385,29 @@ struct DerivedSessionTests {
         }
     }
 
-    @Test("keys are made at most MaxKeys= (or the guard's burst) per RefreshLimitInterval=: a caller cycling through keys gets Throttled, and costs the issuer no more exchanges")
+    @Test("keys are made at most MaxKeys= (or the guard's burst) per RefreshLimitInterval=, one uid at most half of them: a caller cycling through keys gets Throttled and costs the issuer no more exchanges, while another uid still makes its keys")
     func keyCreationBudget() async throws {
-        try await Self.withIssuerAndBroker(keys: true) { issuer, broker in
+        let issuer = try DevIssuer(options: DevIssuer.Options())
+        defer { issuer.stop() }
+        let config = Self.keyedConfig(issuer).replacingOccurrences(of: "MaxKeys=2\n", with: "MaxKeys=2\nAllowUsers=\(Broker.workerUID)\n")
+        try await withBroker(config: config) { broker in
             try await Self.logIn(broker, issuer)
-            // MaxKeys=2 with the default burst of 10: ten keys may be made per 60 s.
-            var throttled = 0
+            // MaxKeys=2 with the default burst of 10: ten keys may be made per 60 s, five by one uid.
+            var throttled: [Int] = []
             for index in 0..<14 {
                 let reply = try broker.call("GetToken", ["session": "api", "resource": .string(index % 2 == 0 ? Self.k1 : Self.k2),
                                                          "scope": index % 4 < 2 ? "read" : "write"])
-                if reply.error == "io.tokenbroker.Broker.Throttled" { throttled += 1 } else { #expect(reply.error == nil) }
+                if reply.error == "io.tokenbroker.Broker.Throttled" { throttled.append(index) } else { #expect(reply.error == nil) }
             }
-            // Calls 0 to 9 each make a key (four keys in turn, two kept); 10 and 11 would make
-            // more: Throttled, evicting nothing; 12 and 13 find the two keys 8 and 9 made.
-            #expect(throttled == 2 && issuer.counters.tokenExchanges == 10, "throttled \(throttled), exchanges \(issuer.counters.tokenExchanges)")
+            // Calls 0 to 4 each make a key (four keys in turn, two kept: k2 write and k1 read at
+            // the end); those that would make more are Throttled, evicting nothing; the others
+            // find the two keys kept.
+            #expect(throttled == [5, 6, 9, 10, 13] && issuer.counters.tokenExchanges == 5, "throttled \(throttled), exchanges \(issuer.counters.tokenExchanges)")
+            // Another uid has its share still.
+            let worker = try await broker.ctl(["token", "api", "--resource", Self.k2, "--scope", "read"], asUser: Broker.workerUID)
+            #expect(worker.code == 0 && issuer.counters.tokenExchanges == 6, "\(worker.err)")
+            #expect(try broker.call("GetToken", ["session": "api", "resource": .string(Self.k1), "scope": "write"]).error
+                    == "io.tokenbroker.Broker.Throttled", "the hog is throttled still")
         }
     }
 

@@ -9,23 +9,25 @@ import TokenBrokerCore
 /// `AllowResources=` and `AllowScopes=`; a key outside them is refused as one that does not
 /// exist. New keys are made at most `MaxKeys=` (or the refresh guard's burst, if larger) per
 /// `RefreshLimitInterval=`: a caller cycling through keys costs the issuer that many exchanges
-/// at most, then gets `Throttled`.
+/// at most, then gets `Throttled`. One uid makes at most its share of them (half,
+/// `RefreshBudget.share`): a hog cycling through keys is throttled before the others are.
 final class DerivedKeys: Sendable {
     private struct State {
         var entries: [TokenKey: (session: SessionTable.Session, lastUse: UInt64)] = [:]
         var tick: UInt64 = 0
         var serial = 0
         var evicted = 0
-        /// When keys were made lately (monotonic), for the creation budget.
-        var made: [ContinuousClock.Instant] = []
+        /// When keys were made lately (monotonic), and for whom, for the creation budget.
+        var made: [(at: ContinuousClock.Instant, uid: UInt32)] = []
     }
 
     private let state = Mutex(State())
     let limit: Int
     let allowResources: Set<String>
     let allowScopes: Set<String>
-    /// How many keys may be made per `window`.
+    /// How many keys may be made per `window`, and by one uid.
     let creations: Int
+    let share: Int
     let window: Duration
     /// Makes the session of a key (its coordinator active, nothing fetched), named by `serial`.
     private let make: @Sendable (TokenKey, Int) -> SessionTable.Session
@@ -38,6 +40,7 @@ final class DerivedKeys: Sendable {
         self.allowResources = Set(allowResources)
         self.allowScopes = Set(allowScopes)
         self.creations = creations
+        share = RefreshBudget.share(of: creations)
         self.window = window
         self.make = make
         self.stop = stop
@@ -66,29 +69,31 @@ final class DerivedKeys: Sendable {
     }
 
     /// The session of an allowed `key`, made now if there is none (dropping the least recently
-    /// used beyond the limit), within the creation budget.
-    func session(for key: TokenKey) -> Made {
+    /// used beyond the limit), within the creation budget and `uid`'s share of it.
+    func session(for key: TokenKey, by uid: UInt32) -> Made {
         if let found = existing(key) { return .session(found) }
         let now = ContinuousClock.now
-        let serial = state.withLock { state -> Int? in
-            state.made.removeAll { $0.duration(to: now) >= window }
-            guard state.made.count < creations else { return nil }
-            state.made.append(now)
+        let made = state.withLock { state -> (serial: Int?, retryAfter: Duration) in
+            state.made.removeAll { $0.at.duration(to: now) >= window }
+            let own = state.made.filter { $0.uid == uid }
+            guard state.made.count < creations, own.count < share else {
+                // Until the oldest creation that stands in the way leaves the window.
+                let oldest = (own.count >= share ? own.first : state.made.first)?.at ?? now
+                return (nil, max(window - oldest.duration(to: now), .seconds(1)))
+            }
+            state.made.append((now, uid))
             state.serial += 1
-            return state.serial
+            return (state.serial, .zero)
         }
-        guard let serial else {
-            let oldest = state.withLock { $0.made.first } ?? now
-            return .throttled(max(window - oldest.duration(to: now), .seconds(1)))
-        }
+        guard let serial = made.serial else { return .throttled(made.retryAfter) }
         // Made outside the lock (a coordinator, its HTTP source, a journal line); another caller
         // may have made the same key meanwhile: the first one in is kept.
-        let made = make(key, serial)
+        let fresh = make(key, serial)
         var unused: [SessionTable.Session] = []
         let session = state.withLock { state -> SessionTable.Session in
             state.tick &+= 1
             if let entry = state.entries[key] {
-                unused.append(made)
+                unused.append(fresh)
                 return entry.session
             }
             if state.entries.count >= limit, let oldest = state.entries.min(by: { $0.value.lastUse < $1.value.lastUse }) {
@@ -96,8 +101,8 @@ final class DerivedKeys: Sendable {
                 state.evicted += 1
                 unused.append(oldest.value.session)
             }
-            state.entries[key] = (made, state.tick)
-            return made
+            state.entries[key] = (fresh, state.tick)
+            return fresh
         }
         // (An evicted key's token was derived in the current generation: no boundary is owed.)
         if !unused.isEmpty { stop(unused) }
