@@ -55,6 +55,7 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
     case metrics = "Metrics", credential = "Credential", getProof = "GetProof"
     case codeLogin = "CodeLogin", completeCodeLogin = "CompleteCodeLogin", loginFlow = "LoginFlow"
     case resetFleetHistory = "ResetFleetHistory"
+    case delegate = "Delegate", delegations = "Delegations", undelegate = "Undelegate"
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
@@ -149,6 +150,10 @@ public enum BrokerRequest: Sendable, Equatable {
     case loginFlow(session: String)
     /// Starts a fleet session's history anew (an admin's way out of a generation at its limit).
     case resetFleetHistory(session: String)
+    /// Chosen sessions on a socket of their own (an admin's); the delegations; the end of one.
+    case delegate(DelegationRequest)
+    case delegations
+    case undelegate(name: String)
 
     public var method: BrokerMethod {
         switch self {
@@ -169,6 +174,9 @@ public enum BrokerRequest: Sendable, Equatable {
         case .completeCodeLogin: return .completeCodeLogin
         case .loginFlow: return .loginFlow
         case .resetFleetHistory: return .resetFleetHistory
+        case .delegate: return .delegate
+        case .delegations: return .delegations
+        case .undelegate: return .undelegate
         }
     }
 
@@ -179,7 +187,7 @@ public enum BrokerRequest: Sendable, Equatable {
              let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _, _, _),
              let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session), let .resetFleetHistory(session):
             return session
-        case .status, .reload, .metrics, .credential:
+        case .status, .reload, .metrics, .credential, .delegate, .delegations, .undelegate:
             return nil
         }
     }
@@ -256,6 +264,15 @@ public enum BrokerRequest: Sendable, Equatable {
             self = .completeCodeLogin(session: name, redirectUrl: redirect)
         case .loginFlow: self = .loginFlow(session: try session())
         case .resetFleetHistory: self = .resetFleetHistory(session: try session())
+        case .delegate: self = .delegate(try DelegationRequest(parameters))
+        case .delegations:
+            try parameters.only([])
+            self = .delegations
+        case .undelegate:
+            try parameters.only(["name"])
+            let name = try parameters.string("name")
+            guard BrokerContract.isName(name) else { throw ParameterError(name: "name") }
+            self = .undelegate(name: name)
         }
     }
 
@@ -292,7 +309,9 @@ public enum BrokerRequest: Sendable, Equatable {
             (parameters["session"], parameters["rejected"]) = (.string(session), .string(rejected))
             return parameters
         case let .login(session, refreshToken): return ["session": .string(session), "refreshToken": .string(refreshToken)]
-        case .status, .reload, .metrics: return [:]
+        case .status, .reload, .metrics, .delegations: return [:]
+        case let .delegate(request): return request.parameters
+        case let .undelegate(name): return ["name": .string(name)]
         case let .credential(url, rejected, minValid, key):
             var parameters = key?.parameters ?? [:]
             parameters["url"] = .string(url)
@@ -723,6 +742,8 @@ public enum BrokerError: Error, Sendable, Equatable {
     case shuttingDown
     case internalError
     case protocolError(reason: String)
+    case noSuchDelegation(name: String)
+    case delegationFailed(name: String, reason: String)
 
     /// `io.tokenbroker.Broker.ProtocolError`, which the varlink layer sends by name.
     public static let protocolErrorName = BrokerContract.name + ".ProtocolError"
@@ -744,6 +765,8 @@ public enum BrokerError: Error, Sendable, Equatable {
         case .shuttingDown: "ShuttingDown"
         case .internalError: "InternalError"
         case .protocolError: "ProtocolError"
+        case .noSuchDelegation: "NoSuchDelegation"
+        case .delegationFailed: "DelegationFailed"
         }
     }
 
@@ -777,6 +800,10 @@ public enum BrokerError: Error, Sendable, Equatable {
             parameters = ["session": .string(session), "reason": .string(reason)]
         case let .configurationError(reason), let .protocolError(reason):
             parameters = ["reason": .string(reason)]
+        case let .noSuchDelegation(name):
+            parameters = ["name": .string(name)]
+        case let .delegationFailed(name, reason):
+            parameters = ["name": .string(name), "reason": .string(reason)]
         }
         return .error(BrokerContract.name + "." + name, parameters)
     }
@@ -805,6 +832,9 @@ public enum BrokerError: Error, Sendable, Equatable {
         case BrokerContract.name + ".ShuttingDown": self = .shuttingDown
         case BrokerContract.name + ".InternalError": self = .internalError
         case BrokerContract.name + ".ProtocolError": self = .protocolError(reason: reason)
+        case BrokerContract.name + ".NoSuchDelegation": self = .noSuchDelegation(name: parameters["name"]?.stringValue ?? "")
+        case BrokerContract.name + ".DelegationFailed":
+            self = .delegationFailed(name: parameters["name"]?.stringValue ?? "", reason: reason)
         default: return nil
         }
     }

@@ -37,6 +37,8 @@ public enum Ctl {
         var minValid: Int64?
         var resource: String?
         var scope: String?
+        /// Options with a value that only `delegate` takes, and its `--socket` (after the verb).
+        var values: [String: String] = [:]
         var index = 0
         // A usage error names the verb's usage once the verb is known.
         func usage(_ message: String, _ errors: inout some TextOutput) -> Int32 {
@@ -50,7 +52,12 @@ public enum Ctl {
                 return .exit(ExitCode.ok)
             case "--socket":
                 guard index + 1 < arguments.count else { return .exit(usage("--socket needs a path", &errors)) }
-                socket = arguments[index + 1]
+                // After `delegate`, the delegation's socket; before it, the broker's.
+                if words.first == "delegate" { values["--socket"] = arguments[index + 1] } else { socket = arguments[index + 1] }
+                index += 1
+            case _ where CtlVerb.delegateOptions.contains(argument):
+                guard index + 1 < arguments.count else { return .exit(usage("\(argument) needs a value", &errors)) }
+                values[argument] = arguments[index + 1]
                 index += 1
             case "--json":
                 json = true
@@ -112,7 +119,7 @@ public enum Ctl {
         }
         return .exit(perform(words, socket: socket, json: json, refreshTokenFromStdin: refreshTokenFromStdin, showToken: showToken,
                              nonce: nonce, flow: flow, minValid: minValid, key: TokenKey(resource: resource, scope: scope),
-                             output: &output, errors: &errors))
+                             values: values, output: &output, errors: &errors))
     }
 
     /// A duration on the command line: `90`, `90s`, `10m`, `1h30m`, `2d` (seconds, 1 to a year).
@@ -154,6 +161,8 @@ public enum Ctl {
         let minValid: Int64?
         /// `--resource`, `--scope`: a key of the session.
         let key: TokenKey?
+        /// `delegate`'s options with their values (its `--socket` among them).
+        let values: [String: String]
 
         var session: String { operands[0] }
     }
@@ -161,7 +170,8 @@ public enum Ctl {
     /// Runs the verb `words[0]` by its entry in `CtlVerb.all`, once its operands and options
     /// are what the entry says.
     private static func perform<Output: TextOutput>(_ words: [String], socket: String, json: Bool, refreshTokenFromStdin: Bool, showToken: Bool,
-                                                    nonce: String?, flow: LoginFlow?, minValid: Int64?, key: TokenKey?, output: inout Output,
+                                                    nonce: String?, flow: LoginFlow?, minValid: Int64?, key: TokenKey?, values: [String: String],
+                                                    output: inout Output,
                                                     errors: inout some TextOutput) -> Int32 {
         guard let verb = words.first else { return usage("missing verb", nil, &errors) }
         guard let entry = CtlVerb.named(verb) else {
@@ -170,7 +180,7 @@ public enum Ctl {
         }
         let given = [("--refresh-token-stdin", refreshTokenFromStdin), ("--flow", flow != nil), ("--show-token", showToken),
                      ("--nonce", nonce != nil), ("--min-valid", minValid != nil), ("--resource", key?.resource != nil),
-                     ("--scope", key?.scope != nil)]
+                     ("--scope", key?.scope != nil)] + values.keys.filter { $0 != "--socket" }.sorted().map { ($0, true) }
         for (option, isGiven) in given where isGiven && !entry.options.contains(option) {
             let takers = CtlVerb.takers(of: option)
             let named = takers.count < 3 ? takers.joined(separator: " and ") : takers.dropLast().joined(separator: ", ") + " and " + takers.last!
@@ -178,12 +188,14 @@ public enum Ctl {
         }
         if flow != nil && refreshTokenFromStdin { return usage("--flow and --refresh-token-stdin are two ways to log in: choose one", entry, &errors) }
         let operands = Array(words.dropFirst())
-        guard operands.count == entry.operands.count else { return usage(entry.operandRule, entry, &errors) }
+        guard operands.count == entry.operands.count || (entry.variadic && operands.count > entry.operands.count) else {
+            return usage(entry.operandRule, entry, &errors)
+        }
         guard let address = address(socket) else {
             return usage("invalid socket address '\(socket)' (a path, @abstract or unix:path)", entry, &errors)
         }
         let invocation = Invocation(address: address, operands: operands, json: json, refreshTokenFromStdin: refreshTokenFromStdin,
-                                    showToken: showToken, nonce: nonce, flow: flow, minValid: minValid, key: key)
+                                    showToken: showToken, nonce: nonce, flow: flow, minValid: minValid, key: key, values: values)
         // (The handlers write to an existential; it holds the same value, handed back after.)
         var sink: any TextOutput = output
         defer { output = sink as! Output }
@@ -226,6 +238,75 @@ public enum Ctl {
         let proof = ProofReply(reply.parameters)
         guard !proof.token.token.isEmpty else { throw Failure(code: ExitCode.failure, message: "the broker sent no token") }
         output.write(call.json ? JSON.object(reply.parameters).text + "\n" : proof.headers.map { "\($0.name): \($0.value)\n" }.joined())
+    }
+
+    static func delegate(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        guard let path = call.values["--socket"] else { throw Failure(usage: "delegate needs --socket PATH: where the delegation's socket is bound") }
+        guard path.hasPrefix("/") else { throw Failure(usage: "--socket needs an absolute path for the delegation's socket") }
+        var request = DelegationRequest(name: call.values["--name"], sessions: call.operands, socket: path)
+        if let ttl = call.values["--ttl"] {
+            guard let seconds = duration(ttl) else { throw Failure(usage: "--ttl needs a duration such as 1h, 30m or 2d (at most a year)") }
+            request.ttl = seconds
+        }
+        if let mode = call.values["--mode"] {
+            guard let value = UInt32(mode, radix: 8), value <= 0o777 else { throw Failure(usage: "--mode needs an octal mode such as 0660") }
+            request.mode = value
+        }
+        if let owner = call.values["--owner"] {
+            guard let uid = Identity.user(owner) else { throw Failure(usage: "--owner: no user '\(owner.prefix(64))'") }
+            request.user = uid
+        }
+        if let group = call.values["--group"] {
+            guard let gid = Identity.group(group) else { throw Failure(usage: "--group: no group '\(group.prefix(64))'") }
+            request.group = gid
+        }
+        for (option, lookup) in [("--allow-users", Identity.user(_:)), ("--allow-groups", Identity.group(_:))] {
+            guard let list = call.values[option] else { continue }
+            var ids: [UInt32] = []
+            for word in list.split(whereSeparator: { $0 == "," || $0 == " " }) {
+                guard let id = lookup(String(word)) else { throw Failure(usage: "\(option): no \(option == "--allow-users" ? "user" : "group") '\(word.prefix(64))'") }
+                ids.append(id)
+            }
+            if option == "--allow-users" { request.allowUsers = ids } else { request.allowGroups = ids }
+        }
+        if let count = call.values["--max-connections"] {
+            guard let value = Int(count), (1...65_536).contains(value) else { throw Failure(usage: "--max-connections needs a number from 1 to 65536") }
+            request.maxConnections = value
+        }
+        let reply = try Ctl.call(call.address, .delegate(request))
+        if call.json {
+            output.write(JSON.object(reply.parameters).text + "\n")
+            return
+        }
+        let name = reply.parameters["name"]?.stringValue ?? request.name ?? "?"
+        let until = reply.parameters["expiresAt"]?.intValue.map { ", until \(UTCTime.timestamp($0))" } ?? ""
+        output.write("delegated \(call.operands.joined(separator: " ")) on \(path) as \(name)\(until)\n")
+    }
+
+    static func delegations(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        let reply = try Ctl.call(call.address, .delegations)
+        if call.json {
+            output.write(JSON.object(reply.parameters).text + "\n")
+            return
+        }
+        let all = (reply.parameters["delegations"]?.arrayValue ?? []).compactMap { $0.objectValue.flatMap(DelegationInfo.init) }
+        guard !all.isEmpty else {
+            output.write("no delegations\n")
+            return
+        }
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        var rows = [["NAME", "SESSIONS", "SOCKET", "EXPIRES", "FROM"]]
+        for delegation in all {
+            rows.append([delegation.name, delegation.sessions.joined(separator: ","), delegation.socket,
+                         delegation.expiresAt.map { "in " + span($0 - Int64(now.tv_sec)) } ?? "-", delegation.configured ? "config" : "ctl"])
+        }
+        output.write(table(rows))
+    }
+
+    static func undelegate(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        _ = try Ctl.call(call.address, .undelegate(name: call.operands[0]))
+        if !call.json { output.write("undelegated \(call.operands[0]): its socket is closed\n") }
     }
 
     static func login(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
@@ -485,6 +566,10 @@ public enum Ctl {
             return Failure(code: ExitCode.failure, message: "the broker failed internally (see its log)")
         case let .protocolError(reason):
             return Failure(code: ExitCode.failure, message: "the broker refused the message: \(reason)")
+        case let .noSuchDelegation(name):
+            return Failure(code: ExitCode.failure, message: "no delegation named '\(name)' (see `tokenbroker ctl delegations`)")
+        case let .delegationFailed(name, reason):
+            return Failure(code: ExitCode.failure, message: "delegation '\(name)' could not be made: \(reason)")
         }
     }
 
@@ -545,5 +630,33 @@ public enum Ctl {
                 column == row.count - 1 ? row[column] : row[column] + String(repeating: " ", count: widths[column] - row[column].count)
             }.joined(separator: "  ")
         }.joined(separator: "\n") + "\n" + fleet
+    }
+}
+
+extension Ctl {
+    /// Rows as columns two spaces apart (the last column unpadded).
+    static func table(_ rows: [[String]]) -> String {
+        guard let header = rows.first else { return "" }
+        let widths = header.indices.map { column in rows.map { $0[column].count }.max() ?? 0 }
+        return rows.map { row in
+            row.indices.map { column in
+                column == row.count - 1 ? row[column] : row[column] + String(repeating: " ", count: widths[column] - row[column].count)
+            }.joined(separator: "  ")
+        }.joined(separator: "\n") + "\n"
+    }
+}
+
+/// Users and groups by name or number, as ctl's options give them (looked up on this host).
+enum Identity {
+    static func user(_ text: String) -> UInt32? {
+        if let id = UInt32(text), id != UInt32.max { return id }
+        guard !text.isEmpty, text.utf8.count <= 64, let entry = getpwnam(text) else { return nil }
+        return entry.pointee.pw_uid
+    }
+
+    static func group(_ text: String) -> UInt32? {
+        if let id = UInt32(text), id != UInt32.max { return id }
+        guard !text.isEmpty, text.utf8.count <= 64, let entry = getgrnam(text) else { return nil }
+        return entry.pointee.gr_gid
     }
 }

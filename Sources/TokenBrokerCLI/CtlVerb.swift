@@ -16,6 +16,8 @@ public struct CtlVerb: Sendable {
     /// Where it runs: in the small static `tokenbroker`, or in `tokenbroker-daemon` (which
     /// links what it needs).
     public let execution: Execution
+    /// Its last operand may be given more than once (`delegate <session>...`).
+    public let variadic: Bool
     /// What it does, once its operands and options are checked.
     let handler: @Sendable (Ctl.Invocation, inout any TextOutput) throws(Ctl.Failure) -> Void
 
@@ -28,9 +30,10 @@ public struct CtlVerb: Sendable {
         case daemonOnTerminal
     }
 
-    init(_ name: String, _ operands: [String], options: Set<String> = [], _ summary: String, help: String, execution: Execution = .here,
-         _ handler: @escaping @Sendable (Ctl.Invocation, inout any TextOutput) throws(Ctl.Failure) -> Void) {
+    init(_ name: String, _ operands: [String], variadic: Bool = false, options: Set<String> = [], _ summary: String, help: String,
+         execution: Execution = .here, _ handler: @escaping @Sendable (Ctl.Invocation, inout any TextOutput) throws(Ctl.Failure) -> Void) {
         self.name = name
+        self.variadic = variadic
         self.operands = operands
         self.summary = summary
         self.options = options
@@ -55,6 +58,10 @@ public struct CtlVerb: Sendable {
         CtlVerb("reset-fleet-history", ["session"], "Start a fleet session's history anew, past its limit (admin).",
                 help: Help.ctlResetFleetHistory, Ctl.resetFleetHistory),
         CtlVerb("reload", [], "Make the daemon re-read its configuration (admin).", help: Help.ctlReload, Ctl.reload),
+        CtlVerb("delegate", ["session"], variadic: true, options: delegateOptions,
+                "Serve sessions on a socket of their own, for a container or host (admin).", help: Help.ctlDelegate, Ctl.delegate),
+        CtlVerb("delegations", [], "List the delegations and their sockets (admin).", help: Help.ctlDelegations, Ctl.delegations),
+        CtlVerb("undelegate", ["name"], "End a delegation: its socket and connections close (admin).", help: Help.ctlUndelegate, Ctl.undelegate),
         CtlVerb("metrics", [], "Print the daemon's metrics, Prometheus text format (admin).", help: Help.ctlMetrics, Ctl.metrics),
         // (Never reaches its handler: `Ctl.run` hands it to the daemon's executable, options and all.)
         CtlVerb("check-config", [], "Validate the configuration files (same as `tokenbroker check-config`).", help: Help.checkConfig,
@@ -67,7 +74,10 @@ public struct CtlVerb: Sendable {
         var skipNext = false
         for argument in arguments {
             if skipNext { skipNext = false; continue }
-            if ["--socket", "--nonce", "--min-valid", "--flow", "--resource", "--scope"].contains(argument) { skipNext = true; continue }
+            if ["--socket", "--nonce", "--min-valid", "--flow", "--resource", "--scope"].contains(argument) || delegateOptions.contains(argument) {
+                skipNext = true
+                continue
+            }
             if argument.hasPrefix("-") { continue }
             return named(argument)
         }
@@ -82,13 +92,19 @@ public struct CtlVerb: Sendable {
     /// The verbs that take `option`, for "--nonce belongs to proof".
     static func takers(of option: String) -> [String] { all.filter { $0.options.contains(option) }.map(\.name) }
 
+    /// The options with a value only `delegate` takes (its `--socket` is the global one's name,
+    /// read after the verb).
+    static let delegateOptions: Set<String> = ["--ttl", "--name", "--mode", "--owner", "--group", "--allow-users", "--allow-groups",
+                                                "--max-connections"]
+
     /// `proof <session> <method> <url>`.
-    var synopsis: String { ([name] + operands.map { "<\($0)>" }).joined(separator: " ") }
+    var synopsis: String { ([name] + operands.map { "<\($0)>" }).joined(separator: " ") + (variadic ? "..." : "") }
 
     /// What a wrong number of operands is told.
     var operandRule: String {
         switch operands.count {
         case 0: return "\(name) takes no operand"
+        case 1 where variadic: return "\(name) needs one \(operands[0].uppercased()) or more"
         case 1: return "\(name) needs exactly one \(operands[0].uppercased())"
         default:
             let named = operands.map { "a \($0.uppercased())" }

@@ -395,6 +395,81 @@ public enum Help {
 
         """
 
+    public static let ctlDelegate = """
+        OVERVIEW: Serve sessions on a socket of their own, for a container or a host (admin).
+
+        Binds a socket that serves only these sessions' tokens: GetToken, Recover, GetProof,
+        Watch, Credential and Status answer there, for these sessions alone; every admin call,
+        every other session and every key (resource, scope) is refused, whoever the peer is —
+        root in a container without a user namespace, or the far side of `ssh -R`, included.
+        Bind-mount the socket (or its directory) into a container, or forward it with ssh. It
+        lasts until `ctl undelegate`, --ttl, or the daemon's stop (at a restart, only the ones
+        in [Delegation] sections come back). A logout of a session reaches its workers there as
+        everywhere: SignedOut.
+
+        The socket's directory must be one only root or the daemon's user can change (as for the
+        broker's own socket); --socket here names the delegation's socket (the broker's is given
+        before the verb, or by $TOKENBROKER_SOCKET).
+
+        USAGE: tokenbroker ctl [--socket <path>] delegate <session>... --socket <path> [--ttl <duration>]
+                                   [--name <name>] [--mode <octal>] [--owner <user>] [--group <group>]
+                                   [--allow-users <users>] [--allow-groups <groups>] [--max-connections <n>]
+
+        OPTIONS:
+          --socket <path>         Where the delegation's socket is bound (after the verb).
+          --ttl <duration>        It ends by itself after this long: 30m, 1h, 2d (at most a year).
+          --name <name>           Its name (default: one the daemon picks, printed).
+          --mode <octal>          The socket file's mode (default 0660).
+          --owner <user>, --group <group>
+                                  The socket file's owner and group (default the daemon's).
+          --allow-users <users>, --allow-groups <groups>
+                                  Only these peers (by uid/gid as the kernel reports them,
+                                  comma-separated) may use it; default whoever opens the socket.
+          --max-connections <n>   Connections open on it at once (default 64).
+          --json                  The Delegate reply as JSON.
+          -h, --help              Show this help.
+
+        EXAMPLES:
+          tokenbroker ctl delegate ci-read --socket /run/tokenbroker/delegations/ci/broker.sock --ttl 1h --name ci
+          systemd-nspawn --bind-ro=/run/tokenbroker/delegations/ci:/run/tokenbroker ...
+          ssh -R /run/user/1000/tokenbroker.sock:/run/tokenbroker/delegations/dev/broker.sock dev-host
+
+        """
+
+    public static let ctlDelegations = """
+        OVERVIEW: List the delegations and their sockets (admin).
+
+        Each delegation's name, sessions, socket, when it ends, and whether it comes from a
+        [Delegation] section (config) or from `ctl delegate` (ctl).
+
+        USAGE: tokenbroker ctl [--socket <path>] delegations [--json]
+
+        OPTIONS:
+          --json                  The Delegations reply as JSON.
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl delegations
+
+        """
+
+    public static let ctlUndelegate = """
+        OVERVIEW: End a delegation (admin).
+
+        Removes its socket and closes every connection on it before it returns: a worker
+        there gets no other token. A configured one (a [Delegation] section) comes back at the
+        next reload unless its section is gone.
+
+        USAGE: tokenbroker ctl [--socket <path>] undelegate <name>
+
+        OPTIONS:
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl undelegate ci
+
+        """
+
     public static let ctlMetrics = """
         OVERVIEW: Print the daemon's metrics (admin).
 

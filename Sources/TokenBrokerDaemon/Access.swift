@@ -9,6 +9,8 @@ import Varlink
 ///   Reload and see every session.
 /// - A session may be used by its `AllowUsers=` and by members (primary or supplementary) of its
 ///   `AllowGroups=`, and by admins. A session with neither list is for admins only.
+/// - Through a delegation's socket (`PeerCredentials.listener` not 0) nobody is an admin and
+///   no session is usable by these rules: the delegation says which of its sessions are.
 /// - The overflow ids (65534) never match anything, not even a daemon running as that user:
 ///   the kernel reports them for any peer whose id has no mapping in the daemon's user
 ///   namespace, so they name nobody in particular.
@@ -19,12 +21,15 @@ struct Access: Sendable, Equatable {
     var overflowGID = ProcessDefences.overflowGID
 
     func isAdmin(_ peer: PeerCredentials) -> Bool {
-        guard peer.uid != overflowUID else { return false }
+        // Through a delegation's socket nobody is an admin (the delegation is the principal).
+        guard peer.uid != overflowUID, peer.listener == 0 else { return false }
         return peer.uid == 0 || peer.uid == daemonUID || adminGroup.map { isMember(peer, of: $0) } == true
     }
 
     func mayUse(_ session: SessionConfiguration, _ peer: PeerCredentials) -> Bool {
-        isAdmin(peer)
+        // (A delegation's peers use its sessions, which it names: `Delegations.Grant`.)
+        guard peer.listener == 0 else { return false }
+        return isAdmin(peer)
             || (peer.uid != overflowUID && session.allowUsers.contains(peer.uid))
             || session.allowGroups.contains { isMember(peer, of: $0) }
     }

@@ -29,11 +29,15 @@ final class BrokerService: VarlinkHandler {
     let outliving: TaskPool
     /// The interactive logins under way, one per session (code logins waiting for their redirects among them).
     let interactiveLogins = InteractiveLogins()
+    /// The delegations' sockets and what each may do.
+    let delegations: Delegations
 
     init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
          forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }, metrics: Metrics = Metrics(version: "test"),
-         metricsText: @escaping @Sendable () async -> String = { "" }, outliving: TaskPool = TaskPool(limit: 256, backlog: 1 << 16)) {
+         metricsText: @escaping @Sendable () async -> String = { "" }, outliving: TaskPool = TaskPool(limit: 256, backlog: 1 << 16),
+         delegations: Delegations? = nil) {
         self.outliving = outliving
+        self.delegations = delegations ?? Delegations(logger: logger)
         self.sessions = sessions
         self.logger = logger
         self.reload = reload
@@ -118,7 +122,21 @@ final class BrokerService: VarlinkHandler {
         .metrics: Method(access: .admin, handler: .other { service, _, _ in
             .async { sink in sink.send(VarlinkReply(parameters: MetricsReply(text: await service.metricsText()).parameters)) }
         }),
+        .delegate: Method(access: .admin, handler: .other { service, request, peer in
+            guard case let .delegate(delegation) = request else { throw BrokerError.internalError }
+            return service.delegate(delegation, by: peer)
+        }),
+        .delegations: Method(access: .admin, handler: .other { service, _, _ in
+            .reply(VarlinkReply(parameters: ["delegations": .array(service.delegations.all.map { .object($0.info.parameters) })]))
+        }),
+        .undelegate: Method(access: .admin, handler: .other { service, request, peer in
+            guard case let .undelegate(name) = request else { throw BrokerError.internalError }
+            return service.undelegate(name, by: peer)
+        }),
     ]
+
+    /// What a delegation's socket answers: the token methods, for its sessions only.
+    static let delegable: Set<BrokerMethod> = [.getToken, .recover, .getProof, .watch, .credential, .status]
 
     /// Decodes the call once, checks who may make it, resolves the session it names, and hands
     /// it to its method; refusals and bad parameters are answered here.
@@ -152,6 +170,7 @@ final class BrokerService: VarlinkHandler {
         guard let name, let method = Self.methods[name] else {
             return .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
         }
+        if peer.listener != 0 { return delegatedDispatch(name, method, call, from: peer) }
         do {
             // Who may call comes first, from the session's name alone: a caller who may not
             // use the session learns nothing from the rest of its parameters.
@@ -187,6 +206,88 @@ final class BrokerService: VarlinkHandler {
                 logger.limited(.warning, key: "denied:\(peer.uid)", "permission denied: \(call.method) by \(peer)")
             }
             return .reply(reply(for: error, session: ""))
+        }
+    }
+
+    /// A call through a delegation's socket: the delegation is the principal. Only its token
+    /// methods answer, for its sessions only, whoever the peer is — no admin method, no other
+    /// session (refused as one the peer may not use), no key (refused as on a session that
+    /// allows none) — and only for the peers it admits.
+    private func delegatedDispatch(_ name: BrokerMethod, _ method: Method, _ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
+        do {
+            let access = sessions.snapshot.access
+            guard let grant = delegations.grant(forListener: peer.listener), Self.delegable.contains(name),
+                  grant.admits(peer, overflowUID: access.overflowUID, overflowGID: access.overflowGID) else {
+                logger.limited(.warning, key: "delegated-denied:\(peer.listener)", "permission denied: \(call.method) by \(peer) through a delegation")
+                throw BrokerError.permissionDenied
+            }
+            var session: SessionTable.Session?
+            if let named = call.parameters["session"]?.stringValue {
+                guard grant.sessions.contains(named), let found = sessions.snapshot.sessions[named] else { throw BrokerError.permissionDenied }
+                session = found
+            }
+            let request = try BrokerRequest(name, call.parameters)
+            switch request {
+            case .getToken(_, _, let key?), .recover(_, _, let key?), .getProof(_, _, _, _, _, _, let key?), .credential(_, _, _, let key?):
+                throw ParameterError(name: key.resource != nil ? "resource" : "scope")
+            case .status:
+                return status(for: peer, within: grant.sessions)
+            case let .credential(url, rejected, minValid, _):
+                return credential(url, rejected: rejected.map(Secret.init), validFor: minValid, key: nil, for: peer, within: grant.sessions)
+            default:
+                break
+            }
+            if method.streams && !call.more { return .reply(.error(VarlinkServiceError.expectedMore)) }
+            guard case let .session(handler) = method.handler, let session else { throw BrokerError.permissionDenied }
+            return try handler(self, request, peer, session)
+        } catch let error as ParameterError {
+            return .reply(error.reply)
+        } catch {
+            return .reply(reply(for: error, session: ""))
+        }
+    }
+
+    /// Delegate: the sessions on a socket of their own, from now until `ttl`, `Undelegate` or
+    /// the daemon's stop.
+    private func delegate(_ request: DelegationRequest, by peer: PeerCredentials) -> VarlinkHandling {
+        let name = request.name ?? "delegation-" + String(UInt32.random(in: 0...UInt32.max), radix: 16)
+        let configured = Set(sessions.snapshot.order)
+        if let unknown = request.sessions.first(where: { !configured.contains($0) }) {
+            return .reply(BrokerError.noSuchSession(session: unknown).reply)
+        }
+        if let problem = DelegationConfiguration.socketProblem(request.socket) {
+            return .reply(BrokerError.delegationFailed(name: name, reason: "socket: \(problem)").reply)
+        }
+        var delegation = DelegationConfiguration(name: name)
+        (delegation.sessions, delegation.socket) = (request.sessions, request.socket)
+        (delegation.socketUser, delegation.socketGroup, delegation.socketMode) = (request.user, request.group, request.mode ?? 0o660)
+        (delegation.allowUsers, delegation.allowGroups) = (request.allowUsers, request.allowGroups)
+        delegation.maxConnections = request.maxConnections ?? delegation.maxConnections
+        delegation.expiresAt = request.ttl.map { UTCTime.unixSeconds() + $0 }
+        let (delegations, logger, made) = (self.delegations, self.logger, delegation)
+        return .async { sink in
+            do {
+                let grant = try await delegations.add(made, configured: false)
+                logger.notice("delegation \(name) made by \(peer)")
+                var reply: JSONObject = ["name": .string(grant.name)]
+                if let expiresAt = grant.configuration.expiresAt { reply["expiresAt"] = .int(expiresAt) }
+                sink.send(VarlinkReply(parameters: reply))
+            } catch {
+                sink.send(BrokerError.delegationFailed(name: name, reason: "\(error)").reply)
+            }
+        }
+    }
+
+    /// Undelegate: the socket removed and its connections closed before the reply.
+    private func undelegate(_ name: String, by peer: PeerCredentials) -> VarlinkHandling {
+        let (delegations, logger) = (self.delegations, self.logger)
+        return .async { sink in
+            guard await delegations.remove(name) else {
+                sink.send(BrokerError.noSuchDelegation(name: name).reply)
+                return
+            }
+            logger.notice("delegation \(name) ended by \(peer)")
+            sink.send(VarlinkReply())
         }
     }
 
@@ -308,10 +409,11 @@ final class BrokerService: VarlinkHandler {
     ///
     /// Resolved in a task, never on the I/O thread: a host thousands of sessions serve costs
     /// the caller its scan, and nobody else.
-    private func credential(_ url: String, rejected: Secret?, validFor minValid: Int64?, key: TokenKey?, for peer: PeerCredentials) -> VarlinkHandling {
+    private func credential(_ url: String, rejected: Secret?, validFor minValid: Int64?, key: TokenKey?, for peer: PeerCredentials,
+                            within delegated: Set<String>? = nil) -> VarlinkHandling {
         let sessions = self.sessions
         return .async { [self] sink in
-            guard let served = ServedURL(url), let session = sessions.serving(served, for: peer) else {
+            guard let served = ServedURL(url), let session = sessions.serving(served, for: peer, within: delegated) else {
                 sink.send(BrokerError.noSuchSession(session: "").reply)
                 return
             }
@@ -374,9 +476,12 @@ final class BrokerService: VarlinkHandler {
     }
 
     /// Status: the sessions `peer` may use, and, for admins, the stored ones no longer configured.
-    private func status(for peer: PeerCredentials) -> VarlinkHandling {
+    /// (`within`: a delegation's sessions, which are those its peers see.)
+    private func status(for peer: PeerCredentials, within delegated: Set<String>? = nil) -> VarlinkHandling {
         let snapshot = sessions.snapshot
-        let visible = snapshot.order.compactMap { snapshot.sessions[$0] }.filter { snapshot.access.mayUse($0.configuration, peer) }
+        let visible = snapshot.order.compactMap { snapshot.sessions[$0] }.filter { session in
+            delegated.map { $0.contains(session.configuration.name) } ?? snapshot.access.mayUse(session.configuration, peer)
+        }
         let admin = snapshot.access.isAdmin(peer)
         let inert = admin ? snapshot.inert : []
         return .async { sink in
@@ -537,7 +642,13 @@ final class BrokerService: VarlinkHandler {
     func watch(_ session: SessionTable.Session, _ peer: PeerCredentials, _ sink: VarlinkReplySink) async {
         let name = session.configuration.name
         let sessions = self.sessions
-        let allowed: @Sendable () -> Bool = { sessions.lookup(name, for: peer)?.allowed == true }
+        // (Through a delegation: while it still serves the session, which is still configured.)
+        let delegations = self.delegations
+        let allowed: @Sendable () -> Bool = {
+            guard peer.listener != 0 else { return sessions.lookup(name, for: peer)?.allowed == true }
+            let granted = delegations.grant(forListener: peer.listener)?.sessions.contains(name) ?? false
+            return granted && sessions.snapshot.sessions[name] != nil
+        }
         // Listen for changes first, then check: a change between the call's check and now is
         // not missed.
         let changes = sessions.changes()

@@ -59,6 +59,8 @@ public final class Daemon: Sendable {
     private let followLoops = TaskPool(limit: 1 << 20)
     private let reloader: Reloader
     private let maintenance: Maintenance
+    /// The delegations' sockets, served on the varlink server's loop.
+    private let delegations: Delegations
     /// The number of open client connections (set once the server exists).
     private let connectionCount = SynchronizedBox<@Sendable () -> Int>({ 0 })
 
@@ -71,8 +73,10 @@ public final class Daemon: Sendable {
         self.table = table
         let factory = SessionFactory(logger: logger, metrics: metrics, state: state, census: census, sessions: table, transfers: transfers,
                                      outliving: outliving, followLoops: followLoops)
+        let delegations = Delegations(logger: logger)
+        self.delegations = delegations
         reloader = Reloader(table: table, factory: factory, logger: logger, metrics: metrics, state: state, configuration: configuration,
-                            read: { [options] in
+                            delegations: delegations, read: { [options] in
                                 try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
                             })
         maintenance = Maintenance(table: table, census: census, reloader: reloader, logger: logger)
@@ -160,6 +164,10 @@ public final class Daemon: Sendable {
 
         guard let socket = listen(configuration), let server = makeServer(configuration, listening: socket.fd) else { return ExitCode.failure }
         connectionCount.value = { [server] in server.connectionCount }
+        // The delegations' sockets, on the same loop (their connections wait in their backlogs
+        // until it runs); one that cannot be bound is logged and left out.
+        delegations.attach(server)
+        _ = await delegations.reconcile(configuration.delegations)
         let metricsServer = startMetrics(configuration)
         // Development sessions are logged in before the first call is answered (a client that
         // connects at once waits in the listen backlog, and finds them logged in).
@@ -222,6 +230,7 @@ public final class Daemon: Sendable {
             },
             DaemonPart("listener") { [self] stop in
                 await stop.wait()
+                await delegations.stop()
                 server.stopAccepting()
                 // A socket systemd passed belongs to systemd; one we bound is removed.
                 if let inode = socket.inode { SocketPath.remove(configuration.socketPath, inode: inode) }
@@ -267,7 +276,7 @@ public final class Daemon: Sendable {
     private func makeServer(_ configuration: BrokerConfiguration, listening fd: Int32) -> VarlinkServer? {
         let service = BrokerService(sessions: table, logger: logger, reload: { [reloader] in await reloader.reload() },
                                     forget: { [reloader] name in try await reloader.forget(name) }, metrics: metrics,
-                                    metricsText: { [self] in await self.metricsText() }, outliving: outliving)
+                                    metricsText: { [self] in await self.metricsText() }, outliving: outliving, delegations: delegations)
         let (logger, metrics) = (self.logger, self.metrics)
         do {
             return try VarlinkServer(
@@ -299,6 +308,9 @@ public final class Daemon: Sendable {
                         case .descriptors:
                             why = "out of file descriptors"
                             metrics.refusedConnection("descriptors")
+                        case .listenerFull:
+                            why = "the delegation's MaxConnections= reached"
+                            metrics.refusedConnection("delegation_full")
                         }
                         logger.limited(.warning, key: "refused:\(peer.map { "\($0.uid)" } ?? "-")",
                                        "connection refused (\(why)): \(peer.map { "\($0)" } ?? "a client")")

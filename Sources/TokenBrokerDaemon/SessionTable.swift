@@ -128,12 +128,14 @@ final class SessionTable: Sendable {
     ///
     /// (On a copy of the snapshot, outside the lock: a host many sessions serve costs its
     /// caller, not the lookups of others.)
-    func serving(_ url: ServedURL, for peer: PeerCredentials) -> Session? {
+    /// (`within`: a delegation's sessions, the only ones its peers may use.)
+    func serving(_ url: ServedURL, for peer: PeerCredentials, within delegated: Set<String>? = nil) -> Session? {
         let state = snapshot
         var best: (session: Session, specificity: Int)?
         for candidate in state.serving.candidates(url.host) {
             guard let specificity = candidate.entry.specificity(for: url), specificity > (best?.specificity ?? -1),
-                  let session = state.sessions[candidate.session], state.access.mayUse(session.configuration, peer) else { continue }
+                  let session = state.sessions[candidate.session],
+                  delegated.map({ $0.contains(candidate.session) }) ?? state.access.mayUse(session.configuration, peer) else { continue }
             best = (session, specificity)
         }
         return best?.session

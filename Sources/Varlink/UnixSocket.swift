@@ -141,12 +141,16 @@ public struct PeerCredentials: Sendable, Equatable, CustomStringConvertible {
     public var gid: UInt32
     /// Supplementary groups (SO_PEERGROUPS).
     public var groups: [UInt32]
+    /// The listening socket the peer connected to: 0 for the server's own, else the id an extra
+    /// listener was added with (`VarlinkServer.addListener`). Set by the server, not the kernel.
+    public var listener: UInt32 = 0
 
-    public init(pid: Int32, uid: UInt32, gid: UInt32, groups: [UInt32] = []) {
+    public init(pid: Int32, uid: UInt32, gid: UInt32, groups: [UInt32] = [], listener: UInt32 = 0) {
         self.pid = pid
         self.uid = uid
         self.gid = gid
         self.groups = groups
+        self.listener = listener
     }
 
     /// Whether the peer is in group `gid`, as primary or supplementary group.

@@ -11,6 +11,8 @@ extension VarlinkServer {
         let id: UInt64
         let fd: Int32
         let peer: PeerCredentials
+        /// The listener it came through (0: the server's own).
+        var listener: UInt32 { peer.listener }
         /// Exempt from the per-uid limit (decided once, at accept).
         let privileged: Bool
         var decoder: FrameDecoder

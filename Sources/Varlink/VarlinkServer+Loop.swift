@@ -12,6 +12,8 @@ extension VarlinkServer {
         var connections: [UInt64: Connection] = [:]
         /// Connections per uid, privileged peers' not counted.
         var perUser: [UInt32: Int] = [:]
+        /// Extra listeners by id, with the connections open through each.
+        var listeners: [UInt32: (listener: VarlinkServer.Listener, open: Int)] = [:]
         /// Bytes of replies queued on all connections together.
         var queuedOutput = 0
         /// Bytes of calls received and not yet handled, all connections together.
@@ -54,7 +56,10 @@ extension VarlinkServer {
                     let token = tb_epoll_event_data(&events[index])
                     let flags = tb_epoll_event_events(&events[index])
                     switch token {
-                    case VarlinkServer.listenerToken: acceptAll()
+                    case VarlinkServer.listenerToken: acceptAll(from: server.listenFD, listener: 0)
+                    case _ where token & VarlinkServer.extraListenerBit != 0:
+                        let id = UInt32(truncatingIfNeeded: token)
+                        if let fd = listeners[id]?.listener.fd { acceptAll(from: fd, listener: id) }
                     case VarlinkServer.wakeToken:
                         var value: UInt64 = 0
                         _ = read(server.wakeFD, &value, 8)
@@ -71,6 +76,15 @@ extension VarlinkServer {
         private mutating func shutdown() {
             for connection in Array(connections.values) { closeConnection(connection) }
             if accepting { stopListening() }
+            for (listener, _) in listeners.values { close(listener.fd) }
+            listeners.removeAll()
+            // Added or removal asked for after the loop's last look: done with too.
+            let (added, removed) = server.inbox.withLock { inbox in
+                defer { (inbox.added, inbox.removed) = ([], []) }
+                return (inbox.added, inbox.removed)
+            }
+            for listener in added { close(listener.fd) }
+            for removal in removed { removal.done.resume() }
             close(spareFD)
             close(server.epollFD)
             server.inbox.withLock { inbox in
@@ -100,16 +114,54 @@ extension VarlinkServer {
             accepting = false
             epoll_ctl(server.epollFD, EPOLL_CTL_DEL, server.listenFD, nil)
             close(server.listenFD)
+            for (listener, _) in listeners.values {
+                epoll_ctl(server.epollFD, EPOLL_CTL_DEL, listener.fd, nil)
+                close(listener.fd)
+            }
+            listeners.removeAll()
+        }
+
+        /// Serves the extra listeners added, and ends the ones removed (their connections with them).
+        private mutating func changeListeners(added: [VarlinkServer.Listener], removed: [(id: UInt32, done: CheckedContinuation<Void, Never>)]) {
+            for listener in added {
+                var event = epoll_event()
+                tb_epoll_event_set(&event, EPOLLIN.rawValue, VarlinkServer.extraListenerBit | UInt64(listener.id))
+                // (Not while the server stops accepting; a second one with an id in use replaces nothing.)
+                guard accepting, listeners[listener.id] == nil, epoll_ctl(server.epollFD, EPOLL_CTL_ADD, listener.fd, &event) == 0 else {
+                    close(listener.fd)
+                    continue
+                }
+                listeners[listener.id] = (listener, 0)
+            }
+            for removal in removed {
+                if let (listener, _) = listeners.removeValue(forKey: removal.id) {
+                    epoll_ctl(server.epollFD, EPOLL_CTL_DEL, listener.fd, nil)
+                    close(listener.fd)
+                }
+                for connection in Array(connections.values) where connection.listener == removal.id { closeConnection(connection) }
+                removal.done.resume()
+            }
         }
 
         /// Returns true when the loop must end.
         private mutating func drainInbox() -> Bool {
-            let (completions, stopAccepting, stop) = server.inbox.withLock { inbox in
-                defer { inbox.completions.removeAll(keepingCapacity: true) }
-                return (inbox.completions, inbox.stopAccepting, inbox.stop)
+            let (completions, stopAccepting, stop, added, removed) = server.inbox.withLock { inbox in
+                defer {
+                    inbox.completions.removeAll(keepingCapacity: true)
+                    (inbox.added, inbox.removed) = ([], [])
+                }
+                return (inbox.completions, inbox.stopAccepting, inbox.stop, inbox.added, inbox.removed)
             }
-            if stop { return true }
+            if stop {
+                // (The shutdown closes what was added and tells who waits for a removal.)
+                server.inbox.withLock { inbox in
+                    inbox.added += added
+                    inbox.removed += removed
+                }
+                return true
+            }
             if stopAccepting && accepting { stopListening() }
+            if !added.isEmpty || !removed.isEmpty { changeListeners(added: added, removed: removed) }
             for completion in completions {
                 guard let connection = connections[completion.connection],
                       var call = connection.current, call.id == completion.call else { continue }
@@ -138,13 +190,14 @@ extension VarlinkServer {
             return false
         }
 
-        private mutating func acceptAll() {
+        /// Accepts on `listenFD`, the server's own listener (`listener` 0) or an extra one.
+        private mutating func acceptAll(from listenFD: Int32, listener: UInt32) {
             // A bounded batch per wake-up (the listener is level-triggered): a peer reconnecting
             // as fast as it is refused must not keep the loop from everyone else.
             var batch = 0
             while accepting && batch < 64 {
                 batch += 1
-                let fd = tb_accept_nonblocking(server.listenFD)
+                let fd = tb_accept_nonblocking(listenFD)
                 if fd < 0 {
                     if errno == EINTR || errno == ECONNABORTED { continue }
                     if errno == EMFILE || errno == ENFILE {
@@ -152,19 +205,21 @@ extension VarlinkServer {
                         // the pending connection does not keep the loop spinning.
                         server.onEvent(.connectionRefused(nil, .descriptors))
                         close(spareFD)
-                        let pending = tb_accept_nonblocking(server.listenFD)
+                        let pending = tb_accept_nonblocking(listenFD)
                         if pending >= 0 { close(pending) }
                         spareFD = open("/dev/null", O_RDONLY | O_CLOEXEC)
                         if pending >= 0 { continue }
                     }
                     return   // EAGAIN: nothing more to accept
                 }
-                guard let peer = UnixSocket.peer(fd) else {
+                guard var peer = UnixSocket.peer(fd) else {
                     close(fd)
                     continue
                 }
+                peer.listener = listener
                 let limits = server.configuration
-                let privileged = limits.isPrivileged(peer)
+                // Through an extra listener nobody is privileged: it was made for others.
+                let privileged = listener == 0 && limits.isPrivileged(peer)
                 // The last `reservedConnections` slots are for privileged peers; each other uid
                 // may hold `maximumConnectionsPerUser`.
                 let refusal: VarlinkServerEvent.Refusal?
@@ -173,6 +228,8 @@ extension VarlinkServer {
                     refusal = .serverFull
                 } else if !privileged && perUser[peer.uid, default: 0] >= limits.maximumConnectionsPerUser {
                     refusal = .userLimit
+                } else if listener != 0, let (extra, open) = listeners[listener], open >= extra.maximumConnections {
+                    refusal = .listenerFull
                 } else {
                     refusal = nil
                 }
@@ -193,6 +250,7 @@ extension VarlinkServer {
                 connection.interest = EPOLLIN.rawValue
                 connections[connection.id] = connection
                 if !privileged { perUser[peer.uid, default: 0] += 1 }
+                if listener != 0 { listeners[listener]?.open += 1 }
                 server.openConnections.add(1, ordering: .relaxed)
             }
         }
@@ -427,6 +485,7 @@ extension VarlinkServer {
                 let held = perUser[connection.peer.uid, default: 1] - 1
                 perUser[connection.peer.uid] = held > 0 ? held : nil
             }
+            if connection.listener != 0 { listeners[connection.listener]?.open -= 1 }
             if let call = connection.current {
                 call.task.cancel()
                 if !call.more { server.callEnded() }

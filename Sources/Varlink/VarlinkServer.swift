@@ -33,6 +33,9 @@ public final class VarlinkServer: Sendable {
 
     struct Inbox {
         var completions: [Completion] = []
+        /// Extra listeners to serve, and to stop serving (each told when it is done).
+        var added: [Listener] = []
+        var removed: [(id: UInt32, done: CheckedContinuation<Void, Never>)] = []
         var stopAccepting = false
         var stop = false
         /// The loop has ended and closed the wake-up descriptor: nothing may write to it (its
@@ -49,6 +52,16 @@ public final class VarlinkServer: Sendable {
 
     static let listenerToken: UInt64 = 0
     static let wakeToken: UInt64 = 1
+    /// Extra listeners' epoll tokens: this bit and their id (connections count up from 2).
+    static let extraListenerBit: UInt64 = 1 << 63
+
+    /// A listening socket served beside the server's own (`addListener`).
+    struct Listener: Sendable {
+        var id: UInt32
+        var fd: Int32
+        /// Connections it may have open at once.
+        var maximumConnections: Int
+    }
 
     /// Serves on `listenFD`, an AF_UNIX stream socket that already listens (bound by the caller,
     /// or passed by systemd). The server owns it from now on and makes it non-blocking.
@@ -83,6 +96,39 @@ public final class VarlinkServer: Sendable {
         spawnThread { [self] in
             var loop = Loop(server: self)
             loop.run()
+        }
+    }
+
+    /// Serves another listening socket on the same loop: its peers carry `id` (never 0) as
+    /// their `PeerCredentials.listener`, none is privileged (no reserved connections, the
+    /// per-uid limit for root too), and at most `maximumConnections` are open on it at once.
+    /// The server owns `fd` from now on.
+    public func addListener(_ fd: Int32, id: UInt32, maximumConnections: Int) throws(SocketError) {
+        precondition(id != 0, "listener 0 is the server's own")
+        try UnixSocket.setNonBlocking(fd)
+        let posted = inbox.withLock { inbox -> Bool in
+            guard !inbox.closed, !inbox.stop else { return false }
+            inbox.added.append(Listener(id: id, fd: fd, maximumConnections: max(1, maximumConnections)))
+            wake(inbox)
+            return true
+        }
+        if !posted {
+            close(fd)
+            throw SocketError("the server has stopped")
+        }
+    }
+
+    /// Stops serving the listener `id`: closes it and every connection made through it
+    /// (cancelling their calls); returns once the loop has (at once when there is none).
+    public func removeListener(id: UInt32) async {
+        await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
+            let posted = inbox.withLock { inbox -> Bool in
+                guard !inbox.closed else { return false }
+                inbox.removed.append((id, continuation))
+                wake(inbox)
+                return true
+            }
+            if !posted { continuation.resume() }
         }
     }
 

@@ -77,6 +77,8 @@ public enum VarlinkServerEvent: Sendable {
         case userLimit
         /// The process is out of file descriptors.
         case descriptors
+        /// The extra listener it came through holds as many connections as it may.
+        case listenerFull
     }
 
     case connectionRefused(PeerCredentials?, Refusal)

@@ -78,7 +78,7 @@ struct CommandLineTests {
         (["ctl", "login", "api", "--flow=code", "--refresh-token-stdin"], "Error: --flow and --refresh-token-stdin are two ways to log in: choose one\n\nUSAGE: tokenbroker ctl [--socket <path>] login "),
         (["ctl", "login", "--bogus"], "Error: unknown option '--bogus'\n\nUSAGE: tokenbroker ctl [--socket <path>] login "),
         (["ctl", "tokn", "api"], "Error: unknown verb 'tokn' (did you mean token?)\n\nUSAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>] [<verb options>]\n\n"
-            + "Verbs: status, watch, token, recover, proof, login, logout, forget, refresh, reset-fleet-history, reload, metrics, check-config.\n"
+            + "Verbs: status, watch, token, recover, proof, login, logout, forget, refresh, reset-fleet-history, reload, delegate, delegations, undelegate, metrics, check-config.\n"
             + "See `tokenbroker help ctl`, or `tokenbroker help ctl <verb>`.\n"),
         (["ctl", "Status"], "Error: unknown verb 'Status' (did you mean status?)\n\n"),
         (["ctl", "frobnicate"], "Error: unknown verb 'frobnicate'\n\n"),
@@ -167,7 +167,8 @@ struct CommandLineTests {
             let operands = verb.operands.map { ["method": "GET", "url": "https://api.example.com/"][$0] ?? "api" }
             var out = "", err = ""
             let code = TokenBrokerCommand.run(["ctl", "--socket", "/nonexistent/tb.sock", verb.name] + operands, output: &out, errors: &err)
-            #expect(code == 69 || verb.name == "recover" && code == 64, "\(verb.name): \(err)")
+            // (recover reads a token, delegate needs its --socket, before the broker is asked.)
+            #expect(code == 69 || ["recover", "delegate"].contains(verb.name) && code == 64, "\(verb.name): \(err)")
         }
         #expect(man.contains(".B tokenbroker version") || man.contains(".B version"), "man page: version")
     }

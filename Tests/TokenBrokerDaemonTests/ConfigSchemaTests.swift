@@ -20,6 +20,7 @@ struct ConfigSchemaTests {
             "Broker": Set(ConfigSchema.broker.map(\.name)),
             "Session": Set(ConfigSchema.session.map(\.name)),
             "Fleet": Set(ConfigSchema.fleet.map(\.name)),
+            "Delegation": Set(ConfigSchema.delegation.map(\.name)),
         ]
     }
 

@@ -35,9 +35,12 @@ final class Reloader: Sendable {
     private let inertUnknown = SynchronizedBox(false)
     /// How many sessions log in at once at start (their writes share transactions).
     static let concurrentLogins = 512
+    /// The delegations' sockets, put as each reload's configuration says.
+    let delegations: Delegations
 
     init(table: SessionTable, factory: SessionFactory, logger: Logger, metrics: Metrics, state: StateStore,
-         configuration: BrokerConfiguration, read: @escaping @Sendable () throws -> BrokerConfiguration) {
+         configuration: BrokerConfiguration, delegations: Delegations, read: @escaping @Sendable () throws -> BrokerConfiguration) {
+        self.delegations = delegations
         self.table = table
         self.factory = factory
         self.logger = logger
@@ -83,8 +86,10 @@ final class Reloader: Sendable {
         configuration.socketPath = current.value.socketPath
         await apply(configuration, stored: nil)
         prepareHTTP(for: configuration)
-        logger.info("configuration reloaded: \(configuration.sessions.count) session(s)")
-        return nil
+        let problems = await delegations.reconcile(configuration.delegations)
+        logger.info("configuration reloaded: \(configuration.sessions.count) session(s), \(configuration.delegations.count) delegation(s)")
+        // (The sessions are as configured: only the delegations named here are not served.)
+        return problems.isEmpty ? nil : problems.joined(separator: "; ")
     }
 
     /// Builds the session table for `configuration`, keeping the coordinators (tokens and

@@ -46,6 +46,8 @@ public struct BrokerConfiguration: Sendable, Equatable {
     public var metricsBearerToken: Secret?
     /// The `[Fleet]` section: how this broker reaches etcd, for sessions with `Fleet=yes`.
     public var fleet: FleetSettings?
+    /// The `[Delegation]` sections, in order.
+    public var delegations: [DelegationConfiguration] = []
     /// Unknown keys and other non-fatal findings, each at `file:line`.
     public var warnings: [ConfigError] = []
 
@@ -59,6 +61,7 @@ public struct BrokerConfiguration: Sendable, Equatable {
     /// Equal when every key of `ConfigSchema.broker` agrees and the sessions and the fleet do.
     public static func == (lhs: BrokerConfiguration, rhs: BrokerConfiguration) -> Bool {
         ConfigSchema.broker.allSatisfy { $0.same(lhs, rhs) } && lhs.sessions == rhs.sessions && lhs.fleet == rhs.fleet
+            && lhs.delegations == rhs.delegations
     }
 }
 

@@ -220,6 +220,16 @@ extension ConfigParser {
         }
     }
 
+    /// A user by name or number (empty: none); the kernel's overflow uid warns.
+    static var user: ConfigParser<UInt32?> {
+        ConfigParser<UInt32?>(takes: "a user name or uid") { (entry: INIEntry, context: inout ConfigContext) throws(ConfigError) -> UInt32? in
+            guard !entry.value.isEmpty else { return nil }
+            let id = try resolve(entry.value, entry) { context.userID($0) }
+            if id == ProcessDefences.overflowUID { context.warn(entry, overflowWarning(entry.key, entry.value)) }
+            return id
+        }
+    }
+
     /// A 32-byte key from a file or a systemd credential (empty: none).
     static var key: ConfigParser<SecretBytes?> {
         ConfigParser<SecretBytes?>(takes: "a file or credential holding 32 bytes or 64 hex digits") { (entry: INIEntry, context: inout ConfigContext) throws(ConfigError) -> SecretBytes? in

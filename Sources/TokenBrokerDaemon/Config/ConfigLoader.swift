@@ -46,6 +46,7 @@ public enum ConfigLoader {
         var fleetFailed = false
         var sessionEntries: [(name: String, origin: INISection, entries: [INIEntry])] = []
         var sessionIndex: [String: Int] = [:]
+        var delegationSections: [INISection] = []
         for section in sections {
             switch section.name {
             case "Broker":
@@ -73,6 +74,8 @@ public enum ConfigLoader {
                     sessionIndex[nameEntry.value] = sessionEntries.count
                     sessionEntries.append((nameEntry.value, section, section.entries))
                 }
+            case "Delegation":
+                delegationSections.append(section)
             case "":
                 continue   // (its header could not be read: an error already)
             default:
@@ -103,11 +106,48 @@ public enum ConfigLoader {
             configuration.sessions.append(session)
         }
         configuration.sessions = derive(configuration.sessions, derivedFrom, keyEntries: keyEntries, &context)
+        configuration.delegations = delegations(delegationSections, of: configuration, &context)
         // In file order, whatever check found them.
         configuration.warnings = ConfigError.inFileOrder(context.warnings, main: mainFile) { $0 }
         if let error = ConfigError.combined(ConfigError.inFileOrder(context.errors, main: mainFile) { $0 }, omitted: context.omittedErrors,
                                             warnings: configuration.warnings) { throw error }
         return configuration
+    }
+
+    /// The `[Delegation]` sections: each names itself, sessions that are configured and a socket
+    /// of its own. One that fails is left out, with its error.
+    private static func delegations(_ sections: [INISection], of configuration: BrokerConfiguration,
+                                    _ context: inout ConfigContext) -> [DelegationConfiguration] {
+        var result: [DelegationConfiguration] = []
+        var sockets: [String: String] = [configuration.socketPath: "the broker's own socket (Socket=)"]
+        for section in sections {
+            var delegation = DelegationConfiguration(name: "")
+            let before = context.errors.count
+            for entry in section.entries {
+                apply(entry, ConfigSchema.delegationKeys, ConfigSchema.delegation, to: &delegation, in: "[Delegation]", &context)
+            }
+            guard context.errors.count == before else { continue }
+            func fail(_ message: String) { context.record(ConfigError(file: section.file, line: section.line, message)) }
+            guard !delegation.name.isEmpty else {
+                fail("[Delegation] needs Name=")
+                continue
+            }
+            let label = "[Delegation] \(delegation.name)"
+            if result.contains(where: { $0.name == delegation.name }) { fail("\(label): another [Delegation] has this Name="); continue }
+            guard !delegation.sessions.isEmpty else { fail("\(label) needs Sessions= (the sessions its socket serves)"); continue }
+            guard !delegation.socket.isEmpty else { fail("\(label) needs Socket= (where its socket is bound)"); continue }
+            if let other = sockets[delegation.socket] { fail("\(label): Socket= is \(other)'s too"); continue }
+            let known = Set(configuration.sessions.map(\.name))
+            let unknown = delegation.sessions.filter { !known.contains($0) }
+            if !unknown.isEmpty { fail("\(label): Sessions= names \(unknown.prefix(8).joined(separator: ", ")), not configured"); continue }
+            guard result.count < DelegationConfiguration.mostDelegations else {
+                fail("more than \(DelegationConfiguration.mostDelegations) delegations")
+                break
+            }
+            sockets[delegation.socket] = label
+            result.append(delegation)
+        }
+        return result
     }
 
     /// Derived sessions against their parents: a parent must be a configured OAuth session of

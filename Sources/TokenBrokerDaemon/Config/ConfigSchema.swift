@@ -232,9 +232,9 @@ public enum ConfigSchema {
     }
 
     /// An allow list: an empty value clears it, each word adds a name or a number.
-    private static func allowList(_ name: String, _ path: any WritableKeyPath<SessionSettings, [UInt32]> & Sendable, _ summary: String,
-                                  lookup: @escaping @Sendable (inout ConfigContext, String) -> UInt32?, overflow: UInt32)
-        -> ConfigKey<SessionSettings> {
+    private static func allowList<Settings>(_ name: String, _ path: any WritableKeyPath<Settings, [UInt32]> & Sendable, _ summary: String,
+                                            lookup: @escaping @Sendable (inout ConfigContext, String) -> UInt32?, overflow: UInt32)
+        -> ConfigKey<Settings> {
         ConfigKey(name, takes: "names or numbers, space-separated (empty clears)", change: .keepsSession, summary,
                   same: { $0[keyPath: path] == $1[keyPath: path] }) { settings, entry, context throws(ConfigError) in
             if entry.value.isEmpty { settings[keyPath: path] = [] }
@@ -284,9 +284,50 @@ public enum ConfigSchema {
         },
     ]
 
+    public static let delegation: [ConfigKey<DelegationConfiguration>] = [
+        ConfigKey("Name", takes: "1-64 of A-Z a-z 0-9 - _ .", change: .atReload, "the delegation's name (required)",
+                  same: { $0.name == $1.name }) { settings, entry, _ throws(ConfigError) in
+            guard DelegationConfiguration.isName(entry.value) else { throw fail(entry, "Name=: '\(entry.value)' is not a delegation name (1-64 of A-Z a-z 0-9 - _ .)") }
+            settings.name = entry.value
+        },
+        ConfigKey("Sessions", takes: "session names, space-separated (empty clears)", change: .atReload,
+                  "the sessions its socket serves (required)", same: { $0.sessions == $1.sessions }) { settings, entry, _ throws(ConfigError) in
+            if entry.value.isEmpty { settings.sessions = [] }
+            for word in ConfigValue.list(entry.value) {
+                guard ConfigValue.isSessionName(word) else { throw fail(entry, "Sessions=: '\(word)' is not a session name") }
+                if !settings.sessions.contains(word) { settings.sessions.append(word) }
+            }
+            if settings.sessions.count > DelegationConfiguration.mostSessions {
+                throw fail(entry, "Sessions= names more than \(DelegationConfiguration.mostSessions) sessions")
+            }
+        },
+        ConfigKey("Socket", takes: "an absolute path", change: .atReload, "where its socket is bound (required)",
+                  same: { $0.socket == $1.socket }) { settings, entry, _ throws(ConfigError) in
+            guard let problem = DelegationConfiguration.socketProblem(entry.value) else {
+                settings.socket = entry.value
+                return
+            }
+            throw fail(entry, "Socket=: \(problem)")
+        },
+        ConfigKey("SocketUser", \.socketUser, .user, change: .atReload, "user owning the socket file (the daemon's when empty)"),
+        ConfigKey("SocketGroup", \.socketGroup, .group, change: .atReload, "group owning the socket file (the daemon's when empty)"),
+        ConfigKey("SocketMode", takes: "an octal mode", default: "0660", change: .atReload, "mode of the socket file",
+                  same: { $0.socketMode == $1.socketMode }) { settings, entry, _ throws(ConfigError) in
+            guard let mode = ConfigValue.mode(entry.value) else { throw fail(entry, "SocketMode= needs an octal mode such as 0660") }
+            settings.socketMode = mode
+        },
+        allowList("AllowUsers", \DelegationConfiguration.allowUsers, "only these users (names or uids) may use the socket",
+                  lookup: { context, name in context.userID(name) }, overflow: ProcessDefences.overflowUID),
+        allowList("AllowGroups", \DelegationConfiguration.allowGroups, "only members of these groups may use the socket",
+                  lookup: { context, name in context.groupID(name) }, overflow: ProcessDefences.overflowGID),
+        ConfigKey("MaxConnections", \.maxConnections, .count(1...65_536), default: "64", change: .atReload,
+                  "connections open on its socket at once"),
+    ]
+
     static let brokerKeys = index(broker)
     static let sessionKeys = index(session)
     static let fleetKeys = index(fleet)
+    static let delegationKeys = index(delegation)
 
     private static func index<Settings>(_ keys: [ConfigKey<Settings>]) -> [String: ConfigKey<Settings>] {
         Dictionary(keys.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
@@ -297,7 +338,7 @@ public enum ConfigSchema {
         func rows<Settings>(_ keys: [ConfigKey<Settings>]) -> [(name: String, takes: String, defaultValue: String, summary: String, change: ConfigChange)] {
             keys.map { ($0.name, $0.takes, $0.defaultValue, $0.summary, $0.change) }
         }
-        return [("Broker", rows(broker)), ("Session", rows(session)), ("Fleet", rows(fleet))]
+        return [("Broker", rows(broker)), ("Session", rows(session)), ("Fleet", rows(fleet)), ("Delegation", rows(delegation))]
     }
 
     /// A known key of `keys` that `name` is probably a misspelling of.

@@ -31,7 +31,7 @@ enum SocketPath {
     }
 
     /// Binds and listens on `path`; returns the descriptor and the socket file's identity.
-    static func bind(_ configured: String, mode: UInt32, group: UInt32?) throws(Failure) -> (fd: Int32, inode: ino_t) {
+    static func bind(_ configured: String, mode: UInt32, group: UInt32?, owner: UInt32? = nil) throws(Failure) -> (fd: Int32, inode: ino_t) {
         try makeParent(of: configured)
         let path = try resolved(configured)
         try checkDirectories(above: path)
@@ -52,9 +52,11 @@ enum SocketPath {
             throw .system(error)
         }
         umask(previous)
-        if let group, lchown(path, uid_t.max, gid_t(group)) != 0 {
-            let error = SocketError("chown \(path) to group \(group)")
+        if group != nil || owner != nil, lchown(path, owner.map { uid_t($0) } ?? uid_t.max, group.map { gid_t($0) } ?? gid_t.max) != 0 {
+            let error = SocketError("chown \(path) to \(owner.map { "user \($0)" } ?? "")\(owner != nil && group != nil ? ", " : "")"
+                                    + "\(group.map { "group \($0)" } ?? "")")
             close(fd)
+            unlink(path)
             throw .system(error)
         }
         lstat(path, &info)

@@ -1,0 +1,211 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Basics
+import BrokerContract
+import Synchronization
+import Varlink
+
+/// The delegations served now: configured (`[Delegation]`, put as the configuration says at
+/// start and at each reload) and made at run time (`Delegate`, until `Undelegate`, their ttl or
+/// the daemon's stop). Each is a socket of its own on the varlink server's one loop
+/// (`VarlinkServer.addListener`): its peers carry its listener id, by which every call of theirs
+/// finds its grant here (one lookup under a lock), and with it the only sessions it may name.
+final class Delegations: Sendable {
+    /// What a delegation's socket may do.
+    struct Grant: Sendable {
+        let id: UInt32
+        let configuration: DelegationConfiguration
+        let sessions: Set<String>
+        let configured: Bool
+        /// The socket file it bound (removed at its end only if it is still that file).
+        let inode: ino_t
+
+        var name: String { configuration.name }
+
+        /// Whether `peer` (connected through its socket) may use it: anyone who can open the
+        /// socket, or only its `AllowUsers=`/`AllowGroups=` where it names some.
+        func admits(_ peer: PeerCredentials, overflowUID: UInt32, overflowGID: UInt32) -> Bool {
+            let (users, groups) = (configuration.allowUsers, configuration.allowGroups)
+            guard !users.isEmpty || !groups.isEmpty else { return true }
+            return (peer.uid != overflowUID && users.contains(peer.uid))
+                || groups.contains { $0 != overflowGID && peer.isMember(of: $0) }
+        }
+
+        var info: DelegationInfo {
+            DelegationInfo(name: name, sessions: configuration.sessions, socket: configuration.socket,
+                           expiresAt: configuration.expiresAt, configured: configured)
+        }
+    }
+
+    private struct State {
+        var byListener: [UInt32: Grant] = [:]
+        var byName: [String: UInt32] = [:]
+        var nextID: UInt32 = 1
+        /// The expiry of each delegation that has one.
+        var timers: [UInt32: Task<Void, Never>] = [:]
+        var server: VarlinkServer?
+        var stopped = false
+    }
+
+    private let state = Mutex(State())
+    private let logger: Logger
+    /// Changes one after another (a reload's and an admin's never interleave).
+    private let changes = AsyncSerializer()
+
+    init(logger: Logger) { self.logger = logger }
+
+    /// The server whose loop serves the delegations' sockets (set once it exists).
+    func attach(_ server: VarlinkServer) {
+        state.withLock { $0.server = server }
+    }
+
+    /// The grant of the listener a peer came through (nil: none now; it was removed).
+    func grant(forListener id: UInt32) -> Grant? {
+        state.withLock { $0.byListener[id] }
+    }
+
+    /// Every delegation, in name order.
+    var all: [Grant] {
+        state.withLock { Array($0.byListener.values) }.sorted { $0.name < $1.name }
+    }
+
+    enum Failure: Error, CustomStringConvertible {
+        case exists(String)
+        case tooMany
+        case socket(String)
+        case stopped
+
+        var description: String {
+            switch self {
+            case let .exists(name): return "a delegation named \(name) exists already"
+            case .tooMany: return "there are \(DelegationConfiguration.mostDelegations) delegations already"
+            case let .socket(why): return why
+            case .stopped: return "the daemon is stopping"
+            }
+        }
+    }
+
+    /// Serves `configuration` on its socket (bound now, as the broker's own is: in a directory
+    /// only root or the daemon's user can change, a stale socket replaced, never another file).
+    @discardableResult
+    func add(_ configuration: DelegationConfiguration, configured: Bool) async throws(Failure) -> Grant {
+        let outcome: Result<Grant, Failure> = await changes.run { self.addNow(configuration, configured: configured) }
+        return try outcome.get()
+    }
+
+    private func addNow(_ configuration: DelegationConfiguration, configured: Bool) -> Result<Grant, Failure> {
+        let reserved = state.withLock { state -> Result<(UInt32, VarlinkServer), Failure> in
+            guard !state.stopped, let server = state.server else { return .failure(.stopped) }
+            if state.byName[configuration.name] != nil { return .failure(.exists(configuration.name)) }
+            if state.byListener.count >= DelegationConfiguration.mostDelegations { return .failure(.tooMany) }
+            if let other = state.byListener.values.first(where: { $0.configuration.socket == configuration.socket }) {
+                return .failure(.socket("\(configuration.socket) is delegation \(other.name)'s socket"))
+            }
+            defer { state.nextID = state.nextID == UInt32.max ? 1 : state.nextID + 1 }
+            return .success((state.nextID, server))
+        }
+        let id: UInt32, server: VarlinkServer
+        switch reserved {
+        case let .success(value): (id, server) = value
+        case let .failure(failure): return .failure(failure)
+        }
+        let bound: (fd: Int32, inode: ino_t)
+        do {
+            bound = try SocketPath.bind(configuration.socket, mode: configuration.socketMode, group: configuration.socketGroup,
+                                        owner: configuration.socketUser)
+        } catch {
+            return .failure(.socket("\(error)"))
+        }
+        do {
+            try server.addListener(bound.fd, id: id, maximumConnections: configuration.maxConnections)
+        } catch {
+            SocketPath.remove(configuration.socket, inode: bound.inode)
+            return .failure(.socket("\(error)"))
+        }
+        let grant = Grant(id: id, configuration: configuration, sessions: Set(configuration.sessions), configured: configured, inode: bound.inode)
+        let timer = configuration.expiresAt.map { expiresAt in
+            Task { [weak self] in
+                let left = max(expiresAt - UTCTime.unixSeconds(), 0)
+                try? await Task.sleep(for: .seconds(left))
+                guard !Task.isCancelled, let self else { return }
+                if await self.remove(configuration.name, only: id) {
+                    self.logger.notice("delegation \(configuration.name) expired: its socket \(configuration.socket) is closed")
+                }
+            }
+        }
+        state.withLock { state in
+            state.byListener[id] = grant
+            state.byName[configuration.name] = id
+            if let timer { state.timers[id] = timer }
+        }
+        logger.notice("delegation \(configuration.name): sessions \(configuration.sessions.joined(separator: " ")) on \(configuration.socket)"
+                      + (configuration.expiresAt.map { ", until \(UTCTime.timestamp($0))" } ?? ""))
+        return .success(grant)
+    }
+
+    /// Ends the delegation `name` (only if it is still listener `only`, when given): its
+    /// socket file removed and every connection through it closed before this returns.
+    /// Returns whether there was one.
+    @discardableResult
+    func remove(_ name: String, only: UInt32? = nil) async -> Bool {
+        await changes.run { await self.removeNow(name, only: only) }
+    }
+
+    private func removeNow(_ name: String, only: UInt32?) async -> Bool {
+        let taken = state.withLock { state -> (Grant, Task<Void, Never>?, VarlinkServer?)? in
+            guard let id = state.byName[name], only == nil || only == id, let grant = state.byListener.removeValue(forKey: id) else { return nil }
+            state.byName[name] = nil
+            return (grant, state.timers.removeValue(forKey: id), state.server)
+        }
+        guard let (grant, timer, server) = taken else { return false }
+        // (The expiry's own task removing it: cancelling itself changes nothing.)
+        timer?.cancel()
+        SocketPath.remove(grant.configuration.socket, inode: grant.inode)
+        await server?.removeListener(id: grant.id)
+        return true
+    }
+
+    /// Puts the configured delegations as `configured` says (at start and at each reload):
+    /// those gone or changed end, new or changed ones start; the ones made at run time stay.
+    /// Returns the problems (one per delegation that could not be served).
+    func reconcile(_ configured: [DelegationConfiguration]) async -> [String] {
+        await changes.run { await self.reconcileNow(configured) }
+    }
+
+    private func reconcileNow(_ configured: [DelegationConfiguration]) async -> [String] {
+        let current = state.withLock { state in state.byListener.values.filter(\.configured) }
+        let wanted = Dictionary(configured.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+        for grant in current where wanted[grant.name] != grant.configuration {
+            _ = await removeNow(grant.name, only: grant.id)
+            logger.info("delegation \(grant.name): \(wanted[grant.name] == nil ? "no longer configured" : "changed"); its socket is closed")
+        }
+        var problems: [String] = []
+        for delegation in configured {
+            if state.withLock({ $0.byName[delegation.name] != nil }) {
+                // The same, configured, or one made at run time under that name: that one stays.
+                if let id = state.withLock({ $0.byName[delegation.name] }), state.withLock({ $0.byListener[id]?.configured }) == false {
+                    problems.append("delegation \(delegation.name): a delegation made at run time has this name; undelegate it to serve the configured one")
+                }
+                continue
+            }
+            if case let .failure(failure) = addNow(delegation, configured: true) {
+                problems.append("delegation \(delegation.name): \(failure)")
+            }
+        }
+        for problem in problems { logger.error(problem) }
+        return problems
+    }
+
+    /// Ends every delegation (the daemon stops): their socket files removed; their connections
+    /// end with the server.
+    func stop() async {
+        await changes.run {
+            let names = self.state.withLock { state -> [String] in
+                state.stopped = true
+                return Array(state.byName.keys)
+            }
+            for name in names { _ = await self.removeNow(name, only: nil) }
+        }
+    }
+}
