@@ -18,7 +18,7 @@ BUILD_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev l
 # tests do not use; the same for docker-registry's on :5000), Prometheus, and git, skopeo and
 # docker-registry (real clients and a real registry for the credential-helper tests). `make run`
 # installs none of these.
-TEST_PACKAGES = varlink-go python3-venv systemd util-linux procps openssl etcd-server prometheus git skopeo docker-registry
+TEST_PACKAGES = varlink-go python3-venv systemd systemd-container util-linux procps openssl etcd-server prometheus git skopeo docker-registry
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0

@@ -141,4 +141,53 @@ struct DelegationTests {
             #expect(try Self.call(broker.directory + "/delegations/ci2.sock", "GetToken", ["session": "private"]).error == nil)
         }
         }
+
+    @Test("a real container (systemd-nspawn, no user namespace: its root is uid 0) with the delegation's directory bound at /run/tokenbroker: its tokenbroker finds the socket where it looks by default and gets the delegated session's token; as root in there, every admin call and every other session is refused")
+    func realContainer() async throws {
+        guard access("/usr/bin/systemd-nspawn", X_OK) == 0 else {
+            Issue.record("systemd-nspawn is missing (make test-deps installs systemd-container)")
+            return
+        }
+        try await withBroker(config: Self.config) { broker in
+            let exposed = broker.directory + "/ct"
+            #expect(try await broker.ctl(["delegate", "private", "--socket", exposed + "/io.tokenbroker.Broker", "--name", "ct", "--mode", "0666"]).code == 0)
+            // The smallest root: the host's /usr read-only, the static tokenbroker, a directory for results.
+            let root = broker.directory + "/root"
+            for directory in ["etc", "usr", "proc", "sys", "dev", "run/tokenbroker", "tmp", "var/tmp", "opt", "out"] {
+                try FileManager.default.createDirectory(atPath: root + "/" + directory, withIntermediateDirectories: true)
+            }
+            for (name, target) in [("bin", "usr/bin"), ("sbin", "usr/sbin"), ("lib", "usr/lib"), ("lib64", "usr/lib64")] {
+                try FileManager.default.createSymbolicLink(atPath: root + "/" + name, withDestinationPath: target)
+            }
+            try FileManager.default.copyItem(atPath: "/usr/lib/os-release", toPath: root + "/etc/os-release")
+            _ = FileManager.default.createFile(atPath: root + "/etc/machine-id", contents: Data())
+            let script = """
+                set -u
+                t=/opt/tokenbroker
+                $t ctl token private > /out/token; echo "token $?"
+                $t ctl token api > /dev/null 2>&1; echo "other $?"
+                $t ctl logout private > /dev/null 2>&1; echo "logout $?"
+                $t ctl refresh private > /dev/null 2>&1; echo "refresh $?"
+                $t ctl delegations > /dev/null 2>&1; echo "delegations $?"
+                $t ctl reload > /dev/null 2>&1; echo "reload $?"
+                $t ctl status --json > /out/status; echo "status $?"
+                echo "uid $(id -u)"
+                """
+            let run = try Child("/usr/bin/systemd-nspawn", ["-q", "-D", root, "--bind-ro=/usr", "--register=no", "--keep-unit", "--console=pipe",
+                                                          "--bind-ro=\(Paths.tokenbroker):/opt/tokenbroker", "--bind-ro=\(exposed):/run/tokenbroker",
+                                                          "--bind=\(root)/out:/out", "/bin/sh", "-c", script], directory: broker.directory)
+            #expect(await run.wait(timeout: 120) == 0, "\(run.stderr.suffix(400))")
+            let results = Dictionary(run.stdout.split(separator: "\n").compactMap { line -> (String, String)? in
+                let words = line.split(separator: " ")
+                return words.count == 2 ? (String(words[0]), String(words[1])) : nil
+            }, uniquingKeysWith: { first, _ in first })
+            #expect(results == ["token": "0", "other": "77", "logout": "77", "refresh": "77", "delegations": "77", "reload": "77",
+                                "status": "0", "uid": "0"], "\(results)")
+            let token = try String(contentsOfFile: root + "/out/token", encoding: .utf8).trimmingCharacters(in: .newlines)
+            #expect(fp(token) == fp(try broker.call("GetToken", ["session": "private"]).parameters["token"]))
+            let status = try String(contentsOfFile: root + "/out/status", encoding: .utf8)
+            #expect(status.contains("\"private\"") && !status.contains("\"api\""), "the container's Status shows the delegated session only")
+            #expect(try broker.status("private")?["state"] == "active", "the container's root logged nothing out")
+        }
+    }
 }
