@@ -1,10 +1,16 @@
 /// Who a demand for a refresh is charged to: a peer of the broker, by uid.
 public struct Demander: Hashable, Sendable, CustomStringConvertible {
     public let uid: UInt32
+    /// Not 0: every peer of this delegation together (`uid` then means nothing: a peer there
+    /// may change its uid at will).
+    public let delegation: UInt32
 
-    public init(uid: UInt32) { self.uid = uid }
+    public init(uid: UInt32, delegation: UInt32 = 0) {
+        self.uid = delegation == 0 ? uid : UInt32.max
+        self.delegation = delegation
+    }
 
-    public var description: String { "uid \(uid)" }
+    public var description: String { delegation == 0 ? "uid \(uid)" : "delegation #\(delegation)" }
 }
 
 /// The refresh guard, shared fairly. Two budgets per sliding `window`:

@@ -42,5 +42,6 @@ struct Access: Sendable, Equatable {
 
 extension PeerCredentials {
     /// Who a refresh this peer's demand starts is charged to (`RefreshBudget`).
-    var demander: Demander { Demander(uid: uid) }
+    /// Through a delegation, the delegation: all its peers share one share, whatever uids they take.
+    var demander: Demander { Demander(uid: uid, delegation: listener) }
 }

@@ -223,7 +223,10 @@ final class BrokerService: VarlinkHandler {
             }
             var session: SessionTable.Session?
             if let named = call.parameters["session"]?.stringValue {
-                guard grant.sessions.contains(named), let found = sessions.snapshot.sessions[named] else { throw BrokerError.permissionDenied }
+                guard grant.sessions.contains(named), let found = sessions.snapshot.sessions[named] else {
+                    logger.limited(.warning, key: "delegated-denied:\(peer.listener)", "permission denied: \(call.method) by \(peer) (a session it does not serve)")
+                    throw BrokerError.permissionDenied
+                }
                 session = found
             }
             let request = try BrokerRequest(name, call.parameters)
@@ -496,7 +499,9 @@ final class BrokerService: VarlinkHandler {
                     // Who is throttled: admins see every peer, others only themselves. (Only
                     // while someone is: the snapshot is then never steady, so never cached.)
                     if !admin { status.throttled.removeAll { $0 != peer.demander } }
-                    return Self.statusEntry(status, fleet: session.fleet?.status, derivedFrom: session.kind.parent,
+                    // (Through a delegation, a parent it does not serve is not named.)
+                    let parent = session.kind.parent.flatMap { parent in delegated.map { $0.contains(parent) } ?? true ? parent : nil }
+                    return Self.statusEntry(status, fleet: session.fleet?.status, derivedFrom: parent,
                                             keys: session.keys?.counts.live).encoded
                 }
                 if session.fleet == nil, let version = session.coordinator.steadyStatusVersion {

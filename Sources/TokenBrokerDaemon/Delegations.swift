@@ -102,8 +102,11 @@ final class Delegations: Sendable {
             if let other = state.byListener.values.first(where: { $0.configuration.socket == configuration.socket }) {
                 return .failure(.socket("\(configuration.socket) is delegation \(other.name)'s socket"))
             }
-            defer { state.nextID = state.nextID == UInt32.max ? 1 : state.nextID + 1 }
-            return .success((state.nextID, server))
+            // An id no live delegation has (ids wrap after 2^32 delegations).
+            while state.byListener[state.nextID] != nil { state.nextID = state.nextID == UInt32.max ? 1 : state.nextID + 1 }
+            let id = state.nextID
+            state.nextID = id == UInt32.max ? 1 : id + 1
+            return .success((id, server))
         }
         let id: UInt32, server: VarlinkServer
         switch reserved {
@@ -117,13 +120,22 @@ final class Delegations: Sendable {
         } catch {
             return .failure(.socket("\(error)"))
         }
+        // The grant first: a peer that connects the moment the socket serves finds it.
+        let grant = Grant(id: id, configuration: configuration, sessions: Set(configuration.sessions), configured: configured, inode: bound.inode)
+        state.withLock { state in
+            state.byListener[id] = grant
+            state.byName[configuration.name] = id
+        }
         do {
             try server.addListener(bound.fd, id: id, maximumConnections: configuration.maxConnections)
         } catch {
+            state.withLock { state in
+                state.byListener[id] = nil
+                state.byName[configuration.name] = nil
+            }
             SocketPath.remove(configuration.socket, inode: bound.inode)
             return .failure(.socket("\(error)"))
         }
-        let grant = Grant(id: id, configuration: configuration, sessions: Set(configuration.sessions), configured: configured, inode: bound.inode)
         let timer = configuration.expiresAt.map { expiresAt in
             Task { [weak self] in
                 let left = max(expiresAt - UTCTime.unixSeconds(), 0)
@@ -134,11 +146,7 @@ final class Delegations: Sendable {
                 }
             }
         }
-        state.withLock { state in
-            state.byListener[id] = grant
-            state.byName[configuration.name] = id
-            if let timer { state.timers[id] = timer }
-        }
+        if let timer { state.withLock { $0.timers[id] = timer } }
         logger.notice("delegation \(configuration.name): sessions \(configuration.sessions.joined(separator: " ")) on \(configuration.socket)"
                       + (configuration.expiresAt.map { ", until \(UTCTime.timestamp($0))" } ?? ""))
         return .success(grant)
@@ -164,6 +172,25 @@ final class Delegations: Sendable {
         SocketPath.remove(grant.configuration.socket, inode: grant.inode)
         await server?.removeListener(id: grant.id)
         return true
+    }
+
+    /// Before a reload's sessions change: ends the configured delegations that are gone or
+    /// changed, and those made at run time that name a session no longer configured (a session
+    /// added later under that name is not theirs), so that none serves the new sessions under
+    /// its old grant. `reconcile` then starts the new ones.
+    func narrow(to configured: [DelegationConfiguration], sessions: Set<String>) async {
+        await changes.run {
+            let wanted = Dictionary(configured.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+            let current = self.state.withLock { Array($0.byListener.values) }
+            for grant in current {
+                let ends = grant.configured ? wanted[grant.name] != grant.configuration : !grant.sessions.isSubset(of: sessions)
+                guard ends else { continue }
+                _ = await self.removeNow(grant.name, only: grant.id)
+                self.logger.info("delegation \(grant.name): "
+                                 + (grant.configured ? (wanted[grant.name] == nil ? "no longer configured" : "changed")
+                                                     : "a session it serves is no longer configured") + "; its socket is closed")
+            }
+        }
     }
 
     /// Puts the configured delegations as `configured` says (at start and at each reload):

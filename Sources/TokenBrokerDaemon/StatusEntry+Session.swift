@@ -11,7 +11,7 @@ extension StatusEntry {
         let counted = status.counters
         (counters[.fetches], counters[.joinedWaiters], counters[.failures]) = (counted.fetches, counted.joinedWaiters, counted.failures)
         (counters[.staleRejections], counters[.throttled], counters[.droppedResults]) = (counted.staleRejections, counted.throttled, counted.droppedResults)
-        throttledUsers = status.throttled.map(\.uid)
+        throttledUsers = status.throttled.filter { $0.delegation == 0 }.map(\.uid)
         derivations = counted.derivations > 0 ? counted.derivations : nil
     }
 }

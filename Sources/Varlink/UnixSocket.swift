@@ -156,5 +156,5 @@ public struct PeerCredentials: Sendable, Equatable, CustomStringConvertible {
     /// Whether the peer is in group `gid`, as primary or supplementary group.
     public func isMember(of gid: UInt32) -> Bool { self.gid == gid || groups.contains(gid) }
 
-    public var description: String { "pid \(pid) uid \(uid)" }
+    public var description: String { "pid \(pid) uid \(uid)" + (listener == 0 ? "" : " through delegation #\(listener)") }
 }

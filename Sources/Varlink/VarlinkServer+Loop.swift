@@ -78,19 +78,18 @@ extension VarlinkServer {
             if accepting { stopListening() }
             for (listener, _) in listeners.values { close(listener.fd) }
             listeners.removeAll()
-            // Added or removal asked for after the loop's last look: done with too.
+            close(spareFD)
+            close(server.epollFD)
+            // Added or removal asked for after the loop's last look: done with too, in the same
+            // hold of the lock that closes the inbox (none can come after).
             let (added, removed) = server.inbox.withLock { inbox in
                 defer { (inbox.added, inbox.removed) = ([], []) }
+                inbox.closed = true
+                close(server.wakeFD)
                 return (inbox.added, inbox.removed)
             }
             for listener in added { close(listener.fd) }
             for removal in removed { removal.done.resume() }
-            close(spareFD)
-            close(server.epollFD)
-            server.inbox.withLock { inbox in
-                inbox.closed = true
-                close(server.wakeFD)
-            }
             let waiters = server.stopped.withLock { waiters in
                 defer { waiters = nil }
                 return waiters ?? []
@@ -226,7 +225,7 @@ extension VarlinkServer {
                 if connections.count >= limits.maximumConnections
                     || (!privileged && connections.count >= limits.maximumConnections - limits.reservedConnections) {
                     refusal = .serverFull
-                } else if !privileged && perUser[peer.uid, default: 0] >= limits.maximumConnectionsPerUser {
+                } else if !privileged && listener == 0 && perUser[peer.uid, default: 0] >= limits.maximumConnectionsPerUser {
                     refusal = .userLimit
                 } else if listener != 0, let (extra, open) = listeners[listener], open >= extra.maximumConnections {
                     refusal = .listenerFull
@@ -249,7 +248,9 @@ extension VarlinkServer {
                 }
                 connection.interest = EPOLLIN.rawValue
                 connections[connection.id] = connection
-                if !privileged { perUser[peer.uid, default: 0] += 1 }
+                // (A delegation's connections are bounded by its own limit: its peers' uids are
+                // theirs to choose, and must not use up the host users' share.)
+                if !privileged && listener == 0 { perUser[peer.uid, default: 0] += 1 }
                 if listener != 0 { listeners[listener]?.open += 1 }
                 server.openConnections.add(1, ordering: .relaxed)
             }
@@ -481,7 +482,7 @@ extension VarlinkServer {
             guard connections.removeValue(forKey: connection.id) != nil else { return }
             queuedOutput -= connection.pendingOutput
             bufferedInput -= connection.decoder.pendingCount
-            if !connection.privileged {
+            if !connection.privileged && connection.listener == 0 {
                 let held = perUser[connection.peer.uid, default: 1] - 1
                 perUser[connection.peer.uid] = held > 0 ? held : nil
             }

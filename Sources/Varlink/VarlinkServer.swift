@@ -105,7 +105,12 @@ public final class VarlinkServer: Sendable {
     /// The server owns `fd` from now on.
     public func addListener(_ fd: Int32, id: UInt32, maximumConnections: Int) throws(SocketError) {
         precondition(id != 0, "listener 0 is the server's own")
-        try UnixSocket.setNonBlocking(fd)
+        do {
+            try UnixSocket.setNonBlocking(fd)
+        } catch {
+            close(fd)
+            throw error
+        }
         let posted = inbox.withLock { inbox -> Bool in
             guard !inbox.closed, !inbox.stop else { return false }
             inbox.added.append(Listener(id: id, fd: fd, maximumConnections: max(1, maximumConnections)))

@@ -142,6 +142,32 @@ struct DelegationTests {
         }
         }
 
+    @Test("a delegation's peers share one share of a session's refreshes, whatever uids they take: they are throttled while the host's callers still refresh; their connections do not count against a host uid's")
+    func oneShare() async throws {
+        let config = Self.config.replacingOccurrences(of: "Name=private\nUpstream=test\n", with: "Name=private\nUpstream=test\nRefreshLimitBurst=4\n")
+        try await withBroker(config: config) { broker in
+            let socket = broker.directory + "/delegations/ci.sock"
+            // Through the delegation, as root and as a worker: each Recover of the current token forces a refresh.
+            var throttled = 0
+            for round in 0..<6 {
+                let current = try #require(try broker.call("GetToken", ["session": "private"]).parameters["token"])
+                let reply: Int32
+                if round % 2 == 0 {
+                    reply = try Self.call(socket, "Recover", ["session": "private", "rejected": current]).error == "io.tokenbroker.Broker.Throttled" ? 1 : 0
+                } else {
+                    let recovered = try await broker.ctl(["--socket", socket, "recover", "private"], asUser: Broker.workerUID + UInt32(round),
+                                                         stdin: current.stringValue ?? "")
+                    reply = recovered.err.contains("refresh limit reached") ? 1 : 0
+                }
+                throttled += Int(reply)
+            }
+            // A share is half the burst: two refreshes, then the delegation is throttled, both uids alike.
+            #expect(throttled == 4, "throttled \(throttled) of 6")
+            let host = try #require(try broker.call("GetToken", ["session": "private"]).parameters["token"])
+            #expect(try broker.call("Recover", ["session": "private", "rejected": host]).error == nil, "the host's admin still refreshes")
+        }
+    }
+
     @Test("a real container (systemd-nspawn, no user namespace: its root is uid 0) with the delegation's directory bound at /run/tokenbroker: its tokenbroker finds the socket where it looks by default and gets the delegated session's token; as root in there, every admin call and every other session is refused")
     func realContainer() async throws {
         guard access("/usr/bin/systemd-nspawn", X_OK) == 0 else {

@@ -84,6 +84,8 @@ final class Reloader: Sendable {
         for warning in ProcessDefences.unmappedIDWarnings(configuration) { logger.warning(warning) }
         // The socket is bound once; its settings take effect at the next start.
         configuration.socketPath = current.value.socketPath
+        // No delegation serves the new sessions under a grant that is ending.
+        await delegations.narrow(to: configuration.delegations, sessions: Set(configuration.sessions.map(\.name)))
         await apply(configuration, stored: nil)
         prepareHTTP(for: configuration)
         let problems = await delegations.reconcile(configuration.delegations)

@@ -115,7 +115,7 @@ public enum ConfigLoader {
     }
 
     /// The `[Delegation]` sections: each names itself, sessions that are configured and a socket
-    /// of its own. One that fails is left out, with its error.
+    /// of its own. One that fails records its error (the configuration is then refused).
     private static func delegations(_ sections: [INISection], of configuration: BrokerConfiguration,
                                     _ context: inout ConfigContext) -> [DelegationConfiguration] {
         var result: [DelegationConfiguration] = []
