@@ -1,12 +1,29 @@
 import Varlink
 
-/// `Delegate`'s parameters: chosen sessions on a socket of their own, made at run time by an
-/// admin (`tokenbroker ctl delegate`). Bounded as a `[Delegation]` section is.
+/// How a token file holds its token (`[Output]` `Format=`, `ctl delegate --format`).
+public enum TokenFileFormat: String, Sendable, Equatable, CaseIterable {
+    /// The bare token and a newline (the WLCG `BEARER_TOKEN_FILE` convention).
+    case token
+    /// One HTTP header line: `Authorization: Bearer <token>`.
+    case header
+    /// `{"access_token":…,"token_type":…,"expires_at":…,"serial":…}` and a newline.
+    case json
+}
+
+/// `Delegate`'s parameters: chosen sessions on a socket of their own, or one session's token in
+/// a file kept fresh, or both, made at run time by an admin (`tokenbroker ctl delegate`).
+/// Bounded as a `[Delegation]` or `[Output]` section is.
 public struct DelegationRequest: Sendable, Equatable {
     /// Its name; the daemon picks one when none is given.
     public var name: String?
     public var sessions: [String]
-    public var socket: String
+    /// Where its socket is bound (nil: no socket; then `file` is given).
+    public var socket: String?
+    /// Where the token file is kept (nil: none); it needs exactly one session.
+    public var file: String?
+    public var format: TokenFileFormat?
+    /// Users (by uid) who may read the file besides its owner (a POSIX ACL entry each).
+    public var readers: [UInt32]
     /// Seconds until it ends by itself (1 to a year); nil: until `Undelegate`.
     public var ttl: Int64?
     /// The socket file's mode, owner and group (0660, the daemon's user and group by default).
@@ -18,14 +35,17 @@ public struct DelegationRequest: Sendable, Equatable {
     public var allowGroups: [UInt32]
     public var maxConnections: Int?
 
-    public init(name: String? = nil, sessions: [String], socket: String, ttl: Int64? = nil, mode: UInt32? = nil, user: UInt32? = nil,
+    public init(name: String? = nil, sessions: [String], socket: String?, file: String? = nil, format: TokenFileFormat? = nil,
+                readers: [UInt32] = [], ttl: Int64? = nil, mode: UInt32? = nil, user: UInt32? = nil,
                 group: UInt32? = nil, allowUsers: [UInt32] = [], allowGroups: [UInt32] = [], maxConnections: Int? = nil) {
         (self.name, self.sessions, self.socket, self.ttl) = (name, sessions, socket, ttl)
+        (self.file, self.format, self.readers) = (file, format, readers)
         (self.mode, self.user, self.group) = (mode, user, group)
         (self.allowUsers, self.allowGroups, self.maxConnections) = (allowUsers, allowGroups, maxConnections)
     }
 
-    static let fields: Set<String> = ["name", "sessions", "socket", "ttl", "mode", "user", "group", "allowUsers", "allowGroups", "maxConnections"]
+    static let fields: Set<String> = ["name", "sessions", "socket", "file", "format", "readers", "ttl", "mode", "user", "group", "allowUsers",
+                                      "allowGroups", "maxConnections"]
 
     /// Reads and bounds the parameters (the daemon checks what only it can: the sessions, the path).
     init(_ parameters: Parameters) throws(ParameterError) {
@@ -34,10 +54,21 @@ public struct DelegationRequest: Sendable, Equatable {
         if let name, !BrokerContract.isName(name) { throw ParameterError(name: "name") }
         sessions = try Self.strings(parameters, "sessions", limit: 256) { BrokerContract.isName($0) }
         guard !sessions.isEmpty else { throw ParameterError(name: "sessions") }
-        socket = try parameters.string("socket")
-        guard socket.hasPrefix("/"), (2...107).contains(socket.utf8.count), socket.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
-            throw ParameterError(name: "socket")
+        socket = try parameters.optionalString("socket")
+        if let socket, !Self.isPath(socket, limit: 107) { throw ParameterError(name: "socket") }
+        file = try parameters.optionalString("file")
+        if let file, !Self.isPath(file, limit: 4095) { throw ParameterError(name: "file") }
+        // A file holds one session's token; a delegation has a socket, a file or both.
+        if file != nil, sessions.count != 1 { throw ParameterError(name: "sessions") }
+        if socket == nil, file == nil { throw ParameterError(name: "socket") }
+        switch parameters.object["format"] {
+        case nil, .null?: format = nil
+        case let value?:
+            guard file != nil, let text = value.stringValue, let format = TokenFileFormat(rawValue: text) else { throw ParameterError(name: "format") }
+            self.format = format
         }
+        readers = try Self.ids(parameters, "readers")
+        if !readers.isEmpty, file == nil { throw ParameterError(name: "readers") }
         ttl = try Self.optionalInt(parameters, "ttl", 1...31_536_000)
         mode = try Self.optionalInt(parameters, "mode", 0...0o777).map { UInt32($0) }
         user = try Self.optionalInt(parameters, "user", 0...Int64(UInt32.max - 1)).map { UInt32($0) }
@@ -48,7 +79,11 @@ public struct DelegationRequest: Sendable, Equatable {
     }
 
     var parameters: JSONObject {
-        var parameters: JSONObject = ["sessions": .array(sessions.map(JSON.string)), "socket": .string(socket)]
+        var parameters: JSONObject = ["sessions": .array(sessions.map(JSON.string))]
+        if let socket { parameters["socket"] = .string(socket) }
+        if let file { parameters["file"] = .string(file) }
+        if let format { parameters["format"] = .string(format.rawValue) }
+        if !readers.isEmpty { parameters["readers"] = .array(readers.map { .int(Int64($0)) }) }
         if let name { parameters["name"] = .string(name) }
         if let ttl { parameters["ttl"] = .int(ttl) }
         if let mode { parameters["mode"] = .int(Int64(mode)) }
@@ -58,6 +93,11 @@ public struct DelegationRequest: Sendable, Equatable {
         if !allowGroups.isEmpty { parameters["allowGroups"] = .array(allowGroups.map { .int(Int64($0)) }) }
         if let maxConnections { parameters["maxConnections"] = .int(Int64(maxConnections)) }
         return parameters
+    }
+
+    /// An absolute path of visible ASCII of at most `limit` bytes.
+    private static func isPath(_ path: String, limit: Int) -> Bool {
+        path.hasPrefix("/") && (2...limit).contains(path.utf8.count) && path.utf8.allSatisfy { $0 > 0x20 && $0 < 0x7F }
     }
 
     private static func optionalInt(_ parameters: Parameters, _ name: String, _ range: ClosedRange<Int64>) throws(ParameterError) -> Int64? {
@@ -94,29 +134,38 @@ public struct DelegationRequest: Sendable, Equatable {
     }
 }
 
-/// One delegation, as `Delegations` lists it (no token, no peer).
+/// One delegation or token file, as `Delegations` lists it (no token, no peer).
 public struct DelegationInfo: Sendable, Equatable {
     public var name: String
     public var sessions: [String]
-    public var socket: String
+    /// Its socket, its token file: either or both.
+    public var socket: String?
+    public var file: String?
     public var expiresAt: Int64?
-    /// From a `[Delegation]` section (a reload changes it), or made at run time.
+    /// From a `[Delegation]` or `[Output]` section (a reload changes it), or made at run time.
     public var configured: Bool
+    /// What went wrong with its file, if anything now (the file is then absent).
+    public var problem: String?
 
-    public init(name: String, sessions: [String], socket: String, expiresAt: Int64?, configured: Bool) {
-        (self.name, self.sessions, self.socket, self.expiresAt, self.configured) = (name, sessions, socket, expiresAt, configured)
+    public init(name: String, sessions: [String], socket: String?, file: String? = nil, expiresAt: Int64?, configured: Bool,
+                problem: String? = nil) {
+        (self.name, self.sessions, self.socket, self.file, self.expiresAt) = (name, sessions, socket, file, expiresAt)
+        (self.configured, self.problem) = (configured, problem)
     }
 
     public init?(_ object: JSONObject) {
-        guard let name = object["name"]?.stringValue, let socket = object["socket"]?.stringValue else { return nil }
-        self.init(name: name, sessions: (object["sessions"]?.arrayValue ?? []).prefix(256).compactMap(\.stringValue), socket: socket,
-                  expiresAt: object["expiresAt"]?.intValue, configured: object["configured"]?.boolValue ?? false)
+        guard let name = object["name"]?.stringValue else { return nil }
+        self.init(name: name, sessions: (object["sessions"]?.arrayValue ?? []).prefix(256).compactMap(\.stringValue),
+                  socket: object["socket"]?.stringValue, file: object["file"]?.stringValue, expiresAt: object["expiresAt"]?.intValue,
+                  configured: object["configured"]?.boolValue ?? false, problem: object["problem"]?.stringValue)
     }
 
     public var parameters: JSONObject {
-        var object: JSONObject = ["name": .string(name), "sessions": .array(sessions.map(JSON.string)), "socket": .string(socket),
-                                  "configured": .bool(configured)]
+        var object: JSONObject = ["name": .string(name), "sessions": .array(sessions.map(JSON.string)), "configured": .bool(configured)]
+        if let socket { object["socket"] = .string(socket) }
+        if let file { object["file"] = .string(file) }
         if let expiresAt { object["expiresAt"] = .int(expiresAt) }
+        if let problem { object["problem"] = .string(problem) }
         return object
     }
 }

@@ -1,4 +1,5 @@
 #define _GNU_SOURCE
+#include <sys/xattr.h>
 #include <errno.h>
 #include <stddef.h>
 #include <sys/auxv.h>
@@ -52,3 +53,7 @@ uint64_t tb_epoll_event_data(const struct epoll_event *event) { return event->da
 int tb_set_undumpable(void) { return prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); }
 
 int tb_is_dumpable(void) { return prctl(PR_GET_DUMPABLE, 0, 0, 0, 0); }
+
+int tb_fsetxattr(int fd, const char *name, const void *value, size_t size) {
+    return fsetxattr(fd, name, value, size, 0);
+}

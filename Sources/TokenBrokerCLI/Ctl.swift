@@ -241,9 +241,28 @@ public enum Ctl {
     }
 
     static func delegate(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
-        guard let path = call.values["--socket"] else { throw Failure(usage: "delegate needs --socket PATH: where the delegation's socket is bound") }
-        guard path.hasPrefix("/") else { throw Failure(usage: "--socket needs an absolute path for the delegation's socket") }
-        var request = DelegationRequest(name: call.values["--name"], sessions: call.operands, socket: path)
+        let (path, file) = (call.values["--socket"], call.values["--file"])
+        guard path != nil || file != nil else {
+            throw Failure(usage: "delegate needs --socket PATH (where the delegation's socket is bound) or --file PATH (where its token file is kept)")
+        }
+        if let path, !path.hasPrefix("/") { throw Failure(usage: "--socket needs an absolute path for the delegation's socket") }
+        if let file {
+            guard file.hasPrefix("/") else { throw Failure(usage: "--file needs an absolute path for the token file") }
+            guard call.operands.count == 1 else { throw Failure(usage: "--file keeps one session's token: name exactly one SESSION") }
+        }
+        var request = DelegationRequest(name: call.values["--name"], sessions: call.operands, socket: path, file: file)
+        if let format = call.values["--format"] {
+            guard file != nil else { throw Failure(usage: "--format is the token file's: give --file too") }
+            guard let value = TokenFileFormat(rawValue: format) else { throw Failure(usage: "--format needs token, header or json") }
+            request.format = value
+        }
+        if let readers = call.values["--readers"] {
+            guard file != nil else { throw Failure(usage: "--readers are the token file's: give --file too") }
+            for word in readers.split(whereSeparator: { $0 == "," || $0 == " " }) {
+                guard let uid = Identity.user(String(word)) else { throw Failure(usage: "--readers: no user '\(word.prefix(64))'") }
+                request.readers.append(uid)
+            }
+        }
         if let ttl = call.values["--ttl"] {
             guard let seconds = duration(ttl) else { throw Failure(usage: "--ttl needs a duration such as 1h, 30m or 2d (at most a year)") }
             request.ttl = seconds
@@ -280,7 +299,8 @@ public enum Ctl {
         }
         let name = reply.parameters["name"]?.stringValue ?? request.name ?? "?"
         let until = reply.parameters["expiresAt"]?.intValue.map { ", until \(UTCTime.timestamp($0))" } ?? ""
-        output.write("delegated \(call.operands.joined(separator: " ")) on \(path) as \(name)\(until)\n")
+        let faces = [path.map { "on \($0)" }, file.map { "in \($0)" }].compactMap { $0 }.joined(separator: " and ")
+        output.write("delegated \(call.operands.joined(separator: " ")) \(faces) as \(name)\(until)\n")
     }
 
     static func delegations(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
@@ -296,17 +316,20 @@ public enum Ctl {
         }
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
-        var rows = [["NAME", "SESSIONS", "SOCKET", "EXPIRES", "FROM"]]
+        var rows = [["NAME", "SESSIONS", "SOCKET", "FILE", "EXPIRES", "FROM"]]
         for delegation in all {
-            rows.append([delegation.name, delegation.sessions.joined(separator: ","), delegation.socket,
+            rows.append([delegation.name, delegation.sessions.joined(separator: ","), delegation.socket ?? "-", delegation.file ?? "-",
                          delegation.expiresAt.map { "in " + span($0 - Int64(now.tv_sec)) } ?? "-", delegation.configured ? "config" : "ctl"])
         }
         output.write(table(rows))
+        for delegation in all {
+            if let problem = delegation.problem { output.write("\(delegation.name): \(problem)\n") }
+        }
     }
 
     static func undelegate(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
         _ = try Ctl.call(call.address, .undelegate(name: call.operands[0]))
-        if !call.json { output.write("undelegated \(call.operands[0]): its socket is closed\n") }
+        if !call.json { output.write("undelegated \(call.operands[0]): its socket is closed, its file erased\n") }
     }
 
     static func login(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {

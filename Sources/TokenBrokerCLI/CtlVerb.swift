@@ -59,9 +59,9 @@ public struct CtlVerb: Sendable {
                 help: Help.ctlResetFleetHistory, Ctl.resetFleetHistory),
         CtlVerb("reload", [], "Make the daemon re-read its configuration (admin).", help: Help.ctlReload, Ctl.reload),
         CtlVerb("delegate", ["session"], variadic: true, options: delegateOptions,
-                "Serve sessions on a socket of their own, for a container or host (admin).", help: Help.ctlDelegate, Ctl.delegate),
-        CtlVerb("delegations", [], "List the delegations and their sockets (admin).", help: Help.ctlDelegations, Ctl.delegations),
-        CtlVerb("undelegate", ["name"], "End a delegation: its socket and connections close (admin).", help: Help.ctlUndelegate, Ctl.undelegate),
+                "Serve sessions on a socket of their own, or a token file, for a container or host (admin).", help: Help.ctlDelegate, Ctl.delegate),
+        CtlVerb("delegations", [], "List the delegations, their sockets and token files (admin).", help: Help.ctlDelegations, Ctl.delegations),
+        CtlVerb("undelegate", ["name"], "End a delegation: its socket and connections close, its file is erased (admin).", help: Help.ctlUndelegate, Ctl.undelegate),
         CtlVerb("metrics", [], "Print the daemon's metrics, Prometheus text format (admin).", help: Help.ctlMetrics, Ctl.metrics),
         // (Never reaches its handler: `Ctl.run` hands it to the daemon's executable, options and all.)
         CtlVerb("check-config", [], "Validate the configuration files (same as `tokenbroker check-config`).", help: Help.checkConfig,
@@ -95,7 +95,7 @@ public struct CtlVerb: Sendable {
     /// The options with a value only `delegate` takes (its `--socket` is the global one's name,
     /// read after the verb).
     static let delegateOptions: Set<String> = ["--ttl", "--name", "--mode", "--owner", "--group", "--allow-users", "--allow-groups",
-                                                "--max-connections"]
+                                                "--max-connections", "--file", "--format", "--readers"]
 
     /// `proof <session> <method> <url>`.
     var synopsis: String { ([name] + operands.map { "<\($0)>" }).joined(separator: " ") + (variadic ? "..." : "") }

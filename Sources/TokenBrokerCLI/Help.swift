@@ -396,51 +396,70 @@ public enum Help {
         """
 
     public static let ctlDelegate = """
-        OVERVIEW: Serve sessions on a socket of their own, for a container or a host (admin).
+        OVERVIEW: Serve sessions on a socket of their own, or a token file, for a container or a host (admin).
 
         Binds a socket that serves only these sessions' tokens: GetToken, Recover, GetProof,
         Watch, Credential and Status answer there, for these sessions alone; every admin call,
         every other session and every key (resource, scope) is refused, whoever the peer is —
         root in a container without a user namespace, or the far side of `ssh -R`, included.
-        Bind-mount the socket (or its directory) into a container, or forward it with ssh. It
-        lasts until `ctl undelegate`, --ttl, or the daemon's stop (at a restart, only the ones
-        in [Delegation] sections come back). A logout of a session reaches its workers there as
-        everywhere: SignedOut.
+        Bind-mount the socket's directory into a container, or forward the socket with ssh.
 
-        The socket's directory must be one only root or the daemon's user can change (as for the
-        broker's own socket); --socket here names the delegation's socket (the broker's is given
-        before the verb, or by $TOKENBROKER_SOCKET).
+        With --file, keeps one session's current token in a file instead (or as well), for
+        programs that read a token from a file ($BEARER_TOKEN_FILE): replaced whole at each new
+        token (a reader never sees a part), renewed before the token expires, zeroed and removed
+        at a logout and when the delegation ends. Bind its directory into a container, not the
+        file: a bound file keeps its old content once a new one is renamed over it.
 
-        USAGE: tokenbroker ctl [--socket <path>] delegate <session>... --socket <path> [--ttl <duration>]
+        It lasts until `ctl undelegate`, --ttl, or the daemon's stop (at a restart, only the
+        ones in [Delegation] and [Output] sections come back). A logout of a session reaches its
+        workers there as everywhere: SignedOut, and its file is erased.
+
+        The socket's and the file's directory must be one only root or the daemon's user can
+        change (as for the broker's own socket); --socket here names the delegation's socket
+        (the broker's is given before the verb, or by $TOKENBROKER_SOCKET).
+
+        USAGE: tokenbroker ctl [--socket <path>] delegate <session>... [--socket <path>] [--file <path>]
+                                   [--format token|header|json] [--readers <users>] [--ttl <duration>]
                                    [--name <name>] [--mode <octal>] [--owner <user>] [--group <group>]
                                    [--allow-users <users>] [--allow-groups <groups>] [--max-connections <n>]
 
         OPTIONS:
           --socket <path>         Where the delegation's socket is bound (after the verb).
+          --file <path>           Where the session's token file is kept (one session).
+          --format <format>       The file holds the bare token (token, the default), an
+                                  "Authorization: Bearer ..." line (header), or JSON with
+                                  the token, its type, expiry and serial (json).
+          --readers <users>       Users (comma-separated) who may read the file besides its
+                                  owner: a POSIX ACL entry each, no privilege needed.
           --ttl <duration>        It ends by itself after this long: 30m, 1h, 2d (at most a year).
           --name <name>           Its name (default: one the daemon picks, printed).
-          --mode <octal>          The socket file's mode (default 0660).
+          --mode <octal>          The socket file's mode (default 0660), the token file's
+                                  (default 0600).
           --owner <user>, --group <group>
-                                  The socket file's owner and group (default the daemon's).
+                                  Their owner and group (default the daemon's; another owner
+                                  of a token file needs a daemon run as root).
           --allow-users <users>, --allow-groups <groups>
                                   Only these peers (by uid/gid as the kernel reports them,
-                                  comma-separated) may use it; default whoever opens the socket.
-          --max-connections <n>   Connections open on it at once (default 64).
+                                  comma-separated) may use the socket; default whoever opens it.
+          --max-connections <n>   Connections open on the socket at once (default 64).
           --json                  The Delegate reply as JSON.
           -h, --help              Show this help.
 
         EXAMPLES:
-          tokenbroker ctl delegate ci-read --socket /run/tokenbroker/delegations/ci/broker.sock --ttl 1h --name ci
+          tokenbroker ctl delegate ci-read --socket /run/tokenbroker/delegations/ci/io.tokenbroker.Broker --ttl 1h --name ci
           systemd-nspawn --bind-ro=/run/tokenbroker/delegations/ci:/run/tokenbroker ...
-          ssh -R /run/user/1000/tokenbroker.sock:/run/tokenbroker/delegations/dev/broker.sock dev-host
+          ssh -R /run/user/1000/tokenbroker/io.tokenbroker.Broker:/run/tokenbroker/delegations/dev.sock dev-host
+          tokenbroker ctl delegate batch --file /run/tokenbroker/files/batch/token --readers condor --name batch
 
         """
 
     public static let ctlDelegations = """
-        OVERVIEW: List the delegations and their sockets (admin).
+        OVERVIEW: List the delegations, their sockets and token files (admin).
 
-        Each delegation's name, sessions, socket, when it ends, and whether it comes from a
-        [Delegation] section (config) or from `ctl delegate` (ctl).
+        Each delegation's (and [Output]'s) name, sessions, socket, token file, when it ends, and
+        whether it comes from a [Delegation] or [Output] section (config) or from
+        `ctl delegate` (ctl); then, for a file that cannot be kept now, why (a symlink at its
+        path, a directory others can write…).
 
         USAGE: tokenbroker ctl [--socket <path>] delegations [--json]
 
@@ -456,9 +475,10 @@ public enum Help {
     public static let ctlUndelegate = """
         OVERVIEW: End a delegation (admin).
 
-        Removes its socket and closes every connection on it before it returns: a worker
-        there gets no other token. A configured one (a [Delegation] section) comes back at the
-        next reload unless its section is gone.
+        Removes its socket and closes every connection on it, and zeroes and removes its token
+        file, before it returns: a worker there gets no other token. A configured one (a
+        [Delegation] or [Output] section) comes back at the next reload unless its section is
+        gone.
 
         USAGE: tokenbroker ctl [--socket <path>] undelegate <name>
 

@@ -127,7 +127,7 @@ final class BrokerService: VarlinkHandler {
             return service.delegate(delegation, by: peer)
         }),
         .delegations: Method(access: .admin, handler: .other { service, _, _ in
-            .reply(VarlinkReply(parameters: ["delegations": .array(service.delegations.all.map { .object($0.info.parameters) })]))
+            .reply(VarlinkReply(parameters: ["delegations": .array(service.delegations.infos.map { .object($0.parameters) })]))
         }),
         .undelegate: Method(access: .admin, handler: .other { service, request, peer in
             guard case let .undelegate(name) = request else { throw BrokerError.internalError }
@@ -250,23 +250,40 @@ final class BrokerService: VarlinkHandler {
         }
     }
 
-    /// Delegate: the sessions on a socket of their own, from now until `ttl`, `Undelegate` or
-    /// the daemon's stop.
+    /// Delegate: the sessions on a socket of their own, or one session's token in a file kept
+    /// fresh, or both, from now until `ttl`, `Undelegate` or the daemon's stop.
     private func delegate(_ request: DelegationRequest, by peer: PeerCredentials) -> VarlinkHandling {
         let name = request.name ?? "delegation-" + String(UInt32.random(in: 0...UInt32.max), radix: 16)
-        let configured = Set(sessions.snapshot.order)
-        if let unknown = request.sessions.first(where: { !configured.contains($0) }) {
+        let snapshot = sessions.snapshot
+        if let unknown = request.sessions.first(where: { snapshot.sessions[$0] == nil }) {
             return .reply(BrokerError.noSuchSession(session: unknown).reply)
         }
-        if let problem = DelegationConfiguration.socketProblem(request.socket) {
+        if let socket = request.socket, let problem = DelegationConfiguration.socketProblem(socket) {
             return .reply(BrokerError.delegationFailed(name: name, reason: "socket: \(problem)").reply)
         }
         var delegation = DelegationConfiguration(name: name)
-        (delegation.sessions, delegation.socket) = (request.sessions, request.socket)
+        (delegation.sessions, delegation.socket) = (request.sessions, request.socket ?? "")
         (delegation.socketUser, delegation.socketGroup, delegation.socketMode) = (request.user, request.group, request.mode ?? 0o660)
         (delegation.allowUsers, delegation.allowGroups) = (request.allowUsers, request.allowGroups)
         delegation.maxConnections = request.maxConnections ?? delegation.maxConnections
         delegation.expiresAt = request.ttl.map { UTCTime.unixSeconds() + $0 }
+        if let path = request.file, let session = request.sessions.first {
+            if let problem = TokenFileConfiguration.pathProblem(path) {
+                return .reply(BrokerError.delegationFailed(name: name, reason: "file: \(problem)").reply)
+            }
+            if snapshot.sessions[session]?.configuration.settings.oauth.dpop != .off {
+                return .reply(BrokerError.delegationFailed(name: name, reason: "file: session \(session) has DPoP tokens, bound to the broker's "
+                                                           + "key: a file cannot carry their proofs").reply)
+            }
+            if request.readers.count > TokenFileConfiguration.mostReaders {
+                return .reply(BrokerError.delegationFailed(name: name, reason: "file: more than \(TokenFileConfiguration.mostReaders) readers").reply)
+            }
+            var file = TokenFileConfiguration(name: name)
+            (file.session, file.path, file.format) = (session, path, request.format ?? .token)
+            (file.user, file.group, file.mode, file.readers) = (request.user, request.group, request.mode.map { $0 & 0o666 } ?? 0o600, request.readers)
+            file.expiresAt = delegation.expiresAt
+            delegation.file = file
+        }
         let (delegations, logger, made) = (self.delegations, self.logger, delegation)
         return .async { sink in
             do {
@@ -281,12 +298,19 @@ final class BrokerService: VarlinkHandler {
         }
     }
 
-    /// Undelegate: the socket removed and its connections closed before the reply.
+    /// Undelegate: the socket removed and its connections closed, its file erased, before the
+    /// reply. (A configured one — a `[Delegation]` or an `[Output]` — until the next reload.)
     private func undelegate(_ name: String, by peer: PeerCredentials) -> VarlinkHandling {
         let (delegations, logger) = (self.delegations, self.logger)
         return .async { sink in
             guard await delegations.remove(name) else {
-                sink.send(BrokerError.noSuchDelegation(name: name).reply)
+                guard let files = delegations.files, files.all.contains(where: { $0.configured && $0.configuration.name == name }),
+                      await files.remove(name) else {
+                    sink.send(BrokerError.noSuchDelegation(name: name).reply)
+                    return
+                }
+                logger.notice("output \(name) ended by \(peer): its file is erased")
+                sink.send(VarlinkReply())
                 return
             }
             logger.notice("delegation \(name) ended by \(peer)")

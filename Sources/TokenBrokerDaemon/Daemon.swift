@@ -73,7 +73,7 @@ public final class Daemon: Sendable {
         self.table = table
         let factory = SessionFactory(logger: logger, metrics: metrics, state: state, census: census, sessions: table, transfers: transfers,
                                      outliving: outliving, followLoops: followLoops)
-        let delegations = Delegations(logger: logger)
+        let delegations = Delegations(logger: logger, files: TokenFiles(table: table, logger: logger, metrics: metrics))
         self.delegations = delegations
         reloader = Reloader(table: table, factory: factory, logger: logger, metrics: metrics, state: state, configuration: configuration,
                             delegations: delegations, read: { [options] in
@@ -168,6 +168,8 @@ public final class Daemon: Sendable {
         // until it runs); one that cannot be bound is logged and left out.
         delegations.attach(server)
         _ = await delegations.reconcile(configuration.delegations)
+        // The token files: each follows its session from now on.
+        _ = await delegations.files?.reconcile(configuration.outputs)
         let metricsServer = startMetrics(configuration)
         // Development sessions are logged in before the first call is answered (a client that
         // connects at once waits in the listen backlog, and finds them logged in).
@@ -231,6 +233,7 @@ public final class Daemon: Sendable {
             DaemonPart("listener") { [self] stop in
                 await stop.wait()
                 await delegations.stop()
+                await delegations.files?.stop()
                 server.stopAccepting()
                 // A socket systemd passed belongs to systemd; one we bound is removed.
                 if let inode = socket.inode { SocketPath.remove(configuration.socketPath, inode: inode) }

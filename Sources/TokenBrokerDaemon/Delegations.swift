@@ -11,6 +11,8 @@ import Varlink
 /// the daemon's stop). Each is a socket of its own on the varlink server's one loop
 /// (`VarlinkServer.addListener`): its peers carry its listener id, by which every call of theirs
 /// finds its grant here (one lookup under a lock), and with it the only sessions it may name.
+/// One made at run time may keep a token file instead or as well (`TokenFiles`), which ends
+/// (erased) with it.
 final class Delegations: Sendable {
     /// What a delegation's socket may do.
     struct Grant: Sendable {
@@ -18,8 +20,9 @@ final class Delegations: Sendable {
         let configuration: DelegationConfiguration
         let sessions: Set<String>
         let configured: Bool
-        /// The socket file it bound (removed at its end only if it is still that file).
-        let inode: ino_t
+        /// The socket file it bound (removed at its end only if it is still that file); nil:
+        /// it has no socket.
+        let inode: ino_t?
 
         var name: String { configuration.name }
 
@@ -32,9 +35,9 @@ final class Delegations: Sendable {
                 || groups.contains { $0 != overflowGID && peer.isMember(of: $0) }
         }
 
-        var info: DelegationInfo {
-            DelegationInfo(name: name, sessions: configuration.sessions, socket: configuration.socket,
-                           expiresAt: configuration.expiresAt, configured: configured)
+        func info(problem: String?) -> DelegationInfo {
+            DelegationInfo(name: name, sessions: configuration.sessions, socket: configuration.socket.isEmpty ? nil : configuration.socket,
+                           file: configuration.file?.path, expiresAt: configuration.expiresAt, configured: configured, problem: problem)
         }
     }
 
@@ -50,10 +53,15 @@ final class Delegations: Sendable {
 
     private let state = Mutex(State())
     private let logger: Logger
+    /// The token files, a delegation's among them.
+    let files: TokenFiles?
     /// Changes one after another (a reload's and an admin's never interleave).
     private let changes = AsyncSerializer()
 
-    init(logger: Logger) { self.logger = logger }
+    init(logger: Logger, files: TokenFiles? = nil) {
+        self.logger = logger
+        self.files = files
+    }
 
     /// The server whose loop serves the delegations' sockets (set once it exists).
     func attach(_ server: VarlinkServer) {
@@ -70,17 +78,29 @@ final class Delegations: Sendable {
         state.withLock { Array($0.byListener.values) }.sorted { $0.name < $1.name }
     }
 
+    /// Every delegation and configured token file, as `Delegations` lists them, in name order.
+    var infos: [DelegationInfo] {
+        let delegations = all.map { $0.info(problem: $0.configuration.file == nil ? nil : files?.problem($0.name)) }
+        let outputs = (files?.all ?? []).filter(\.configured).map { file in
+            DelegationInfo(name: file.configuration.name, sessions: [file.configuration.session], socket: nil, file: file.configuration.path,
+                           expiresAt: nil, configured: true, problem: file.problem)
+        }
+        return (delegations + outputs).sorted { $0.name < $1.name }
+    }
+
     enum Failure: Error, CustomStringConvertible {
         case exists(String)
         case tooMany
         case socket(String)
+        case file(String)
         case stopped
 
         var description: String {
             switch self {
-            case let .exists(name): return "a delegation named \(name) exists already"
+            case let .exists(name): return "a delegation or token file named \(name) exists already"
             case .tooMany: return "there are \(DelegationConfiguration.mostDelegations) delegations already"
             case let .socket(why): return why
+            case let .file(why): return "file: \(why)"
             case .stopped: return "the daemon is stopping"
             }
         }
@@ -90,16 +110,17 @@ final class Delegations: Sendable {
     /// only root or the daemon's user can change, a stale socket replaced, never another file).
     @discardableResult
     func add(_ configuration: DelegationConfiguration, configured: Bool) async throws(Failure) -> Grant {
-        let outcome: Result<Grant, Failure> = await changes.run { self.addNow(configuration, configured: configured) }
+        let outcome: Result<Grant, Failure> = await changes.run { await self.addNow(configuration, configured: configured) }
         return try outcome.get()
     }
 
-    private func addNow(_ configuration: DelegationConfiguration, configured: Bool) -> Result<Grant, Failure> {
+    private func addNow(_ configuration: DelegationConfiguration, configured: Bool) async -> Result<Grant, Failure> {
+        let files = self.files
         let reserved = state.withLock { state -> Result<(UInt32, VarlinkServer), Failure> in
             guard !state.stopped, let server = state.server else { return .failure(.stopped) }
-            if state.byName[configuration.name] != nil { return .failure(.exists(configuration.name)) }
+            if state.byName[configuration.name] != nil || files?.contains(configuration.name) == true { return .failure(.exists(configuration.name)) }
             if state.byListener.count >= DelegationConfiguration.mostDelegations { return .failure(.tooMany) }
-            if let other = state.byListener.values.first(where: { $0.configuration.socket == configuration.socket }) {
+            if !configuration.socket.isEmpty, let other = state.byListener.values.first(where: { $0.configuration.socket == configuration.socket }) {
                 return .failure(.socket("\(configuration.socket) is delegation \(other.name)'s socket"))
             }
             // An id no live delegation has (ids wrap after 2^32 delegations).
@@ -113,28 +134,45 @@ final class Delegations: Sendable {
         case let .success(value): (id, server) = value
         case let .failure(failure): return .failure(failure)
         }
-        let bound: (fd: Int32, inode: ino_t)
-        do {
-            bound = try SocketPath.bind(configuration.socket, mode: configuration.socketMode, group: configuration.socketGroup,
-                                        owner: configuration.socketUser)
-        } catch {
-            return .failure(.socket("\(error)"))
+        var bound: (fd: Int32, inode: ino_t)?
+        if !configuration.socket.isEmpty {
+            do {
+                bound = try SocketPath.bind(configuration.socket, mode: configuration.socketMode, group: configuration.socketGroup,
+                                            owner: configuration.socketUser)
+            } catch {
+                return .failure(.socket("\(error)"))
+            }
         }
         // The grant first: a peer that connects the moment the socket serves finds it.
-        let grant = Grant(id: id, configuration: configuration, sessions: Set(configuration.sessions), configured: configured, inode: bound.inode)
+        let grant = Grant(id: id, configuration: configuration, sessions: Set(configuration.sessions), configured: configured, inode: bound?.inode)
         state.withLock { state in
             state.byListener[id] = grant
             state.byName[configuration.name] = id
         }
-        do {
-            try server.addListener(bound.fd, id: id, maximumConnections: configuration.maxConnections)
-        } catch {
+        func undo() {
             state.withLock { state in
                 state.byListener[id] = nil
                 state.byName[configuration.name] = nil
             }
-            SocketPath.remove(configuration.socket, inode: bound.inode)
-            return .failure(.socket("\(error)"))
+            if let bound { SocketPath.remove(configuration.socket, inode: bound.inode) }
+        }
+        if let bound {
+            do {
+                try server.addListener(bound.fd, id: id, maximumConnections: configuration.maxConnections)
+            } catch {
+                undo()
+                return .failure(.socket("\(error)"))
+            }
+        }
+        if let file = configuration.file {
+            do {
+                guard let files else { throw TokenFiles.Failure.stopped }
+                try await files.add(file, configured: false)
+            } catch {
+                if bound != nil { await server.removeListener(id: id) }
+                undo()
+                return .failure(.file("\(error)"))
+            }
         }
         let timer = configuration.expiresAt.map { expiresAt in
             Task { [weak self] in
@@ -142,13 +180,15 @@ final class Delegations: Sendable {
                 try? await Task.sleep(for: .seconds(left))
                 guard !Task.isCancelled, let self else { return }
                 if await self.remove(configuration.name, only: id) {
-                    self.logger.notice("delegation \(configuration.name) expired: its socket \(configuration.socket) is closed")
+                    self.logger.notice("delegation \(configuration.name) expired: "
+                                       + (configuration.socket.isEmpty ? "its file is erased" : "its socket \(configuration.socket) is closed"))
                 }
             }
         }
         if let timer { state.withLock { $0.timers[id] = timer } }
-        logger.notice("delegation \(configuration.name): sessions \(configuration.sessions.joined(separator: " ")) on \(configuration.socket)"
-                      + (configuration.expiresAt.map { ", until \(UTCTime.timestamp($0))" } ?? ""))
+        let faces = [configuration.socket.isEmpty ? nil : "on \(configuration.socket)", configuration.file.map { "in file \($0.path)" }]
+        logger.notice("delegation \(configuration.name): sessions \(configuration.sessions.joined(separator: " ")) "
+                      + faces.compactMap { $0 }.joined(separator: " and ") + (configuration.expiresAt.map { ", until \(UTCTime.timestamp($0))" } ?? ""))
         return .success(grant)
     }
 
@@ -169,8 +209,11 @@ final class Delegations: Sendable {
         guard let (grant, timer, server) = taken else { return false }
         // (The expiry's own task removing it: cancelling itself changes nothing.)
         timer?.cancel()
-        SocketPath.remove(grant.configuration.socket, inode: grant.inode)
-        await server?.removeListener(id: grant.id)
+        if let inode = grant.inode {
+            SocketPath.remove(grant.configuration.socket, inode: inode)
+            await server?.removeListener(id: grant.id)
+        }
+        if grant.configuration.file != nil { await files?.remove(grant.name) }
         return true
     }
 
@@ -216,7 +259,7 @@ final class Delegations: Sendable {
                 }
                 continue
             }
-            if case let .failure(failure) = addNow(delegation, configured: true) {
+            if case let .failure(failure) = await addNow(delegation, configured: true) {
                 problems.append("delegation \(delegation.name): \(failure)")
             }
         }

@@ -59,7 +59,8 @@ final class Metrics: Sendable {
         var storeWrites = Histogram(bounds: [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5])
         var storeFailures = 0
         var reloads: [String: Int] = ["ok": 0, "failed": 0]
-        var refusedConnections: [String: Int] = ["server_full": 0, "user_limit": 0, "descriptors": 0]
+        var refusedConnections: [String: Int] = Dictionary(uniqueKeysWithValues: Metrics.connectionRefusals.map { ($0, 0) })
+        var tokenFileWrites: [String: Int] = ["ok": 0, "failed": 0]
         var refusedScrapes: [String: Int] = [:]
     }
 
@@ -105,6 +106,15 @@ final class Metrics: Sendable {
 
     func reload(ok: Bool) {
         rare.withLock { $0.reloads[ok ? "ok" : "failed", default: 0] += 1 }
+    }
+
+    /// Why a connection was refused: the server full, a user's share of it, no descriptors
+    /// left, a delegation's MaxConnections= reached.
+    static let connectionRefusals = ["server_full", "user_limit", "descriptors", "delegation_full"]
+
+    /// A token file written (or not: a write that failed).
+    func tokenFileWrite(failed: Bool) {
+        rare.withLock { $0.tokenFileWrites[failed ? "failed" : "ok", default: 0] += 1 }
     }
 
     func refusedConnection(_ reason: String) {
@@ -241,7 +251,7 @@ final class Metrics: Sendable {
         out.family("tokenbroker_connections_open", "gauge", "Client connections open now.")
         out.sample("tokenbroker_connections_open", [:], Double(connections))
         out.family("tokenbroker_connections_refused", "counter", "Connections refused, by reason.")
-        for reason in ["server_full", "user_limit", "descriptors"] {
+        for reason in Self.connectionRefusals {
             out.sample("tokenbroker_connections_refused_total", ["reason": reason], Double(rare.refusedConnections[reason] ?? 0))
         }
         out.family("tokenbroker_store_write_duration_seconds", "histogram", "Duration of state writes (fsync included).")
@@ -250,6 +260,10 @@ final class Metrics: Sendable {
         out.sample("tokenbroker_store_write_failures_total", [:], Double(rare.storeFailures))
         out.family("tokenbroker_reloads", "counter", "Configuration reloads by result.")
         for result in ["ok", "failed"] { out.sample("tokenbroker_reloads_total", ["result": result], Double(rare.reloads[result] ?? 0)) }
+        out.family("tokenbroker_token_file_writes", "counter", "Token files written ([Output], ctl delegate --file), by result.")
+        for result in ["ok", "failed"] {
+            out.sample("tokenbroker_token_file_writes_total", ["result": result], Double(rare.tokenFileWrites[result] ?? 0))
+        }
     }
 }
 

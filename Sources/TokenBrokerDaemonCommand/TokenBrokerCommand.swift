@@ -190,6 +190,12 @@ public enum TokenBrokerCommand {
                 output.write("fleet: member \(fleet.member), prefix \(fleet.prefix), \(fleet.endpoints.count) etcd endpoint(s), flight lease "
                              + "\(fleet.flightLease.components.seconds)s; shared: \(shared.isEmpty ? "no sessions\n" : sessionList(shared, verbose: verbose))")
             }
+            if !configuration.delegations.isEmpty || !configuration.outputs.isEmpty {
+                let delegations = configuration.delegations.map { "\($0.name) (\($0.sessions.joined(separator: " ")) on \($0.socket))" }
+                let files = configuration.outputs.map { "\($0.name) (\($0.session) in \($0.path))" }
+                output.write("delegations: \(delegations.joined(separator: ", ").nonEmpty ?? "none"); "
+                             + "token files: \(files.joined(separator: ", ").nonEmpty ?? "none")\n")
+            }
             return ExitCode.ok
         } catch {
             // Every error and warning, in file order: a warning's "did you mean" may be the
@@ -204,4 +210,9 @@ public enum TokenBrokerCommand {
             return ExitCode.config
         }
     }
+}
+
+private extension String {
+    /// Itself, or nil when empty.
+    var nonEmpty: String? { isEmpty ? nil : self }
 }

@@ -21,6 +21,7 @@ struct ConfigSchemaTests {
             "Session": Set(ConfigSchema.session.map(\.name)),
             "Fleet": Set(ConfigSchema.fleet.map(\.name)),
             "Delegation": Set(ConfigSchema.delegation.map(\.name)),
+            "Output": Set(ConfigSchema.output.map(\.name)),
         ]
     }
 

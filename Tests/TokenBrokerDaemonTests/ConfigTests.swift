@@ -140,6 +140,23 @@ struct ConfigTests {
         ("[Session]\nName=a\nUpstream=test\nAllowUsers=nobody-xyz", 4, "AllowUsers=: no such user 'nobody-xyz'"),
         ("[Session]\nName=a\nUpstream=test\nRefreshAhead=soon", 4,
          "RefreshAhead= needs a time span between 0.0s and 86400.0s, e.g. 60s or 5min"),
+        ("[Session]\nName=a\nUpstream=test\n[Output]\nSession=a\nPath=/run/t", 4, "[Output] needs Name="),
+        ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nPath=/run/t", 4, "[Output] o needs Session= (the session whose token it holds)"),
+        ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=a", 4, "[Output] o needs Path= (where the file is kept)"),
+        ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=b\nPath=/run/t", 4, "[Output] o: Session= names b, not configured"),
+        ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=a\nPath=run/t", 7, "Path=: needs an absolute path"),
+        ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=a\nPath=/run/../t", 7,
+         "Path=: names no file (a directory, or a . or .. component)"),
+        ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=a\nPath=/run/t\nFormat=yaml", 8, "Format= needs token, header or json"),
+        ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=a\nPath=/run/t\nMode=0755", 8,
+         "Mode= needs an octal mode without execute bits, such as 0640"),
+        ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=a\nPath=/run/t\n[Output]\nName=p\nSession=a\nPath=/run/t", 8,
+         "[Output] p: Path= is [Output] o's too"),
+        ("[Session]\nName=a\nUpstream=test\n[Delegation]\nName=o\nSessions=a\nSocket=/run/s\n[Output]\nName=o\nSession=a\nPath=/run/t", 8,
+         "[Output] o: a [Delegation] has this Name= (they share one namespace)"),
+        ("[Session]\nName=a\nClientID=c\nTokenEndpoint=https://as.example/t\nClientAuthentication=none\nDPoP=yes\n"
+         + "[Output]\nName=o\nSession=a\nPath=/run/t", 7,
+         "[Output] o: session a has DPoP tokens, bound to the broker's key: a file cannot carry their proofs"),
     ])
     func badValues(text: String, line: Int, message: String) throws {
         let fixture = try ConfigFixture(main: text)

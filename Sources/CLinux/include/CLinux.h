@@ -42,4 +42,8 @@ int tb_terminal_rows(int fd);
 /// executable.
 int tb_has_dynamic_loader(void);
 
+/// fsetxattr(2) (from <sys/xattr.h>, which Swift's Glibc module leaves out): sets extended
+/// attribute `name` (a POSIX ACL: "system.posix_acl_access") on `fd`. 0 or -1 with errno.
+int tb_fsetxattr(int fd, const char *name, const void *value, size_t size);
+
 #endif

@@ -88,8 +88,10 @@ final class Reloader: Sendable {
         await delegations.narrow(to: configuration.delegations, sessions: Set(configuration.sessions.map(\.name)))
         await apply(configuration, stored: nil)
         prepareHTTP(for: configuration)
-        let problems = await delegations.reconcile(configuration.delegations)
-        logger.info("configuration reloaded: \(configuration.sessions.count) session(s), \(configuration.delegations.count) delegation(s)")
+        var problems = await delegations.reconcile(configuration.delegations)
+        problems += await delegations.files?.reconcile(configuration.outputs) ?? []
+        logger.info("configuration reloaded: \(configuration.sessions.count) session(s), \(configuration.delegations.count) delegation(s), "
+                    + "\(configuration.outputs.count) output(s)")
         // (The sessions are as configured: only the delegations named here are not served.)
         return problems.isEmpty ? nil : problems.joined(separator: "; ")
     }

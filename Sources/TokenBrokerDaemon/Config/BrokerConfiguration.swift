@@ -48,6 +48,8 @@ public struct BrokerConfiguration: Sendable, Equatable {
     public var fleet: FleetSettings?
     /// The `[Delegation]` sections, in order.
     public var delegations: [DelegationConfiguration] = []
+    /// The `[Output]` sections (token files), in order.
+    public var outputs: [TokenFileConfiguration] = []
     /// Unknown keys and other non-fatal findings, each at `file:line`.
     public var warnings: [ConfigError] = []
 
@@ -61,7 +63,7 @@ public struct BrokerConfiguration: Sendable, Equatable {
     /// Equal when every key of `ConfigSchema.broker` agrees and the sessions and the fleet do.
     public static func == (lhs: BrokerConfiguration, rhs: BrokerConfiguration) -> Bool {
         ConfigSchema.broker.allSatisfy { $0.same(lhs, rhs) } && lhs.sessions == rhs.sessions && lhs.fleet == rhs.fleet
-            && lhs.delegations == rhs.delegations
+            && lhs.delegations == rhs.delegations && lhs.outputs == rhs.outputs
     }
 }
 

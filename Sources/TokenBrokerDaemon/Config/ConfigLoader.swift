@@ -47,6 +47,7 @@ public enum ConfigLoader {
         var sessionEntries: [(name: String, origin: INISection, entries: [INIEntry])] = []
         var sessionIndex: [String: Int] = [:]
         var delegationSections: [INISection] = []
+        var outputSections: [INISection] = []
         for section in sections {
             switch section.name {
             case "Broker":
@@ -76,6 +77,8 @@ public enum ConfigLoader {
                 }
             case "Delegation":
                 delegationSections.append(section)
+            case "Output":
+                outputSections.append(section)
             case "":
                 continue   // (its header could not be read: an error already)
             default:
@@ -107,11 +110,32 @@ public enum ConfigLoader {
         }
         configuration.sessions = derive(configuration.sessions, derivedFrom, keyEntries: keyEntries, &context)
         configuration.delegations = delegations(delegationSections, of: configuration, &context)
+        configuration.outputs = outputs(outputSections, of: configuration, &context)
         // In file order, whatever check found them.
         configuration.warnings = ConfigError.inFileOrder(context.warnings, main: mainFile) { $0 }
         if let error = ConfigError.combined(ConfigError.inFileOrder(context.errors, main: mainFile) { $0 }, omitted: context.omittedErrors,
                                             warnings: configuration.warnings) { throw error }
         return configuration
+    }
+
+    /// Each section's keys applied to `empty`: those read without an error and with a `Name=`,
+    /// each with its section (for errors about the whole of it).
+    private static func read<Settings>(_ sections: [INISection], _ index: [String: ConfigKey<Settings>], _ keys: [ConfigKey<Settings>],
+                                       _ name: String, _ empty: Settings, _ named: KeyPath<Settings, String>,
+                                       _ context: inout ConfigContext) -> [(Settings, INISection)] {
+        var result: [(Settings, INISection)] = []
+        for section in sections {
+            var settings = empty
+            let before = context.errors.count
+            for entry in section.entries { apply(entry, index, keys, to: &settings, in: "[\(name)]", &context) }
+            guard context.errors.count == before else { continue }
+            guard !settings[keyPath: named].isEmpty else {
+                context.record(ConfigError(file: section.file, line: section.line, "[\(name)] needs Name="))
+                continue
+            }
+            result.append((settings, section))
+        }
+        return result
     }
 
     /// The `[Delegation]` sections: each names itself, sessions that are configured and a socket
@@ -120,18 +144,9 @@ public enum ConfigLoader {
                                     _ context: inout ConfigContext) -> [DelegationConfiguration] {
         var result: [DelegationConfiguration] = []
         var sockets: [String: String] = [configuration.socketPath: "the broker's own socket (Socket=)"]
-        for section in sections {
-            var delegation = DelegationConfiguration(name: "")
-            let before = context.errors.count
-            for entry in section.entries {
-                apply(entry, ConfigSchema.delegationKeys, ConfigSchema.delegation, to: &delegation, in: "[Delegation]", &context)
-            }
-            guard context.errors.count == before else { continue }
+        for (delegation, section) in read(sections, ConfigSchema.delegationKeys, ConfigSchema.delegation, "Delegation",
+                                          DelegationConfiguration(name: ""), \.name, &context) {
             func fail(_ message: String) { context.record(ConfigError(file: section.file, line: section.line, message)) }
-            guard !delegation.name.isEmpty else {
-                fail("[Delegation] needs Name=")
-                continue
-            }
             let label = "[Delegation] \(delegation.name)"
             if result.contains(where: { $0.name == delegation.name }) { fail("\(label): another [Delegation] has this Name="); continue }
             guard !delegation.sessions.isEmpty else { fail("\(label) needs Sessions= (the sessions its socket serves)"); continue }
@@ -146,6 +161,43 @@ public enum ConfigLoader {
             }
             sockets[delegation.socket] = label
             result.append(delegation)
+        }
+        return result
+    }
+
+    /// The `[Output]` sections: each names itself (apart from every delegation), a configured
+    /// session whose tokens are bearer tokens (a DPoP-bound token is worth nothing without the
+    /// broker's key), and a path no other output has. One that fails records its error.
+    private static func outputs(_ sections: [INISection], of configuration: BrokerConfiguration,
+                                _ context: inout ConfigContext) -> [TokenFileConfiguration] {
+        var result: [TokenFileConfiguration] = []
+        var paths: [String: String] = [:]
+        let sessions = Dictionary(configuration.sessions.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+        let delegations = Set(configuration.delegations.map(\.name))
+        for (output, section) in read(sections, ConfigSchema.outputKeys, ConfigSchema.output, "Output", TokenFileConfiguration(name: ""),
+                                      \.name, &context) {
+            func fail(_ message: String) { context.record(ConfigError(file: section.file, line: section.line, message)) }
+            let label = "[Output] \(output.name)"
+            if result.contains(where: { $0.name == output.name }) { fail("\(label): another [Output] has this Name="); continue }
+            if delegations.contains(output.name) { fail("\(label): a [Delegation] has this Name= (they share one namespace)"); continue }
+            guard !output.session.isEmpty else { fail("\(label) needs Session= (the session whose token it holds)"); continue }
+            guard !output.path.isEmpty else { fail("\(label) needs Path= (where the file is kept)"); continue }
+            if let other = paths[output.path] { fail("\(label): Path= is \(other)'s too"); continue }
+            guard let session = sessions[output.session] else { fail("\(label): Session= names \(output.session), not configured"); continue }
+            if session.settings.oauth.dpop != .off {
+                fail("\(label): session \(output.session) has DPoP tokens, bound to the broker's key: a file cannot carry their proofs")
+                continue
+            }
+            if output.readers.count > TokenFileConfiguration.mostReaders {
+                fail("\(label): Readers= names more than \(TokenFileConfiguration.mostReaders) users")
+                continue
+            }
+            guard result.count < TokenFileConfiguration.mostFiles else {
+                fail("more than \(TokenFileConfiguration.mostFiles) outputs")
+                break
+            }
+            paths[output.path] = label
+            result.append(output)
         }
         return result
     }

@@ -233,9 +233,9 @@ public enum ConfigSchema {
 
     /// An allow list: an empty value clears it, each word adds a name or a number.
     private static func allowList<Settings>(_ name: String, _ path: any WritableKeyPath<Settings, [UInt32]> & Sendable, _ summary: String,
-                                            lookup: @escaping @Sendable (inout ConfigContext, String) -> UInt32?, overflow: UInt32)
-        -> ConfigKey<Settings> {
-        ConfigKey(name, takes: "names or numbers, space-separated (empty clears)", change: .keepsSession, summary,
+                                            lookup: @escaping @Sendable (inout ConfigContext, String) -> UInt32?, overflow: UInt32,
+                                            change: ConfigChange = .keepsSession) -> ConfigKey<Settings> {
+        ConfigKey(name, takes: "names or numbers, space-separated (empty clears)", change: change, summary,
                   same: { $0[keyPath: path] == $1[keyPath: path] }) { settings, entry, context throws(ConfigError) in
             if entry.value.isEmpty { settings[keyPath: path] = [] }
             for word in ConfigValue.list(entry.value) {
@@ -317,17 +317,51 @@ public enum ConfigSchema {
             settings.socketMode = mode
         },
         allowList("AllowUsers", \DelegationConfiguration.allowUsers, "only these users (names or uids) may use the socket",
-                  lookup: { context, name in context.userID(name) }, overflow: ProcessDefences.overflowUID),
+                  lookup: { context, name in context.userID(name) }, overflow: ProcessDefences.overflowUID, change: .atReload),
         allowList("AllowGroups", \DelegationConfiguration.allowGroups, "only members of these groups may use the socket",
-                  lookup: { context, name in context.groupID(name) }, overflow: ProcessDefences.overflowGID),
+                  lookup: { context, name in context.groupID(name) }, overflow: ProcessDefences.overflowGID, change: .atReload),
         ConfigKey("MaxConnections", \.maxConnections, .count(1...65_536), default: "64", change: .atReload,
                   "connections open on its socket at once"),
+    ]
+
+    public static let output: [ConfigKey<TokenFileConfiguration>] = [
+        ConfigKey("Name", takes: "1-64 of A-Z a-z 0-9 - _ .", change: .atReload, "the output's name (required; not a delegation's)",
+                  same: { $0.name == $1.name }) { settings, entry, _ throws(ConfigError) in
+            guard DelegationConfiguration.isName(entry.value) else { throw fail(entry, "Name=: '\(entry.value)' is not an output name (1-64 of A-Z a-z 0-9 - _ .)") }
+            settings.name = entry.value
+        },
+        ConfigKey("Session", takes: "a session name", change: .atReload, "the session whose token the file holds (required)",
+                  same: { $0.session == $1.session }) { settings, entry, _ throws(ConfigError) in
+            guard ConfigValue.isSessionName(entry.value) else { throw fail(entry, "Session=: '\(entry.value)' is not a session name") }
+            settings.session = entry.value
+        },
+        ConfigKey("Path", takes: "an absolute path", change: .atReload, "where the file is kept (required)",
+                  same: { $0.path == $1.path }) { settings, entry, _ throws(ConfigError) in
+            if let problem = TokenFileConfiguration.pathProblem(entry.value) { throw fail(entry, "Path=: \(problem)") }
+            settings.path = entry.value
+        },
+        ConfigKey("Format", takes: "token, header or json", default: "token", change: .atReload,
+                  "the bare token, an Authorization: header line, or JSON with its type, expiry and serial",
+                  same: { $0.format == $1.format }) { settings, entry, _ throws(ConfigError) in
+            guard let format = TokenFileFormat(rawValue: entry.value) else { throw fail(entry, "Format= needs token, header or json") }
+            settings.format = format
+        },
+        ConfigKey("User", \.user, .user, change: .atReload, "user owning the file (the daemon's when empty; another needs a daemon run as root)"),
+        ConfigKey("Group", \.group, .group, change: .atReload, "group owning the file (the daemon's when empty)"),
+        ConfigKey("Mode", takes: "an octal mode", default: "0600", change: .atReload, "mode of the file (no execute bits)",
+                  same: { $0.mode == $1.mode }) { settings, entry, _ throws(ConfigError) in
+            guard let mode = ConfigValue.mode(entry.value), mode & 0o7111 == 0 else { throw fail(entry, "Mode= needs an octal mode without execute bits, such as 0640") }
+            settings.mode = mode
+        },
+        allowList("Readers", \TokenFileConfiguration.readers, "users (names or uids) who may read the file too (a POSIX ACL entry each)",
+                  lookup: { context, name in context.userID(name) }, overflow: ProcessDefences.overflowUID, change: .atReload),
     ]
 
     static let brokerKeys = index(broker)
     static let sessionKeys = index(session)
     static let fleetKeys = index(fleet)
     static let delegationKeys = index(delegation)
+    static let outputKeys = index(output)
 
     private static func index<Settings>(_ keys: [ConfigKey<Settings>]) -> [String: ConfigKey<Settings>] {
         Dictionary(keys.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
@@ -338,7 +372,7 @@ public enum ConfigSchema {
         func rows<Settings>(_ keys: [ConfigKey<Settings>]) -> [(name: String, takes: String, defaultValue: String, summary: String, change: ConfigChange)] {
             keys.map { ($0.name, $0.takes, $0.defaultValue, $0.summary, $0.change) }
         }
-        return [("Broker", rows(broker)), ("Session", rows(session)), ("Fleet", rows(fleet)), ("Delegation", rows(delegation))]
+        return [("Broker", rows(broker)), ("Session", rows(session)), ("Fleet", rows(fleet)), ("Delegation", rows(delegation)), ("Output", rows(output))]
     }
 
     /// A known key of `keys` that `name` is probably a misspelling of.

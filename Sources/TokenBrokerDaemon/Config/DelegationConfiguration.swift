@@ -7,8 +7,11 @@ public struct DelegationConfiguration: Sendable, Equatable {
     public var name: String
     /// The sessions it exposes (configured sessions, derived ones included), in order.
     public var sessions: [String] = []
-    /// Where its socket is bound (an absolute path).
+    /// Where its socket is bound (an absolute path; empty: it has none, only a file).
     public var socket: String = ""
+    /// The token file it keeps (`ctl delegate --file`; a `[Delegation]` has none: files are
+    /// configured as `[Output]` sections).
+    public var file: TokenFileConfiguration?
     /// Owner, group and mode of the socket file (the daemon's user and group when nil).
     public var socketUser: UInt32?
     public var socketGroup: UInt32?
@@ -29,8 +32,14 @@ public struct DelegationConfiguration: Sendable, Equatable {
     /// What is wrong with `path` as a delegation's socket, if anything: an absolute path that
     /// fits a socket address (107 bytes), visible ASCII, no `.` or `..` component.
     public static func socketProblem(_ path: String) -> String? {
+        fileProblem(path, limit: 107, "longer than a socket address may be (107 bytes)")
+    }
+
+    /// What is wrong with `path` as the path of a file the daemon makes: absolute, at most
+    /// `limit` bytes (else `tooLong`), visible ASCII, no `.` or `..` component, naming a file.
+    static func fileProblem(_ path: String, limit: Int, _ tooLong: String) -> String? {
         guard path.hasPrefix("/") else { return "needs an absolute path" }
-        guard path.utf8.count <= 107 else { return "longer than a socket address may be (107 bytes)" }
+        guard path.utf8.count <= limit else { return tooLong }
         guard path.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else { return "only visible ASCII characters, no spaces" }
         guard !path.hasSuffix("/"), !path.split(separator: "/").contains(where: { $0 == "." || $0 == ".." }) else {
             return "names no file (a directory, or a . or .. component)"
