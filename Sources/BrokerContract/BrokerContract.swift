@@ -56,6 +56,7 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
     case codeLogin = "CodeLogin", completeCodeLogin = "CompleteCodeLogin", loginFlow = "LoginFlow"
     case resetFleetHistory = "ResetFleetHistory"
     case delegate = "Delegate", delegations = "Delegations", undelegate = "Undelegate"
+    case audit = "Audit"
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
@@ -154,6 +155,8 @@ public enum BrokerRequest: Sendable, Equatable {
     case delegate(DelegationRequest)
     case delegations
     case undelegate(name: String)
+    /// The newest audit records (an admin's), of one session when named.
+    case audit(session: String?, limit: Int?)
 
     public var method: BrokerMethod {
         switch self {
@@ -177,6 +180,7 @@ public enum BrokerRequest: Sendable, Equatable {
         case .delegate: return .delegate
         case .delegations: return .delegations
         case .undelegate: return .undelegate
+        case .audit: return .audit
         }
     }
 
@@ -187,7 +191,7 @@ public enum BrokerRequest: Sendable, Equatable {
              let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _, _, _),
              let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session), let .resetFleetHistory(session):
             return session
-        case .status, .reload, .metrics, .credential, .delegate, .delegations, .undelegate:
+        case .status, .reload, .metrics, .credential, .delegate, .delegations, .undelegate, .audit:
             return nil
         }
     }
@@ -273,6 +277,18 @@ public enum BrokerRequest: Sendable, Equatable {
             let name = try parameters.string("name")
             guard BrokerContract.isName(name) else { throw ParameterError(name: "name") }
             self = .undelegate(name: name)
+        case .audit:
+            try parameters.only(["session", "limit"])
+            let session = try parameters.optionalString("session")
+            if let session, !BrokerContract.isName(session) { throw ParameterError(name: "session") }
+            var limit: Int?
+            switch parameters.object["limit"] {
+            case nil, .null?: break
+            case let value?:
+                guard let number = value.intValue, (1...Int64(AuditEntry.mostListed)).contains(number) else { throw ParameterError(name: "limit") }
+                limit = Int(number)
+            }
+            self = .audit(session: session, limit: limit)
         }
     }
 
@@ -312,6 +328,11 @@ public enum BrokerRequest: Sendable, Equatable {
         case .status, .reload, .metrics, .delegations: return [:]
         case let .delegate(request): return request.parameters
         case let .undelegate(name): return ["name": .string(name)]
+        case let .audit(session, limit):
+            var parameters: JSONObject = [:]
+            if let session { parameters["session"] = .string(session) }
+            if let limit { parameters["limit"] = .int(Int64(limit)) }
+            return parameters
         case let .credential(url, rejected, minValid, key):
             var parameters = key?.parameters ?? [:]
             parameters["url"] = .string(url)

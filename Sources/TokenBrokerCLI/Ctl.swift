@@ -37,7 +37,7 @@ public enum Ctl {
         var minValid: Int64?
         var resource: String?
         var scope: String?
-        /// Options with a value that only `delegate` takes, and its `--socket` (after the verb).
+        /// Options with a value that only `delegate` or `audit` takes, and `delegate`'s `--socket` (after the verb).
         var values: [String: String] = [:]
         var index = 0
         // A usage error names the verb's usage once the verb is known.
@@ -55,7 +55,7 @@ public enum Ctl {
                 // After `delegate`, the delegation's socket; before it, the broker's.
                 if words.first == "delegate" { values["--socket"] = arguments[index + 1] } else { socket = arguments[index + 1] }
                 index += 1
-            case _ where CtlVerb.delegateOptions.contains(argument):
+            case _ where CtlVerb.valueOptions.contains(argument):
                 guard index + 1 < arguments.count else { return .exit(usage("\(argument) needs a value", &errors)) }
                 values[argument] = arguments[index + 1]
                 index += 1
@@ -362,6 +362,34 @@ public enum Ctl {
 
     static func watch(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
         try watch(call.address, call.session, json: call.json, showToken: call.showToken, output: &output)
+    }
+
+    static func audit(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        var limit: Int?
+        if let text = call.values["--limit"] {
+            guard let value = Int(text), (1...AuditEntry.mostListed).contains(value) else {
+                throw Failure(usage: "--limit needs a number from 1 to \(AuditEntry.mostListed)")
+            }
+            limit = value
+        }
+        let reply = try Ctl.call(call.address, .audit(session: call.values["--session"], limit: limit))
+        if call.json {
+            output.write(JSON.object(reply.parameters).text + "\n")
+            return
+        }
+        let records = (reply.parameters["records"]?.arrayValue ?? []).compactMap { $0.objectValue.flatMap(AuditEntry.init) }
+        guard !records.isEmpty else {
+            output.write("no audit records\n")
+            return
+        }
+        var rows = [["LAST", "SESSION", "TOKEN", "PEER", "UNIT", "VIA", "METHODS", "COUNT"]]
+        for record in records {
+            let session = record.session + (record.resource.map { " " + $0 } ?? "") + (record.scope.map { " [\($0)]" } ?? "")
+            rows.append([UTCTime.timestamp(record.last), session, "#\(record.tokenSerial) (gen \(record.generation))",
+                         "pid \(record.pid) uid \(record.uid) gid \(record.gid)", record.unit ?? "-", record.delegation ?? "socket",
+                         record.methods.joined(separator: ","), "\(record.count)"])
+        }
+        output.write(table(rows))
     }
 
     static func metrics(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {

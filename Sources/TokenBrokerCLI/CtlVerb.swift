@@ -62,6 +62,7 @@ public struct CtlVerb: Sendable {
                 "Serve sessions on a socket of their own, or a token file, for a container or host (admin).", help: Help.ctlDelegate, Ctl.delegate),
         CtlVerb("delegations", [], "List the delegations, their sockets and token files (admin).", help: Help.ctlDelegations, Ctl.delegations),
         CtlVerb("undelegate", ["name"], "End a delegation: its socket and connections close, its file is erased (admin).", help: Help.ctlUndelegate, Ctl.undelegate),
+        CtlVerb("audit", [], options: ["--session", "--limit"], "Show who was handed which token lately (admin).", help: Help.ctlAudit, Ctl.audit),
         CtlVerb("metrics", [], "Print the daemon's metrics, Prometheus text format (admin).", help: Help.ctlMetrics, Ctl.metrics),
         // (Never reaches its handler: `Ctl.run` hands it to the daemon's executable, options and all.)
         CtlVerb("check-config", [], "Validate the configuration files (same as `tokenbroker check-config`).", help: Help.checkConfig,
@@ -74,7 +75,7 @@ public struct CtlVerb: Sendable {
         var skipNext = false
         for argument in arguments {
             if skipNext { skipNext = false; continue }
-            if ["--socket", "--nonce", "--min-valid", "--flow", "--resource", "--scope"].contains(argument) || delegateOptions.contains(argument) {
+            if ["--socket", "--nonce", "--min-valid", "--flow", "--resource", "--scope"].contains(argument) || valueOptions.contains(argument) {
                 skipNext = true
                 continue
             }
@@ -96,6 +97,9 @@ public struct CtlVerb: Sendable {
     /// read after the verb).
     static let delegateOptions: Set<String> = ["--ttl", "--name", "--mode", "--owner", "--group", "--allow-users", "--allow-groups",
                                                 "--max-connections", "--file", "--format", "--readers"]
+
+    /// The options with a value that `delegate` and `audit` take, read into `Invocation.values`.
+    static let valueOptions: Set<String> = delegateOptions.union(["--session", "--limit"])
 
     /// `proof <session> <method> <url>`.
     var synopsis: String { ([name] + operands.map { "<\($0)>" }).joined(separator: " ") + (variadic ? "..." : "") }

@@ -490,6 +490,32 @@ public enum Help {
 
         """
 
+    public static let ctlAudit = """
+        OVERVIEW: Show who was handed which token lately (admin).
+
+        The audit trail: one record per token and peer (a worker's thousand GetToken calls
+        with one token are one record, with its count), newest first — the session (and key),
+        the token's serial and generation (never the token), the peer's pid, uid and gid as the
+        kernel reported them, its systemd unit, the delegation it came through, the methods and
+        how often. The daemon keeps the newest 512; each new record is also a journal entry
+        (MESSAGE_ID=5f8c2a4e9b1d4c7a8e3f6b0d2c9a7e14, at most 10 per peer a minute, then one
+        line saying how many were left out):
+
+          journalctl -u tokenbroker MESSAGE_ID=5f8c2a4e9b1d4c7a8e3f6b0d2c9a7e14
+
+        USAGE: tokenbroker ctl [--socket <path>] audit [--session <name>] [--limit <n>] [--json]
+
+        OPTIONS:
+          --session <name>        Only this session's records.
+          --limit <n>             At most this many (default 50, at most 512).
+          --json                  The Audit reply as JSON.
+          -h, --help              Show this help.
+
+        EXAMPLE:
+          tokenbroker ctl audit --session api --limit 20
+
+        """
+
     public static let ctlMetrics = """
         OVERVIEW: Print the daemon's metrics (admin).
 

@@ -31,11 +31,14 @@ final class BrokerService: VarlinkHandler {
     let interactiveLogins = InteractiveLogins()
     /// The delegations' sockets and what each may do.
     let delegations: Delegations
+    /// Who was handed which token.
+    let audit: Audit
 
     init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
          forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }, metrics: Metrics = Metrics(version: "test"),
          metricsText: @escaping @Sendable () async -> String = { "" }, outliving: TaskPool = TaskPool(limit: 256, backlog: 1 << 16),
-         delegations: Delegations? = nil) {
+         delegations: Delegations? = nil, audit: Audit? = nil) {
+        self.audit = audit ?? Audit(write: { [logger] fields, line in logger.audit(fields, line: line) })
         self.outliving = outliving
         self.delegations = delegations ?? Delegations(logger: logger)
         self.sessions = sessions
@@ -76,11 +79,11 @@ final class BrokerService: VarlinkHandler {
     static let methods: [BrokerMethod: Method] = [
         .getToken: Method(access: .sessionUser, handler: .session { service, request, peer, session in
             guard case let .getToken(_, minValid, key) = request else { throw BrokerError.internalError }
-            return try service.keyed(session, key, by: peer) { service.getToken($0, validFor: minValid, by: peer) }
+            return try service.keyed(session, key, by: peer) { service.getToken($0, key, validFor: minValid, by: peer) }
         }),
         .recover: Method(access: .sessionUser, handler: .session { service, request, peer, session in
             guard case let .recover(_, rejected, key) = request else { throw BrokerError.internalError }
-            return try service.keyed(session, key, by: peer) { service.recover($0, rejected: Secret(rejected), by: peer) }
+            return try service.keyed(session, key, by: peer) { service.recover($0, key, rejected: Secret(rejected), by: peer) }
         }),
         .watch: Method(access: .sessionUser, streams: true, handler: .session { service, _, peer, session in
             .async { sink in await service.watch(session, peer, sink) }
@@ -113,7 +116,7 @@ final class BrokerService: VarlinkHandler {
         .getProof: Method(access: .sessionUser, handler: .session { service, request, peer, session in
             guard case let .getProof(_, method, uri, nonce, rejected, minValid, key) = request else { throw BrokerError.internalError }
             return try service.keyed(session, key, by: peer) {
-                service.getProof($0, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init), validFor: minValid, by: peer)
+                service.getProof($0, key, method: method, uri: uri, nonce: nonce, rejected: rejected.map(Secret.init), validFor: minValid, by: peer)
             }
         }),
         .resetFleetHistory: Method(access: .admin, handler: .session { service, _, peer, session in
@@ -128,6 +131,11 @@ final class BrokerService: VarlinkHandler {
         }),
         .delegations: Method(access: .admin, handler: .other { service, _, _ in
             .reply(VarlinkReply(parameters: ["delegations": .array(service.delegations.infos.map { .object($0.parameters) })]))
+        }),
+        .audit: Method(access: .admin, handler: .other { service, request, _ in
+            guard case let .audit(session, limit) = request else { throw BrokerError.internalError }
+            let records = service.audit.recent(limit: limit ?? 50, session: session).map(AuditEntry.init)
+            return .reply(VarlinkReply(parameters: ["records": .array(records.map { .object($0.parameters) })]))
         }),
         .undelegate: Method(access: .admin, handler: .other { service, request, peer in
             guard case let .undelegate(name) = request else { throw BrokerError.internalError }
@@ -359,10 +367,23 @@ final class BrokerService: VarlinkHandler {
     /// GetToken: a fresh token inline, from the coordinator's snapshot; otherwise wait for it.
     /// With `minValid`, fresh means valid that long too (else the session's one refresh, charged
     /// to `peer` when this call starts it).
-    private func getToken(_ session: SessionTable.Session, validFor minValid: Int64?, by peer: PeerCredentials) -> VarlinkHandling {
-        if let token = Self.freshToken(session, validFor: minValid) { return .reply(session.replies.reply(for: token, Self.tokenReply)) }
+    private func getToken(_ session: SessionTable.Session, _ key: TokenKey?, validFor minValid: Int64?, by peer: PeerCredentials) -> VarlinkHandling {
+        if let token = Self.freshToken(session, validFor: minValid) {
+            handed(token, of: session, key, to: peer, by: .getToken)
+            return .reply(session.replies.reply(for: token, Self.tokenReply))
+        }
         if minValid == nil { session.replies.clear() }
-        return asyncReply(session.configuration.name) { Self.tokenReply(try await Self.token(session, validFor: minValid, by: peer)) }
+        return asyncReply(session.configuration.name) { [self] in
+            let token = try await Self.token(session, validFor: minValid, by: peer)
+            handed(token, of: session, key, to: peer, by: .getToken)
+            return Self.tokenReply(token)
+        }
+    }
+
+    /// Tells the audit trail that `token` is going to `peer`.
+    private func handed(_ token: IssuedToken, of session: SessionTable.Session, _ key: TokenKey?, to peer: PeerCredentials, by method: BrokerMethod) {
+        audit.handed(token, of: session.configuration.name, issuer: ObjectIdentifier(session.coordinator), key: key, to: peer, by: method,
+                     delegation: peer.listener == 0 ? nil : self.delegations.grant(forListener: peer.listener)?.name ?? "#\(peer.listener)")
     }
 
     /// The coordinator's fresh token, valid for `minValid` seconds more when that is given.
@@ -382,12 +403,13 @@ final class BrokerService: VarlinkHandler {
     /// GetProof: the token as GetToken (or, with `rejected`, Recover) has it, with a proof for
     /// the one request signed by the session's key. A fresh token is answered inline like
     /// GetToken's (one signature, tens of microseconds); the key is opened once per generation.
-    private func getProof(_ session: SessionTable.Session, method: String, uri: String, nonce: String?, rejected: Secret?,
+    private func getProof(_ session: SessionTable.Session, _ key: TokenKey?, method: String, uri: String, nonce: String?, rejected: Secret?,
                           validFor minValid: Int64?, by peer: PeerCredentials) -> VarlinkHandling {
         let name = session.configuration.name
         // The same URLs for every session, bearer or not: those a proof can name.
         guard DPoPProof.target(uri) != nil else { return .reply(ParameterError(name: "uri").reply) }
-        let answer: @Sendable (IssuedToken) throws -> VarlinkReply = { token in
+        let answer: @Sendable (IssuedToken) throws -> VarlinkReply = { [self] token in
+            handed(token, of: session, key, to: peer, by: .getProof)
             // (A DPoP=auto session whose server does not bind has a key, and bearer tokens.)
             guard let kept = token.proofKey, token.tokenType == "DPoP" else {
                 return VarlinkReply(parameters: ProofReply(token: TokenReply(token), proof: nil).parameters)
@@ -426,8 +448,12 @@ final class BrokerService: VarlinkHandler {
 
     /// Recover: a refresh it starts is charged to `peer`, which alone is throttled once it spent
     /// its share (`RefreshBudget`).
-    private func recover(_ session: SessionTable.Session, rejected: Secret, by peer: PeerCredentials) -> VarlinkHandling {
-        asyncReply(session.configuration.name) { Self.tokenReply(try await session.coordinator.recover(rejected: rejected, by: peer.demander)) }
+    private func recover(_ session: SessionTable.Session, _ key: TokenKey?, rejected: Secret, by peer: PeerCredentials) -> VarlinkHandling {
+        asyncReply(session.configuration.name) { [self] in
+            let token = try await session.coordinator.recover(rejected: rejected, by: peer.demander)
+            handed(token, of: session, key, to: peer, by: .recover)
+            return Self.tokenReply(token)
+        }
     }
 
     /// Credential: the token of the session that serves `url` for `peer`, as GetToken (or, with
@@ -453,6 +479,7 @@ final class BrokerService: VarlinkHandler {
                     return
                 }
                 let token = try await Self.token(keyed, rejected: rejected, validFor: minValid, by: peer)
+                handed(token, of: keyed, key, to: peer, by: .credential)
                 sink.send(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
             } catch is CancellationError {
                 // The client is gone; nobody to answer.
@@ -683,7 +710,9 @@ final class BrokerService: VarlinkHandler {
         let changes = sessions.changes()
         if allowed() {
             await withTaskGroup(of: Void.self) { group in
-                group.addTask { await Self.watch(session.coordinator, sink, while: allowed) }
+                group.addTask {
+                    await Self.watch(session.coordinator, sink, while: allowed) { [self] token in handed(token, of: session, nil, to: peer, by: .watch) }
+                }
                 group.addTask { for await _ in changes where !allowed() { return } }
                 await group.next()
                 group.cancelAll()
@@ -695,7 +724,8 @@ final class BrokerService: VarlinkHandler {
 
     /// Watch: the current state at once, then every event; `signedOut` ends the stream. Stops,
     /// silently, when `allowed` turns false (the caller says why).
-    static func watch(_ coordinator: Coordinator, _ sink: VarlinkReplySink, while allowed: @Sendable () -> Bool = { true }) async {
+    static func watch(_ coordinator: Coordinator, _ sink: VarlinkReplySink, while allowed: @Sendable () -> Bool = { true },
+                      handing: @Sendable (IssuedToken) -> Void = { _ in }) async {
         let events = await coordinator.watch()
         if await coordinator.status().state == .active && coordinator.freshToken() == nil {
             // Active but without a usable token: fetch one, so the stream starts with it.
@@ -705,6 +735,7 @@ final class BrokerService: VarlinkHandler {
             guard allowed() else { return }
             switch event {
             case let .token(token):
+                handing(token)
                 sink.send(VarlinkReply(parameters: WatchEvent.token(TokenReply(token), serial: Int(token.serial)).parameters, continues: true))
             case let .signedOut(generation):
                 sink.send(VarlinkReply(parameters: WatchEvent.signedOut(generation: generation).parameters))

@@ -61,6 +61,8 @@ public final class Daemon: Sendable {
     private let maintenance: Maintenance
     /// The delegations' sockets, served on the varlink server's loop.
     private let delegations: Delegations
+    /// Who was handed which token.
+    private let audit: Audit
     /// The number of open client connections (set once the server exists).
     private let connectionCount = SynchronizedBox<@Sendable () -> Int>({ 0 })
 
@@ -79,7 +81,10 @@ public final class Daemon: Sendable {
                             delegations: delegations, read: { [options] in
                                 try development?.configuration ?? ConfigLoader.load(path: options.configPath, requireMainFile: options.configPathGiven)
                             })
-        maintenance = Maintenance(table: table, census: census, reloader: reloader, logger: logger)
+        let audit = Audit(burst: configuration.auditBurst, interval: configuration.auditInterval,
+                          write: { [logger] fields, line in logger.audit(fields, line: line) })
+        self.audit = audit
+        maintenance = Maintenance(table: table, census: census, reloader: reloader, logger: logger, audit: audit)
     }
 
     /// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
@@ -279,7 +284,7 @@ public final class Daemon: Sendable {
     private func makeServer(_ configuration: BrokerConfiguration, listening fd: Int32) -> VarlinkServer? {
         let service = BrokerService(sessions: table, logger: logger, reload: { [reloader] in await reloader.reload() },
                                     forget: { [reloader] name in try await reloader.forget(name) }, metrics: metrics,
-                                    metricsText: { [self] in await self.metricsText() }, outliving: outliving, delegations: delegations)
+                                    metricsText: { [self] in await self.metricsText() }, outliving: outliving, delegations: delegations, audit: audit)
         let (logger, metrics) = (self.logger, self.metrics)
         do {
             return try VarlinkServer(
@@ -417,7 +422,7 @@ public final class Daemon: Sendable {
                                              keys: session.keys?.counts))
         }
         return metrics.render(sessions: views, connections: connectionCount.value(), unixNow: Int64(SystemWallClock().unixTime()),
-                              openMetrics: openMetrics, full: full)
+                              openMetrics: openMetrics, full: full, audit: audit.counts)
     }
 
     private func raiseDescriptorLimit(to wanted: Int) {

@@ -61,6 +61,17 @@ public final class Logger: Sendable {
         _ = bytes.withUnsafeMutableBytes { write(2, $0.baseAddress, $0.count) }
     }
 
+    /// An audit entry (`Audit`): written whatever the level (an audit trail is not chatter),
+    /// with its own fields in the journal, else `line` at info priority on stderr.
+    public func audit(_ fields: [String], line: String) {
+        if journal {
+            Systemd.journal(fields)
+            return
+        }
+        var bytes = Array("<6>\(Self.printable(line))\n".utf8)
+        _ = bytes.withUnsafeMutableBytes { write(2, $0.baseAddress, $0.count) }
+    }
+
     /// `message` as one line of bounded length that cannot forge another entry, whoever wrote
     /// parts of it: control characters (C0, DEL, C1 — `\r` and `\n` among them) and the Unicode
     /// line and paragraph separators become `\x..`/`\u{....}` escapes; past `limit` bytes it is

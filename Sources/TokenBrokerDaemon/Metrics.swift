@@ -143,7 +143,8 @@ final class Metrics: Sendable {
     /// The exposition: the Prometheus text format (0.0.4), or OpenMetrics 1.0.0. Without
     /// `full`, only the daemon-wide series: nothing that names a session or shows its callers'
     /// activity (for a scraper that has not shown it may see them).
-    func render(sessions: [SessionView], connections: Int, unixNow: Int64, openMetrics: Bool, full: Bool = true) -> String {
+    func render(sessions: [SessionView], connections: Int, unixNow: Int64, openMetrics: Bool, full: Bool = true,
+                audit: (records: Int, suppressed: Int) = (0, 0)) -> String {
         var out = Exposition(openMetrics: openMetrics)
         let rare = self.rare.withLock { $0 }
         out.family("tokenbroker_build", "gauge", "The daemon's version.", info: true)
@@ -153,7 +154,7 @@ final class Metrics: Sendable {
             out.sample("tokenbroker_metrics_scrapes_refused_total", ["reason": reason], Double(rare.refusedScrapes[reason] ?? 0))
         }
         guard full else {
-            daemonWide(&out, rare, connections: connections)
+            daemonWide(&out, rare, connections: connections, audit: audit)
             return out.finish()
         }
 
@@ -242,12 +243,12 @@ final class Metrics: Sendable {
             }
         }
 
-        daemonWide(&out, rare, connections: connections)
+        daemonWide(&out, rare, connections: connections, audit: audit)
         return out.finish()
     }
 
     /// The series that name no session.
-    private func daemonWide(_ out: inout Exposition, _ rare: Rare, connections: Int) {
+    private func daemonWide(_ out: inout Exposition, _ rare: Rare, connections: Int, audit: (records: Int, suppressed: Int)) {
         out.family("tokenbroker_connections_open", "gauge", "Client connections open now.")
         out.sample("tokenbroker_connections_open", [:], Double(connections))
         out.family("tokenbroker_connections_refused", "counter", "Connections refused, by reason.")
@@ -264,6 +265,10 @@ final class Metrics: Sendable {
         for result in ["ok", "failed"] {
             out.sample("tokenbroker_token_file_writes_total", ["result": result], Double(rare.tokenFileWrites[result] ?? 0))
         }
+        out.family("tokenbroker_audit_records", "counter", "Audit records: a token handed to a peer for the first time (ctl audit).")
+        out.sample("tokenbroker_audit_records_total", [:], Double(audit.records))
+        out.family("tokenbroker_audit_suppressed", "counter", "Audit records left out of the journal (beyond a peer's share per interval).")
+        out.sample("tokenbroker_audit_suppressed_total", [:], Double(audit.suppressed))
     }
 }
 

@@ -368,6 +368,30 @@ def scenario(c, deb, issuer, readme_issuer):
     check(counters["refresh_token"] == 1, "one refresh at the issuer, authenticated with the secret from LoadCredential=",
           json.dumps(counters))
 
+    # -- Least privilege as installed: the audit trail names the worker's unit; a token file -----
+    probe = c.run(["systemd-run", "--quiet", "--wait", "--pipe", "--collect", "--uid=alice", "--unit=audit-probe",
+                   "tokenbroker", "ctl", "token", "work"], check=False)
+    records = json.loads(c.run(["tokenbroker", "ctl", "audit", "--json", "--session", "work"]).stdout).get("records", [])
+    alice_uid = int(c.run(["id", "-u", "alice"]).stdout.strip())
+    check(probe.returncode == 0 and any(r.get("unit") == "audit-probe.service" and r.get("uid") == alice_uid for r in records),
+          "ctl audit names the worker's systemd unit, read from its cgroup (ProtectProc=default)",
+          f"exit {probe.returncode} {probe.stderr.strip()[-200:]}: {json.dumps(records)[-600:]}")
+    audited = [json.loads(line) for line in c.run(["journalctl", "-o", "json", "--no-pager",
+                                                   "MESSAGE_ID=5f8c2a4e9b1d4c7a8e3f6b0d2c9a7e14"]).stdout.splitlines()]
+    check(any(e.get("PEER_UNIT") == "audit-probe.service" and e.get("SESSION") == "work" and e.get("PEER_UID") == str(alice_uid)
+              and e.get("TOKEN_SERIAL") for e in audited),
+          "the journal has the audit record as structured fields (MESSAGE_ID, SESSION, PEER_UID, PEER_UNIT, TOKEN_SERIAL)",
+          str([{k: v for k, v in e.items() if k.isupper() and not k.startswith("_")} for e in audited])[-600:])
+    batch = "/run/tokenbroker/files/batch/token"
+    made = c.run(["tokenbroker", "ctl", "delegate", "work", "--file", batch, "--readers", "alice", "--name", "batch"], check=False)
+    kept = eventually(lambda: c.run(["cat", batch], user="alice", check=False).stdout.strip() or None)
+    check(made.returncode == 0 and kept is not None and issuer.accepts(kept)
+          and c.run(["cat", batch], user="bob", check=False).returncode != 0,
+          "ctl delegate --file under the shipped unit (no capability, ProtectSystem=strict): alice, a reader by ACL, reads a valid "
+          "token from /run/tokenbroker/files; bob cannot", made.stderr.strip())
+    ended = c.run(["tokenbroker", "ctl", "undelegate", "batch"], check=False)
+    check(ended.returncode == 0 and not os.path.exists(c.path(batch)), "ctl undelegate erased the token file", ended.stderr.strip())
+
     # -- Secrets at rest, no key configured: sealed under the key systemd-creds made ---------------
     journal = lambda: c.run(["journalctl", "-u", "tokenbroker.service", "--after-cursor", cursor, "-o", "cat", "--no-pager"]).stdout
     state_dir = c.path("/var/lib/tokenbroker")

@@ -2,13 +2,16 @@ import Basics
 import TokenBrokerCore
 
 /// Once a second: retries the pending writes of degraded sessions (backing off while they keep
-/// failing), refreshes ahead for sessions only watchers follow, and keeps systemd's STATUS=
-/// current. It asks the census, not each session: an idle daemon does no work per session.
+/// failing), refreshes ahead for sessions only watchers follow, says what the audit trail left
+/// out of the journal, and keeps systemd's STATUS= current. It asks the census, not each session:
+/// an idle daemon does no work per session.
 struct Maintenance: Sendable {
     let table: SessionTable
     let census: SessionCensus
     let reloader: Reloader
     let logger: Logger
+    /// Says, each second, how many audit records each peer had left out of the journal.
+    var audit: Audit?
 
     func run(until stop: Latch) async {
         var delay = Duration.seconds(1)
@@ -40,6 +43,7 @@ struct Maintenance: Sendable {
                 let sessions = table.snapshot.sessions
                 for name in watched { await sessions[name]?.coordinator.prefetch() }
             }
+            audit?.flushSuppressed()
             let status = statusLine()
             if status != lastStatus {
                 Systemd.status(status)

@@ -26,6 +26,9 @@ public struct BrokerConfiguration: Sendable, Equatable {
     public var maxMessageSize = 64 << 10
     /// Most members in one JSON object of a message (`MaxObjectMembers=`).
     public var maxObjectMembers = 1024
+    /// Audit records one peer writes to the journal per `auditInterval` (`Audit`).
+    public var auditBurst = 10
+    public var auditInterval: Duration = .seconds(60)
     /// Time from a message's first byte to its end (`MessageTimeout=`).
     public var messageTimeout: Duration = .seconds(10)
     /// Replies queued for all clients together (`MaxQueuedOutput=`).
