@@ -23,7 +23,7 @@ TEST_PACKAGES = varlink-go python3-venv systemd systemd-container util-linux pro
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
 
-.PHONY: all apt-install deps build-deps test-deps build release run test python-test system-test interop-test bench bench-derived bench-fleet bench-scale static install install-files deb clean
+.PHONY: all apt-install deps build-deps test-deps build release run test python-test system-test interop-test bench bench-derived bench-delegations bench-fleet bench-scale static install install-files deb clean
 
 all: build
 
@@ -121,12 +121,19 @@ BENCH_DIR ?= $(CURDIR)/../shared/bench
 bench: deps static
 	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/bench.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
 	@$(MAKE) --no-print-directory bench-derived
+	@$(MAKE) --no-print-directory bench-delegations
 
 # Derived sessions' figures (`Tests/Bench/derived.py`, issue 35): GetToken on a derived session
 # against its parent, one exchange per derived session for 64 processes after expiry, no replay.
 bench-derived: deps static
 	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product dev-issuer
 	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/derived.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
+
+# Delegations' and token files' figures (`Tests/Bench/delegations.py`, issue 36): GetToken
+# through a delegation's socket against the broker's own, memory and idle CPU of 100 delegations
+# and 100 token files, refreshes per token lifetime with the files kept fresh.
+bench-delegations: deps static
+	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/delegations.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
 
 # Fleet mode's figures (`Tests/Bench/fleet.py`): propagation between brokers, etcd requests per
 # refresh, GetToken on a fleet session vs a local one; a real 3-member etcd on loopback.

@@ -448,7 +448,8 @@ public enum Help {
         EXAMPLES:
           tokenbroker ctl delegate ci-read --socket /run/tokenbroker/delegations/ci/io.tokenbroker.Broker --ttl 1h --name ci
           systemd-nspawn --bind-ro=/run/tokenbroker/delegations/ci:/run/tokenbroker ...
-          ssh -R /run/user/1000/tokenbroker/io.tokenbroker.Broker:/run/tokenbroker/delegations/dev.sock dev-host
+          tokenbroker ctl delegate dev --socket /run/tokenbroker/delegations/dev.sock --allow-users alice --mode 0666
+          ssh -o StreamLocalBindUnlink=yes -R /run/user/1000/tokenbroker/io.tokenbroker.Broker:/run/tokenbroker/delegations/dev.sock dev-host
           tokenbroker ctl delegate batch --file /run/tokenbroker/files/batch/token --readers condor --name batch
 
         """

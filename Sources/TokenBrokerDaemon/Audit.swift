@@ -224,18 +224,24 @@ final class Audit: Sendable {
         return unit(inCgroup: buffer[0..<count])
     }
 
-    /// The unit named in a `/proc/PID/cgroup` text: the unified hierarchy's path (`0::`), else
-    /// systemd's named one (`name=systemd`); its deepest component that is a unit name.
+    /// The unit named in a `/proc/PID/cgroup` text: in the unified hierarchy's path (`0::`),
+    /// else in systemd's named one (`name=systemd`, where systemd keeps its units on a hybrid or
+    /// legacy host); the deepest component that is a unit name.
     static func unit(inCgroup text: ArraySlice<UInt8>) -> String? {
-        var path: Substring?
+        var unified: Substring?, named: Substring?
         for line in String(decoding: text, as: UTF8.self).split(separator: "\n") {
             // ID:CONTROLLERS:PATH
             let parts = line.split(separator: ":", maxSplits: 2, omittingEmptySubsequences: false)
             guard parts.count == 3 else { continue }
-            if parts[0] == "0" && parts[1].isEmpty { path = parts[2]; break }
-            if parts[1] == "name=systemd" { path = parts[2] }
+            if parts[0] == "0" && parts[1].isEmpty { unified = parts[2] }
+            if parts[1] == "name=systemd" { named = parts[2] }
         }
-        guard let path else { return nil }
+        return unified.flatMap(unit(inPath:)) ?? named.flatMap(unit(inPath:))
+    }
+
+    /// The deepest component of a cgroup path that is a unit name (`.service`, `.scope`); nil
+    /// when there is none or it holds a character no unit name has.
+    private static func unit(inPath path: Substring) -> String? {
         for component in path.split(separator: "/").reversed() where component.hasSuffix(".service") || component.hasSuffix(".scope") {
             guard component.utf8.count <= 256, component.utf8.allSatisfy({ byte in
                 (0x30...0x39).contains(byte) || (0x41...0x5A).contains(byte) || (0x61...0x7A).contains(byte)

@@ -373,9 +373,10 @@ def scenario(c, deb, issuer, readme_issuer):
                    "tokenbroker", "ctl", "token", "work"], check=False)
     records = json.loads(c.run(["tokenbroker", "ctl", "audit", "--json", "--session", "work"]).stdout).get("records", [])
     alice_uid = int(c.run(["id", "-u", "alice"]).stdout.strip())
+    cgroup = c.run(["systemd-run", "--quiet", "--wait", "--pipe", "--collect", "--uid=alice", "cat", "/proc/self/cgroup"], check=False)
     check(probe.returncode == 0 and any(r.get("unit") == "audit-probe.service" and r.get("uid") == alice_uid for r in records),
           "ctl audit names the worker's systemd unit, read from its cgroup (ProtectProc=default)",
-          f"exit {probe.returncode} {probe.stderr.strip()[-200:]}: {json.dumps(records)[-600:]}")
+          f"exit {probe.returncode} {probe.stderr.strip()[-200:]}: {json.dumps(records)[-600:]}; a unit's cgroup here: {cgroup.stdout!r}")
     audited = [json.loads(line) for line in c.run(["journalctl", "-o", "json", "--no-pager",
                                                    "MESSAGE_ID=5f8c2a4e9b1d4c7a8e3f6b0d2c9a7e14"]).stdout.splitlines()]
     check(any(e.get("PEER_UNIT") == "audit-probe.service" and e.get("SESSION") == "work" and e.get("PEER_UID") == str(alice_uid)

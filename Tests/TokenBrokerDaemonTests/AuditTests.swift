@@ -90,13 +90,14 @@ struct AuditTests {
         audit.flushSuppressed(now: .now + .seconds(3600))
     }
 
-    @Test("the unit of a process, from its cgroup: the deepest .service or .scope of the unified hierarchy, else of name=systemd; none for odd names")
+    @Test("the unit of a process, from its cgroup: the deepest .service or .scope of the unified hierarchy, else of name=systemd (a hybrid host); none for odd names")
     func units() {
         func unit(_ text: String) -> String? { Audit.unit(inCgroup: ArraySlice(Array(text.utf8))) }
         #expect(unit("0::/system.slice/build-runner.service\n") == "build-runner.service")
         #expect(unit("0::/user.slice/user-1000.slice/user@1000.service/app.slice/ci.service\n") == "ci.service")
         #expect(unit("0::/user.slice/user-1000.slice/session-3.scope\n") == "session-3.scope")
-        #expect(unit("12:memory:/x\n1:name=systemd:/system.slice/cron.service\n0::/\n") == nil, "the unified line wins, and names none")
+        #expect(unit("12:memory:/x\n1:name=systemd:/system.slice/cron.service\n0::/\n") == "cron.service", "a hybrid host: the named hierarchy's")
+        #expect(unit("1:name=systemd:/system.slice/cron.service\n0::/system.slice/other.service\n") == "other.service", "the unified line first")
         #expect(unit("12:memory:/x\n1:name=systemd:/system.slice/cron.service\n") == "cron.service")
         #expect(unit("0::/\n") == nil)
         #expect(unit("0::/system.slice/evil\u{1b}[2J.service\n") == nil)
