@@ -16,9 +16,12 @@ BUILD_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev l
 # tests run against (Go), etcd (the fleet tests start their own etcd clusters on loopback ports;
 # where systemd runs, the package also starts its own etcd service on localhost:2379, which the
 # tests do not use; the same for docker-registry's on :5000), Prometheus, and git, skopeo and
-# docker-registry (real clients and a real registry for the credential-helper tests). `make run`
-# installs none of these.
-TEST_PACKAGES = varlink-go python3-venv systemd systemd-container util-linux procps openssl etcd-server prometheus git skopeo docker-registry
+# docker-registry (real clients and a real registry for the credential-helper tests), and
+# openssh-server (the delegation tests start their own sshd on a loopback port and forward a
+# delegation's socket to it with ssh -R; where systemd runs, the package also starts its own
+# ssh service on port 22, which the tests do not use: apt-install stops and disables it, as it
+# does etcd's, Prometheus's and docker-registry's). `make run` installs none of these.
+TEST_PACKAGES = varlink-go python3-venv systemd systemd-container util-linux procps openssl etcd-server prometheus git skopeo docker-registry openssh-server
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
@@ -38,8 +41,8 @@ apt-install:
 	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing && \
-	  for service in etcd prometheus docker-registry; do \
-	    case " $$missing " in *" $$service "*|*" $$service-server "*) \
+	  for service in etcd prometheus docker-registry ssh; do \
+	    case " $$missing " in *" $$service "*|*" $$service-server "*|*" open$$service-server "*) \
 	      [ -d /run/systemd/system ] && $$sudo systemctl disable --now $$service >/dev/null 2>&1 || true;; \
 	    esac; \
 	  done; \
