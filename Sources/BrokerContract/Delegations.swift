@@ -24,6 +24,8 @@ public struct DelegationRequest: Sendable, Equatable {
     public var format: TokenFileFormat?
     /// Users (by uid) who may read the file besides its owner (a POSIX ACL entry each).
     public var readers: [UInt32]
+    /// The file's mode (0600 by default; read bits and its owner's write bit only).
+    public var fileMode: UInt32?
     /// Seconds until it ends by itself (1 to a year); nil: until `Undelegate`.
     public var ttl: Int64?
     /// The socket file's mode, owner and group (0660, the daemon's user and group by default).
@@ -44,7 +46,7 @@ public struct DelegationRequest: Sendable, Equatable {
         (self.allowUsers, self.allowGroups, self.maxConnections) = (allowUsers, allowGroups, maxConnections)
     }
 
-    static let fields: Set<String> = ["name", "sessions", "socket", "file", "format", "readers", "ttl", "mode", "user", "group", "allowUsers",
+    static let fields: Set<String> = ["name", "sessions", "socket", "file", "format", "readers", "fileMode", "ttl", "mode", "user", "group", "allowUsers",
                                       "allowGroups", "maxConnections"]
 
     /// Reads and bounds the parameters (the daemon checks what only it can: the sessions, the path).
@@ -69,6 +71,8 @@ public struct DelegationRequest: Sendable, Equatable {
         }
         readers = try Self.ids(parameters, "readers")
         if !readers.isEmpty, file == nil { throw ParameterError(name: "readers") }
+        fileMode = try Self.optionalInt(parameters, "fileMode", 0...0o644).map { UInt32($0) }
+        if let fileMode, file == nil || fileMode & ~0o644 != 0 { throw ParameterError(name: "fileMode") }
         ttl = try Self.optionalInt(parameters, "ttl", 1...31_536_000)
         mode = try Self.optionalInt(parameters, "mode", 0...0o777).map { UInt32($0) }
         user = try Self.optionalInt(parameters, "user", 0...Int64(UInt32.max - 1)).map { UInt32($0) }
@@ -84,6 +88,7 @@ public struct DelegationRequest: Sendable, Equatable {
         if let file { parameters["file"] = .string(file) }
         if let format { parameters["format"] = .string(format.rawValue) }
         if !readers.isEmpty { parameters["readers"] = .array(readers.map { .int(Int64($0)) }) }
+        if let fileMode { parameters["fileMode"] = .int(Int64(fileMode)) }
         if let name { parameters["name"] = .string(name) }
         if let ttl { parameters["ttl"] = .int(ttl) }
         if let mode { parameters["mode"] = .int(Int64(mode)) }
@@ -156,13 +161,14 @@ public struct DelegationInfo: Sendable, Equatable {
     public init?(_ object: JSONObject) {
         guard let name = object["name"]?.stringValue else { return nil }
         self.init(name: name, sessions: (object["sessions"]?.arrayValue ?? []).prefix(256).compactMap(\.stringValue),
-                  socket: object["socket"]?.stringValue, file: object["file"]?.stringValue, expiresAt: object["expiresAt"]?.intValue,
+                  socket: object["socket"]?.stringValue.flatMap { $0.isEmpty ? nil : $0 }, file: object["file"]?.stringValue, expiresAt: object["expiresAt"]?.intValue,
                   configured: object["configured"]?.boolValue ?? false, problem: object["problem"]?.stringValue)
     }
 
     public var parameters: JSONObject {
-        var object: JSONObject = ["name": .string(name), "sessions": .array(sessions.map(JSON.string)), "configured": .bool(configured)]
-        if let socket { object["socket"] = .string(socket) }
+        // (`socket` was always there: empty when it has none, for clients that expect it.)
+        var object: JSONObject = ["name": .string(name), "sessions": .array(sessions.map(JSON.string)), "socket": .string(socket ?? ""),
+                                  "configured": .bool(configured)]
         if let file { object["file"] = .string(file) }
         if let expiresAt { object["expiresAt"] = .int(expiresAt) }
         if let problem { object["problem"] = .string(problem) }

@@ -256,6 +256,13 @@ public enum Ctl {
             guard let value = TokenFileFormat(rawValue: format) else { throw Failure(usage: "--format needs token, header or json") }
             request.format = value
         }
+        if let mode = call.values["--file-mode"] {
+            guard file != nil else { throw Failure(usage: "--file-mode is the token file's: give --file too") }
+            guard let value = UInt32(mode, radix: 8), value & ~0o644 == 0 else {
+                throw Failure(usage: "--file-mode needs an octal mode with read bits and its owner's write bit only, such as 0640")
+            }
+            request.fileMode = value
+        }
         if let readers = call.values["--readers"] {
             guard file != nil else { throw Failure(usage: "--readers are the token file's: give --file too") }
             for word in readers.split(whereSeparator: { $0 == "," || $0 == " " }) {

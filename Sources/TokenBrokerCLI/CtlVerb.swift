@@ -96,7 +96,7 @@ public struct CtlVerb: Sendable {
     /// The options with a value only `delegate` takes (its `--socket` is the global one's name,
     /// read after the verb).
     static let delegateOptions: Set<String> = ["--ttl", "--name", "--mode", "--owner", "--group", "--allow-users", "--allow-groups",
-                                                "--max-connections", "--file", "--format", "--readers"]
+                                                "--max-connections", "--file", "--format", "--readers", "--file-mode"]
 
     /// The options with a value that `delegate` and `audit` take, read into `Invocation.values`.
     static let valueOptions: Set<String> = delegateOptions.union(["--session", "--limit"])

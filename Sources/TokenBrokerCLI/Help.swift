@@ -419,7 +419,7 @@ public enum Help {
         (the broker's is given before the verb, or by $TOKENBROKER_SOCKET).
 
         USAGE: tokenbroker ctl [--socket <path>] delegate <session>... [--socket <path>] [--file <path>]
-                                   [--format token|header|json] [--readers <users>] [--ttl <duration>]
+                                   [--format token|header|json] [--readers <users>] [--file-mode <octal>] [--ttl <duration>]
                                    [--name <name>] [--mode <octal>] [--owner <user>] [--group <group>]
                                    [--allow-users <users>] [--allow-groups <groups>] [--max-connections <n>]
 
@@ -433,8 +433,9 @@ public enum Help {
                                   owner: a POSIX ACL entry each, no privilege needed.
           --ttl <duration>        It ends by itself after this long: 30m, 1h, 2d (at most a year).
           --name <name>           Its name (default: one the daemon picks, printed).
-          --mode <octal>          The socket file's mode (default 0660), the token file's
-                                  (default 0600).
+          --file-mode <octal>     The token file's mode (default 0600; read bits and its
+                                  owner's write bit only).
+          --mode <octal>          The socket file's mode (default 0660).
           --owner <user>, --group <group>
                                   Their owner and group (default the daemon's; another owner
                                   of a token file needs a daemon run as root).

@@ -15,9 +15,11 @@ import Varlink
 /// written to the journal as a structured entry (`MESSAGE_ID=` `Audit.messageID`, `SESSION=`,
 /// `GENERATION=`, `TOKEN_SERIAL=`, `PEER_PID=`, `PEER_UID=`, `PEER_GID=`, `PEER_UNIT=` — the
 /// peer's systemd unit, read from its cgroup —, `DELEGATION=`, `METHOD=`, `RESOURCE=`,
-/// `SCOPE=`), at most `burst` per peer per `interval`: beyond that they are counted, and one
-/// line says how many were left out once the interval is over (`Maintenance` asks each
-/// second). The newest `capacity` records stay in memory for `ctl audit`.
+/// `SCOPE=`), at most `burst` per user (uid, and the delegation it came through: a user's
+/// many processes share one share) per `interval`: beyond that they are counted, and one line
+/// says how many were left out once the interval is over (`Maintenance` asks each second).
+/// The journal is written on a thread of its own, never on the caller's (the varlink loop). The
+/// newest `capacity` records stay in memory for `ctl audit`.
 ///
 /// The hot path (a token already handed to this peer) is one lookup and an increment under a
 /// lock, keyed by numbers only.
@@ -44,17 +46,23 @@ final class Audit: Sendable {
     }
 
     private struct Key: Hashable {
-        let peer: PeerKey
-        let coordinator: ObjectIdentifier
+        let pid: Int32
+        let user: UserKey
+        let issuer: UInt64
         let generation: Int
         let serial: UInt64
+    }
+
+    /// Whose journal share a record takes: a user, through the delegation it came by.
+    private struct UserKey: Hashable {
+        let uid: UInt32
+        let listener: UInt32
     }
 
     private struct Window {
         var start: ContinuousClock.Instant
         var written = 0
         var suppressed = 0
-        var peer: PeerCredentials
     }
 
     private struct State {
@@ -63,18 +71,20 @@ final class Audit: Sendable {
         /// The next slot to write in `ring` once it is full.
         var next = 0
         var index: [Key: Int] = [:]
-        /// Per peer (pid, uid, listener): what was written and left out in its interval.
-        var windows: [PeerKey: Window] = [:]
+        /// Per user: what was written and left out in its interval (at most `mostUsers`; the
+        /// rest share one).
+        var windows: [UserKey: Window] = [:]
         var records = 0
         var suppressed = 0
     }
 
-    /// A peer: by its process, user and the delegation it came through.
-    private struct PeerKey: Hashable {
-        let pid: Int32
-        let uid: UInt32
-        let listener: UInt32
-    }
+    /// Users with a journal share of their own in one interval; the rest share one.
+    static let mostUsers = 4096
+    private static let others = UserKey(uid: UInt32.max, listener: UInt32.max)
+
+    /// A new coordinator's identity in the records (never reused, unlike an address).
+    static func nextIssuer() -> UInt64 { issuers.add(1, ordering: .relaxed).newValue }
+    private static let issuers = Atomic<UInt64>(0)
 
     let capacity: Int
     let burst: Int
@@ -82,6 +92,16 @@ final class Audit: Sendable {
     private let state = Mutex(State())
     private let write: @Sendable ([String], String) -> Void
     private let unitOf: @Sendable (Int32) -> String?
+    /// The journal's writer, and the entries waiting for it (past `mostPending`, left out and
+    /// counted: a stalled journal costs memory up to that, never the caller's time).
+    private let writer = Mutex<SerialThread?>(nil)
+    private let pending = Pending()
+    static let mostPending = 4096
+
+    /// The entries handed to the journal's thread and not yet written.
+    private final class Pending: Sendable {
+        let count = Atomic<Int>(0)
+    }
 
     /// - Parameter write: writes one journal entry: its fields, and the line for stderr when
     ///   the journal is not there.
@@ -93,10 +113,10 @@ final class Audit: Sendable {
     /// `token` of `session` (whose coordinator is `issuer`: a key's, a rebuilt session's, are
     /// others) handed to `peer` by `method` (through `delegation`, when the peer came through
     /// one; `key` when the token is a key's).
-    func handed(_ token: IssuedToken, of session: String, issuer: ObjectIdentifier, key: TokenKey?, to peer: PeerCredentials, by method: BrokerMethod,
+    func handed(_ token: IssuedToken, of session: String, issuer: UInt64, key: TokenKey?, to peer: PeerCredentials, by method: BrokerMethod,
                 delegation: @autoclosure () -> String?) {
-        let peerKey = PeerKey(pid: peer.pid, uid: peer.uid, listener: peer.listener)
-        let id = Key(peer: peerKey, coordinator: issuer, generation: token.generation, serial: token.serial)
+        let user = UserKey(uid: peer.uid, listener: peer.listener)
+        let id = Key(pid: peer.pid, user: user, issuer: issuer, generation: token.generation, serial: token.serial)
         // The hot path: a record this peer has.
         let now = UTCTime.unixSeconds()
         let known = state.withLock { state -> Bool in
@@ -114,6 +134,7 @@ final class Audit: Sendable {
             if let slot = state.index[id] {
                 // (Another call of the same peer made it meanwhile.)
                 state.ring[slot].count += 1
+                state.ring[slot].last = now
                 state.ring[slot].methods.insert(method)
                 return false
             }
@@ -129,10 +150,9 @@ final class Audit: Sendable {
                 state.next = (state.next + 1) % capacity
             }
             state.records += 1
-            let clock = ContinuousClock.now
-            if state.windows[peerKey] == nil, state.windows.count >= 4096 { state.windows = state.windows.filter { clock - $0.value.start < interval } }
-            var window = state.windows[peerKey] ?? Window(start: clock, peer: peer)
-            defer { state.windows[peerKey] = window }
+            let share = state.windows[user] != nil || state.windows.count < Self.mostUsers ? user : Self.others
+            var window = state.windows[share] ?? Window(start: ContinuousClock.now)
+            defer { state.windows[share] = window }
             guard window.written < burst else {
                 window.suppressed += 1
                 state.suppressed += 1
@@ -141,7 +161,31 @@ final class Audit: Sendable {
             window.written += 1
             return true
         }
-        if written { write(Self.fields(record, method: method), Self.line(record, method: method)) }
+        if written { journal(Self.fields(record, method: method), Self.line(record, method: method)) }
+    }
+
+    /// Writes one entry on the journal's thread (made with the first), unless too many wait.
+    private func journal(_ fields: [String], _ line: String) {
+        guard pending.count.add(1, ordering: .relaxed).newValue <= Self.mostPending else {
+            pending.count.subtract(1, ordering: .relaxed)
+            state.withLock { $0.suppressed += 1 }
+            return
+        }
+        let thread = writer.withLock { writer in
+            if writer == nil { writer = SerialThread() }
+            return writer!
+        }
+        let (write, pending) = (self.write, self.pending)
+        thread.submit {
+            write(fields, line)
+            pending.count.subtract(1, ordering: .relaxed)
+        }
+    }
+
+    /// Waits until every entry handed to the journal's thread so far is written (tests).
+    func drain() async {
+        guard let thread = writer.withLock({ $0 }) else { return }
+        _ = try? await thread.run {}
     }
 
     /// Says, once a peer's interval is over, how many of its records were left out of the
@@ -149,20 +193,23 @@ final class Audit: Sendable {
     func flushSuppressed(now: ContinuousClock.Instant = .now) {
         // (With no share at all, the journal has no audit; `ctl audit` still has them.)
         let burst = self.burst
-        let over = state.withLock { state -> [Window] in
-            var over: [Window] = []
+        let over = state.withLock { state -> [(UserKey, Window)] in
+            var over: [(UserKey, Window)] = []
             for (key, window) in state.windows where now - window.start >= interval {
                 state.windows[key] = nil
-                if window.suppressed > 0, burst > 0 { over.append(window) }
+                if window.suppressed > 0, burst > 0 { over.append((key, window)) }
             }
             return over
         }
-        for window in over {
-            let peer = "pid \(window.peer.pid) uid \(window.peer.uid)" + (window.peer.listener == 0 ? "" : " through delegation #\(window.peer.listener)")
-            let message = "audit: \(window.suppressed) record(s) of \(peer) left out of the journal in the last \(interval.components.seconds)s "
-                + "(at most \(burst) per peer); ctl audit lists them"
-            write(["MESSAGE=\(message)", "MESSAGE_ID=\(Self.suppressedMessageID)", "PRIORITY=5", "SYSLOG_IDENTIFIER=tokenbroker",
-                   "PEER_PID=\(window.peer.pid)", "PEER_UID=\(window.peer.uid)", "SUPPRESSED=\(window.suppressed)"], message)
+        for (user, window) in over {
+            let whom = user == Self.others ? "users beyond the first \(Self.mostUsers)"
+                : "uid \(user.uid)" + (user.listener == 0 ? "" : " through delegation #\(user.listener)")
+            let message = "audit: \(window.suppressed) record(s) of \(whom) left out of the journal in the last \(interval.components.seconds)s "
+                + "(at most \(burst) per user); ctl audit lists the newest"
+            var fields = ["MESSAGE=\(message)", "MESSAGE_ID=\(Self.suppressedMessageID)", "PRIORITY=5", "SYSLOG_IDENTIFIER=tokenbroker",
+                          "SUPPRESSED=\(window.suppressed)"]
+            if user != Self.others { fields.append("PEER_UID=\(user.uid)") }
+            journal(fields, message)
         }
     }
 

@@ -288,7 +288,7 @@ final class BrokerService: VarlinkHandler {
             }
             var file = TokenFileConfiguration(name: name)
             (file.session, file.path, file.format) = (session, path, request.format ?? .token)
-            (file.user, file.group, file.mode, file.readers) = (request.user, request.group, request.mode.map { $0 & 0o666 } ?? 0o600, request.readers)
+            (file.user, file.group, file.mode, file.readers) = (request.user, request.group, request.fileMode ?? 0o600, request.readers)
             file.expiresAt = delegation.expiresAt
             delegation.file = file
         }
@@ -382,7 +382,7 @@ final class BrokerService: VarlinkHandler {
 
     /// Tells the audit trail that `token` is going to `peer`.
     private func handed(_ token: IssuedToken, of session: SessionTable.Session, _ key: TokenKey?, to peer: PeerCredentials, by method: BrokerMethod) {
-        audit.handed(token, of: session.configuration.name, issuer: ObjectIdentifier(session.coordinator), key: key, to: peer, by: method,
+        audit.handed(token, of: session.configuration.name, issuer: session.auditID, key: key, to: peer, by: method,
                      delegation: peer.listener == 0 ? nil : self.delegations.grant(forListener: peer.listener)?.name ?? "#\(peer.listener)")
     }
 

@@ -75,7 +75,11 @@ public final class Daemon: Sendable {
         self.table = table
         let factory = SessionFactory(logger: logger, metrics: metrics, state: state, census: census, sessions: table, transfers: transfers,
                                      outliving: outliving, followLoops: followLoops)
-        let delegations = Delegations(logger: logger, files: TokenFiles(table: table, logger: logger, metrics: metrics))
+        // (A token file never takes the place of the daemon's state or configuration: the state
+        // directory, the configuration file and its drop-ins.)
+        let files = TokenFiles(table: table, logger: logger, metrics: metrics,
+                               forbidden: [state.directory.map { $0 + "/" }, options.configPath].compactMap { $0 })
+        let delegations = Delegations(logger: logger, files: files)
         self.delegations = delegations
         reloader = Reloader(table: table, factory: factory, logger: logger, metrics: metrics, state: state, configuration: configuration,
                             delegations: delegations, read: { [options] in

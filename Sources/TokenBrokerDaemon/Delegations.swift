@@ -61,7 +61,12 @@ final class Delegations: Sendable {
     init(logger: Logger, files: TokenFiles? = nil) {
         self.logger = logger
         self.files = files
+        // A configured file does not take a delegation's name.
+        files?.reserve { [weak self] name in self?.has(name) ?? false }
     }
+
+    /// Whether a delegation called `name` is served now.
+    func has(_ name: String) -> Bool { state.withLock { $0.byName[name] != nil } }
 
     /// The server whose loop serves the delegations' sockets (set once it exists).
     func attach(_ server: VarlinkServer) {

@@ -33,8 +33,13 @@ final class SessionTable: Sendable {
         /// The keys its callers narrow its token to (`AllowResources=`, `AllowScopes=`).
         let keys: DerivedKeys?
 
+        /// Its coordinator's identity in the audit trail (kept by `reconfigured`, which keeps the
+        /// coordinator).
+        let auditID: UInt64
+
         init(configuration: SessionConfiguration, coordinator: Coordinator, slot: SessionCensus.Slot, account: (any UpstreamAccount)? = nil,
-             fleet: (sync: DaemonFleetSync, following: Task<Void, Never>?)? = nil, keys: DerivedKeys? = nil) {
+             fleet: (sync: DaemonFleetSync, following: Task<Void, Never>?)? = nil, keys: DerivedKeys? = nil, auditID: UInt64? = nil) {
+            self.auditID = auditID ?? Audit.nextIssuer()
             self.keys = keys
             kind = SessionFactory.kind(of: configuration)
             self.configuration = configuration
@@ -51,7 +56,7 @@ final class SessionTable: Sendable {
         /// The same served session under a configuration whose changes keep the coordinator.
         func reconfigured(_ configuration: SessionConfiguration) -> Session {
             Session(configuration: configuration, coordinator: coordinator, slot: slot, account: account,
-                    fleet: fleetSync.map { ($0, following) }, keys: keys)
+                    fleet: fleetSync.map { ($0, following) }, keys: keys, auditID: auditID)
         }
 
         /// Stops following the fleet (the coordinator is retired or handed over), and returns

@@ -34,6 +34,10 @@ final class TokenFiles: Sendable {
             var expiry: Task<Void, Never>?
         }
 
+        /// Fired at the follower's first outcome: a token written, a write refused, nothing to
+        /// write (the session signed out, or no token to be had).
+        let settled = Latch()
+
         /// Sets the expiry task, cancelling the one before.
         func expire(with task: Task<Void, Never>?) {
             state.withLock { state in
@@ -58,9 +62,19 @@ final class TokenFiles: Sendable {
     private let thread = Mutex<SerialThread?>(nil)
     private let changes = AsyncSerializer()
 
-    init(table: SessionTable, logger: Logger, metrics: Metrics) {
+    /// Whether a name is taken elsewhere (by a delegation): a configured file does not take it.
+    private let nameTaken = SynchronizedBox<@Sendable (String) -> Bool>({ _ in false })
+    /// Where no token file may be: paths starting so (the state directory, the configuration
+    /// file and its drop-in directory).
+    let forbidden: [String]
+
+    init(table: SessionTable, logger: Logger, metrics: Metrics, forbidden: [String] = []) {
         (self.table, self.logger, self.metrics) = (table, logger, metrics)
+        self.forbidden = forbidden
     }
+
+    /// Tells which names delegations hold (set once, by `Delegations`).
+    func reserve(_ taken: @escaping @Sendable (String) -> Bool) { nameTaken.value = taken }
 
     /// Each file, in name order: its configuration, whether it is configured, and its problem.
     var all: [(configuration: TokenFileConfiguration, configured: Bool, problem: String?)] {
@@ -92,17 +106,30 @@ final class TokenFiles: Sendable {
         }
     }
 
-    /// Starts keeping `file` (the first write follows shortly, on the file thread). A file that
-    /// could not be written now (an unsafe directory, a symlink at its path) is refused.
-    func add(_ file: TokenFileConfiguration, configured: Bool) async throws(Failure) {
-        let outcome: Result<Void, Failure> = await changes.run { await self.addNow(file, configured: configured) }
-        try outcome.get()
+    /// Starts keeping `file`. A file that could not be written now (an unsafe directory, a
+    /// symlink at its path, an owner or ACL the daemon cannot give) is refused; else this
+    /// returns once the first token is in it (or the follower found none to write, or could not
+    /// write it: then the file is refused too), within `settling`.
+    func add(_ file: TokenFileConfiguration, configured: Bool, settling: Duration = .seconds(10)) async throws(Failure) {
+        let outcome: Result<FileStatus, Failure> = await changes.run { await self.addNow(file, configured: configured) }
+        let status = try outcome.get()
+        _ = await status.settled.wait(upTo: settling)
+        if let problem = status.state.withLock({ $0.problem }) {
+            await remove(file.name)
+            throw .path(problem)
+        }
     }
 
     /// Adds `file`. One that fails its check now is refused when made at run time; a configured
     /// one is kept all the same (its follower tries again at each new token, and says why it
     /// cannot meanwhile), and the failure returned.
-    private func addNow(_ file: TokenFileConfiguration, configured: Bool) async -> Result<Void, Failure> {
+    private func addNow(_ file: TokenFileConfiguration, configured: Bool) async -> Result<FileStatus, Failure> {
+        if let place = forbidden.first(where: { file.path.hasPrefix($0) }) {
+            return .failure(.path("\(file.path) is in \(place): the daemon's own files are never replaced by a token file"))
+        }
+        if configured, nameTaken.value(file.name) {
+            return .failure(.exists(file.name))
+        }
         let io = thread.withLock { thread in
             if thread == nil { thread = SerialThread() }
             return thread!
@@ -111,7 +138,7 @@ final class TokenFiles: Sendable {
         if let failure = check ?? nil, !configured { return .failure(.path("\(failure)")) }
         let status = FileStatus()
         if let failure = check ?? nil { status.state.withLock { $0.problem = "\(failure)" } }
-        let added = state.withLock { state -> Result<Void, Failure> in
+        let added = state.withLock { state -> Result<FileStatus, Failure> in
             guard !state.stopped else { return .failure(.stopped) }
             if state.entries[file.name] != nil { return .failure(.exists(file.name)) }
             if state.entries.count >= TokenFileConfiguration.mostFiles { return .failure(.tooMany) }
@@ -121,7 +148,7 @@ final class TokenFiles: Sendable {
             // (Its only unstructured task: ended, and awaited, by `remove` or `stop`.)
             let follower = Task { await self.follow(file, status, io) }
             state.entries[file.name] = Entry(configuration: file, configured: configured, follower: follower, status: status)
-            return .success(())
+            return .success(status)
         }
         if case .success = added, let failure = check ?? nil { return .failure(.path("\(failure)")) }
         return added
@@ -166,7 +193,7 @@ final class TokenFiles: Sendable {
                     }
                     continue
                 }
-                if case let .failure(failure) = await self.addNow(output, configured: true) {
+                if case let .failure(failure) = await self.addNow(output, configured: true) as Result<FileStatus, Failure> {
                     problems.append("output \(output.name): \(failure)")
                     self.logger.error("output \(output.name): \(failure)")
                 }
@@ -200,6 +227,7 @@ final class TokenFiles: Sendable {
             let changes = table.changes()
             guard let session = table.snapshot.sessions[file.session] else {
                 await erase(file, status, io, because: "session \(file.session) is not configured")
+                status.settled.fire()
                 for await _ in changes where table.snapshot.sessions[file.session] != nil { break }
                 continue
             }
@@ -228,8 +256,15 @@ final class TokenFiles: Sendable {
     private func track(_ coordinator: Coordinator, _ file: TokenFileConfiguration, _ status: FileStatus, _ io: SerialThread) async {
         let events = await coordinator.watch()
         if await coordinator.status().state == .active && coordinator.freshToken() == nil {
-            // Active but without a usable token: fetch one, so the file starts with it.
-            _ = try? await coordinator.token()
+            // Active but without a usable token: fetch one, so the file starts with it. None to
+            // be had (the issuer unreachable after a restart, say): what a file left from
+            // before holds cannot be vouched for, and goes.
+            do {
+                _ = try await coordinator.token()
+            } catch {
+                await erase(file, status, io, because: "no token to be had: \(error)")
+                status.settled.fire()
+            }
         }
         for await event in events {
             guard !Task.isCancelled else { return }
@@ -252,6 +287,7 @@ final class TokenFiles: Sendable {
                 status.expire(with: nil)
                 await erase(file, status, io, because: "session \(file.session) signed out")
             }
+            status.settled.fire()
         }
     }
 
@@ -259,12 +295,11 @@ final class TokenFiles: Sendable {
     /// recorded on the file thread, in the same job as the write: an erase that checks it there
     /// sees every write before it.)
     private func write(_ token: IssuedToken, _ file: TokenFileConfiguration, _ status: FileStatus, _ io: SerialThread) async -> Bool {
-        guard let content = TokenFileWriter.content(token, file.format) else {
-            report(file, status, "token \(token.serial) holds characters a token file cannot carry")
-            return false
-        }
         let result: Result<Bool, TokenFileWriter.Failure>? = try? await io.run {
-            var bytes = content
+            // (Made here, and zeroed here: the only copy of the file's bytes.)
+            guard var bytes = TokenFileWriter.content(token, file.format) else {
+                return .failure(.unwritable("token \(token.serial) holds characters a token file cannot carry"))
+            }
             defer { for index in bytes.indices { bytes[index] = 0 } }
             do throws(TokenFileWriter.Failure) {
                 _ = try TokenFileWriter.write(bytes, file)
@@ -281,7 +316,7 @@ final class TokenFiles: Sendable {
         case let .success(recovered)?:
             metrics.tokenFileWrite(failed: false)
             if recovered { logger.notice("token file \(file.name): \(file.path) written again", session: file.session) }
-            logger.debug("token file \(file.name): token \(token.serial) written to \(file.path)", session: file.session)
+            audit(token, file)
             return true
         case let .failure(failure)?:
             metrics.tokenFileWrite(failed: true)
@@ -309,8 +344,27 @@ final class TokenFiles: Sendable {
             return (had, TokenFileWriter.erase(path))
         }
         guard let outcome else { return }
-        if let failure = outcome.failure, case .system = failure { report(file, status, "\(failure)") }
-        if outcome.had, let why { logger.info("token file \(file.name): \(file.path) erased: \(why)", session: file.session) }
+        switch outcome.failure {
+        case nil:
+            if outcome.had, let why { logger.info("token file \(file.name): \(file.path) erased: \(why)", session: file.session) }
+        case .notAFile?:
+            break   // (not the broker's: left alone, as the write that found it said)
+        case let failure?:
+            report(file, status, "cannot erase it: \(failure)")
+        }
+    }
+
+    /// A token written to a file is handed out too: an audit entry names the file, its owner
+    /// and readers (never the token). Once per token and file.
+    private func audit(_ token: IssuedToken, _ file: TokenFileConfiguration) {
+        let readers = file.readers.map(String.init).joined(separator: " ")
+        let line = "audit: token #\(token.serial) of session \(file.session) (generation \(token.generation)) written to \(file.path) "
+            + "(token file \(file.name)" + (readers.isEmpty ? "" : ", readers \(readers)") + ")"
+        var fields = ["MESSAGE=\(line)", "MESSAGE_ID=\(Audit.messageID)", "PRIORITY=6", "SYSLOG_IDENTIFIER=tokenbroker",
+                      "SESSION=\(file.session)", "GENERATION=\(token.generation)", "TOKEN_SERIAL=\(token.serial)", "METHOD=File",
+                      "FILE=\(file.path)", "OUTPUT=\(file.name)"]
+        if !readers.isEmpty { fields.append("READERS=\(readers)") }
+        logger.audit(fields, line: line)
     }
 
     private func report(_ file: TokenFileConfiguration, _ status: FileStatus, _ problem: String) {

@@ -42,6 +42,12 @@ struct TokenFileTests {
         Path=@DIR@/files/header/header
         Format=header
 
+        [Output]
+        Name=read-only
+        Session=api
+        Path=@DIR@/files/read-only/token
+        Mode=0400
+
         """
 
     /// The file's content, read as `uid` (through setpriv and cat), or nil when it cannot be read.
@@ -101,6 +107,7 @@ struct TokenFileTests {
             let erased = ContinuousClock.now - started
             print("logout → token file erased: \(erased)")
             try await Self.waitForFile(dir + "/json/token.json", holding: nil, "the JSON file erased at the logout")
+            try await Self.waitForFile(dir + "/read-only/token", holding: nil, "a file of mode 0400 erased at the logout too")
             #expect(try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: "r2\n").code == 0)
             let next = try Self.token(broker)
             #expect(fp(next) != fp(token))
@@ -192,6 +199,10 @@ struct TokenFileTests {
             #expect(linked.code == 1 && linked.err.contains("is a symlink"), "\(linked.err)")
             try FileManager.default.createDirectory(atPath: directory + "/open", withIntermediateDirectories: true)
             chmod(directory + "/open", 0o777)
+            // A symlink on the way to the file's directory is refused: re-pointed, it would move the file.
+            try FileManager.default.createSymbolicLink(atPath: directory + "/link", withDestinationPath: directory + "/files")
+            let through = try await broker.ctl(["delegate", "api", "--file", directory + "/link/batch/other", "--name", "through"])
+            #expect(through.code == 1 && through.err.contains("a symlink on the way"), "\(through.err)")
             let open = try await broker.ctl(["delegate", "api", "--file", directory + "/open/token", "--name", "open"])
             #expect(open.code == 1 && open.err.contains("writable by everyone"), "\(open.err)")
             chmod(directory + "/open", 0o775)
@@ -214,19 +225,26 @@ struct TokenFileTests {
         try? FileManager.default.removeItem(atPath: directory)
     }
 
-    @Test("ctl delegate --file keeps a token file for as long as the delegation lasts: undelegate erases it before it returns, --ttl ends it by itself; a socket and a file in one delegation")
+    @Test("ctl delegate --file keeps a token file for as long as the delegation lasts: the token is in it when ctl returns; undelegate erases it before it returns, --ttl ends it by itself; a socket and a file in one delegation; no file writable by others, none in the daemon's own state")
     func delegatedFiles() async throws {
         try await withBroker(config: Self.config) { broker in
             let path = broker.directory + "/files/ci/token"
             let made = try await broker.ctl(["delegate", "api", "--file", path, "--format", "header", "--readers", "\(Self.reader)", "--name", "ci",
-                                             "--socket", broker.directory + "/files/ci.sock", "--mode", "0660"])
+                                             "--socket", broker.directory + "/files/ci.sock", "--mode", "0666", "--file-mode", "0640"])
             #expect(made.code == 0 && made.out.contains("in \(path)") && made.out.contains("on \(broker.directory)/files/ci.sock"), "\(made.err)")
             let token = try Self.token(broker)
-            try await Self.waitForFile(path, holding: token, "the delegation's file")
+            #expect(Self.contents(path) == "Authorization: Bearer \(token)\n", "written before ctl delegate returned")
             #expect(try await Self.read(path, as: Self.reader) == "Authorization: Bearer \(token)\n")
             var info = stat()
             stat(path, &info)
-            #expect(info.st_mode & 0o777 == 0o660)
+            #expect(info.st_mode & 0o777 == 0o640)
+            stat(broker.directory + "/files/ci.sock", &info)
+            #expect(info.st_mode & 0o777 == 0o666, "--mode is the socket's alone")
+            for mode in ["0660", "0646", "0700"] {
+                #expect(try await broker.ctl(["delegate", "api", "--file", path + "2", "--file-mode", mode]).code == 64, "--file-mode \(mode)")
+            }
+            let state = try await broker.ctl(["delegate", "api", "--file", broker.directory + "/state/state.db", "--name", "state"])
+            #expect(state.code == 1 && state.err.contains("the daemon's own files are never replaced by a token file"), "\(state.err)")
             #expect(try await broker.ctl(["undelegate", "ci"]).code == 0)
             #expect(Self.contents(path) == nil, "erased before undelegate returned")
             #expect(access(broker.directory + "/files/ci.sock", F_OK) != 0)

@@ -149,7 +149,7 @@ struct ConfigTests {
          "Path=: names no file (a directory, or a . or .. component)"),
         ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=a\nPath=/run/t\nFormat=yaml", 8, "Format= needs token, header or json"),
         ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=a\nPath=/run/t\nMode=0755", 8,
-         "Mode= needs an octal mode without execute bits, such as 0640"),
+         "Mode= needs an octal mode with read bits and its owner's write bit only, such as 0640"),
         ("[Session]\nName=a\nUpstream=test\n[Output]\nName=o\nSession=a\nPath=/run/t\n[Output]\nName=p\nSession=a\nPath=/run/t", 8,
          "[Output] p: Path= is [Output] o's too"),
         ("[Session]\nName=a\nUpstream=test\n[Delegation]\nName=o\nSessions=a\nSocket=/run/s\n[Output]\nName=o\nSession=a\nPath=/run/t", 8,

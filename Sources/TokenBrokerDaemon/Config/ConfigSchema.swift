@@ -352,9 +352,11 @@ public enum ConfigSchema {
         },
         ConfigKey("User", \.user, .user, change: .atReload, "user owning the file (the daemon's when empty; another needs a daemon run as root)"),
         ConfigKey("Group", \.group, .group, change: .atReload, "group owning the file (the daemon's when empty)"),
-        ConfigKey("Mode", takes: "an octal mode", default: "0600", change: .atReload, "mode of the file (no execute bits)",
+        ConfigKey("Mode", takes: "an octal mode", default: "0600", change: .atReload, "mode of the file (read and its owner's write bits only)",
                   same: { $0.mode == $1.mode }) { settings, entry, _ throws(ConfigError) in
-            guard let mode = ConfigValue.mode(entry.value), mode & 0o7111 == 0 else { throw fail(entry, "Mode= needs an octal mode without execute bits, such as 0640") }
+            guard let mode = ConfigValue.mode(entry.value), mode & ~TokenFileConfiguration.modeBits == 0 else {
+                throw fail(entry, "Mode= needs an octal mode with read bits and its owner's write bit only, such as 0640")
+            }
             settings.mode = mode
         },
         allowList("Readers", \TokenFileConfiguration.readers, "users (names or uids) who may read the file too (a POSIX ACL entry each)",

@@ -35,6 +35,10 @@ public struct TokenFileConfiguration: Sendable, Equatable {
         return nil
     }
 
+    /// The bits a token file's mode may have: reading, and its owner's writing (nobody else
+    /// may change what its readers take for the session's token).
+    public static let modeBits: UInt32 = 0o644
+
     /// The most files one daemon keeps, readers one file has.
     public static let mostFiles = 1024
     public static let mostReaders = 32

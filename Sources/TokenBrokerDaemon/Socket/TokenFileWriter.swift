@@ -57,36 +57,12 @@ enum TokenFileWriter {
         let (directory, name) = try open(file.path, creatingParents: true)
         defer { close(directory) }
         try checkTarget(directory, name, file.path)
-        var temporary = ""
-        var fd: Int32 = -1
-        for _ in 0..<8 {
-            temporary = "." + name.prefix(200) + ".tokenbroker-" + String(UInt64.random(in: 0...UInt64.max), radix: 36)
-            fd = openat(directory, temporary, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
-            if fd >= 0 || errno != EEXIST { break }
-        }
-        guard fd >= 0 else { throw .system("create a temporary file in \(parent(of: file.path)): \(errorText())") }
+        let (fd, temporary) = try prepare(directory, name, bytes, file)
         var done = false
         defer {
             close(fd)
             if !done { unlinkat(directory, temporary, 0) }
         }
-        try writeAll(fd, bytes, file.path)
-        if file.user != nil || file.group != nil,
-           fchown(fd, file.user.map { uid_t($0) } ?? uid_t.max, file.group.map { gid_t($0) } ?? gid_t.max) != 0 {
-            let whom = [file.user.map { "user \($0)" }, file.group.map { "group \($0)" }].compactMap { $0 }.joined(separator: ", ")
-            throw .unwritable("\(file.path): cannot give it to \(whom): \(errorText())"
-                              + (errno == EPERM ? " (another owner needs a daemon run as root; Readers= needs no privilege)" : ""))
-        }
-        guard fchmod(fd, mode_t(file.mode)) == 0 else { throw .system("chmod \(file.path): \(errorText())") }
-        if !file.readers.isEmpty {
-            let acl = accessACL(mode: file.mode, readers: file.readers)
-            let set = acl.withUnsafeBytes { tb_fsetxattr(fd, "system.posix_acl_access", $0.baseAddress, $0.count) }
-            guard set == 0 else {
-                throw .unwritable("\(file.path): cannot give its readers access (a POSIX ACL): \(errorText())"
-                                  + (errno == EOPNOTSUPP ? " (the file system has no ACLs; use Group= instead)" : ""))
-            }
-        }
-        guard fsync(fd) == 0 else { throw .system("fsync \(file.path): \(errorText())") }
         var info = stat()
         guard fstat(fd, &info) == 0 else { throw .system("stat \(file.path): \(errorText())") }
         // (Checked again just before: the directory is root's or the daemon's alone, but a
@@ -98,54 +74,111 @@ enum TokenFileWriter {
         return info.st_ino
     }
 
+    /// A temporary file beside `name`, made exclusively, holding `bytes` with the file's owner,
+    /// mode and ACL, fsync'd: open, for the caller to rename (or remove) and close.
+    private static func prepare(_ directory: Int32, _ name: String, _ bytes: [UInt8], _ file: TokenFileConfiguration) throws(Failure)
+        -> (Int32, String) {
+        var temporary = ""
+        var fd: Int32 = -1
+        for _ in 0..<8 {
+            temporary = temporaryPrefix(name) + String(UInt64.random(in: 0...UInt64.max), radix: 36)
+            fd = openat(directory, temporary, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600)
+            if fd >= 0 || errno != EEXIST { break }
+        }
+        guard fd >= 0 else { throw .system("create a temporary file in \(parent(of: file.path)): \(errorText())") }
+        do throws(Failure) {
+            try writeAll(fd, bytes, file.path)
+            if file.user != nil || file.group != nil,
+               fchown(fd, file.user.map { uid_t($0) } ?? uid_t.max, file.group.map { gid_t($0) } ?? gid_t.max) != 0 {
+                let whom = [file.user.map { "user \($0)" }, file.group.map { "group \($0)" }].compactMap { $0 }.joined(separator: ", ")
+                throw .unwritable("\(file.path): cannot give it to \(whom): \(errorText())"
+                                  + (errno == EPERM ? " (another owner needs a daemon run as root; Readers= needs no privilege)" : ""))
+            }
+            guard fchmod(fd, mode_t(file.mode)) == 0 else { throw .system("chmod \(file.path): \(errorText())") }
+            if !file.readers.isEmpty {
+                let acl = accessACL(mode: file.mode, readers: file.readers)
+                let set = acl.withUnsafeBytes { tb_fsetxattr(fd, "system.posix_acl_access", $0.baseAddress, $0.count) }
+                guard set == 0 else {
+                    throw .unwritable("\(file.path): cannot give its readers access (a POSIX ACL): \(errorText())"
+                                      + (errno == EOPNOTSUPP ? " (the file system has no ACLs; use Group= instead)" : ""))
+                }
+            }
+            guard fsync(fd) == 0 else { throw .system("fsync \(file.path): \(errorText())") }
+            return (fd, temporary)
+        } catch {
+            close(fd)
+            unlinkat(directory, temporary, 0)
+            throw error
+        }
+    }
+
+    /// The temporary files of `name` start so (a crash can leave one: `check` removes them).
+    private static func temporaryPrefix(_ name: String) -> String { "." + name.prefix(200) + ".tokenbroker-" }
+
     /// What would stop a write to `file.path` now (its directories made where missing): a
-    /// directory others can change, something other than a regular file at the path.
+    /// directory others can change or a symlink on the way, something other than a regular
+    /// file at the path, an owner or ACL the daemon cannot give (tried on a temporary file,
+    /// with no token in it). Temporary files a crash left beside it are removed.
     static func check(_ file: TokenFileConfiguration) -> Failure? {
         do throws(Failure) {
             let (directory, name) = try open(file.path, creatingParents: true)
             defer { close(directory) }
             try checkTarget(directory, name, file.path)
+            let prefix = temporaryPrefix(name)
+            for entry in FileSystem.list(parent(of: file.path)) where entry.hasPrefix(prefix) {
+                var info = stat()
+                if fstatat(directory, entry, &info, AT_SYMLINK_NOFOLLOW) == 0, info.st_mode & S_IFMT == S_IFREG { unlinkat(directory, entry, 0) }
+            }
+            let (fd, temporary) = try prepare(directory, name, [], file)
+            close(fd)
+            unlinkat(directory, temporary, 0)
             return nil
         } catch {
             return error
         }
     }
 
-    /// Overwrites the regular file at `path` with zeros, fsyncs and truncates it, and removes
-    /// it. Nothing there, or a directory that is not safe: nothing to do. Something there that
-    /// is not a regular file is left alone (it was never the broker's).
+    /// Removes the regular file at `path`, then overwrites what it held with zeros and fsyncs
+    /// it (a reader that still has it open finds nothing left), whatever its mode. Nothing
+    /// there: nothing to do. Something there that is not a regular file is left alone (it was
+    /// never the broker's). A directory that cannot be opened safely is a failure: the file
+    /// may still hold its token.
     @discardableResult
     static func erase(_ path: String) -> Failure? {
         let directory: Int32, name: String
         do {
             (directory, name) = try open(path, creatingParents: false)
+        } catch .system(let why) where why.hasSuffix(": \(String(cString: strerror(ENOENT)))") {
+            return nil   // (no directory: no file)
         } catch {
-            return nil
+            return error
         }
         defer { close(directory) }
-        let fd = openat(directory, name, O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+        // Read-only is enough to hold it: a file of mode 0400 is erased too.
+        let fd = openat(directory, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
         guard fd >= 0 else {
             switch errno {
             case ENOENT: return nil
             case ELOOP: return .notAFile(path, "a symlink")
-            case EISDIR: return .notAFile(path, "a directory")
             default: return .system("open \(path) to erase it: \(errorText())")
             }
         }
         defer { close(fd) }
         var info = stat()
         guard fstat(fd, &info) == 0, info.st_mode & S_IFMT == S_IFREG else { return .notAFile(path, "not a regular file") }
-        let zeros = [UInt8](repeating: 0, count: Int(min(info.st_size, 1 << 16)))
-        var left = Int(min(info.st_size, 1 << 16))
-        while left > 0 {
-            let n = zeros.withUnsafeBytes { pwrite(fd, $0.baseAddress, left, off_t(zeros.count - left)) }
-            if n <= 0 { break }
-            left -= n
-        }
-        fsync(fd)
-        ftruncate(fd, 0)
         guard unlinkat(directory, name, 0) == 0 || errno == ENOENT else { return .system("remove \(path): \(errorText())") }
         fsync(directory)
+        // Its content, zeroed through a descriptor that may write (the daemon owns it, or is root).
+        fchmod(fd, 0o600)
+        let writable = Glibc.open("/proc/self/fd/\(fd)", O_WRONLY | O_CLOEXEC)
+        if writable >= 0 {
+            defer { close(writable) }
+            let size = Int(min(info.st_size, 1 << 16))
+            let zeros = [UInt8](repeating: 0, count: size)
+            _ = zeros.withUnsafeBytes { pwrite(writable, $0.baseAddress, size, 0) }
+            fsync(writable)
+            ftruncate(writable, 0)
+        }
         return nil
     }
 
@@ -166,22 +199,54 @@ enum TokenFileWriter {
     }
 
     /// The file's directory, opened (never through a symlink) once it and those above it are
-    /// checked, and the file's name in it.
-    private static func open(_ configured: String, creatingParents: Bool) throws(Failure) -> (Int32, String) {
-        if creatingParents { try makeParent(of: configured) }
-        let path: String
-        do {
-            path = try SocketPath.resolved(configured)
-            try SocketPath.checkDirectories(above: path)
-        } catch let SocketPath.Failure.unsafeDirectory(directory, why) {
-            throw .unsafeDirectory(directory, why)
-        } catch {
-            throw .system("\(configured): \(error)")
-        }
+    /// checked, and the file's name in it. A path with a symlink on the way is refused (a link
+    /// re-pointed would move the file); missing directories are made (0755) only below one
+    /// that is safe.
+    private static func open(_ path: String, creatingParents: Bool) throws(Failure) -> (Int32, String) {
         let directory = parent(of: path)
+        do {
+            if creatingParents {
+                var existing = directory
+                var missing: [String] = []
+                var info = stat()
+                while lstat(existing, &info) != 0 {
+                    guard errno == ENOENT else { throw Failure.system("lstat \(existing): \(errorText())") }
+                    missing.append(existing)
+                    existing = parent(of: existing)
+                }
+                if !missing.isEmpty {
+                    try checkResolved(existing)
+                    try SocketPath.checkDirectories(above: existing + "/.")
+                    for made in missing.reversed() {
+                        guard mkdir(made, 0o755) == 0 || errno == EEXIST else { throw Failure.system("mkdir \(made): \(errorText())") }
+                        // (In a directory only root or the daemon's user can change: nobody
+                        // could have put a link in its place.)
+                        chmod(made, 0o755)
+                    }
+                }
+            }
+            try checkResolved(directory)
+            try SocketPath.checkDirectories(above: path)
+        } catch let failure as Failure {
+            throw failure
+        } catch let SocketPath.Failure.unsafeDirectory(unsafe, why) {
+            throw .unsafeDirectory(unsafe, why)
+        } catch {
+            throw .system("\(path): \(error)")
+        }
         let fd = Glibc.open(directory, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
         guard fd >= 0 else { throw .system("open \(directory): \(errorText())") }
         return (fd, String(path[path.index(after: path.lastIndex(of: "/")!)...]))
+    }
+
+    /// Refuses a directory whose path holds a symlink (it resolves to another path).
+    private static func checkResolved(_ directory: String) throws(Failure) {
+        guard let real = realpath(directory, nil) else { throw .system("\(directory): \(errorText())") }
+        defer { free(real) }
+        let resolved = String(cString: real)
+        guard resolved == directory else {
+            throw .unsafeDirectory(directory, "a symlink on the way (it is \(resolved)): name the directory itself")
+        }
     }
 
     /// Refuses a path that holds anything but a regular file.
@@ -197,19 +262,6 @@ enum TokenFileWriter {
         case S_IFDIR: throw .notAFile(path, "a directory")
         default: throw .notAFile(path, "not a regular file")
         }
-    }
-
-    private static func makeParent(of path: String) throws(Failure) {
-        let directory = parent(of: path)
-        var info = stat()
-        if directory == "/" || stat(directory, &info) == 0 { return }
-        try makeParent(of: directory)
-        guard mkdir(directory, 0o755) == 0 else {
-            if errno == EEXIST { return }
-            throw .system("mkdir \(directory): \(errorText())")
-        }
-        // (Whatever the daemon's umask: its readers must reach the file.)
-        chmod(directory, 0o755)
     }
 
     private static func parent(of path: String) -> String {
