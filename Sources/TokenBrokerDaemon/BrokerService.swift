@@ -223,15 +223,16 @@ final class BrokerService: VarlinkHandler {
     /// allows none) — and only for the peers it admits.
     private func delegatedDispatch(_ name: BrokerMethod, _ method: Method, _ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
         do {
-            let access = sessions.snapshot.access
+            // (One look at the table for the whole call.)
+            let snapshot = sessions.snapshot
             guard let grant = delegations.grant(forListener: peer.listener), Self.delegable.contains(name),
-                  grant.admits(peer, overflowUID: access.overflowUID, overflowGID: access.overflowGID) else {
+                  grant.admits(peer, overflowUID: snapshot.access.overflowUID, overflowGID: snapshot.access.overflowGID) else {
                 logger.limited(.warning, key: "delegated-denied:\(peer.listener)", "permission denied: \(call.method) by \(peer) through a delegation")
                 throw BrokerError.permissionDenied
             }
             var session: SessionTable.Session?
             if let named = call.parameters["session"]?.stringValue {
-                guard grant.sessions.contains(named), let found = sessions.snapshot.sessions[named] else {
+                guard grant.sessions.contains(named), let found = snapshot.sessions[named] else {
                     logger.limited(.warning, key: "delegated-denied:\(peer.listener)", "permission denied: \(call.method) by \(peer) (a session it does not serve)")
                     throw BrokerError.permissionDenied
                 }
