@@ -392,6 +392,19 @@ def scenario(c, deb, issuer, readme_issuer):
           "token from /run/tokenbroker/files; bob cannot", made.stderr.strip())
     ended = c.run(["tokenbroker", "ctl", "undelegate", "batch"], check=False)
     check(ended.returncode == 0 and not os.path.exists(c.path(batch)), "ctl undelegate erased the token file", ended.stderr.strip())
+    # The README's delegation for one user, as written: no privilege needed.
+    dev = "/run/tokenbroker/delegations/dev.sock"
+    made = c.run(["tokenbroker", "ctl", "delegate", "work", "--socket", dev, "--allow-users", "alice", "--mode", "0666", "--name", "alice-dev"],
+                 check=False)
+    through = c.run(["tokenbroker", "ctl", "--socket", dev, "token", "work"], user="alice", check=False)
+    others = [c.run(["tokenbroker", "ctl", "--socket", dev, "token", "work"], user="bob", check=False).returncode,
+              c.run(["tokenbroker", "ctl", "--socket", dev, "logout", "work"], check=False).returncode]
+    check(made.returncode == 0 and through.returncode == 0 and issuer.accepts(through.stdout.strip()) and others == [77, 77]
+          and c.show("tokenbroker.service", "ActiveState") == "active",
+          "ctl delegate --allow-users alice --mode 0666: alice gets the token through the delegation's socket (its directory "
+          "made reachable); bob is refused, and so is root's logout there",
+          f"{made.stderr.strip()} {through.stderr.strip()} {others}")
+    c.run(["tokenbroker", "ctl", "undelegate", "alice-dev"])
 
     # -- Secrets at rest, no key configured: sealed under the key systemd-creds made ---------------
     journal = lambda: c.run(["journalctl", "-u", "tokenbroker.service", "--after-cursor", cursor, "-o", "cat", "--no-pager"]).stdout

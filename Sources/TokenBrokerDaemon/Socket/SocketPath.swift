@@ -107,6 +107,16 @@ enum SocketPath {
         var info = stat()
         if stat(parent, &info) == 0 { return }
         try makeParent(of: parent)
-        if mkdir(parent, 0o755) != 0 && errno != EEXIST { throw .system(SocketError("mkdir \(parent)")) }
+        guard mkdir(parent, 0o755) == 0 else {
+            if errno == EEXIST { return }
+            throw .system(SocketError("mkdir \(parent)"))
+        }
+        // (Whatever the daemon's umask, 0077 under the shipped unit: its peers must reach the
+        // socket. Only the directory made here, never what a link might have put there.)
+        let made = open(parent, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+        if made >= 0 {
+            fchmod(made, 0o755)
+            close(made)
+        }
     }
 }
