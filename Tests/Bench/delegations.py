@@ -123,7 +123,7 @@ def main():
     idle_one = idle()
     delegate_all(1, COUNT)
     eventually("every file written", lambda: all(os.path.exists(f"{work}/f/{index}/token") for index in range(COUNT)))
-    time.sleep(1)
+    time.sleep(3)   # (what their making set off has settled: the audit's journal, the files' first writes)
     after = memory(server.process.pid)
     idle_after = idle()
     per = {key: (after[key] - before[key]) / (2 * COUNT) for key in ("rss", "anon")}
