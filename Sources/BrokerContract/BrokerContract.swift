@@ -57,6 +57,7 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
     case resetFleetHistory = "ResetFleetHistory"
     case delegate = "Delegate", delegations = "Delegations", undelegate = "Undelegate"
     case audit = "Audit"
+    case clientKey = "ClientKey"
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
@@ -157,6 +158,8 @@ public enum BrokerRequest: Sendable, Equatable {
     case undelegate(name: String)
     /// The newest audit records (an admin's), of one session when named.
     case audit(session: String?, limit: Int?)
+    /// A `private_key_jwt` session's client keys (an admin's), after `change`.
+    case clientKey(session: String, change: ClientKeyChange)
 
     public var method: BrokerMethod {
         switch self {
@@ -181,6 +184,7 @@ public enum BrokerRequest: Sendable, Equatable {
         case .delegations: return .delegations
         case .undelegate: return .undelegate
         case .audit: return .audit
+        case .clientKey: return .clientKey
         }
     }
 
@@ -189,7 +193,8 @@ public enum BrokerRequest: Sendable, Equatable {
         switch self {
         case let .getToken(session, _, _), let .recover(session, _, _), let .watch(session), let .logout(session), let .login(session, _),
              let .refresh(session), let .deviceLogin(session), let .forget(session), let .getProof(session, _, _, _, _, _, _),
-             let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session), let .resetFleetHistory(session):
+             let .codeLogin(session, _), let .completeCodeLogin(session, _), let .loginFlow(session), let .resetFleetHistory(session),
+             let .clientKey(session, _):
             return session
         case .status, .reload, .metrics, .credential, .delegate, .delegations, .undelegate, .audit:
             return nil
@@ -289,6 +294,13 @@ public enum BrokerRequest: Sendable, Equatable {
                 limit = Int(number)
             }
             self = .audit(session: session, limit: limit)
+        case .clientKey:
+            let name = try session(["change"])
+            let change = try parameters.optionalString("change").map { text throws(ParameterError) -> ClientKeyChange in
+                guard let change = ClientKeyChange(rawValue: text) else { throw ParameterError(name: "change") }
+                return change
+            }
+            self = .clientKey(session: name, change: change ?? .show)
         }
     }
 
@@ -328,6 +340,8 @@ public enum BrokerRequest: Sendable, Equatable {
         case .status, .reload, .metrics, .delegations: return [:]
         case let .delegate(request): return request.parameters
         case let .undelegate(name): return ["name": .string(name)]
+        case let .clientKey(session, .show): return ["session": .string(session)]
+        case let .clientKey(session, change): return ["session": .string(session), "change": .string(change.rawValue)]
         case let .audit(session, limit):
             var parameters: JSONObject = [:]
             if let session { parameters["session"] = .string(session) }
@@ -765,6 +779,7 @@ public enum BrokerError: Error, Sendable, Equatable {
     case protocolError(reason: String)
     case noSuchDelegation(name: String)
     case delegationFailed(name: String, reason: String)
+    case clientKeyUnavailable(session: String, reason: String)
 
     /// `io.tokenbroker.Broker.ProtocolError`, which the varlink layer sends by name.
     public static let protocolErrorName = BrokerContract.name + ".ProtocolError"
@@ -788,6 +803,7 @@ public enum BrokerError: Error, Sendable, Equatable {
         case .protocolError: "ProtocolError"
         case .noSuchDelegation: "NoSuchDelegation"
         case .delegationFailed: "DelegationFailed"
+        case .clientKeyUnavailable: "ClientKeyUnavailable"
         }
     }
 
@@ -817,7 +833,7 @@ public enum BrokerError: Error, Sendable, Equatable {
             parameters = ["session": .string(session), "retryAfter": .double(retryAfter)]
         case let .lifetimeTooShort(session, lifetime, minValid):
             parameters = ["session": .string(session), "lifetime": .double(lifetime), "minValid": .double(minValid)]
-        case let .storeFailed(session, reason), let .loginFailed(session, reason):
+        case let .storeFailed(session, reason), let .loginFailed(session, reason), let .clientKeyUnavailable(session, reason):
             parameters = ["session": .string(session), "reason": .string(reason)]
         case let .configurationError(reason), let .protocolError(reason):
             parameters = ["reason": .string(reason)]
@@ -856,6 +872,7 @@ public enum BrokerError: Error, Sendable, Equatable {
         case BrokerContract.name + ".NoSuchDelegation": self = .noSuchDelegation(name: parameters["name"]?.stringValue ?? "")
         case BrokerContract.name + ".DelegationFailed":
             self = .delegationFailed(name: parameters["name"]?.stringValue ?? "", reason: reason)
+        case BrokerContract.name + ".ClientKeyUnavailable": self = .clientKeyUnavailable(session: session, reason: reason)
         default: return nil
         }
     }

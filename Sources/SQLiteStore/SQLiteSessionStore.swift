@@ -41,7 +41,7 @@ public struct WrongStateKey: Error, Sendable, Equatable, CustomStringConvertible
 /// All SQLite work runs on one dedicated thread, in order.
 public final class SQLiteSessionStore: SessionStore {
     /// The schema version this build writes; older databases are migrated forward.
-    public static let schemaVersion: Int32 = 5
+    public static let schemaVersion: Int32 = 6
 
     private final class Connection: @unchecked Sendable {
         // @unchecked: the handle and the statement cache are used only on the store's serial
@@ -152,7 +152,12 @@ public final class SQLiteSessionStore: SessionStore {
             let query = try Statement(db, "SELECT 1 FROM sessions WHERE "
                                       + columns.map { "substr(\($0), 1, 7) = ?1" }.joined(separator: " OR ") + " LIMIT 1")
             query.bind(1, TokenCipher.sealedPrefix)
-            return try query.step()
+            if try query.step() { return true }
+            // (client_keys came with 6.)
+            guard try Statement(db, "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'client_keys'").step() else { return false }
+            let keys = try Statement(db, "SELECT 1 FROM client_keys WHERE substr(key, 1, 7) = ?1 LIMIT 1")
+            keys.bind(1, TokenCipher.sealedPrefix)
+            return try keys.step()
         } catch let error as StoreError where ["not a database", "malformed"].contains(where: error.message.contains) {
             // Unreadable (opening it moves it aside) or not yet made: nothing sealed to lose.
             return false
@@ -171,16 +176,32 @@ public final class SQLiteSessionStore: SessionStore {
             guard let name = rows.text(0) else { continue }
             stored.append((name, [rows.text(1), rows.text(2), rows.text(3)]))
         }
+        let keyRows = try Statement(db, "SELECT session, kid, key FROM client_keys")
+        var keys: [(session: String, kid: String, value: String)] = []
+        while try keyRows.step() {
+            guard let session = keyRows.text(0), let kid = keyRows.text(1), let value = keyRows.text(2) else { continue }
+            keys.append((session, kid, value))
+        }
         // The key the database is under: the one that opens its first sealed value.
         var former: (index: Int, cipher: TokenCipher)?
         let sealed = stored.lazy.flatMap { row in zip(row.values, columns).compactMap { value, column in
-            value.flatMap { TokenCipher.isEncrypted($0) ? (row.name, column, $0) : nil }
-        } }.first
-        if let (name, column, value) = sealed, (try? cipher.open(value, associatedData: name + "/" + column)) == nil {
-            guard let index = formers.firstIndex(where: { (try? $0.open(value, associatedData: name + "/" + column)) != nil }) else {
+            value.flatMap { TokenCipher.isEncrypted($0) ? (row.name, row.name + "/" + column, $0) : nil }
+        } }.first ?? keys.lazy.filter { TokenCipher.isEncrypted($0.value) }.map { ($0.session, clientKeyData($0.session, $0.kid), $0.value) }.first
+        if let (name, associatedData, value) = sealed, (try? cipher.open(value, associatedData: associatedData)) == nil {
+            guard let index = formers.firstIndex(where: { (try? $0.open(value, associatedData: associatedData)) != nil }) else {
                 throw WrongStateKey(session: name)
             }
             former = (index, formers[index])
+        }
+        var keyUpdates: [(session: String, kid: String, value: String)] = []
+        for (session, kid, value) in keys where former != nil || !TokenCipher.isEncrypted(value) {
+            let associatedData = clientKeyData(session, kid)
+            do {
+                let clear = TokenCipher.isEncrypted(value) ? try former!.cipher.open(value, associatedData: associatedData) : value
+                keyUpdates.append((session, kid, try cipher.seal(clear, associatedData: associatedData)))
+            } catch {
+                throw StoreError("session \(session): client key \(kid): \(error)")
+            }
         }
         var updates: [(name: String, values: [String?])] = []
         var clear = 0
@@ -201,13 +222,20 @@ public final class SQLiteSessionStore: SessionStore {
                 return try seal(value, cipher, name, column)
             }))
         }
-        guard !updates.isEmpty else { return (nil, 0) }
+        guard !updates.isEmpty || !keyUpdates.isEmpty else { return (nil, 0) }
         try execute(db, "BEGIN IMMEDIATE")
         do {
             for (name, values) in updates {
                 let update = try Statement(db, "UPDATE sessions SET refresh_token = ?2, access_token = ?3, proof_key = ?4 WHERE name = ?1")
                 update.bind(1, name)
                 for (index, value) in values.enumerated() { update.bind(Int32(index + 2), value) }
+                try update.run()
+            }
+            for (session, kid, value) in keyUpdates {
+                let update = try Statement(db, "UPDATE client_keys SET key = ?3 WHERE session = ?1 AND kid = ?2")
+                update.bind(1, session)
+                update.bind(2, kid)
+                update.bind(3, value)
                 try update.run()
             }
             try execute(db, "COMMIT")
@@ -222,6 +250,9 @@ public final class SQLiteSessionStore: SessionStore {
         do { try checkpoint(db) } catch { connection.checkpointOwed = true }
         return (former?.index, clear)
     }
+
+    /// What a client key's sealing is bound to: its session and id.
+    private static func clientKeyData(_ session: String, _ kid: String) -> String { "client_key/" + session + "/" + kid }
 
     private static func seal(_ value: String, _ cipher: TokenCipher, _ name: String, _ column: String) throws -> String {
         if TokenCipher.isEncrypted(value) { return value }
@@ -356,6 +387,19 @@ public final class SQLiteSessionStore: SessionStore {
         // 5: the fleet history a mark is in (0 until an admin starts the session's history anew):
         // marks compare by history first.
         "ALTER TABLE fleet_marks ADD COLUMN history INTEGER NOT NULL DEFAULT 0;",
+        // 6: the client keys the daemon holds for private_key_jwt (RFC 7523), sealed like the
+        // tokens: a session's signing key, the next one published before it signs, and retiring ones.
+        """
+        CREATE TABLE client_keys (
+            session TEXT NOT NULL,
+            kid TEXT NOT NULL,
+            role TEXT NOT NULL CHECK (role IN ('signing', 'next', 'retiring')),
+            algorithm TEXT NOT NULL,
+            key TEXT NOT NULL,
+            created INTEGER NOT NULL,
+            PRIMARY KEY (session, kid)
+        ) STRICT;
+        """,
     ]
 
     private static func migrate(_ db: OpaquePointer) throws {
@@ -588,6 +632,78 @@ public final class SQLiteSessionStore: SessionStore {
         }
     }
 
+    // MARK: - Client keys
+
+    /// A session's client keys (`private_key_jwt`), opened.
+    public func clientKeys(_ session: String) async throws -> [StoredClientKey] {
+        let (connection, cipher) = (self.connection, self.cipher)
+        return try await thread.run {
+            let statement = try connection.prepare("SELECT kid, role, algorithm, key, created FROM client_keys WHERE session = ?1 ORDER BY created, kid")
+            defer { statement.reset() }
+            statement.bind(1, session)
+            var keys: [StoredClientKey] = []
+            while try statement.step() {
+                guard let kid = statement.text(0), let role = statement.text(1).flatMap(StoredClientKey.Role.init(rawValue:)),
+                      let algorithm = statement.text(2), let value = statement.text(3) else {
+                    throw StoreError("a row of the client_keys table is malformed")
+                }
+                let key: Secret
+                if TokenCipher.isEncrypted(value) {
+                    guard let cipher else { throw StoreError("the state database holds sealed client keys (session \(session)); configure its key") }
+                    do { key = Secret(try cipher.open(value, associatedData: Self.clientKeyData(session, kid))) } catch {
+                        throw StoreError("session \(session): client key \(kid): \(error)")
+                    }
+                } else {
+                    key = Secret(value)
+                }
+                keys.append(StoredClientKey(kid: kid, role: role, algorithm: algorithm, key: key, created: statement.int(4) ?? 0))
+            }
+            return keys
+        }
+    }
+
+    /// Replaces a session's client keys with `keys`, durably; keys left out are erased from the
+    /// files too (a checkpoint, as for tokens).
+    public func replaceClientKeys(_ session: String, _ keys: [StoredClientKey]) async throws {
+        let (connection, cipher) = (self.connection, self.cipher)
+        try await thread.run {
+            try Self.execute(connection.db, "BEGIN IMMEDIATE")
+            var dropped = false
+            do {
+                let delete = try connection.prepare("DELETE FROM client_keys WHERE session = ?1")
+                defer { delete.reset() }
+                delete.bind(1, session)
+                try delete.run()
+                dropped = Int(sqlite3_changes(connection.db)) > keys.count
+                let insert = try connection.prepare("INSERT INTO client_keys (session, kid, role, algorithm, key, created) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")
+                defer { insert.reset() }
+                for key in keys {
+                    insert.reset()
+                    insert.bind(1, session)
+                    insert.bind(2, key.kid)
+                    insert.bind(3, key.role.rawValue)
+                    insert.bind(4, key.algorithm)
+                    var value = key.key.reveal
+                    if let cipher {
+                        do { value = try cipher.seal(value, associatedData: Self.clientKeyData(session, key.kid)) } catch {
+                            throw StoreError("\(error)")
+                        }
+                    }
+                    insert.bind(5, value)
+                    insert.bind(6, key.created)
+                    try insert.run()
+                }
+                try Self.execute(connection.db, "COMMIT")
+            } catch {
+                try? Self.execute(connection.db, "ROLLBACK")
+                throw error
+            }
+            if dropped {
+                do { try Self.checkpoint(connection.db) } catch { connection.checkpointOwed = true }
+            }
+        }
+    }
+
     /// Removes a session's row; returns whether there was one.
     public func forget(_ session: String) async throws -> Bool {
         let connection = self.connection
@@ -597,7 +713,7 @@ public final class SQLiteSessionStore: SessionStore {
             statement.bind(1, session)
             try statement.run()
             let removed = sqlite3_changes(connection.db) > 0
-            for table in ["fleet_marks", "fleet_pending"] {
+            for table in ["fleet_marks", "fleet_pending", "client_keys"] {
                 let statement = try connection.prepare("DELETE FROM \(table) WHERE session = ?1")
                 defer { statement.reset() }
                 statement.bind(1, session)
@@ -764,5 +880,29 @@ public final class SQLiteSessionStore: SessionStore {
         func int(_ column: Int32) -> Int64? {
             sqlite3_column_type(handle, column) == SQLITE_NULL ? nil : sqlite3_column_int64(handle, column)
         }
+    }
+}
+
+/// A client key the daemon holds for a session (`private_key_jwt`): its id (the JWK
+/// thumbprint), its role, the algorithm it signs with, the private key (PKCS #8 DER in
+/// base64, sealed in the database) and when it was made (Unix seconds).
+public struct StoredClientKey: Sendable, Equatable {
+    public enum Role: String, Sendable, Equatable {
+        /// Signs the session's assertions.
+        case signing
+        /// Published (in the JWKS to register) before it signs: `ctl client-key --promote` makes it the signing key.
+        case next
+        /// Signed until the last promotion; still published until `ctl client-key --retire`.
+        case retiring
+    }
+
+    public var kid: String
+    public var role: Role
+    public var algorithm: String
+    public var key: Secret
+    public var created: Int64
+
+    public init(kid: String, role: Role, algorithm: String, key: Secret, created: Int64) {
+        (self.kid, self.role, self.algorithm, self.key, self.created) = (kid, role, algorithm, key, created)
     }
 }

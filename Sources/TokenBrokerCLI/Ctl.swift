@@ -61,6 +61,8 @@ public enum Ctl {
                 index += 1
             case "--json":
                 json = true
+            case "--rotate", "--promote", "--retire", "--jwk":
+                values[argument] = ""
             case "--refresh-token-stdin":
                 refreshTokenFromStdin = true
             case "--show-token":
@@ -399,6 +401,27 @@ public enum Ctl {
         output.write(table(rows))
     }
 
+    static func clientKey(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
+        let changes = ["--rotate": ClientKeyChange.rotate, "--promote": .promote, "--retire": .retire].filter { call.values[$0.key] != nil }
+        guard changes.count <= 1 else { throw Failure(usage: "--rotate, --promote and --retire are steps one at a time: give one") }
+        let change = changes.first?.value ?? .show
+        let reply = try Ctl.call(call.address, .clientKey(session: call.session, change: change))
+        if call.json {
+            output.write(JSON.object(reply.parameters).text + "\n")
+            return
+        }
+        let keys = (reply.parameters["keys"]?.arrayValue ?? []).compactMap { $0.objectValue.flatMap(ClientKeyEntry.init) }
+        let jwks = keys.compactMap { entry in (try? JSONParser.parse(Array(entry.jwk.utf8)))?.objectValue.map(JSON.object) }
+        if call.values["--jwk"] != nil {
+            guard let signing = zip(keys, jwks).first(where: { $0.0.role == "signing" || $0.0.role == "operator" })?.1 else {
+                throw Failure(code: ExitCode.failure, message: "the session has no signing key")
+            }
+            output.write(signing.text + "\n")
+            return
+        }
+        output.write(JSON.object(["keys": .array(jwks)]).text + "\n")
+    }
+
     static func metrics(_ call: Invocation, _ output: inout any TextOutput) throws(Failure) {
         output.write(MetricsReply(try Ctl.call(call.address, .metrics).parameters).text)
     }
@@ -628,6 +651,8 @@ public enum Ctl {
             return Failure(code: ExitCode.failure, message: "no delegation named '\(name)' (see `tokenbroker ctl delegations`)")
         case let .delegationFailed(name, reason):
             return Failure(code: ExitCode.failure, message: "delegation '\(name)' could not be made: \(reason)")
+        case let .clientKeyUnavailable(session, reason):
+            return Failure(code: ExitCode.failure, message: "client key of '\(session)': \(reason)")
         }
     }
 

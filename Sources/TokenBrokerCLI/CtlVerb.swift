@@ -63,6 +63,8 @@ public struct CtlVerb: Sendable {
         CtlVerb("delegations", [], "List the delegations, their sockets and token files (admin).", help: Help.ctlDelegations, Ctl.delegations),
         CtlVerb("undelegate", ["name"], "End a delegation: its socket and connections close, its file is erased (admin).", help: Help.ctlUndelegate, Ctl.undelegate),
         CtlVerb("audit", [], options: ["--session", "--limit"], "Show who was handed which token lately (admin).", help: Help.ctlAudit, Ctl.audit),
+        CtlVerb("client-key", ["session"], options: ["--rotate", "--promote", "--retire", "--jwk"],
+                "Print the JWKS of a private_key_jwt session's client keys to register; rotate them (admin).", help: Help.ctlClientKey, Ctl.clientKey),
         CtlVerb("metrics", [], "Print the daemon's metrics, Prometheus text format (admin).", help: Help.ctlMetrics, Ctl.metrics),
         // (Never reaches its handler: `Ctl.run` hands it to the daemon's executable, options and all.)
         CtlVerb("check-config", [], "Validate the configuration files (same as `tokenbroker check-config`).", help: Help.checkConfig,

@@ -535,6 +535,43 @@ public enum Help {
 
         """
 
+    public static let ctlClientKey = """
+        OVERVIEW: Print the JWKS of a private_key_jwt session's client keys to register; rotate them (admin).
+
+        A session with ClientAuthentication=private_key_jwt and no ClientKeyFile= or
+        ClientAssertionFile= signs its client assertions (RFC 7523) with a key the daemon makes
+        the first time it is needed (P-256; RSA where the server's metadata lists only RSA
+        algorithms, or as ClientAssertionAlgorithm= says) and keeps sealed in its state. Only
+        the public keys ever leave it: this prints them as a JWKS ({"keys": [...]}, each with
+        its kid, the RFC 7638 thumbprint), to register with the server as the client's keys.
+
+        A rotation is three steps, so that the server knows a key before it signs:
+          --rotate    make a next key: published (in the JWKS) beside the signing one, not
+                      used yet; register the new JWKS with the server
+          --promote   the next key signs from now on; the old one retires, still published
+          --retire    drop the retiring keys from the JWKS (register it once more)
+
+        A session with ClientKeyFile= shows that key (replace the file and reload to rotate
+        it); one with ClientAssertionFile= holds no key.
+
+        USAGE: tokenbroker ctl [--socket <path>] client-key <session> [--rotate | --promote | --retire] [--jwk] [--json]
+
+        OPTIONS:
+          --rotate                Make a next key, published before it signs.
+          --promote               The next key signs; the signing one retires.
+          --retire                Drop the retiring keys.
+          --jwk                   Print the signing key's JWK alone, not the JWKS.
+          --json                  The ClientKey reply as JSON (each key's role: signing, next,
+                                  retiring, or operator for ClientKeyFile='s).
+          -h, --help              Show this help.
+
+        EXAMPLES:
+          tokenbroker ctl client-key api > api.jwks.json
+          tokenbroker ctl client-key api --rotate > api.jwks.json   # register it, then:
+          tokenbroker ctl client-key api --promote
+
+        """
+
     public static func ctlVerb(_ verb: String) -> String? { CtlVerb.named(verb)?.help }
 
     /// `help <words>`: the text for a subcommand or ctl verb.

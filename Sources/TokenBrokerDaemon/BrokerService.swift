@@ -33,11 +33,14 @@ final class BrokerService: VarlinkHandler {
     let delegations: Delegations
     /// Who was handed which token.
     let audit: Audit
+    /// The client keys the daemon holds (`private_key_jwt`).
+    let clientKeys: ClientKeys?
 
     init(sessions: SessionTable, logger: Logger, reload: @escaping @Sendable () async -> String?,
          forget: @escaping @Sendable (String) async throws -> Bool = { _ in false }, metrics: Metrics = Metrics(version: "test"),
          metricsText: @escaping @Sendable () async -> String = { "" }, outliving: TaskPool = TaskPool(limit: 256, backlog: 1 << 16),
-         delegations: Delegations? = nil, audit: Audit? = nil) {
+         delegations: Delegations? = nil, audit: Audit? = nil, clientKeys: ClientKeys? = nil) {
+        self.clientKeys = clientKeys
         self.audit = audit ?? Audit(write: { [logger] fields, line in logger.audit(fields, line: line) })
         self.outliving = outliving
         self.delegations = delegations ?? Delegations(logger: logger)
@@ -136,6 +139,10 @@ final class BrokerService: VarlinkHandler {
             guard case let .audit(session, limit) = request else { throw BrokerError.internalError }
             let records = service.audit.recent(limit: limit ?? 50, session: session).map(AuditEntry.init)
             return .reply(VarlinkReply(parameters: ["records": .array(records.map { .object($0.parameters) })]))
+        }),
+        .clientKey: Method(access: .admin, handler: .session { service, request, peer, session in
+            guard case let .clientKey(_, change) = request else { throw BrokerError.internalError }
+            return try service.clientKey(session, change, by: peer)
         }),
         .undelegate: Method(access: .admin, handler: .other { service, request, peer in
             guard case let .undelegate(name) = request else { throw BrokerError.internalError }

@@ -63,6 +63,8 @@ public final class Daemon: Sendable {
     private let delegations: Delegations
     /// Who was handed which token.
     private let audit: Audit
+    /// The client keys the daemon holds (`private_key_jwt`).
+    private let clientKeys: ClientKeys
     /// The number of open client connections (set once the server exists).
     private let connectionCount = SynchronizedBox<@Sendable () -> Int>({ 0 })
 
@@ -73,8 +75,10 @@ public final class Daemon: Sendable {
         self.state = state
         let table = SessionTable(access: Access(daemonUID: getuid(), adminGroup: configuration.adminGroup))
         self.table = table
+        let clientKeys = ClientKeys(database: state.database, logger: logger)
+        self.clientKeys = clientKeys
         let factory = SessionFactory(logger: logger, metrics: metrics, state: state, census: census, sessions: table, transfers: transfers,
-                                     outliving: outliving, followLoops: followLoops)
+                                     outliving: outliving, followLoops: followLoops, clientKeys: clientKeys)
         // (A token file never takes the place of the daemon's state or configuration: the state
         // directory, the configuration file and its drop-ins.)
         let files = TokenFiles(table: table, logger: logger, metrics: metrics,
@@ -288,7 +292,8 @@ public final class Daemon: Sendable {
     private func makeServer(_ configuration: BrokerConfiguration, listening fd: Int32) -> VarlinkServer? {
         let service = BrokerService(sessions: table, logger: logger, reload: { [reloader] in await reloader.reload() },
                                     forget: { [reloader] name in try await reloader.forget(name) }, metrics: metrics,
-                                    metricsText: { [self] in await self.metricsText() }, outliving: outliving, delegations: delegations, audit: audit)
+                                    metricsText: { [self] in await self.metricsText() }, outliving: outliving, delegations: delegations, audit: audit,
+                                    clientKeys: clientKeys)
         let (logger, metrics) = (self.logger, self.metrics)
         do {
             return try VarlinkServer(

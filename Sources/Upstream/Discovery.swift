@@ -18,6 +18,8 @@ public struct AuthorizationServerMetadata: Sendable, Equatable {
     /// `authorization_response_iss_parameter_supported` (RFC 9207 §3): every authorization
     /// response carries `iss`, so one without it is not this server's.
     public var issuerInAuthorizationResponse = false
+    /// `token_endpoint_auth_signing_alg_values_supported` (RFC 8414 §2): nil when the server lists none.
+    public var assertionSigningAlgorithms: [String]? = nil
 }
 
 public enum Discovery {
@@ -91,7 +93,8 @@ extension AuthorizationServerMetadata {
                   dpopSigningAlgorithms: Self.names(object["dpop_signing_alg_values_supported"]),
                   authorizationEndpoint: object["authorization_endpoint"]?.stringValue,
                   codeChallengeMethods: Self.names(object["code_challenge_methods_supported"]),
-                  issuerInAuthorizationResponse: object["authorization_response_iss_parameter_supported"]?.boolValue == true)
+                  issuerInAuthorizationResponse: object["authorization_response_iss_parameter_supported"]?.boolValue == true,
+                  assertionSigningAlgorithms: Self.names(object["token_endpoint_auth_signing_alg_values_supported"]))
     }
 
     /// A list of algorithm or method names, bounded: a few short names are all a server has to say.

@@ -120,7 +120,18 @@ public final class HTTPTokenSource: TokenSource, UpstreamAccount {
             configuration.timeout = min(configuration.timeout, timeLimit)
             configuration.connectTimeout = min(configuration.connectTimeout, timeLimit)
         }
-        return OAuthClient(endpoints: endpoints, configuration: configuration, dpop: dpop, loop: loop)
+        var assertion: ClientAssertion?
+        if configuration.authentication == .privateKeyJWT {
+            guard let source = configuration.assertion else { throw .terminal("client configuration: private_key_jwt without a key or an assertion file") }
+            assertion = try await source.prepare(serverAlgorithms: issuer != nil ? try await discover()?.assertionSigningAlgorithms : nil)
+        }
+        return OAuthClient(endpoints: endpoints, configuration: configuration, dpop: dpop, clientAssertion: assertion, loop: loop)
+    }
+
+    /// The algorithms the server's metadata lists for client assertions
+    /// (`token_endpoint_auth_signing_alg_values_supported`; nil without `Issuer=` or a list).
+    public func assertionSigningAlgorithms() async throws(FetchFailure) -> [String]? {
+        issuer != nil ? try await discover()?.assertionSigningAlgorithms : nil
     }
 
     /// Whether requests with a key carry proofs (see `client`).

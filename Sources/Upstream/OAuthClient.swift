@@ -12,6 +12,10 @@ public enum ClientAuthentication: String, Sendable, Equatable {
     case post = "client_secret_post"
     /// A public client: `client_id` only.
     case none
+    /// A JWT client assertion (RFC 7523 §2.2, OpenID Connect Core §9): signed with a key the
+    /// daemon holds or the operator gives, or a platform's, from a file
+    /// (`OAuthClientConfiguration.assertion`).
+    case privateKeyJWT = "private_key_jwt"
 }
 
 /// Where and how to reach an authorization server.
@@ -43,6 +47,8 @@ public struct OAuthClientConfiguration: Sendable {
     public var tls: TLSOptions
     public var connectTimeout: Duration
     public var timeout: Duration
+    /// With `private_key_jwt`: where its assertions come from.
+    public var assertion: (any ClientAssertionSource)?
 
     public init(clientID: String, clientSecret: Secret? = nil, authentication: ClientAuthentication = .basic, scope: String? = nil,
                 tls: TLSOptions = TLSOptions(), connectTimeout: Duration = .seconds(5), timeout: Duration = .seconds(30)) {
@@ -75,12 +81,16 @@ public struct OAuthClient: Sendable {
     public var configuration: OAuthClientConfiguration
     /// A DPoP session's key: every token request carries a proof signed with it.
     public var dpop: DPoPBinding?
+    /// With `private_key_jwt`: how each request's assertion is made (`ClientAssertionSource.prepare`).
+    public var clientAssertion: ClientAssertion?
     private let loop: CurlLoop
 
-    public init(endpoints: OAuthEndpoints, configuration: OAuthClientConfiguration, dpop: DPoPBinding? = nil, loop: CurlLoop = .shared) {
+    public init(endpoints: OAuthEndpoints, configuration: OAuthClientConfiguration, dpop: DPoPBinding? = nil,
+                clientAssertion: ClientAssertion? = nil, loop: CurlLoop = .shared) {
         self.endpoints = endpoints
         self.configuration = configuration
         self.dpop = dpop
+        self.clientAssertion = clientAssertion
         self.loop = loop
     }
 
@@ -103,7 +113,7 @@ public struct OAuthClient: Sendable {
     /// `rotates`: the grant rotates a refresh token (not `client_credentials`).
     func tokenRequest(_ fields: [(String, String)], rotates: Bool = true) async throws(FetchFailure) -> FetchedToken {
         let response = try await tokenEndpointPost(fields)
-        guard response.status == 200 else { throw Self.classify(response) }
+        guard response.status == 200 else { throw refusal(response) }
         return try await accept(response, rotates: rotates)
     }
 
@@ -111,9 +121,22 @@ public struct OAuthClient: Sendable {
     /// `issued_token_type` and `scope`, a narrowed refresh's `scope`, are checked by its caller).
     func tokenRequestAndBody(_ fields: [(String, String)], rotates: Bool = false) async throws(FetchFailure) -> (token: FetchedToken, body: JSONObject?) {
         let response = try await tokenEndpointPost(fields)
-        guard response.status == 200 else { throw Self.classify(response) }
+        guard response.status == 200 else { throw refusal(response) }
         let token = try await accept(response, rotates: rotates)
         return (token, (try? JSONParser.parse(response.body))?.objectValue)
+    }
+
+    /// A token endpoint's refusal, classified (`classify`). A platform's assertion the server
+    /// refuses (`ClientAssertionFile=`: expired by its clock, not yet renewed) says nothing of the
+    /// configuration: transient, tried again with the file's next JWT, never a session's end.
+    func refusal(_ response: HTTPResponse) -> FetchFailure {
+        var failure = Self.classify(response)
+        if case let .file(file)? = clientAssertion, Self.errorCode(response) == "invalid_client" {
+            let detail = failure.detail
+            failure = .transient("the server refused the client assertion from \(file.path) (invalid_client)")
+            failure.detail = detail
+        }
+        return failure
     }
 
     /// A 200 answer read (`parseToken`). One that is refused may still have rotated the refresh
@@ -189,7 +212,14 @@ public struct OAuthClient: Sendable {
             fields.append(("client_id", configuration.clientID))
             if let secret = configuration.clientSecret { fields.append(("client_secret", secret.reveal)) }
         case .none:
+            // (A JWT-bearer grant may have no client at all, RFC 7523 §3.1.)
+            if !configuration.clientID.isEmpty { fields.append(("client_id", configuration.clientID)) }
+        case .privateKeyJWT:
+            // (A fresh assertion per request, a retry's too: servers refuse a `jti` seen before.)
+            guard let clientAssertion else { throw .terminal("client configuration: private_key_jwt without a key or an assertion file") }
             fields.append(("client_id", configuration.clientID))
+            fields.append(("client_assertion_type", ClientAssertion.type))
+            fields.append(("client_assertion", try clientAssertion.make(clientID: configuration.clientID, url: url, tokenEndpoint: endpoints.token)))
         }
         let request = HTTPRequest(method: "POST", url: url, headers: headers, body: Array(FormEncoding.encode(fields).utf8),
                                   connectTimeout: configuration.connectTimeout, timeout: configuration.timeout, tls: configuration.tls)

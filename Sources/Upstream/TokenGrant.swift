@@ -49,6 +49,37 @@ public struct ClientCredentialsRequest: TokenGrant {
     }
 }
 
+/// `grant_type=urn:ietf:params:oauth:grant-type:jwt-bearer` (RFC 7523 §2.1): a JWT a platform
+/// issued (a Kubernetes service-account token, a CI OIDC token) as the grant itself, read from
+/// its file at each request; no refresh token (each refresh presents the current JWT).
+public struct JWTBearerRequest: TokenGrant {
+    public static let grantType = "urn:ietf:params:oauth:grant-type:jwt-bearer"
+
+    public let assertion: AssertionFile
+    public var scope: String?
+
+    public init(assertion: AssertionFile, scope: String?) {
+        self.assertion = assertion
+        self.scope = scope
+    }
+
+    public func token(for request: FetchRequest, through client: OAuthClient) async throws(FetchFailure) -> FetchedToken {
+        var fields = [("grant_type", Self.grantType), ("assertion", try assertion.read())]
+        if let scope { fields.append(("scope", scope)) }
+        do {
+            var token = try await client.tokenRequest(fields, rotates: false)
+            token.refreshToken = nil
+            return token
+        } catch where error.grantIsDead {
+            // The platform's JWT refused (expired by the server's clock, not yet renewed): the
+            // grant is the file's next JWT, not a login, so the session is not over.
+            var failure = FetchFailure.transient("the server refused the assertion from \(assertion.path) (invalid_grant)")
+            failure.detail = error.detail
+            throw failure
+        }
+    }
+}
+
 extension TokenGrant where Self == RefreshTokenRequest {
     public static var refreshToken: RefreshTokenRequest { RefreshTokenRequest() }
 }

@@ -22,6 +22,8 @@ public protocol UpstreamAccount: AnyObject, Sendable {
     func whenAbandoned(_ handler: @escaping @Sendable (FetchRequest, Result<FetchedToken, any Error>) async -> Void)
     /// Best-effort RFC 7009 revocation of a refresh token.
     func revoke(_ refreshToken: Secret) async -> Revocation
+    /// What the server's metadata lists for client assertions (nil: nothing, or no `Issuer=`).
+    func assertionSigningAlgorithms() async throws(FetchFailure) -> [String]?
 }
 
 /// What an authorization code login needs of the server: its authorization endpoint

@@ -117,7 +117,7 @@ struct SQLiteStoreTests {
         }
         let python = try await Child.run("/usr/bin/env", ["python3", "-c",
             "import sqlite3; c = sqlite3.connect('\(directory)/state.db'); c.execute('ALTER TABLE sessions DROP COLUMN proof_key');"
-            + " c.execute('ALTER TABLE fleet_marks DROP COLUMN history'); c.execute('PRAGMA user_version = 3'); c.commit()"])
+            + " c.execute('ALTER TABLE fleet_marks DROP COLUMN history'); c.execute('DROP TABLE client_keys'); c.execute('PRAGMA user_version = 3'); c.commit()"])
         #expect(python.code == 0, "\(python.stderr)")
         let store = try SQLiteSessionStore(directory: directory)
         #expect(try await store.load("api") == before)
@@ -147,7 +147,7 @@ struct SQLiteStoreTests {
         }
         let python = try await Child.run("/usr/bin/env", ["python3", "-c",
             "import sqlite3; c = sqlite3.connect('\(directory)/state.db'); c.execute('ALTER TABLE fleet_marks DROP COLUMN history');"
-            + " c.execute('PRAGMA user_version = 4'); c.commit()"])
+            + " c.execute('DROP TABLE client_keys'); c.execute('PRAGMA user_version = 4'); c.commit()"])
         #expect(python.code == 0, "\(python.stderr)")
         let store = try SQLiteSessionStore(directory: directory)
         #expect(try await store.mark("api", prefix: "/p") == .init(history: 0, generation: 1 << 52, serial: 7))
@@ -320,6 +320,32 @@ struct EncryptionTests {
         let store = try SQLiteSessionStore(directory: directory, cipher: Self.key)
         #expect(try await store.load("api") == record)
         #expect(try !Self.fileContains(directory, "PLAIN"))
+    }
+
+    @Test("client keys (private_key_jwt) are sealed like tokens: never in clear in the files, sealed again under a new state key, refused under another, erased when dropped or forgotten")
+    func clientKeys() async throws {
+        let directory = SQLiteStoreTests.directory()
+        let signing = StoredClientKey(kid: "kid-1", role: .signing, algorithm: "ES256", key: Secret("clientkey-SECRET-1"), created: 1)
+        let next = StoredClientKey(kid: "kid-2", role: .next, algorithm: "ES256", key: Secret("clientkey-SECRET-2"), created: 2)
+        do {
+            let store = try SQLiteSessionStore(directory: directory, cipher: Self.key)
+            try await store.replaceClientKeys("api", [signing, next])
+            #expect(try await store.clientKeys("api") == [signing, next])
+        }
+        #expect(try !Self.fileContains(directory, "SECRET"))
+        // A database with client keys and no session row is still known to be sealed.
+        #expect(try SQLiteSessionStore.holdsSealedValues(directory: directory))
+        #expect(throws: WrongStateKey(session: "api")) { try SQLiteSessionStore(directory: directory, cipher: Self.otherKey) }
+        let resealed = try SQLiteSessionStore(directory: directory, cipher: Self.otherKey, formerCiphers: [Self.key])
+        #expect(resealed.resealedFrom == 0)
+        #expect(try await resealed.clientKeys("api") == [signing, next])
+        let before = Self.sealedValues(directory)
+        try await resealed.replaceClientKeys("api", [next])
+        #expect(try await resealed.clientKeys("api") == [next])
+        #expect(Self.sealedValues(directory).count < before.count, "the dropped key's sealed value stays in the files")
+        _ = try await resealed.write(StoreWrite(SQLiteStoreTests.record(1, .signedOut), guardedBy: .newerGeneration))
+        #expect(try await resealed.forget("api"))
+        #expect(try await resealed.clientKeys("api").isEmpty)
     }
 
     /// Every sealed value in the database's files (`tbenc1:` and its Base64).

@@ -78,7 +78,7 @@ struct CommandLineTests {
         (["ctl", "login", "api", "--flow=code", "--refresh-token-stdin"], "Error: --flow and --refresh-token-stdin are two ways to log in: choose one\n\nUSAGE: tokenbroker ctl [--socket <path>] login "),
         (["ctl", "login", "--bogus"], "Error: unknown option '--bogus'\n\nUSAGE: tokenbroker ctl [--socket <path>] login "),
         (["ctl", "tokn", "api"], "Error: unknown verb 'tokn' (did you mean token?)\n\nUSAGE: tokenbroker ctl [--socket <path>] [--json] <verb> [<session>] [<verb options>]\n\n"
-            + "Verbs: status, watch, token, recover, proof, login, logout, forget, refresh, reset-fleet-history, reload, delegate, delegations, undelegate, audit, metrics, check-config.\n"
+            + "Verbs: status, watch, token, recover, proof, login, logout, forget, refresh, reset-fleet-history, reload, delegate, delegations, undelegate, audit, client-key, metrics, check-config.\n"
             + "See `tokenbroker help ctl`, or `tokenbroker help ctl <verb>`.\n"),
         (["ctl", "Status"], "Error: unknown verb 'Status' (did you mean status?)\n\n"),
         (["ctl", "frobnicate"], "Error: unknown verb 'frobnicate'\n\n"),

@@ -307,6 +307,7 @@ final class Reloader: Sendable {
         if takeUnflushed(name) != nil { logger.notice("session \(name): its unwritten state is discarded with it", session: name) }
         guard let database = state.database, try await database.forget(name) else { return false }
         table.modify { $0.inert.removeAll { $0.name == name } }
+        factory.clientKeys.forget(name)
         logger.notice("forgot stored session \(name)")
         return true
     }

@@ -25,6 +25,8 @@ struct SessionFactory: Sendable {
     /// Fleet marks and kept commits of sessions without a state database (development mode).
     let fleetMarks = SynchronizedBox<[String: FleetPosition]>([:])
     let fleetPending = SynchronizedBox<[String: FleetPendingCommit]>([:])
+    /// The client keys the daemon holds for `private_key_jwt` sessions.
+    let clientKeys: ClientKeys
 
     /// The one place that chooses a session's kind.
     static func kind(of session: SessionConfiguration) -> any SessionKind {
@@ -35,6 +37,7 @@ struct SessionFactory: Sendable {
             switch settings.grant {
             case .refreshToken: return RefreshTokenGrant(settings: settings)
             case .clientCredentials: return ClientCredentialsGrant(settings: settings)
+            case .jwtBearer: return JWTBearerGrant(settings: settings)
             }
         case let .derived(settings):
             return DerivedSession(settings: settings)
@@ -226,7 +229,11 @@ struct SessionFactory: Sendable {
 
     /// The OAuth source of a session, with what becomes of requests its callers abandon.
     func httpSource(_ session: SessionConfiguration, _ settings: SessionConfiguration.OAuthSettings, grant: some TokenGrant) -> HTTPTokenSource {
-        let http = HTTPTokenSource(grant: grant, configuration: settings.client.configuration, endpoints: settings.endpoints,
+        var configuration = settings.client.configuration
+        if settings.client.authentication == .privateKeyJWT {
+            configuration.assertion = clientKeys.source(for: session.settings.derivedFrom ?? session.name, settings)
+        }
+        let http = HTTPTokenSource(grant: grant, configuration: configuration, endpoints: settings.endpoints,
                                    issuer: settings.issuer, tasks: transfers, dpop: settings.dpop)
         // (A fleet session's handler needs its coordinator: see `make`.)
         if session.fleet == nil, let revocation = abandonedRequestRevocation(session, http) { http.whenAbandoned(revocation) }

@@ -1,4 +1,5 @@
 import BrokerContract
+import DPoP
 import Fleet
 import TokenBrokerCore
 import Upstream
@@ -111,6 +112,9 @@ public struct SessionConfiguration: Sendable, Equatable {
         case refreshToken = "refresh_token"
         /// `client_credentials`: no refresh token; each refresh is a new grant request.
         case clientCredentials = "client_credentials"
+        /// RFC 7523 §2.1: a platform's JWT (`AssertionFile=`) as the grant; no refresh token,
+        /// each refresh presents the file's current JWT.
+        case jwtBearer = "jwt-bearer"
     }
 
     /// How to reach and authenticate to the authorization server.
@@ -132,6 +136,8 @@ public struct SessionConfiguration: Sendable, Equatable {
         /// says): each login makes the session a key, kept sealed in the state, that signs a
         /// proof for every request; workers get proofs.
         public var dpop = DPoPMode.off
+        /// `Grant=jwt-bearer`: the file whose JWT is the grant (`AssertionFile=`).
+        public var grantAssertionFile: String?
 
         public init(client: OAuthClientSettings) { self.client = client }
 
@@ -174,8 +180,27 @@ public struct SessionConfiguration: Sendable, Equatable {
         public var tls = TLSOptions()
         public var connectTimeout: Duration = .seconds(5)
         public var timeout: Duration = .seconds(30)
+        /// `private_key_jwt` with an operator's key (`ClientKeyFile=`): its PEM, checked.
+        public var clientKey: Secret?
+        /// `private_key_jwt` with a platform's JWT (`ClientAssertionFile=`): its file.
+        public var assertionFile: String?
+        /// `ClientAssertionAudience=` as written (nil: the issuer with `Issuer=`, else the token endpoint).
+        public var assertionAudience: String?
+        /// `ClientAssertionAlgorithm=` (nil: auto).
+        public var assertionAlgorithm: SigningKey.Algorithm?
 
         public init() {}
+
+        /// What signed assertions name in `aud` (`ClientAssertionAudience=`), for a server with `issuer`.
+        public func audience(issuer: String?) -> AssertionAudience {
+            switch assertionAudience {
+            case nil: return issuer.map { .issuer($0) } ?? .tokenEndpoint
+            case "issuer"?: return issuer.map { .issuer($0) } ?? .tokenEndpoint
+            case "token-endpoint"?: return .tokenEndpoint
+            case "endpoint"?: return .endpoint
+            case let value?: return .value(value)
+            }
+        }
 
         public var configuration: OAuthClientConfiguration {
             var configuration = OAuthClientConfiguration(clientID: clientID, clientSecret: clientSecret, authentication: authentication,

@@ -295,7 +295,7 @@ enum ConfigParsing {
                          + "use ClientSecretFile= or ClientSecretCredential= (LoadCredential=) instead")
             guard !entry.value.isEmpty else { throw fail(entry, "ClientSecret= is empty") }
             return Secret(entry.value)
-        case "ClientSecretCredential", "MetricsBearerTokenCredential":
+        case "ClientSecretCredential", "MetricsBearerTokenCredential", "ClientKeyCredential":
             guard let directory = getenv("CREDENTIALS_DIRECTORY").map({ String(cString: $0) }) else {
                 throw fail(entry, "\(entry.key)=: $CREDENTIALS_DIRECTORY is not set (use LoadCredential= in the unit)")
             }

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import DPoP
 import Fleet
 import Sealing
 import SQLiteStore
@@ -273,7 +274,8 @@ public enum ConfigLoader {
         "Upstream", "TestTokenLifetime", "Grant", "Issuer", "TokenEndpoint", "RevocationEndpoint", "DeviceAuthorizationEndpoint",
         "AuthorizationEndpoint", "LoginFlow", "LoginRedirectPorts", "LoginTimeout", "ClientID", "ClientSecretFile", "ClientSecretCredential",
         "ClientSecret", "ClientAuthentication", "CAFile", "ClientCertificate", "ClientKey", "ConnectTimeout", "RequestTimeout",
-        "RevokeOnLogout", "DPoP",
+        "RevokeOnLogout", "DPoP", "ClientKeyFile", "ClientKeyCredential", "ClientAssertionFile", "ClientAssertionCredential",
+        "ClientAssertionAudience", "ClientAssertionAlgorithm", "AssertionFile", "AssertionCredential",
     ]
 
     /// The keys only a derived session takes.
@@ -359,8 +361,10 @@ public enum ConfigLoader {
             record(fail(entry, "DPoP=auto needs Issuer= (the server's metadata says whether it takes DPoP)"))
         }
         if settings.kind == .oauth {
+            clientAuthentication(&settings, entries, context: &context, missing: missing)
             let oauth = settings.oauth
-            if oauth.client.clientID.isEmpty {
+            // (A JWT-bearer grant may have no client: the platform's JWT is the credential.)
+            if oauth.client.clientID.isEmpty, !(oauth.grant == .jwtBearer && oauth.client.authentication == .none) {
                 record(missing("ClientID= (or Upstream=test)", "ClientID"))
             }
             if oauth.issuer == nil && oauth.tokenEndpoint == nil {
@@ -371,18 +375,73 @@ public enum ConfigLoader {
                 record(fail(entry, "ClientCertificate= and ClientKey= go together"))
             }
             if let source = settings.secretSource {
-                do {
-                    settings.oauth.client.clientSecret = try ConfigParsing.readSecret(source, &context)
-                } catch {
-                    record(error)
+                if oauth.client.authentication == .privateKeyJWT {
+                    record(fail(source, "\(source.key)=: ClientAuthentication=private_key_jwt authenticates with a key, not a secret "
+                                + "(leave the secret out: none is needed, and none should lie on disk)"))
+                } else {
+                    do {
+                        settings.oauth.client.clientSecret = try ConfigParsing.readSecret(source, &context)
+                    } catch {
+                        record(error)
+                    }
                 }
-            } else if oauth.client.authentication != .none {
+            } else if oauth.client.authentication != .none && oauth.client.authentication != .privateKeyJWT {
                 record(missing("ClientSecretFile= or ClientSecretCredential= (or ClientAuthentication=none)",
                                "ClientSecretFile", "ClientSecretCredential", "ClientSecret"))
             }
         }
         settings.secretSource = nil
+        settings.clientKeySource = nil
         guard context.errors.count == before else { return nil }
         return SessionConfiguration(settings: settings, origin: "\(origin.file):\(origin.line)")
+    }
+
+    /// The client's authentication as a whole: `ClientKeyFile=` or `ClientAssertionFile=` mean
+    /// `private_key_jwt` (an explicit other method is an error), one of the two at most, the
+    /// key read and checked; `Grant=jwt-bearer` with no `ClientID=` is no client at all, and
+    /// `AssertionFile=` is that grant's alone.
+    private static func clientAuthentication(_ settings: inout SessionSettings, _ entries: [INIEntry], context: inout ConfigContext,
+                                             missing: (String, String...) -> ConfigError) {
+        let explicit = entries.last { $0.key == "ClientAuthentication" }
+        let keyEntry = settings.clientKeySource
+        let fileEntry = entries.last { ($0.key == "ClientAssertionFile" || $0.key == "ClientAssertionCredential") && !$0.value.isEmpty }
+        if keyEntry != nil || fileEntry != nil {
+            if let explicit, settings.oauth.client.authentication != .privateKeyJWT {
+                context.record(fail(explicit, "ClientAuthentication=\(explicit.value): \((keyEntry ?? fileEntry)!.key)= is for "
+                                    + "ClientAuthentication=private_key_jwt"))
+            }
+            settings.oauth.client.authentication = .privateKeyJWT
+        }
+        if let keyEntry, let fileEntry, settings.oauth.client.assertionFile != nil {
+            context.record(fail(fileEntry.line > keyEntry.line || fileEntry.file != keyEntry.file ? fileEntry : keyEntry,
+                                "\(keyEntry.key)= and \(fileEntry.key)= both say where assertions come from: keep one"))
+        }
+        if let keyEntry {
+            do {
+                let pem = try ConfigParsing.readSecret(keyEntry, &context)
+                do {
+                    _ = try SigningKey(pem: Array(pem.reveal.utf8))
+                    settings.oauth.client.clientKey = pem
+                } catch {
+                    context.record(fail(keyEntry, "\(keyEntry.key)=: \(error.description)"))
+                }
+            } catch {
+                context.record(error)
+            }
+        }
+        if let algorithm = settings.oauth.client.assertionAlgorithm, let key = settings.oauth.client.clientKey,
+           let parsed = try? SigningKey(pem: Array(key.reveal.utf8)), !parsed.signs(algorithm),
+           let entry = entries.last(where: { $0.key == "ClientAssertionAlgorithm" }) {
+            context.record(fail(entry, "ClientAssertionAlgorithm=\(algorithm.rawValue): the \(parsed.family.rawValue) key of \(keyEntry?.key ?? "ClientKeyFile")= cannot sign it"))
+        }
+        if settings.oauth.grant == .jwtBearer {
+            if settings.oauth.grantAssertionFile == nil {
+                context.record(missing("AssertionFile= or AssertionCredential= (the JWT Grant=jwt-bearer presents)", "AssertionFile", "AssertionCredential"))
+            }
+            if settings.oauth.client.clientID.isEmpty, explicit == nil, settings.secretSource == nil { settings.oauth.client.authentication = .none }
+        } else if let entry = entries.last(where: { ($0.key == "AssertionFile" || $0.key == "AssertionCredential") && !$0.value.isEmpty }) {
+            context.record(fail(entry, "\(entry.key)= is the grant of Grant=jwt-bearer (for client authentication by a platform's JWT, "
+                                + "use ClientAssertionFile=)"))
+        }
     }
 }

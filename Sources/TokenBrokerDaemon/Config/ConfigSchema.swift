@@ -1,5 +1,9 @@
+#if canImport(Glibc)
+import Glibc
+#endif
 import Basics
 import BrokerContract
+import DPoP
 import Fleet
 import TokenBrokerCore
 import Upstream
@@ -91,8 +95,13 @@ public enum ConfigSchema {
         ConfigKey("TestTokenLifetime", \.testTokenLifetime, .duration(.seconds(1)...Duration.seconds(86400 * 30)), default: "1h",
                   change: .rebuildsSession, "lifetime of the tokens the test upstream mints"),
         ConfigKey("Grant", \.oauth.grant,
-                  .oneOf(SessionConfiguration.OAuthGrant.self, [.refreshToken, .clientCredentials], message: "Grant= must be refresh_token or client_credentials"),
+                  .oneOf(SessionConfiguration.OAuthGrant.self, [.refreshToken, .clientCredentials, .jwtBearer],
+                         message: "Grant= must be refresh_token, client_credentials or jwt-bearer"),
                   default: "refresh_token", change: .rebuildsSession, "the OAuth grant"),
+        assertionFile("AssertionFile", takes: "an absolute path", "Grant=jwt-bearer: the JWT presented as the grant (RFC 7523 §2.1), read again when it changes",
+                      \.oauth.grantAssertionFile),
+        assertionFile("AssertionCredential", takes: "a credential name", "Grant=jwt-bearer: the JWT, from a systemd credential",
+                      \.oauth.grantAssertionFile),
         ConfigKey("Issuer", \.oauth.issuer, .url, change: .rebuildsSession, "the issuer, for RFC 8414 discovery of the endpoints"),
         ConfigKey("TokenEndpoint", \.oauth.tokenEndpoint, .url, change: .rebuildsSession, "the token endpoint (wins over discovery)"),
         ConfigKey("RevocationEndpoint", \.oauth.revocationEndpoint, .url, change: .rebuildsSession, "the RFC 7009 revocation endpoint"),
@@ -119,9 +128,39 @@ public enum ConfigSchema {
         clientSecret("ClientSecretCredential", takes: "a credential name", "the client secret, from a systemd credential"),
         clientSecret("ClientSecret", takes: "text (warns: prefer a file or credential)", "the client secret itself"),
         ConfigKey("ClientAuthentication", \.oauth.client.authentication,
-                  .oneOf(ClientAuthentication.self, [.basic, .post, .none],
-                         message: "ClientAuthentication= must be client_secret_basic, client_secret_post or none"),
-                  default: "client_secret_basic", change: .rebuildsSession, "how the client authenticates"),
+                  .oneOf(ClientAuthentication.self, [.basic, .post, .none, .privateKeyJWT],
+                         message: "ClientAuthentication= must be client_secret_basic, client_secret_post, private_key_jwt or none"),
+                  default: "client_secret_basic", change: .rebuildsSession,
+                  "how the client authenticates (private_key_jwt: a JWT signed by a key the daemon holds, ClientKeyFile='s, or ClientAssertionFile=)"),
+        clientKey("ClientKeyFile", takes: "an absolute path to a PEM private key (P-256 or RSA)",
+                  "private_key_jwt: sign with this key instead of one the daemon makes and holds"),
+        clientKey("ClientKeyCredential", takes: "a credential name", "private_key_jwt: the signing key, from a systemd credential"),
+        assertionFile("ClientAssertionFile", takes: "an absolute path",
+                      "private_key_jwt: send the JWT a platform keeps in this file (read again when it changes) instead of signing one",
+                      \.oauth.client.assertionFile),
+        assertionFile("ClientAssertionCredential", takes: "a credential name", "private_key_jwt: the client assertion, from a systemd credential",
+                      \.oauth.client.assertionFile),
+        ConfigKey("ClientAssertionAudience", takes: "issuer, token-endpoint, endpoint, or a value", change: .rebuildsSession,
+                  "the aud of signed assertions: the issuer (the default with Issuer=), the token endpoint (the default without), the URL "
+                  + "each request goes to, or a value the server names",
+                  same: { $0.oauth.client.assertionAudience == $1.oauth.client.assertionAudience }) { settings, entry, _ throws(ConfigError) in
+            guard entry.value.utf8.count <= 512, entry.value.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) else {
+                throw fail(entry, "ClientAssertionAudience= must be issuer, token-endpoint, endpoint, or a value of visible ASCII characters")
+            }
+            settings.oauth.client.assertionAudience = entry.value.isEmpty ? nil : entry.value
+        },
+        ConfigKey("ClientAssertionAlgorithm", takes: "auto, ES256, RS256 or PS256", default: "auto", change: .rebuildsSession,
+                  "what signed assertions are signed with; auto: ES256 unless the server's metadata lists only RSA ones",
+                  same: { $0.oauth.client.assertionAlgorithm == $1.oauth.client.assertionAlgorithm }) { settings, entry, _ throws(ConfigError) in
+            guard entry.value == "auto" || entry.value.isEmpty else {
+                guard let algorithm = SigningKey.Algorithm(rawValue: entry.value) else {
+                    throw fail(entry, "ClientAssertionAlgorithm= must be auto, ES256, RS256 or PS256")
+                }
+                settings.oauth.client.assertionAlgorithm = algorithm
+                return
+            }
+            settings.oauth.client.assertionAlgorithm = nil
+        },
         ConfigKey("Scope", \.oauth.client.scope, .text, change: .rebuildsSession, "scope for client_credentials, device and code logins"),
         ConfigKey("CAFile", \.oauth.client.tls.caFile, .file, change: .rebuildsSession, "trust only this CA (PEM) for the authorization server"),
         ConfigKey("ClientCertificate", \.oauth.client.tls.clientCertificate, .file, change: .rebuildsSession,
@@ -215,6 +254,38 @@ public enum ConfigSchema {
         ConfigKey(name, takes: takes, change: .rebuildsSession, summary,
                   same: { $0.oauth.client.clientSecret == $1.oauth.client.clientSecret }) { settings, entry, _ throws(ConfigError) in
             settings.secretSource = entry
+        }
+    }
+
+    /// The two ways to give an operator's signing key: the last one written wins, read when the
+    /// session is complete.
+    private static func clientKey(_ name: String, takes: String, _ summary: String) -> ConfigKey<SessionSettings> {
+        ConfigKey(name, takes: takes, change: .rebuildsSession, summary,
+                  same: { $0.oauth.client.clientKey == $1.oauth.client.clientKey }) { settings, entry, _ throws(ConfigError) in
+            settings.clientKeySource = entry.value.isEmpty ? nil : entry
+        }
+    }
+
+    /// A JWT's file (a path, or a credential's name: its file in `$CREDENTIALS_DIRECTORY`), read
+    /// at each request, not at load: the platform may write it later.
+    private static func assertionFile(_ name: String, takes: String, _ summary: String,
+                                      _ path: any WritableKeyPath<SessionSettings, String?> & Sendable) -> ConfigKey<SessionSettings> {
+        ConfigKey(name, takes: takes, change: .rebuildsSession, summary,
+                  same: { $0[keyPath: path] == $1[keyPath: path] }) { settings, entry, _ throws(ConfigError) in
+            guard !entry.value.isEmpty else {
+                settings[keyPath: path] = nil
+                return
+            }
+            if entry.key.hasSuffix("Credential") {
+                guard let directory = getenv("CREDENTIALS_DIRECTORY").map({ String(cString: $0) }) else {
+                    throw fail(entry, "\(entry.key)=: $CREDENTIALS_DIRECTORY is not set (use LoadCredential= in the unit)")
+                }
+                guard !entry.value.contains("/") else { throw fail(entry, "\(entry.key)= needs a credential name") }
+                settings[keyPath: path] = directory + "/" + entry.value
+            } else {
+                guard entry.value.hasPrefix("/") else { throw fail(entry, "\(entry.key)= needs an absolute path") }
+                settings[keyPath: path] = entry.value
+            }
         }
     }
 
@@ -403,6 +474,8 @@ public struct SessionSettings: Sendable, Equatable {
     /// The last of ClientSecretFile=, ClientSecretCredential=, ClientSecret= (read when the
     /// session is complete).
     var secretSource: INIEntry?
+    /// The last of ClientKeyFile=, ClientKeyCredential= (read when the session is complete).
+    var clientKeySource: INIEntry?
     public var allowUsers: [UInt32] = []
     public var allowGroups: [UInt32] = []
     public var policy = RefreshPolicy()

@@ -26,6 +26,10 @@ struct DerivedSession: SessionKind {
     /// It logs in when its parent is logged in (`DerivedSessions.reconcile`), not on its own.
     var logsInAtStart: Bool { false }
 
+    var ownClient: Result<SessionConfiguration.OAuthSettings, OwnClientRefusal> {
+        .failure(OwnClientRefusal(reason: "a derived session authenticates as its parent: ask for session \(settings.parent)"))
+    }
+
     var interactiveLogin: InteractiveLoginOffer {
         .none("a derived session logs in with its parent: log in to \(settings.parent)")
     }

@@ -36,6 +36,15 @@ protocol SessionKind: Sendable {
     /// Why it cannot be shared with the fleet `fleet` (`Fleet=yes`), or nil when it can: the
     /// configuration's cross-check.
     func fleetRefusal(_ fleet: FleetSettings) -> String?
+
+    /// The OAuth settings of the client it authenticates as itself (its keys, `ctl
+    /// client-key`), or why it has none of its own.
+    var ownClient: Result<SessionConfiguration.OAuthSettings, OwnClientRefusal> { get }
+}
+
+/// Why a session has no OAuth client of its own.
+struct OwnClientRefusal: Error, Sendable {
+    var reason: String
 }
 
 /// What a session's interactive logins use, or why it has none.
@@ -46,6 +55,8 @@ enum InteractiveLoginOffer: Sendable {
 
 extension SessionKind {
     var parent: String? { nil }
+
+    var ownClient: Result<SessionConfiguration.OAuthSettings, OwnClientRefusal> { .failure(OwnClientRefusal(reason: "the session has no OAuth client")) }
 
     func wayBackIn(_ session: String) -> String? { nil }
 
@@ -69,5 +80,6 @@ extension OAuthSessionKind {
     }
 
     var revokesAtLogout: Bool { settings.revokeOnLogout }
+    var ownClient: Result<SessionConfiguration.OAuthSettings, OwnClientRefusal> { .success(settings) }
     var longestFlight: Duration { settings.client.timeout + (settings.issuer.map(Discovery.longest(for:)) ?? .zero) }
 }
