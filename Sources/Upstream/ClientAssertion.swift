@@ -47,7 +47,7 @@ public enum ClientAssertion: Sendable {
     public static let lifetime: Int64 = 60
 
     /// The assertion for one request by `clientID` to `url`.
-    func make(clientID: String, url: String, tokenEndpoint: String) throws(FetchFailure) -> String {
+    public func assertion(clientID: String, url: String, tokenEndpoint: String) throws(FetchFailure) -> String {
         switch self {
         case let .signed(key, algorithm, audience):
             let now = UTCTime.unixSeconds()
@@ -227,11 +227,11 @@ public final class AssertionFile: Sendable {
         }
         // A signature cut short by a write caught half-way: as long as its algorithm's.
         let alg = header["alg"]?.stringValue ?? ""
+        guard !alg.isEmpty, alg.lowercased() != "none" else { return .failure(Problem(reason: "holds an unsigned JWT")) }
         let whole: Bool
         switch alg.prefix(2) {
         case "ES": whole = signature.count == ["ES256": 64, "ES384": 96, "ES512": 132][alg, default: signature.count]
         case "RS", "PS": whole = signature.count >= 256 && signature.count % 128 == 0
-        case "none", "": return .failure(Problem(reason: "holds an unsigned JWT"))
         default: whole = !signature.isEmpty
         }
         guard whole else { return .failure(Problem(reason: "holds a JWT whose signature is cut short")) }

@@ -219,7 +219,7 @@ public struct OAuthClient: Sendable {
             guard let clientAssertion else { throw .terminal("client configuration: private_key_jwt without a key or an assertion file") }
             fields.append(("client_id", configuration.clientID))
             fields.append(("client_assertion_type", ClientAssertion.type))
-            fields.append(("client_assertion", try clientAssertion.make(clientID: configuration.clientID, url: url, tokenEndpoint: endpoints.token)))
+            fields.append(("client_assertion", try clientAssertion.assertion(clientID: configuration.clientID, url: url, tokenEndpoint: endpoints.token)))
         }
         let request = HTTPRequest(method: "POST", url: url, headers: headers, body: Array(FormEncoding.encode(fields).utf8),
                                   connectTimeout: configuration.connectTimeout, timeout: configuration.timeout, tls: configuration.tls)
