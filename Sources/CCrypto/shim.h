@@ -1,5 +1,6 @@
 // OpenSSL's libcrypto (already loaded by libcurl's TLS): AES-256-GCM and the random source,
-// for encrypting tokens at rest; P-256 keys, ECDSA and SHA-256, for DPoP proofs; RSA and PEM, for client assertions.
+// for encrypting tokens at rest; P-256 keys, ECDSA and SHA-256, for DPoP proofs; RSA (PKCS #1
+// v1.5 and PSS) and PEM, for client assertions and the development issuer's checks of them.
 #ifndef TOKENBROKER_CCRYPTO_SHIM_H
 #define TOKENBROKER_CCRYPTO_SHIM_H
 
@@ -7,6 +8,7 @@
 #include <openssl/ecdsa.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
+#include <openssl/param_build.h>
 #include <openssl/pem.h>
 #include <openssl/rand.h>
 #include <openssl/rsa.h>

@@ -48,11 +48,12 @@ public enum DPoPVerifier {
     }
 
     /// A static string's bytes as a C string that lives as long as the program.
-    private static func cString(_ text: StaticString) -> UnsafePointer<CChar> {
+    static func cString(_ text: StaticString) -> UnsafePointer<CChar> {
         UnsafeRawPointer(text.utf8Start).assumingMemoryBound(to: CChar.self)
     }
 
-    private static func verifySignature(x: [UInt8], y: [UInt8], message: [UInt8], signature: [UInt8]) throws(DPoPError) {
+    /// Checks an ES256 signature (JWS r||s, 64 bytes) of `message` under the P-256 public key (`x`, `y`).
+    static func verifySignature(x: [UInt8], y: [UInt8], message: [UInt8], signature: [UInt8]) throws(DPoPError) {
         guard let context = EVP_PKEY_CTX_new_from_name(nil, "EC", nil) else { throw DPoPError("cannot make a key context") }
         defer { EVP_PKEY_CTX_free(context) }
         var point = [UInt8(0x04)] + x + y

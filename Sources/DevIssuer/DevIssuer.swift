@@ -25,8 +25,12 @@ import WireJSON
 ///   (RFC 8252: any loopback redirect URI, any port), with scripted consent (`Options.consent`),
 ///   single-use codes (a second redemption revokes what the first gave), and an OpenID Connect
 ///   ID token carrying the request's `nonce` when the scope has `openid`.
+/// - The JWT-bearer grant (RFC 7523 §2.1) for identity tokens of trusted platforms
+///   (`DevIssuer+ClientAssertion`).
 ///
-/// Clients authenticate with `client_secret_basic` or `client_secret_post`.
+/// Clients authenticate with `client_secret_basic`, `client_secret_post`, or `private_key_jwt`
+/// (RFC 7523 §2.2: a JWT signed with a key registered for the client, or a trusted platform's
+/// identity token federated to the client).
 public final class DevIssuer: Sendable {
     /// How the issuer treats DPoP proofs (RFC 9449).
     public enum DPoPMode: Sendable {
@@ -71,6 +75,25 @@ public final class DevIssuer: Sendable {
         /// Redirect URIs each client registered (exact strings), taken besides any loopback one
         /// (`http://127.0.0.1[:PORT]/…`, `http://[::1][:PORT]/…`, any port: RFC 8252 §7.3).
         public var redirectURIs: [String: [String]] = [:]
+        /// Clients that authenticate with `private_key_jwt`: id → their public JWKs (replaced at
+        /// run time by `registerClientKeys`).
+        public var clientKeys: [String: [JSONObject]] = [:]
+        /// Platforms whose identity tokens are taken as client assertions (when federated) and
+        /// by the JWT-bearer grant: issuer → its public JWKs.
+        public var trustedIssuers: [String: [JSONObject]] = [:]
+        /// Federated clients: `"<iss> <sub>"` of a platform identity → the client it authenticates.
+        public var federatedClients: [String: String] = [:]
+        /// Which `aud` a client assertion or a JWT-bearer assertion must name.
+        public var assertionAudience: AssertionAudience = .issuer
+        /// The JWS algorithms of assertions accepted (and advertised as
+        /// `token_endpoint_auth_signing_alg_values_supported`); among ES256, RS256 and PS256.
+        public var assertionSigningAlgorithms: [String] = ["ES256", "RS256", "PS256"]
+        /// How far ahead of now a client's own assertion may expire (RFC 7523 §3 leaves it to
+        /// the server; short-lived, as each is used once).
+        public var assertionMaximumLifetime: Duration = .seconds(600)
+        /// How far ahead of now a platform's identity token may expire, as a federated client
+        /// assertion or a JWT-bearer assertion.
+        public var platformAssertionMaximumLifetime: Duration = .seconds(600)
 
         public init() {}
     }
@@ -150,6 +173,16 @@ public final class DevIssuer: Sendable {
         /// Refreshes that narrowed their access token (`resource` or `scope`, RFC 8707 §2.2),
         /// among `refreshGrants`, answered.
         public var narrowedRefreshes = 0
+        /// Client assertions accepted (`private_key_jwt`, the client's own or a federated
+        /// platform identity).
+        public var clientAssertions = 0
+        /// Requests refused for their client assertion, replays and a second method included.
+        public var clientAssertionsRefused = 0
+        /// Client assertions refused because their `jti` was accepted before and is unexpired
+        /// (also among `clientAssertionsRefused`).
+        public var assertionReplays = 0
+        /// JWT-bearer grants (RFC 7523 §2.1) answered with an access token.
+        public var jwtBearerGrants = 0
     }
 
     struct RefreshRecord {
@@ -171,6 +204,8 @@ public final class DevIssuer: Sendable {
         /// client's own), and its scope (nil: every scope the issuer grants).
         var audiences: [String] = []
         var scope: String?
+        /// Whom it was issued for, when that is not a client: a JWT-bearer assertion's `sub`.
+        var subject: String?
     }
 
     /// The `jti`s of the proofs one endpoint accepted lately, to refuse a replay: at most
@@ -268,6 +303,10 @@ public final class DevIssuer: Sendable {
         var wrongStates = 0
         /// An `idTokenNonce` fault waiting for the next ID token.
         var idTokenNonce: String?
+        /// Client keys, trusted platforms and federations: the options', then as registered.
+        var registrations = AssertionRegistrations()
+        /// The `jti`s of the clients' own assertions accepted and not yet expired.
+        var clientAssertionIDs = SeenAssertions()
     }
 
     /// How long a redeemed code or an undecided request is remembered after it expired (seconds).
@@ -277,13 +316,17 @@ public final class DevIssuer: Sendable {
     static let proofWindow: Int64 = 60
 
     let options: Options
-    let state = Mutex(State())
+    let state: Mutex<State>
     private let gate = DispatchSemaphore(value: 0)
     private let server = Mutex<LoopbackHTTPServer?>(nil)
     public let port: UInt16
 
     public init(options: Options = Options()) throws {
         self.options = options
+        var initial = State()
+        initial.registrations = AssertionRegistrations(clientKeys: options.clientKeys, trustedIssuers: options.trustedIssuers,
+                                                       federatedClients: options.federatedClients)
+        state = Mutex(initial)
         let box = HandlerBox()
         let server = try LoopbackHTTPServer(port: options.port) { request in box.handle(request) }
         port = server.port
@@ -483,6 +526,7 @@ public final class DevIssuer: Sendable {
         case ("GET", "/authorize"): return authorize(request)
         case ("GET", "/authorize/decide"): return authorizationDecision(request)
         case ("GET", "/_dev/counters"): return counterReport()
+        case ("POST", "/_dev/client-keys"): return clientKeysUpload(request)
         // For benchmarks on the real processes (make bench-derived): the next `count` token
         // requests (of `grant`'s type, if named) are answered, then held until a release; the
         // lifetime of tokens minted from now on; live tokens for a target.
@@ -520,8 +564,9 @@ public final class DevIssuer: Sendable {
             "device_authorization_endpoint": .string(deviceAuthorizationEndpoint),
             "authorization_endpoint": .string(authorizationEndpoint),
             "grant_types_supported": ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code", "authorization_code",
-                                      .string(Self.tokenExchange)],
-            "token_endpoint_auth_methods_supported": ["client_secret_basic", "client_secret_post"],
+                                      .string(Self.tokenExchange), .string(Self.jwtBearerGrant)],
+            "token_endpoint_auth_methods_supported": ["client_secret_basic", "client_secret_post", "private_key_jwt"],
+            "token_endpoint_auth_signing_alg_values_supported": .array(options.assertionSigningAlgorithms.map { .string($0) }),
             "response_types_supported": ["code"],
             "code_challenge_methods_supported": ["S256"],
             "authorization_response_iss_parameter_supported": true,
@@ -533,12 +578,15 @@ public final class DevIssuer: Sendable {
 
     /// The client the request authenticates as, or the error answer (RFC 6749 §2.3.1: exactly
     /// one method).
-    private enum Authentication {
+    enum Authentication {
         case client(String)
         case refused(HTTPServerAction)
     }
 
-    private func authenticate(_ request: HTTPServerRequest, _ form: [String: String]) -> Authentication {
+    /// Authenticates the client of a request with a secret (Basic or in the form) or a client
+    /// assertion (`DevIssuer+ClientAssertion`), exactly one of them.
+    func authenticate(_ request: HTTPServerRequest, _ form: [String: String]) -> Authentication {
+        if form["client_assertion"] != nil || form["client_assertion_type"] != nil { return authenticateAssertion(request, form) }
         var credentials: (String, String)?
         if let header = request.header("authorization"), header.hasPrefix("Basic ") {
             guard form["client_secret"] == nil, let decoded = Base64.decode(String(header.dropFirst(6))),
@@ -622,6 +670,8 @@ public final class DevIssuer: Sendable {
 
     private func grant(_ request: HTTPServerRequest) -> HTTPServerAction {
         let form = Dictionary(FormEncoding.decode(String(decoding: request.body, as: UTF8.self)), uniquingKeysWith: { first, _ in first })
+        // Client authentication is optional for this grant: it authenticates by itself.
+        if form["grant_type"] == Self.jwtBearerGrant { return jwtBearer(request, form) }
         let clientID: String
         switch authenticate(request, form) {
         case let .client(id): clientID = id
@@ -722,7 +772,7 @@ public final class DevIssuer: Sendable {
     }
 
     /// What the token endpoint makes of a request's DPoP proof.
-    private enum ProofCheck {
+    enum ProofCheck {
         /// A valid proof by the key with this thumbprint.
         case key(String)
         /// No proof (where none is needed), or DPoP is off.
@@ -734,7 +784,7 @@ public final class DevIssuer: Sendable {
     /// Checks the token request's `DPoP` header (RFC 9449 §4.3): at most one, valid for
     /// `POST` to the token endpoint, with the current nonce if nonces are on, its `jti` not
     /// seen before here.
-    private func tokenProof(_ request: HTTPServerRequest) -> ProofCheck {
+    func tokenProof(_ request: HTTPServerRequest) -> ProofCheck {
         guard options.dpop != .off else { return .none }
         func refuse(_ why: String) -> ProofCheck {
             state.withLock { $0.counters.dpopProofsRefused += 1 }
@@ -919,6 +969,8 @@ public final class DevIssuer: Sendable {
             "authorization": .int(Int64(counters.authorizationRequests)), "authorization_code": .int(Int64(counters.codeGrants)),
             "code_replays": .int(Int64(counters.codeReplays)), "token_exchange": .int(Int64(counters.tokenExchanges)),
             "narrowed_refresh": .int(Int64(counters.narrowedRefreshes)),
+            "client_assertions": .int(Int64(counters.clientAssertions)), "client_assertions_refused": .int(Int64(counters.clientAssertionsRefused)),
+            "assertion_replays": .int(Int64(counters.assertionReplays)), "jwt_bearer": .int(Int64(counters.jwtBearerGrants)),
         ])
     }
 
@@ -969,9 +1021,12 @@ public final class DevIssuer: Sendable {
         return record.family.map { !state.revokedFamilies.contains($0) } ?? true
     }
 
-    private static func invalidClient() -> HTTPServerAction {
-        .respond(status: 401, headers: [("Content-Type", "application/json"), ("WWW-Authenticate", "Basic realm=\"dev\"")],
-                 body: JSON.object(["error": "invalid_client"]).encoded)
+    /// A 401 `invalid_client`, with why in our own words (never a credential) if given.
+    static func invalidClient(_ description: String? = nil) -> HTTPServerAction {
+        var body: JSONObject = ["error": "invalid_client"]
+        if let description { body["error_description"] = .string(description) }
+        return .respond(status: 401, headers: [("Content-Type", "application/json"), ("WWW-Authenticate", "Basic realm=\"dev\"")],
+                        body: JSON.object(body).encoded)
     }
 
     static func oauthError(_ code: String, description: String? = nil) -> HTTPServerAction {

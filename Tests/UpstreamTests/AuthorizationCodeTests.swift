@@ -397,7 +397,7 @@ struct AuthorizationCodeTests {
         #expect(answer.json?["authorization_endpoint"]?.stringValue == issuer.authorizationEndpoint)
         #expect(answer.json?["code_challenge_methods_supported"] == ["S256"])
         #expect(answer.json?["grant_types_supported"] == ["refresh_token", "client_credentials", "urn:ietf:params:oauth:grant-type:device_code", "authorization_code",
-                                                          "urn:ietf:params:oauth:grant-type:token-exchange"])
+                                                          "urn:ietf:params:oauth:grant-type:token-exchange", "urn:ietf:params:oauth:grant-type:jwt-bearer"])
         let metadata = try await Discovery.fetch(issuer: issuer.baseURL)
         #expect(metadata.authorizationEndpoint == issuer.authorizationEndpoint && metadata.codeChallengeMethods == ["S256"])
 
