@@ -129,13 +129,22 @@ public struct OAuthClient: Sendable {
     /// A token endpoint's refusal, classified (`classify`). A platform's assertion the server
     /// refuses (`ClientAssertionFile=`: expired by its clock, not yet renewed) says nothing of the
     /// configuration: transient, tried again with the file's next JWT, never a session's end.
+    /// A signed one refused is a key the server does not know (yet): refused, retried with backoff.
     func refusal(_ response: HTTPResponse) -> FetchFailure {
         var failure = Self.classify(response)
-        if case let .file(file)? = clientAssertion, Self.errorCode(response) == "invalid_client" {
-            let detail = failure.detail
+        guard let clientAssertion, Self.errorCode(response) == "invalid_client" else { return failure }
+        let detail = failure.detail
+        switch clientAssertion {
+        case let .file(file):
             failure = .transient("the server refused the client assertion from \(file.path) (invalid_client)")
-            failure.detail = detail
+        case let .signed(key, _, _):
+            // Most often a key not registered yet (or not any more): the operator's fix is at
+            // the server, not in the configuration. Retried with backoff, a bounded number of
+            // times for a session with a refresh token.
+            failure = .refused("the server refused the client assertion (invalid_client): is the key \(key.thumbprint) registered "
+                               + "with it? (tokenbroker ctl client-key prints the JWKS)")
         }
+        failure.detail = detail
         return failure
     }
 
