@@ -76,7 +76,7 @@ var package = Package(
         // other subcommand handed to the CLI's. (The daemon itself knows nothing of the CLI.)
         .target(name: "TokenBrokerDaemonCommand", dependencies: ["Basics", "BrokerContract", "Fleet", "TokenBrokerCLI", "TokenBrokerDaemon"]),
         // `serve --dev`: the development issuer beside the daemon. Only the executable links it.
-        .target(name: "TokenBrokerDevelopment", dependencies: ["DevIssuer", "TokenBrokerCore", "TokenBrokerDaemon", "Upstream"]),
+        .target(name: "TokenBrokerDevelopment", dependencies: ["DevIssuer", "DPoP", "TokenBrokerCore", "TokenBrokerDaemon", "Upstream"]),
         // The Swift client library for workers: typed calls, reconnection, watch streams, and the
         // one-refresh-one-retry helper for business requests.
         .target(name: "TokenBrokerClient", dependencies: ["Basics", "BrokerContract", "TokenBrokerCore", "Varlink"]),
@@ -116,7 +116,7 @@ var package = Package(
         // static `tokenbroker`, whose link flags would apply to the test bundle: `swift test` builds
         // every product anyway).
         .testTarget(name: "IntegrationTests", dependencies: ["tokenbroker-daemon", "varlink-certification", "example-worker",
-                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "DPoP", "Upstream", "HTTPTransport", "Sealing", "SQLiteStore", "TokenBrokerCore", "Fleet",
+                                                            "TokenBrokerClient", "TokenBrokerURLSession", "WireJSON", "Varlink", "DevIssuer", "DPoP", "Basics", "Upstream", "HTTPTransport", "Sealing", "SQLiteStore", "TokenBrokerCore", "Fleet",
                                                             "TestSupport"]),
     ],
     swiftLanguageModes: [.v6]

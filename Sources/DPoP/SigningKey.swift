@@ -3,7 +3,7 @@ import CCrypto
 import WireJSON
 
 /// A key that signs JWTs as a client (RFC 7523 client assertions): P-256 for ES256, or RSA
-/// (2048 to 8192 bits) for RS256 and PS256. Made here, read from the PKCS #8 DER the store keeps,
+/// (2048 to 8192 bits) for RS256 and PS256. Made here, read from the DER the store keeps,
 /// or from an operator's PEM. The private key leaves it only as `privateDER`, for the caller to
 /// seal; `jwk` is the public key.
 public final class SigningKey: @unchecked Sendable {
@@ -47,7 +47,7 @@ public final class SigningKey: @unchecked Sendable {
         try self.init(taking: made)
     }
 
-    /// A key kept as PKCS #8 DER (`privateDER`, opened).
+    /// A key kept as DER (`privateDER`, opened).
     public convenience init(der: [UInt8]) throws(DPoPError) {
         var pointer: UnsafePointer<UInt8>? = nil
         let key: OpaquePointer? = der.withUnsafeBufferPointer { buffer in
@@ -129,7 +129,8 @@ public final class SigningKey: @unchecked Sendable {
         return JSONObject(members)
     }
 
-    /// The private key as PKCS #8 DER, for the caller to seal before it is stored.
+    /// The private key as DER (libcrypto's form for its type: SEC1 for P-256, PKCS #1 for RSA),
+    /// for the caller to seal before it is stored.
     public var privateDER: [UInt8] {
         var output: UnsafeMutablePointer<UInt8>?
         let length = i2d_PrivateKey(key, &output)
@@ -137,6 +138,19 @@ public final class SigningKey: @unchecked Sendable {
         // (The private key: the buffer is wiped before it is freed.)
         defer { CRYPTO_clear_free(output, Int(length), #fileID, #line) }
         return Array(UnsafeBufferPointer(start: output, count: Int(length)))
+    }
+
+    /// The private key as PKCS #8 PEM (`PRIVATE KEY`), as an operator's `ClientKeyFile=` holds
+    /// one: for the development server's demo session, which gives its key so.
+    public var privatePEM: String {
+        guard let bio = BIO_new(BIO_s_mem()) else { return "" }
+        defer { BIO_free(bio) }
+        guard PEM_write_bio_PrivateKey(bio, key, nil, nil, 0, nil, nil) == 1 else { return "" }
+        var pointer: UnsafeMutablePointer<CChar>?
+        // BIO_get_mem_data (a macro): BIO_ctrl with BIO_CTRL_INFO (3).
+        let length = BIO_ctrl(bio, 3, 0, &pointer)
+        guard length > 0, let pointer else { return "" }
+        return String(decoding: UnsafeRawBufferPointer(start: pointer, count: length), as: UTF8.self)
     }
 
     /// The public key as DER (SubjectPublicKeyInfo), for verifiers (tests: openssl).

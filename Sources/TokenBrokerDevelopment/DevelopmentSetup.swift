@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import DevIssuer
+import DPoP
 import TokenBrokerCore
 import TokenBrokerDaemon
 import Upstream
@@ -14,14 +15,21 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
     static let session = "demo"
     static let dpopSession = "demo-dpop"
     static let derivedSession = "demo-read"
+    static let keySession = "demo-key"
     static let clientID = "tokenbroker"
     static let clientSecret = "dev-secret"
+    /// demo-key's client: no secret, a key (private_key_jwt) registered with the issuer.
+    static let keyClientID = "tokenbroker-key"
 
     let issuer: DevIssuer
+    /// demo-key's signing key, made at each start (its JWKS registered with the issuer).
+    let clientKey: SigningKey
 
     public init() throws {
         var options = DevIssuer.Options()
         options.clients = [Self.clientID: Self.clientSecret]
+        clientKey = try SigningKey(for: .es256)
+        options.clientKeys = [Self.keyClientID: [clientKey.publicJWK(algorithm: .es256)]]
         options.deviceInterval = .seconds(2)
         // Bearer tokens without a proof, DPoP-bound ones with one.
         options.dpop = .accepted
@@ -47,6 +55,16 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
         let derived = SessionConfiguration.DerivedSettings(parent: Self.session, method: .exchange, audiences: ["https://read.demo.test"],
                                                            resources: [], scope: "read", oauth: oauth)
         configuration.sessions.append(SessionConfiguration(name: Self.derivedSession, upstream: .derived(derived), allowUsers: [], allowGroups: [],
+                                                           policy: RefreshPolicy(), origin: "--dev"))
+        // demo-key: no secret anywhere; each token request carries an assertion signed with a key
+        // (as ClientKeyFile= gives one), checked by the issuer against the JWKS registered for it.
+        var keyed = SessionConfiguration.OAuthSettings(client: SessionConfiguration.OAuthClientSettings())
+        keyed.issuer = issuer.baseURL
+        keyed.grant = .clientCredentials
+        keyed.client.clientID = Self.keyClientID
+        keyed.client.authentication = .privateKeyJWT
+        keyed.client.clientKey = Secret(clientKey.privatePEM)
+        configuration.sessions.append(SessionConfiguration(name: Self.keySession, upstream: .oauth(keyed), allowUsers: [], allowGroups: [],
                                                            policy: RefreshPolicy(), origin: "--dev"))
         return configuration
     }
@@ -81,12 +99,15 @@ public struct DevelopmentSetup: DevelopmentEnvironment {
               socket   \(socket)
               sessions demo (logged in; serves \(served) to the credential helpers),
                        demo-dpop (logged in, DPoP: tokens bound to a key held here),
-                       demo-read (derived from demo: its token exchanged for audience https://read.demo.test, scope read)
+                       demo-read (derived from demo: its token exchanged for audience https://read.demo.test, scope read),
+                       demo-key (no client secret: private_key_jwt, its key's JWKS registered with the issuer)
 
             Try, in another shell:
               export \(export)
               tokenbroker ctl token demo
               tokenbroker ctl token demo-read     (a narrower token than demo's; signed out with demo)
+              tokenbroker ctl token demo-key      (its client authenticates with a signed JWT, not a secret)
+              tokenbroker ctl client-key demo-key     (the JWKS a server registers for it)
               tokenbroker ctl status
               curl -H "Authorization: Bearer $(tokenbroker ctl token demo)" \(issuer.resourceURL)
               curl -H @<(tokenbroker ctl proof demo-dpop GET \(issuer.resourceURL)) \(issuer.resourceURL)
