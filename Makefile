@@ -112,6 +112,7 @@ python-test: test-deps build
 
 interop-test: build
 	python3 Tests/Interop/glewlwyd.py "$$($(SWIFT) build --show-bin-path)"
+	python3 Tests/Interop/assertions.py "$$($(SWIFT) build --show-bin-path)"
 
 clean:
 	rm -rf .build

@@ -6,12 +6,43 @@
   approve-device --dir DIR --user-code CODE [--plugin P]  approve a device code as the user
   authorize --dir DIR --url URL [--plugin P]              play the browser for an authorization
                                                           URL as the user; print the redirect
+  register-client-keys --dir DIR [--client ID] [--jwks FILE | --jwks-json TEXT] [--key PEM]
+                       [--alg ES256|RS256|PS256]          (a JWKS, or --key, or both)
+                                                          create/replace a private_key_jwt client
+                                                          (default assertion-client); print JSON
+  mint-assertion --dir DIR [--client ID] --out FILE [--aud A] [--plugin P] [--lifetime S]
+                 [--jti J] [--alg A] [--kid K]            write a client assertion (0600, atomic)
   down --dir DIR                                          stop the server
 
-Standard library only.  Secrets are never printed by `up`: they are written to
-mode-0600 files under DIR whose paths are in the JSON.  The only command that
-prints a credential is `refresh-token` (one line, meant to be piped); `authorize` prints the
-redirect the browser would follow (it carries the authorization code) and nothing else.
+Standard library only (and the openssl CLI, to sign client assertions).  Secrets are never
+printed by `up`: they are written to mode-0600 files under DIR whose paths are in the JSON.  The
+only command that prints a credential is `refresh-token` (one line, meant to be piped);
+`authorize` prints the redirect the browser would follow (it carries the authorization code) and
+nothing else; `mint-assertion` writes its JWT to --out and prints its claims and fingerprint.
+
+private_key_jwt (RFC 7523 §2.2). Both plugin instances take JWT client authentication
+(request-parameter-allow, client-jwks-parameter "jwks": a client's public keys are its `jwks`
+property). `register-client-keys` makes a confidential client (scope api; the grants of the
+secret clients: code, password, client_credentials, refresh_token, device, delete_token) whose
+token_endpoint_auth_method is private_key_jwt only, with the JWKS given (or --key's public key,
+kid = its RFC 7638 thumbprint); with --key (a PEM path, kept by path, never copied) this fixture
+signs for it (openssl CLI: ES256 on P-256, RS256/PS256 on RSA): `refresh-token` then logs it in
+with a fresh assertion, `mint-assertion` writes one to a file (what a platform would write for
+ClientAssertionFile=). --alg sets the client's token_endpoint_signing_alg: another alg is refused.
+What Glewlwyd 2.7.5 checks (validate_jwt_assertion_request, verify_request_signature; tried):
+  * aud: one string, exactly the URL of the endpoint the assertion is sent to ({plugin}/token,
+    /revoke, /introspect, /device_authorization): not the issuer, not an array;
+  * iss = sub = an enabled confidential client's id (the form's client_id is not compared);
+  * header kid: required, names a key of the client's JWKS (a key's own "alg" is not enforced);
+    algs ES256/384/512, RS256/384/512, PS256/384/512, EdDSA (HS* = client_secret_jwt);
+  * exp: required, not past (no leeway), at most request-maximum-exp (ASSERTION_MAX_LIFETIME,
+    3600) ahead; iat and nbf are not checked;
+  * jti: required, single-use per plugin and client, for ever (gpo_client_token_request): an
+    assertion file is good for one request;
+  * a refusal at the token endpoint is a 403 with an empty body (no invalid_client JSON); at
+    /revoke and /introspect a 401, at /device_authorization a 401 {"error":"unauthorized_client"}.
+Glewlwyd has no JWT-bearer grant (RFC 7523 §2.1): grant_type=urn:ietf:params:oauth:grant-type:
+jwt-bearer is answered 400 with an empty body (authlib_server.py, beside this file, has one).
 
 Two OIDC plugin instances: `oidc` (the one the state's endpoints name; DPoP accepted, not
 required) and `oidcnonce` (state["dpop_nonce_plugin"]: DPoP with a mandatory server nonce).
@@ -19,7 +50,7 @@ The code flow requires PKCE (S256 only); each client also has the loopback redir
 http://127.0.0.1:{state["code_redirect_port"]}/callback, a port free at `up` (Glewlwyd compares
 redirect URIs as exact strings: a loopback client must listen on that very port).
 """
-import argparse, base64, gzip, http.client as httpc, json, os, secrets, shutil
+import argparse, base64, gzip, hashlib, http.client as httpc, json, os, secrets, shutil
 import signal, socket
 import sqlite3, string, subprocess, sys, time, urllib.parse
 
@@ -29,6 +60,11 @@ SCOPE = "api"                      # the one custom scope granted to user and cl
 # then name one of those its grant has (Glewlwyd ties them: `gpor_resource`).
 RESOURCES = ["https://storage.example/api", "https://other.example/api"]
 NONCE_PLUGIN = "oidcnonce"         # the second OIDC instance: DPoP with a mandatory nonce
+ASSERTION_CLIENT = "assertion-client"  # register-client-keys' default client (private_key_jwt)
+# request-maximum-exp: Glewlwyd refuses a client assertion whose exp is more than this many
+# seconds ahead (its default when unset is 3600 as well).
+ASSERTION_MAX_LIFETIME = 3600
+CLIENT_ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
 USERNAME = "alice"
 ADMIN = ("admin", "password")      # seeded by init.sqlite3.sql
 COOKIE = "GLEWLWYD2_SESSION_ID"
@@ -186,6 +222,110 @@ def free_port(port=0):
         return s.getsockname()[1]
 
 
+# ---------------------------------------------------------------- JWTs signed with the openssl CLI
+# Standard library + `openssl` (Debian's, in the Makefile's TEST_PACKAGES): ES256 (P-256), RS256
+# and PS256 (RSA) client assertions for private_key_jwt.
+SIGNING_ALGS = ("ES256", "RS256", "PS256")
+P256_OID = bytes.fromhex("06082a8648ce3d030107")        # prime256v1
+
+
+def b64url(data):
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def fingerprint(text):
+    """Names a secret in output without showing it: the first 8 hex digits of its SHA-256 (as
+    Tests/PyCommon/checks.py's fingerprint)."""
+    if isinstance(text, str):
+        text = text.encode()
+    return hashlib.sha256(text).hexdigest()[:8]
+
+
+def openssl(*args, data=None):
+    out = subprocess.run(["openssl", *args], input=data, capture_output=True)
+    if out.returncode != 0:
+        raise FixtureError(f"openssl {args[0]} failed: {out.stderr.decode(errors='replace').strip()[:300]}")
+    return out.stdout
+
+
+def der_items(data):
+    """The TLVs of a DER sequence's content: [(tag, value bytes)]."""
+    items, i = [], 0
+    while i < len(data):
+        tag, length = data[i], data[i + 1]
+        i += 2
+        if length & 0x80:
+            n = length & 0x7F
+            length = int.from_bytes(data[i:i + n], "big")
+            i += n
+        items.append((tag, data[i:i + length]))
+        i += length
+    return items
+
+
+def public_jwk(key_file):
+    """The public JWK (kty, crv/x/y or n/e) of a PEM private key: EC P-256 or RSA."""
+    spki = openssl("pkey", "-in", key_file, "-pubout", "-outform", "DER")
+    (_, seq), = der_items(spki)
+    (_, algid), (_, bits) = der_items(seq)
+    point = bits[1:]                                   # BIT STRING: unused-bits byte first
+    if P256_OID in algid:
+        if len(point) != 65 or point[0] != 4:
+            raise FixtureError("unexpected EC public key encoding")
+        return {"kty": "EC", "crv": "P-256", "x": b64url(point[1:33]), "y": b64url(point[33:])}
+    if bytes.fromhex("2a864886f70d010101") in algid:   # rsaEncryption
+        (_, rsa), = der_items(point)
+        (_, n), (_, e) = der_items(rsa)
+        return {"kty": "RSA", "n": b64url(n.lstrip(b"\0")), "e": b64url(e.lstrip(b"\0"))}
+    raise FixtureError(f"{key_file}: only EC P-256 and RSA keys are supported")
+
+
+def jwk_thumbprint(jwk):
+    """RFC 7638 SHA-256 thumbprint (base64url): the kid this fixture gives a derived JWK."""
+    members = ("crv", "kty", "x", "y") if jwk["kty"] == "EC" else ("e", "kty", "n")
+    canonical = json.dumps({k: jwk[k] for k in members}, separators=(",", ":"), sort_keys=True)
+    return b64url(hashlib.sha256(canonical.encode()).digest())
+
+
+def same_key(a, b):
+    fields = ("kty", "crv", "x", "y") if a.get("kty") == "EC" else ("kty", "n", "e")
+    return all(a.get(f) == b.get(f) for f in fields)
+
+
+def sign_jwt(key_file, alg, header, claims):
+    """A compact JWS of claims signed with key_file (ES256, RS256 or PS256)."""
+    header = dict(header, alg=alg, typ=header.get("typ", "JWT"))
+    signing_input = (b64url(json.dumps(header, separators=(",", ":")).encode()) + "." +
+                     b64url(json.dumps(claims, separators=(",", ":")).encode())).encode()
+    args = ["dgst", "-sha256", "-sign", key_file]
+    if alg == "PS256":
+        args += ["-sigopt", "rsa_padding_mode:pss", "-sigopt", "rsa_pss_saltlen:digest"]
+    sig = openssl(*args, data=signing_input)
+    if alg == "ES256":                                 # DER SEQUENCE{r, s} -> r || s (RFC 7518 §3.4)
+        (_, seq), = der_items(sig)
+        (_, r), (_, s) = der_items(seq)
+        sig = r.lstrip(b"\0").rjust(32, b"\0") + s.lstrip(b"\0").rjust(32, b"\0")
+    return signing_input.decode() + "." + b64url(sig)
+
+
+def default_alg(jwk):
+    return "ES256" if jwk["kty"] == "EC" else "RS256"
+
+
+def write_atomically(path, text):
+    """Writes path (mode 0600) through a temporary file in its directory and a rename, so a
+    reader sees the old content or the new one, never a part."""
+    path = os.path.abspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        write_private(tmp, text)
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 # ---------------------------------------------------------------- provisioning
 def oidc_plugin(base, at_duration, name="oidc", dpop_nonce=False):
     p = {
@@ -235,6 +375,15 @@ def oidc_plugin(base, at_duration, name="oidc", dpop_nonce=False):
         # fragment, and allowed by a scope of the grant; requests that name none are as before.
         "resource-allowed": True, "resource-scope": {SCOPE: RESOURCES},
         "resource-client-property": "resource", "resource-scope-and-client-property": False,
+        # JWT client authentication (RFC 7523 §2.2: client_secret_jwt, private_key_jwt). Gated by
+        # request-parameter-allow (which also allows `request` objects at the authorization
+        # endpoint and adds client_secret_jwt + private_key_jwt to discovery's
+        # token_endpoint_auth_methods_supported). A client's public keys: its `jwks` property (the
+        # database client module stores it as JSON, "convert": "jwks"). What 2.7.5 checks
+        # (validate_jwt_assertion_request, verify_request_signature) is in register-client-keys.
+        "request-parameter-allow": True,
+        "request-maximum-exp": ASSERTION_MAX_LIFETIME,
+        "client-jwks-parameter": "jwks",
     }
     if dpop_nonce:
         p.update({"oauth-dpop-nonce-mandatory": True, "oauth-dpop-nonce-counter": 1})
@@ -279,6 +428,124 @@ def provision(port, base, at_duration, d, redirect_port):
                         "client_secret_file": path, "_secret": secret})
     return {"username": USERNAME, "password_file": os.path.join(d, "user.password"),
             "_password": user_pw}, clients
+
+
+# ---------------------------------------------------------------- private_key_jwt clients
+PRIVATE_JWK_MEMBERS = ("d", "p", "q", "dp", "dq", "qi", "oth", "k")
+
+
+def read_jwks(a):
+    """The JWKS to register: --jwks FILE or --jwks-json TEXT (a JWKS, or one JWK), else the public
+    key of --key (kid: its RFC 7638 thumbprint)."""
+    if a.jwks or a.jwks_json:
+        if a.jwks:
+            with open(a.jwks) as f:
+                doc = json.load(f)
+        else:
+            doc = json.loads(a.jwks_json)
+        keys = doc["keys"] if isinstance(doc, dict) and "keys" in doc else [doc]
+    elif a.key:
+        jwk = public_jwk(a.key)
+        keys = [dict(jwk, kid=jwk_thumbprint(jwk), use="sig", alg=a.alg or default_alg(jwk))]
+    else:
+        raise FixtureError("give --jwks FILE, --jwks-json TEXT or --key PEM")
+    if not keys or not all(isinstance(k, dict) and k.get("kty") for k in keys):
+        raise FixtureError("not a JWKS: no keys, or a key without kty")
+    for k in keys:
+        if any(m in k for m in PRIVATE_JWK_MEMBERS):
+            raise FixtureError(f"the JWKS holds private key material (kid {k.get('kid')!r}): register public keys only")
+        if not k.get("kid"):
+            # verify_request_signature looks a client's key up by the assertion's kid only.
+            raise FixtureError("every key needs a kid: Glewlwyd finds the key by the assertion header's kid")
+    return {"keys": keys}
+
+
+def assertion_client_payload(s, cid, jwks, alg):
+    c = {"client_id": cid, "name": cid, "description": "private_key_jwt (RFC 7523)", "enabled": True,
+         "confidential": True, "scope": [SCOPE],
+         "redirect_uri": [s["base_url"] + "/cb", f"http://{HOST}:{s['code_redirect_port']}/callback"],
+         "authorization_type": ["code", "password", "client_credentials", "refresh_token",
+                                "device_authorization", "delete_token"],
+         "token_endpoint_auth_method": ["private_key_jwt"],
+         "jwks": jwks}
+    if alg:
+        # Pins the assertion's alg: another alg (even with a valid signature) is refused.
+        c["token_endpoint_signing_alg"] = alg
+    return c
+
+
+def cmd_register_client_keys(a):
+    """Creates (or replaces) a confidential client that authenticates with private_key_jwt only,
+    with the given public JWKS. --key (a PEM private key file, kept by path only) lets this
+    fixture sign for it (mint-assertion, refresh-token); without --jwks its public key is the
+    JWKS. Prints one JSON object; no secret."""
+    s = load_state(a.dir)
+    d = os.path.abspath(a.dir)
+    jwks = read_jwks(a)
+    key_file, kid = None, None
+    if a.key:
+        key_file = os.path.abspath(a.key)
+        mine = public_jwk(key_file)
+        match = [k for k in jwks["keys"] if same_key(k, mine)]
+        if not match:
+            raise FixtureError("--key's public key is not in the JWKS")
+        kid = match[0]["kid"]
+        if a.alg and (a.alg == "ES256") != (mine["kty"] == "EC"):
+            raise FixtureError(f"--alg {a.alg} does not fit a {mine['kty']} key")
+    port = s["port"]
+    cookie = {"Cookie": login(port, *ADMIN)}
+    payload = assertion_client_payload(s, a.client, jwks, a.alg)
+    st, _, _ = req(port, "GET", f"/api/client/{urllib.parse.quote(a.client)}", headers=cookie)
+    if st == 200:
+        st, _, body = req(port, "PUT", f"/api/client/{urllib.parse.quote(a.client)}", payload, cookie)
+    else:
+        st, _, body = req(port, "POST", "/api/client/", payload, cookie)
+    if st != 200:
+        raise FixtureError(f"client {a.client!r} -> HTTP {st} {body[:300]!r}")
+    jwks_file = os.path.join(d, f"client-{a.client}.jwks")
+    write_private(jwks_file, json.dumps(jwks))
+    entry = {"client_id": a.client, "token_endpoint_auth_method": "private_key_jwt",
+             "jwks_file": jwks_file, "kids": [k["kid"] for k in jwks["keys"]],
+             "token_endpoint_signing_alg": a.alg, "private_key_file": key_file, "kid": kid}
+    s["clients"] = [c for c in s["clients"] if c["client_id"] != a.client] + [entry]
+    write_private(os.path.join(d, "fixture.json"), json.dumps(s, indent=1))
+    print(json.dumps(dict(entry,
+                          # the aud Glewlwyd requires: exactly this string (not the issuer, not an array)
+                          audience=s["token_endpoint"],
+                          audience_nonce_plugin=s["dpop_nonce_plugin"]["token_endpoint"],
+                          client_assertion_type=CLIENT_ASSERTION_TYPE,
+                          max_assertion_lifetime=ASSERTION_MAX_LIFETIME,
+                          jwks_sha256=fingerprint(json.dumps(jwks, sort_keys=True)))))
+
+
+def assertion_for(s, c, aud=None, lifetime=60, jti=None, alg=None, kid=None):
+    """(JWT, claims) a client assertion for private_key_jwt client c, signed with its key."""
+    if not c.get("private_key_file"):
+        raise FixtureError(f"client {c['client_id']!r} was registered without --key: this fixture cannot sign for it")
+    alg = alg or c.get("token_endpoint_signing_alg") or default_alg(public_jwk(c["private_key_file"]))
+    now = int(time.time())
+    claims = {"iss": c["client_id"], "sub": c["client_id"], "aud": aud or s["token_endpoint"],
+              "jti": jti or secrets.token_urlsafe(24), "iat": now, "exp": now + lifetime}
+    return sign_jwt(c["private_key_file"], alg, {"kid": kid or c["kid"]}, claims), dict(claims, alg=alg, kid=kid or c["kid"])
+
+
+def find_client(s, cid):
+    c = next((c for c in s["clients"] if c["client_id"] == cid), None)
+    if c is None:
+        raise FixtureError(f"unknown client {cid!r}")
+    return c
+
+
+def cmd_mint_assertion(a):
+    """Writes a fresh client assertion for a private_key_jwt client (registered with --key) to
+    --out, atomically, mode 0600: what a platform writes for ClientAssertionFile=. Prints JSON:
+    the file, the JWT's fingerprint and its claims (no signature)."""
+    s = load_state(a.dir)
+    c = find_client(s, a.client)
+    aud = a.aud or (s["dpop_nonce_plugin"]["token_endpoint"] if a.plugin == NONCE_PLUGIN else s["token_endpoint"])
+    jwt, claims = assertion_for(s, c, aud, a.lifetime, a.jti, a.alg, a.kid)
+    write_atomically(a.out, jwt)
+    print(json.dumps(dict(claims, out=os.path.abspath(a.out), sha256=fingerprint(jwt))))
 
 
 # ---------------------------------------------------------------- commands
@@ -341,6 +608,11 @@ def cmd_up(a):
         "device_authorization_endpoint": disc.get("device_authorization_endpoint"),
         "userinfo_endpoint": disc.get("userinfo_endpoint"),
         "dpop_signing_alg_values_supported": disc.get("dpop_signing_alg_values_supported"),
+        # private_key_jwt (register-client-keys): a client assertion's aud must be exactly the URL
+        # of the endpoint it is sent to (the token endpoint for /token).
+        "token_endpoint_auth_methods_supported": disc.get("token_endpoint_auth_methods_supported"),
+        "token_endpoint_auth_signing_alg_values_supported": disc.get("token_endpoint_auth_signing_alg_values_supported"),
+        "client_assertion_max_lifetime": ASSERTION_MAX_LIFETIME,
         "dpop_nonce_plugin": {"name": NONCE_PLUGIN, "issuer": ndisc["issuer"],
                               "token_endpoint": ndisc["token_endpoint"],
                               "userinfo_endpoint": ndisc.get("userinfo_endpoint"),
@@ -360,8 +632,13 @@ def cmd_up(a):
     print(json.dumps(public))
 
 
-def client_auth(c):
-    """(form fields, headers) authenticating client c with its own method."""
+def client_auth(c, s=None):
+    """(form fields, headers) authenticating client c with its own method (private_key_jwt: a
+    fresh assertion for state s's token endpoint)."""
+    if c["token_endpoint_auth_method"] == "private_key_jwt":
+        jwt, _ = assertion_for(s, c)
+        return {"client_id": c["client_id"], "client_assertion_type": CLIENT_ASSERTION_TYPE,
+                "client_assertion": jwt}, {}
     if c["token_endpoint_auth_method"] == "client_secret_post":
         return {"client_id": c["client_id"], "client_secret": c["_secret"]}, {}
     raw = f"{c['client_id']}:{c['_secret']}".encode()  # [A-Za-z0-9] only: no encoding issue
@@ -370,10 +647,8 @@ def client_auth(c):
 
 def cmd_refresh_token(a):
     s = load_state(a.dir)
-    c = next((c for c in s["clients"] if c["client_id"] == a.client), None)
-    if c is None:
-        raise FixtureError(f"unknown client {a.client!r}")
-    form, hdr = client_auth(c)
+    c = find_client(s, a.client)
+    form, hdr = client_auth(c, s)
     form.update(grant_type="password", username=s["user"]["username"],
                 password=s["user"]["_password"], scope=s["scope"])
     path = urllib.parse.urlsplit(s["token_endpoint"]).path
@@ -494,11 +769,29 @@ def main():
     p.add_argument("--dir", required=True)
     p.add_argument("--url", required=True)
     p.add_argument("--plugin", default="oidc", choices=["oidc", NONCE_PLUGIN])
+    p = sub.add_parser("register-client-keys")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--client", default=ASSERTION_CLIENT)
+    p.add_argument("--jwks", help="a file holding the public JWKS (or one JWK)")
+    p.add_argument("--jwks-json", help="the public JWKS (or one JWK) itself")
+    p.add_argument("--key", help="a PEM private key (EC P-256 or RSA) the fixture may sign with")
+    p.add_argument("--alg", choices=SIGNING_ALGS, help="pin the client's token_endpoint_signing_alg")
+    p = sub.add_parser("mint-assertion")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--client", default=ASSERTION_CLIENT)
+    p.add_argument("--out", required=True)
+    p.add_argument("--aud", help="default: the plugin's token endpoint (what Glewlwyd requires)")
+    p.add_argument("--plugin", default="oidc", choices=["oidc", NONCE_PLUGIN])
+    p.add_argument("--lifetime", type=int, default=60)
+    p.add_argument("--jti")
+    p.add_argument("--alg", choices=SIGNING_ALGS)
+    p.add_argument("--kid")
     p = sub.add_parser("down")
     p.add_argument("--dir", required=True)
     a = ap.parse_args()
     fn = {"up": cmd_up, "refresh-token": cmd_refresh_token,
           "approve-device": cmd_approve_device, "authorize": cmd_authorize,
+          "register-client-keys": cmd_register_client_keys, "mint-assertion": cmd_mint_assertion,
           "down": cmd_down}[a.cmd]
     try:
         fn(a)
