@@ -34,24 +34,52 @@ public enum Base64 {
     /// base64url without padding, strictly: nil for any other character, padding, or a length
     /// no encoding has.
     public static func urlDecode<S: StringProtocol>(_ text: S) -> [UInt8]? {
-        guard text.utf8.count % 4 != 1, text.utf8.allSatisfy({ (0x41...0x5A).contains($0) || (0x61...0x7A).contains($0) || (0x30...0x39).contains($0)
-                                                               || $0 == UInt8(ascii: "-") || $0 == UInt8(ascii: "_") }) else { return nil }
-        return decode(String(text.map { $0 == "-" ? "+" : $0 == "_" ? "/" : $0 }))
+        guard text.utf8.count % 4 != 1 else { return nil }
+        return decoded(text.utf8, url: true)
     }
 
     public static func decode(_ text: String) -> [UInt8]? {
-        var values: [UInt8] = []
-        for byte in text.utf8 where byte != UInt8(ascii: "=") {
-            guard let index = alphabet.firstIndex(of: byte) else { return nil }
-            values.append(UInt8(index))
+        decoded(text.utf8.lazy.filter { $0 != UInt8(ascii: "=") }, url: false)
+    }
+
+    /// The six bits `byte` stands for in the standard (`url` false) or base64url alphabet; nil
+    /// for a byte of neither.
+    @inline(__always)
+    private static func value(_ byte: UInt8, url: Bool) -> UInt8? {
+        switch byte {
+        case 0x41...0x5A: return byte - 0x41
+        case 0x61...0x7A: return byte - 0x61 + 26
+        case 0x30...0x39: return byte - 0x30 + 52
+        case UInt8(ascii: "+") where !url, UInt8(ascii: "-") where url: return 62
+        case UInt8(ascii: "/") where !url, UInt8(ascii: "_") where url: return 63
+        default: return nil
         }
+    }
+
+    /// The bytes of `characters` (no padding among them), four characters to three bytes, a
+    /// last group of two or three characters to one or two.
+    private static func decoded(_ characters: some Sequence<UInt8>, url: Bool) -> [UInt8]? {
         var output: [UInt8] = []
-        var index = 0
-        while index + 1 < values.count {
-            output.append(values[index] << 2 | values[index + 1] >> 4)
-            if index + 2 < values.count { output.append(values[index + 1] << 4 | values[index + 2] >> 2) }
-            if index + 3 < values.count { output.append(values[index + 2] << 6 | values[index + 3]) }
-            index += 4
+        output.reserveCapacity(characters.underestimatedCount * 3 / 4 + 3)
+        var group: UInt32 = 0
+        var count = 0
+        for byte in characters {
+            guard let bits = value(byte, url: url) else { return nil }
+            group = group << 6 | UInt32(bits)
+            count += 1
+            if count == 4 {
+                output.append(UInt8(truncatingIfNeeded: group >> 16))
+                output.append(UInt8(truncatingIfNeeded: group >> 8))
+                output.append(UInt8(truncatingIfNeeded: group))
+                (group, count) = (0, 0)
+            }
+        }
+        switch count {
+        case 2: output.append(UInt8(truncatingIfNeeded: group >> 4))
+        case 3:
+            output.append(UInt8(truncatingIfNeeded: group >> 10))
+            output.append(UInt8(truncatingIfNeeded: group >> 2))
+        default: break   // (one character alone encodes no byte: dropped, as before)
         }
         return output
     }

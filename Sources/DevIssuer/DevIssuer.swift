@@ -92,8 +92,9 @@ public final class DevIssuer: Sendable {
         /// the server; short-lived, as each is used once).
         public var assertionMaximumLifetime: Duration = .seconds(600)
         /// How far ahead of now a platform's identity token may expire, as a federated client
-        /// assertion or a JWT-bearer assertion.
-        public var platformAssertionMaximumLifetime: Duration = .seconds(600)
+        /// assertion or a JWT-bearer assertion: 48 hours, the longest a Kubernetes projected
+        /// service-account token lives (its default is an hour; platforms reuse one until renewed).
+        public var platformAssertionMaximumLifetime: Duration = .seconds(48 * 3600)
 
         public init() {}
     }

@@ -46,7 +46,7 @@ extension BrokerService {
                     return
                 }
             }
-            switch await clientKeys.change(ClientKeys.Change(rawValue: change.rawValue) ?? .show, name,
+            switch await clientKeys.change(change, name,
                                            configured: settings.client.assertionAlgorithm, listed: listed) {
             case let .success(keys):
                 let entries = keys.map { held in

@@ -1,4 +1,5 @@
 import Basics
+import BrokerContract
 import DPoP
 import SQLiteStore
 import Synchronization
@@ -71,7 +72,11 @@ final class ClientKeys: Sendable {
 
     /// `held` if it signs with what the server takes, else the failure that says what to do.
     private func usable(_ held: Held, _ configured: SigningKey.Algorithm?, _ listed: [String]?) throws(FetchFailure) -> Held {
-        if let configured, configured != held.algorithm, held.key.signs(configured) {
+        if let configured, !held.key.signs(configured) {
+            throw .terminal("client configuration: ClientAssertionAlgorithm=\(configured.rawValue), and the session's key is "
+                            + "\(held.key.family.rawValue): make a new one with ctl client-key --rotate, register it, then --promote it")
+        }
+        if let configured, configured != held.algorithm {
             var chosen = held
             chosen.algorithm = configured
             return chosen
@@ -128,20 +133,9 @@ final class ClientKeys: Sendable {
         held.withLock { $0[session] = keys }
     }
 
-    /// What `ctl client-key` asks for.
-    enum Change: String, Sendable {
-        /// Nothing: the keys as they are (a signing key made if there is none).
-        case show
-        /// A next key, published before it signs.
-        case rotate
-        /// The next key signs; the signing one retires (still published).
-        case promote
-        /// The retiring keys are dropped.
-        case retire
-    }
-
-    /// Carries out `change` on `session`'s keys; returns them all, or why it cannot.
-    func change(_ change: Change, _ session: String, configured: SigningKey.Algorithm?, listed: [String]?) async -> Result<[Held], ClientKeyRefusal> {
+    /// Carries out `change` (what `ctl client-key` asks for) on `session`'s keys; returns them
+    /// all, or why it cannot.
+    func change(_ change: ClientKeyChange, _ session: String, configured: SigningKey.Algorithm?, listed: [String]?) async -> Result<[Held], ClientKeyRefusal> {
         if change == .show || change == .rotate {
             // (A session asked for its keys before its first request gets its signing key now.)
             do { _ = try await signingKey(session, configured: configured, listed: listed) } catch {
