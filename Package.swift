@@ -111,7 +111,7 @@ var package = Package(
         .testTarget(name: "DPoPTests", dependencies: ["DPoP", "Basics", "WireJSON", "TestSupport"]),
         .testTarget(name: "FleetTests", dependencies: ["Fleet", "HTTPTransport", "Sealing", "TokenBrokerCore", "Basics", "WireJSON", "TestSupport"]),
         .testTarget(name: "UpstreamTests", dependencies: ["Upstream", "HTTPTransport", "DevIssuer", "DPoP", "TokenBrokerCore", "Basics", "TestSupport", "WireJSON"]),
-        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerCLI", "Basics", "BrokerContract", "WireJSON", "TokenBrokerCore", "HTTPTransport", "Varlink", "Fleet", "Upstream", "TestSupport"]),
+        .testTarget(name: "TokenBrokerDaemonTests", dependencies: ["TokenBrokerDaemon", "DPoP", "TokenBrokerDaemonCommand", "TokenBrokerCLI", "Basics", "BrokerContract", "WireJSON", "TokenBrokerCore", "HTTPTransport", "Varlink", "Fleet", "Upstream", "TestSupport"]),
         // Spawns the real binaries; depends on the daemon's so `swift test` builds it first (not on the
         // static `tokenbroker`, whose link flags would apply to the test bundle: `swift test` builds
         // every product anyway).

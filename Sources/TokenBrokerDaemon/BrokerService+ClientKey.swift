@@ -26,32 +26,41 @@ extension BrokerService {
         if let pem = settings.client.clientKey {
             guard change == .show else { throw unavailable("the key is the operator's (ClientKeyFile=): rotate it by replacing the file and reloading") }
             guard let key = try? SigningKey(pem: Array(pem.reveal.utf8)) else { throw unavailable("ClientKeyFile='s key cannot be read") }
-            let algorithm = settings.client.assertionAlgorithm ?? key.defaultAlgorithm
-            let entry = ClientKeyEntry(kid: key.thumbprint, role: "operator", algorithm: algorithm.rawValue, created: 0,
-                                       jwk: String(decoding: JSON.object(key.publicJWK(algorithm: algorithm)).encoded, as: UTF8.self))
-            return .reply(VarlinkReply(parameters: ["keys": [.object(entry.parameters)]]))
+            return .async { sink in
+                // (What its assertions are signed with, for this server, as `OperatorClientKey` chooses.)
+                let listed = settings.issuer != nil ? try? await session.account?.assertionSigningAlgorithms() : nil
+                let algorithm = assertionAlgorithm(for: key, configured: settings.client.assertionAlgorithm, listed: listed ?? nil)
+                    ?? settings.client.assertionAlgorithm ?? key.defaultAlgorithm
+                let entry = ClientKeyEntry(kid: key.thumbprint, role: "operator", algorithm: algorithm.rawValue, created: 0,
+                                           jwk: String(decoding: JSON.object(key.publicJWK(algorithm: algorithm)).encoded, as: UTF8.self))
+                sink.send(VarlinkReply(parameters: ["keys": [.object(entry.parameters)]]))
+            }
         }
         guard let clientKeys else { throw unavailable("this daemon holds no client keys") }
         if change != .show { logger.notice("client key \(change.rawValue) of session \(name) requested by \(peer)", session: name) }
         return .async { [logger] sink in
             // What the server lists decides a new key's algorithm (unless ClientAssertionAlgorithm= does).
             var listed: [String]?
-            if settings.issuer != nil, settings.client.assertionAlgorithm == nil, change == .show || change == .rotate {
+            if settings.issuer != nil {
                 do throws(FetchFailure) {
                     listed = try await session.account?.assertionSigningAlgorithms()
-                } catch {
+                } catch where settings.client.assertionAlgorithm == nil && (change == .show || change == .rotate) {
                     let reason = "the server's metadata cannot be read (\(error.message)): it says which algorithm a new key signs with; "
                         + "try again, or set ClientAssertionAlgorithm="
                     sink.send(unavailable(reason).reply)
                     return
+                } catch {
+                    // (Only what each key's JWK says of its algorithm depends on it: the stored one.)
                 }
             }
             switch await clientKeys.change(change, name,
                                            configured: settings.client.assertionAlgorithm, listed: listed) {
             case let .success(keys):
+                // Each key's JWK names the algorithm its assertions are signed with, for this server.
                 let entries = keys.map { held in
-                    ClientKeyEntry(kid: held.stored.kid, role: held.stored.role.rawValue, algorithm: held.algorithm.rawValue, created: held.stored.created,
-                                   jwk: String(decoding: JSON.object(held.key.publicJWK(algorithm: held.algorithm)).encoded, as: UTF8.self))
+                    let algorithm = clientKeys.algorithm(of: held, configured: settings.client.assertionAlgorithm, listed: listed)
+                    return ClientKeyEntry(kid: held.stored.kid, role: held.stored.role.rawValue, algorithm: algorithm.rawValue, created: held.stored.created,
+                                          jwk: String(decoding: JSON.object(held.key.publicJWK(algorithm: algorithm)).encoded, as: UTF8.self))
                 }
                 sink.send(VarlinkReply(parameters: ["keys": .array(entries.map { .object($0.parameters) })]))
             case let .failure(refusal):

@@ -41,16 +41,25 @@ final class ClientKeys: Sendable {
     func source(for name: String, _ settings: SessionConfiguration.OAuthSettings) -> any ClientAssertionSource {
         let audience = settings.client.audience(issuer: settings.issuer)
         if let path = settings.client.assertionFile { return FileClientAssertion(file: AssertionFile(path: path)) }
-        if let pem = settings.client.clientKey, let key = try? SigningKey(pem: Array(pem.reveal.utf8)) {
+        if let pem = settings.client.clientKey {
+            // (Read at load already: a key that cannot be read now is refused, never replaced.)
+            guard let key = try? SigningKey(pem: Array(pem.reveal.utf8)) else { return UnreadableClientKey() }
             return OperatorClientKey(key: key, algorithm: settings.client.assertionAlgorithm, audience: audience)
         }
         return HeldClientKey(keys: self, session: name, configured: settings.client.assertionAlgorithm, audience: audience)
     }
 
     /// The key that signs `session`'s assertions now, and with which algorithm, made and kept
-    /// first when it has none (`listed`: what the server's metadata lists).
+    /// first when it has none (`listed`: what the server's metadata lists). Every failure is
+    /// transient: the client's key says nothing of the session's grant, and the operator's fix
+    /// (a rotation, a registration) needs no new login.
     func signingKey(_ session: String, configured: SigningKey.Algorithm?, listed: [String]?) async throws(FetchFailure) -> Held {
-        if let signing = held.withLock({ $0[session]?.first { $0.stored.role == .signing } }) { return try usable(signing, configured, listed) }
+        try usable(try await ensureSigningKey(session, configured: configured, listed: listed), configured, listed)
+    }
+
+    /// The signing key as it is, made and kept first when there is none.
+    private func ensureSigningKey(_ session: String, configured: SigningKey.Algorithm?, listed: [String]?) async throws(FetchFailure) -> Held {
+        if let signing = held.withLock({ $0[session]?.first { $0.stored.role == .signing } }) { return signing }
         let result: Result<Held, FetchFailure> = await changes.run {
             do {
                 var keys = try await self.load(session)
@@ -67,13 +76,19 @@ final class ClientKeys: Sendable {
                 return .failure(.transient("client key: \(error)"))
             }
         }
-        return try usable(try result.get(), configured, listed)
+        return try result.get()
+    }
+
+    /// The algorithm `held` signs with for a server that lists `listed`: what `signingKey`
+    /// chooses, and what its published JWK says.
+    func algorithm(of held: Held, configured: SigningKey.Algorithm?, listed: [String]?) -> SigningKey.Algorithm {
+        (try? usable(held, configured, listed))?.algorithm ?? held.algorithm
     }
 
     /// `held` if it signs with what the server takes, else the failure that says what to do.
     private func usable(_ held: Held, _ configured: SigningKey.Algorithm?, _ listed: [String]?) throws(FetchFailure) -> Held {
         if let configured, !held.key.signs(configured) {
-            throw .terminal("client configuration: ClientAssertionAlgorithm=\(configured.rawValue), and the session's key is "
+            throw .transient("client configuration: ClientAssertionAlgorithm=\(configured.rawValue), and the session's key is "
                             + "\(held.key.family.rawValue): make a new one with ctl client-key --rotate, register it, then --promote it")
         }
         if let configured, configured != held.algorithm {
@@ -87,7 +102,7 @@ final class ClientKeys: Sendable {
             chosen.algorithm = other
             return chosen
         }
-        throw .terminal("client configuration: the server takes client assertions signed with \(listed.prefix(8).joined(separator: ", ")) only, "
+        throw .transient("client configuration: the server takes client assertions signed with \(listed.prefix(8).joined(separator: ", ")) only, "
                         + "and the session's key signs \(held.algorithm.rawValue): make a new one with ctl client-key --rotate, register it, "
                         + "then --promote it")
     }
@@ -99,7 +114,7 @@ final class ClientKeys: Sendable {
         let keys = try stored.map { stored throws(FetchFailure) -> Held in
             guard let der = Base64.decode(stored.key.reveal), let key = try? SigningKey(der: der),
                   let algorithm = SigningKey.Algorithm(rawValue: stored.algorithm), key.signs(algorithm) else {
-                throw .terminal("client key \(stored.kid) of the state database cannot be read")
+                throw .transient("client key \(stored.kid) of the state database cannot be read")
             }
             return Held(stored: stored, key: key, algorithm: algorithm)
         }
@@ -110,7 +125,7 @@ final class ClientKeys: Sendable {
     /// A new key for `role`.
     private func make(_ role: StoredClientKey.Role, configured: SigningKey.Algorithm?, listed: [String]?) throws(FetchFailure) -> Held {
         guard let algorithm = algorithmForNewKey(configured: configured, listed: listed) else {
-            throw .terminal("client configuration: the server's metadata lists \((listed ?? []).prefix(8).joined(separator: ", ")) for client "
+            throw .transient("client configuration: the server's metadata lists \((listed ?? []).prefix(8).joined(separator: ", ")) for client "
                             + "assertions, none of ES256, RS256, PS256")
         }
         do {
@@ -137,8 +152,9 @@ final class ClientKeys: Sendable {
     /// all, or why it cannot.
     func change(_ change: ClientKeyChange, _ session: String, configured: SigningKey.Algorithm?, listed: [String]?) async -> Result<[Held], ClientKeyRefusal> {
         if change == .show || change == .rotate {
-            // (A session asked for its keys before its first request gets its signing key now.)
-            do { _ = try await signingKey(session, configured: configured, listed: listed) } catch {
+            // (A session asked for its keys before its first request gets its signing key now;
+            // one whose key the server no longer takes is shown, and rotated, all the same.)
+            do { _ = try await ensureSigningKey(session, configured: configured, listed: listed) } catch {
                 return .failure(ClientKeyRefusal(error.message))
             }
         }
@@ -207,6 +223,14 @@ struct HeldClientKey: ClientAssertionSource {
     func prepare(serverAlgorithms: [String]?) async throws(FetchFailure) -> ClientAssertion {
         let held = try await keys.signingKey(session, configured: configured, listed: serverAlgorithms)
         return .signed(key: held.key, algorithm: held.algorithm, audience: audience)
+    }
+}
+
+/// `ClientKeyFile=`'s key could not be read when the session was made (it was at load): every
+/// request fails, saying so, until a reload reads it again.
+struct UnreadableClientKey: ClientAssertionSource {
+    func prepare(serverAlgorithms: [String]?) async throws(FetchFailure) -> ClientAssertion {
+        throw .transient("client configuration: ClientKeyFile='s key cannot be read; fix it and reload")
     }
 }
 

@@ -101,7 +101,7 @@ public struct OperatorClientKey: ClientAssertionSource {
 
     public func prepare(serverAlgorithms: [String]?) async throws(FetchFailure) -> ClientAssertion {
         guard let chosen = assertionAlgorithm(for: key, configured: algorithm, listed: serverAlgorithms) else {
-            throw .terminal("client configuration: the server takes client assertions signed with "
+            throw .transient("client configuration: the server takes client assertions signed with "
                             + "\((serverAlgorithms ?? []).prefix(8).joined(separator: ", ")) only; ClientKeyFile='s \(key.family.rawValue) key "
                             + (algorithm.map { "cannot sign \($0.rawValue)" } ?? "signs none of them"))
         }
@@ -116,7 +116,9 @@ public struct OperatorClientKey: ClientAssertionSource {
 /// atomic symlink swap, or a writer that renames) is read whole, old or new; a read that saw
 /// the file change under it is read again, and what is read must be one whole JWT (three
 /// base64url parts, a JSON header and payload, a signature as long as its algorithm's), not yet
-/// expired. Every failure is transient, with its reason: the platform may fix the file.
+/// expired. Every failure is transient, with its reason: the platform may fix the file. (A
+/// writer that rewrites the file in place, twice within one tick of the file system's clock and
+/// at the same size, may be read late: platforms swap the file whole, as they should.)
 public final class AssertionFile: Sendable {
     public let path: String
     /// What the failures call it (`client assertion`, `assertion`).
@@ -152,6 +154,8 @@ public final class AssertionFile: Sendable {
     public func read() throws(FetchFailure) -> String {
         var info = stat()
         guard stat(path, &info) == 0 else { throw failure("cannot read \(path): \(String(cString: strerror(errno)))") }
+        // (A device or a FIFO is not opened at all: opening some has effects.)
+        guard info.st_mode & S_IFMT == S_IFREG else { throw failure("\(path) is not a regular file") }
         let identity = FileIdentity(info)
         if let cached = cached.withLock({ $0 }), cached.identity == identity {
             try checkExpiry(cached.expiry)

@@ -123,7 +123,10 @@ public final class HTTPTokenSource: TokenSource, UpstreamAccount {
         var assertion: ClientAssertion?
         if configuration.authentication == .privateKeyJWT {
             guard let source = configuration.assertion else { throw .terminal("client configuration: private_key_jwt without a key or an assertion file") }
-            assertion = try await source.prepare(serverAlgorithms: issuer != nil ? try await discover()?.assertionSigningAlgorithms : nil)
+            // (Best effort: with TokenEndpoint= given, metadata that cannot be read now leaves the
+            // key's own algorithm, rather than failing a request that needs none of it.)
+            let listed = issuer != nil ? (try? await discover())?.assertionSigningAlgorithms : nil
+            assertion = try await source.prepare(serverAlgorithms: listed)
         }
         return OAuthClient(endpoints: endpoints, configuration: configuration, dpop: dpop, clientAssertion: assertion, loop: loop)
     }

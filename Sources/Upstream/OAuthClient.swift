@@ -129,20 +129,21 @@ public struct OAuthClient: Sendable {
     /// A token endpoint's refusal, classified (`classify`). A platform's assertion the server
     /// refuses (`ClientAssertionFile=`: expired by its clock, not yet renewed) says nothing of the
     /// configuration: transient, tried again with the file's next JWT, never a session's end.
-    /// A signed one refused is a key the server does not know (yet): refused, retried with backoff.
+    /// A signed one refused is a key the server does not know (yet): transient too.
     func refusal(_ response: HTTPResponse) -> FetchFailure {
         var failure = Self.classify(response)
-        guard let clientAssertion, Self.errorCode(response) == "invalid_client" else { return failure }
+        guard let clientAssertion, response.status < 500, let code = Self.errorCode(response),
+              code == "invalid_client" || code == "unauthorized_client" else { return failure }
         let detail = failure.detail
         switch clientAssertion {
         case let .file(file):
-            failure = .transient("the server refused the client assertion from \(file.path) (invalid_client)")
+            failure = .transient("the server refused the client assertion from \(file.path) (\(code))")
         case let .signed(key, _, _):
-            // Most often a key not registered yet (or not any more): the operator's fix is at
-            // the server, not in the configuration. Retried with backoff, a bounded number of
-            // times for a session with a refresh token.
-            failure = .refused("the server refused the client assertion (invalid_client): is the key \(key.thumbprint) registered "
-                               + "with it? (tokenbroker ctl client-key prints the JWKS)")
+            // Most often a key not registered yet (or not any more: a promotion or a retirement
+            // ahead of the server): the operator's fix is at the server, and says nothing of the
+            // session's grant. Retried with backoff, never the session's end.
+            failure = .transient("the server refused the client assertion (\(code)): is the key \(key.thumbprint) registered "
+                                 + "with it? (tokenbroker ctl client-key prints the JWKS)")
         }
         failure.detail = detail
         return failure

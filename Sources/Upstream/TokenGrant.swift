@@ -70,12 +70,17 @@ public struct JWTBearerRequest: TokenGrant {
             var token = try await client.tokenRequest(fields, rotates: false)
             token.refreshToken = nil
             return token
-        } catch where error.grantIsDead {
-            // The platform's JWT refused (expired by the server's clock, not yet renewed): the
-            // grant is the file's next JWT, not a login, so the session is not over.
-            var failure = FetchFailure.transient("the server refused the assertion from \(assertion.path) (invalid_grant)")
-            failure.detail = error.detail
-            throw failure
+        } catch {
+            // Whatever the server refuses (the platform's JWT expired by its clock and not yet
+            // renewed, a client or scope it does not take), the grant is the file's next JWT or
+            // the operator's fix, not a login: the session is never over.
+            guard case .transient = error.kind else {
+                var failure = FetchFailure.transient(error.grantIsDead ? "the server refused the assertion from \(assertion.path) (invalid_grant)"
+                                                                       : error.reason)
+                failure.detail = error.detail
+                throw failure
+            }
+            throw error
         }
     }
 }

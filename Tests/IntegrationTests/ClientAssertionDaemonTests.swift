@@ -152,6 +152,65 @@ struct ClientAssertionDaemonTests {
         _ = await second.stop()
     }
 
+    @Test("a refresh-token session whose key the server stops taking (a promotion ahead of the registration) is not ended: its failures are retried, its refresh token kept, and it goes on once the key is registered, with no new login")
+    func unregisteredKeyKeepsTheSession() async throws {
+        var options = DevIssuer.Options()
+        options.clients = [:]
+        let issuer = try DevIssuer(options: options)
+        defer { issuer.stop() }
+        let config = Self.session(issuer, "ClientID=keyclient\nClientAuthentication=private_key_jwt\nBackoffInitial=10ms\nBackoffMax=50ms")
+        try await withBroker(config: config) { broker in
+            let keys = try await Self.jwks(broker)
+            issuer.registerClientKeys("keyclient", jwks: keys)
+            let login = try await broker.ctl(["login", "api", "--refresh-token-stdin"], stdin: issuer.issueRefreshToken(clientID: "keyclient") + "\n")
+            #expect(login.code == 0, "\(login.err)")
+            #expect(try Self.refresh(broker, 2).failures == 0)
+            issuer.registerClientKeys("keyclient", jwks: [])
+            // More refusals than any limit on refusals (3) would allow a refresh token.
+            let refusedBefore = issuer.counters.clientAssertionsRefused
+            try await eventually("ten refused assertions") {
+                _ = try broker.call("Refresh", ["session": "api"])
+                return issuer.counters.clientAssertionsRefused - refusedBefore >= 10
+            }
+            let status = try #require(try broker.status("api"))
+            #expect(status["state"]?.stringValue == "active", "the session ended: \(status["state"]?.stringValue ?? "")")
+            issuer.registerClientKeys("keyclient", jwks: keys)
+            try await eventually("a refresh once the key is registered again") {
+                try broker.call("Refresh", ["session": "api"]).error == nil
+            }
+            #expect(issuer.counters.replays == 0)
+        }
+    }
+
+    @Test("a key of the wrong family for ClientAssertionAlgorithm= (changed and reloaded): requests fail saying to rotate, and --rotate, --promote make the new RSA key sign")
+    func algorithmChangeNeedsRotation() async throws {
+        var options = DevIssuer.Options()
+        options.clients = [:]
+        let issuer = try DevIssuer(options: options)
+        defer { issuer.stop() }
+        let config = Self.session(issuer, "ClientID=keyclient\nClientAuthentication=private_key_jwt\nGrant=client_credentials")
+        try await withBroker(config: config) { broker in
+            let ec = try await Self.jwks(broker)
+            #expect(ec.first?["kty"] == "EC")
+            issuer.registerClientKeys("keyclient", jwks: ec)
+            #expect(try Self.refresh(broker, 1).failures == 0)
+            try (config + "ClientAssertionAlgorithm=RS256\n").replacingOccurrences(of: "@DIR@", with: broker.directory)
+                .write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+            #expect(try broker.call("Reload").error == nil)
+            let refused = try broker.call("Refresh", ["session": "api"])
+            #expect(refused.parameters["retryable"] == true && refused.parameters["reason"]?.stringValue?.contains("--rotate") == true,
+                    "\(refused.parameters["reason"]?.stringValue ?? "")")
+            let both = try await Self.jwks(broker, ["--rotate"])
+            #expect(both.map { $0["kty"]?.stringValue ?? "" }.sorted() == ["EC", "RSA"])
+            #expect(both.first { $0["kty"] == "RSA" }?["alg"] == "RS256")
+            issuer.registerClientKeys("keyclient", jwks: both)
+            #expect(try await broker.ctl(["client-key", "api", "--promote"]).code == 0)
+            try await eventually("a refresh signed with the RSA key") {
+                try broker.call("Refresh", ["session": "api"]).error == nil
+            }
+        }
+    }
+
     /// Writes a platform JWT for `subject` to `path` atomically (a temporary file renamed over it).
     static func writePlatformToken(_ key: SigningKey, _ path: String, subject: String, audience: String, lifetime: Int64 = 600, serial: Int = 0) throws {
         let now = UTCTime.unixSeconds()

@@ -3,6 +3,7 @@ import Testing
 import TestSupport
 import TokenBrokerCore
 @testable import TokenBrokerDaemon
+import DPoP
 import Fleet
 import Upstream
 import HTTPTransport
@@ -27,6 +28,22 @@ struct ConfigFixture {
 
 @Suite("Configuration")
 struct ConfigTests {
+    @Test("clients without a secret: ClientAssertionFile= means private_key_jwt, a drop-in that empties it takes it back; jwt-bearer without ClientID= is no client; the JWKS algorithm and key file rows parse")
+    func clientsWithoutSecret() throws {
+        let base = "[Session]\nName=a\nTokenEndpoint=https://as.example/t\nClientID=c\nClientAssertionFile=/run/platform/token\n"
+        let implied = try ConfigFixture(main: base).load().sessions[0].settings.oauth
+        #expect(implied.client.authentication == .privateKeyJWT && implied.client.assertionFile == "/run/platform/token")
+        #expect(implied.client.audience(issuer: nil) == .tokenEndpoint)
+        let cleared = try ConfigFixture(main: base, dropIns: ["z.conf": "[Session]\nName=a\nClientAssertionFile=\nClientSecret=s\n"]).load()
+        #expect(cleared.sessions[0].settings.oauth.client.authentication == .basic)
+        #expect(cleared.sessions[0].settings.oauth.client.assertionFile == nil)
+        let bearer = try ConfigFixture(main: "[Session]\nName=b\nIssuer=https://as.example\nGrant=jwt-bearer\nAssertionFile=/run/t\n"
+                                       + "ClientAssertionAudience=endpoint\nClientAssertionAlgorithm=PS256\n").load().sessions[0].settings.oauth
+        #expect(bearer.grant == .jwtBearer && bearer.client.authentication == ClientAuthentication.none && bearer.grantAssertionFile == "/run/t")
+        #expect(bearer.client.audience(issuer: bearer.issuer) == .endpoint && bearer.client.assertionAlgorithm == .ps256)
+        #expect(SessionConfiguration.OAuthClientSettings().audience(issuer: "https://as.example") == .issuer("https://as.example"))
+    }
+
     @Test("INI: sections, comments, continuation lines, whitespace around '='")
     func ini() throws {
         let sections = try INIFile.parse("""
@@ -147,6 +164,9 @@ struct ConfigTests {
         ("[Session]\nName=a\nTokenEndpoint=https://as.example/t\nGrant=jwt-bearer", 1,
          "[Session] a needs AssertionFile= or AssertionCredential= (the JWT Grant=jwt-bearer presents)"),
         ("[Session]\nName=a\nClientAssertionAlgorithm=HS256", 3, "ClientAssertionAlgorithm= must be auto, ES256, RS256 or PS256"),
+        // A JWT-bearer session with a way to authenticate a client needs the client's id.
+        ("[Session]\nName=a\nTokenEndpoint=https://as.example/t\nGrant=jwt-bearer\nAssertionFile=/run/grant\nClientAssertionFile=/run/client", 1,
+         "[Session] a needs ClientID= (or Upstream=test)"),
         ("[Session]\nName=a\nClientID=c\nTokenEndpoint=https://as.example/t\nClientSecretFile=/nonexistent/secret", 5,
          "ClientSecretFile=: cannot read /nonexistent/secret: open /nonexistent/secret: No such file or directory"),
         ("[Session]\nName=a\nCAFile=relative.pem", 3, "CAFile= needs an absolute path"),

@@ -305,9 +305,10 @@ final class Reloader: Sendable {
     func forget(_ name: String) async throws -> Bool {
         // A pending write of the removed session would bring the row back: it is dropped too.
         if takeUnflushed(name) != nil { logger.notice("session \(name): its unwritten state is discarded with it", session: name) }
+        // (The store's forget removes the session's client keys too, row or none: so does memory.)
+        defer { factory.clientKeys.forget(name) }
         guard let database = state.database, try await database.forget(name) else { return false }
         table.modify { $0.inert.removeAll { $0.name == name } }
-        factory.clientKeys.forget(name)
         logger.notice("forgot stored session \(name)")
         return true
     }

@@ -404,7 +404,9 @@ public enum ConfigLoader {
                                              missing: (String, String...) -> ConfigError) {
         let explicit = entries.last { $0.key == "ClientAuthentication" }
         let keyEntry = settings.clientKeySource
-        let fileEntry = entries.last { ($0.key == "ClientAssertionFile" || $0.key == "ClientAssertionCredential") && !$0.value.isEmpty }
+        // (By what the keys left: a drop-in that empties ClientAssertionFile= takes it away.)
+        let fileEntry = settings.oauth.client.assertionFile == nil ? nil
+            : entries.last { ($0.key == "ClientAssertionFile" || $0.key == "ClientAssertionCredential") && !$0.value.isEmpty }
         if keyEntry != nil || fileEntry != nil {
             if let explicit, settings.oauth.client.authentication != .privateKeyJWT {
                 context.record(fail(explicit, "ClientAuthentication=\(explicit.value): \((keyEntry ?? fileEntry)!.key)= is for "
@@ -438,8 +440,12 @@ public enum ConfigLoader {
             if settings.oauth.grantAssertionFile == nil {
                 context.record(missing("AssertionFile= or AssertionCredential= (the JWT Grant=jwt-bearer presents)", "AssertionFile", "AssertionCredential"))
             }
-            if settings.oauth.client.clientID.isEmpty, explicit == nil, settings.secretSource == nil { settings.oauth.client.authentication = .none }
-        } else if let entry = entries.last(where: { ($0.key == "AssertionFile" || $0.key == "AssertionCredential") && !$0.value.isEmpty }) {
+            // No client at all: neither id nor a way to authenticate one.
+            if settings.oauth.client.clientID.isEmpty, explicit == nil, settings.secretSource == nil, keyEntry == nil, fileEntry == nil {
+                settings.oauth.client.authentication = .none
+            }
+        } else if settings.oauth.grantAssertionFile != nil,
+                  let entry = entries.last(where: { ($0.key == "AssertionFile" || $0.key == "AssertionCredential") && !$0.value.isEmpty }) {
             context.record(fail(entry, "\(entry.key)= is the grant of Grant=jwt-bearer (for client authentication by a platform's JWT, "
                                 + "use ClientAssertionFile=)"))
         }
