@@ -24,6 +24,7 @@ import secrets
 import select
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -486,6 +487,42 @@ def scenario(c, deb, issuer, readme_issuer):
     check(reload.returncode == 0 and readme.returncode == 0 and issuer.counters()["client_credentials"] == 1,
           "the README's session (ClientSecretFile= in /etc/tokenbroker/secrets, AllowGroups=): reloaded, served to bob",
           reload.stderr + readme.stderr + c.show("tokenbroker.service", "StatusText"))
+
+    # -- The README's session without a secret: private_key_jwt with the key the daemon makes
+    # and keeps sealed in its state; its JWKS, printed by ctl client-key, registered at the issuer.
+    c.write("/etc/tokenbroker/tokenbroker.conf.d/keyed.conf",
+            f"[Session]\nName=keyed\nGrant=client_credentials\nIssuer={issuer.url}\nClientID=keyclient\n"
+            "ClientAuthentication=private_key_jwt\nAllowGroups=tokenbroker\n")
+    reload = c.run(["systemctl", "reload", "tokenbroker.service"], check=False)
+    jwks = c.run(["tokenbroker", "ctl", "client-key", "keyed"], check=False)
+    registered = False
+    try:
+        keys = json.loads(jwks.stdout)["keys"]
+        request = urllib.request.Request(issuer.url + "/_dev/client-keys?client=keyclient", data=json.dumps({"keys": keys}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            registered = response.status == 200 and len(keys) == 1 and "d" not in keys[0]
+    except (ValueError, KeyError, urllib.error.URLError) as error:
+        jwks = subprocess.CompletedProcess([], 1, jwks.stdout[:200], f"{jwks.stderr} {error}")
+    before = issuer.counters().get("client_assertions", 0)
+    keyed, deadline = None, time.monotonic() + STEP_TIMEOUT
+    while time.monotonic() < deadline:
+        # (A start-time request before the key was registered was refused: retried with backoff.)
+        keyed = c.run(["tokenbroker", "ctl", "token", "keyed"], user="bob", check=False)
+        if keyed.returncode == 0:
+            break
+        c.run(["tokenbroker", "ctl", "refresh", "keyed"], check=False)
+    never_logged.append(keyed.stdout.strip())
+    try:
+        with sqlite3.connect(f"file:{c.path('/var/lib/tokenbroker/state.db')}?mode=ro", uri=True, timeout=10) as db:
+            sealed = [row[0] for row in db.execute("SELECT substr(key, 1, 7) FROM client_keys WHERE session = 'keyed'")]
+    except sqlite3.Error as error:
+        sealed = [str(error)]
+    check(reload.returncode == 0 and registered and keyed.returncode == 0 and issuer.counters().get("client_assertions", 0) > before
+          and sealed == ["tbenc1:"],
+          "the README's session without a secret (ClientAuthentication=private_key_jwt): ctl client-key prints the JWKS, registered, "
+          "the daemon's signed assertions get bob a token, the key sealed in the state database",
+          reload.stderr + jwks.stderr + keyed.stderr + str(sealed) + c.show("tokenbroker.service", "StatusText"))
 
     # -- A code login as installed: the sandboxed daemon (user tokenbroker) listens on loopback
     # for the browser's redirect; the browser is played from the host, which shares loopback.
