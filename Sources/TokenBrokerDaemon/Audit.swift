@@ -273,28 +273,34 @@ final class Audit: Sendable {
 
     /// The unit named in a `/proc/PID/cgroup` text: in the unified hierarchy's path (`0::`),
     /// else in systemd's named one (`name=systemd`, where systemd keeps its units on a hybrid or
-    /// legacy host); the deepest component that is a unit name.
+    /// legacy host); the deepest component that is a unit name. (Read as bytes: it runs on the
+    /// I/O thread for every new peer, a `ctl` or a credential helper each call.)
     static func unit(inCgroup text: ArraySlice<UInt8>) -> String? {
-        var unified: Substring?, named: Substring?
-        for line in String(decoding: text, as: UTF8.self).split(separator: "\n") {
+        let colon = UInt8(ascii: ":")
+        var unified: ArraySlice<UInt8>?, named: ArraySlice<UInt8>?
+        for line in text.split(separator: UInt8(ascii: "\n")) {
             // ID:CONTROLLERS:PATH
-            let parts = line.split(separator: ":", maxSplits: 2, omittingEmptySubsequences: false)
-            guard parts.count == 3 else { continue }
-            if parts[0] == "0" && parts[1].isEmpty { unified = parts[2] }
-            if parts[1] == "name=systemd" { named = parts[2] }
+            guard let first = line.firstIndex(of: colon), let second = line[(first + 1)...].firstIndex(of: colon) else { continue }
+            let controllers = line[(first + 1)..<second]
+            if line[..<first].elementsEqual("0".utf8) && controllers.isEmpty { unified = line[(second + 1)...] }
+            if controllers.elementsEqual("name=systemd".utf8) { named = line[(second + 1)...] }
         }
         return unified.flatMap(unit(inPath:)) ?? named.flatMap(unit(inPath:))
     }
 
     /// The deepest component of a cgroup path that is a unit name (`.service`, `.scope`); nil
     /// when there is none or it holds a character no unit name has.
-    private static func unit(inPath path: Substring) -> String? {
-        for component in path.split(separator: "/").reversed() where component.hasSuffix(".service") || component.hasSuffix(".scope") {
-            guard component.utf8.count <= 256, component.utf8.allSatisfy({ byte in
+    private static func unit(inPath path: ArraySlice<UInt8>) -> String? {
+        func ends(_ component: ArraySlice<UInt8>, with suffix: String) -> Bool {
+            component.count >= suffix.utf8.count && component.suffix(suffix.utf8.count).elementsEqual(suffix.utf8)
+        }
+        for component in path.split(separator: UInt8(ascii: "/")).reversed() where ends(component, with: ".service") || ends(component, with: ".scope") {
+            guard component.count <= 256, component.allSatisfy({ byte in
                 (0x30...0x39).contains(byte) || (0x41...0x5A).contains(byte) || (0x61...0x7A).contains(byte)
-                    || [UInt8(ascii: ":"), UInt8(ascii: "_"), UInt8(ascii: "."), UInt8(ascii: "-"), UInt8(ascii: "@"), UInt8(ascii: "\\")].contains(byte)
+                    || byte == UInt8(ascii: ":") || byte == UInt8(ascii: "_") || byte == UInt8(ascii: ".") || byte == UInt8(ascii: "-")
+                    || byte == UInt8(ascii: "@") || byte == UInt8(ascii: "\\")
             }) else { return nil }
-            return String(component)
+            return String(decoding: component, as: UTF8.self)
         }
         return nil
     }

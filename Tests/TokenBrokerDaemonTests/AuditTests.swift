@@ -108,6 +108,9 @@ struct AuditTests {
         #expect(unit("12:memory:/x\n1:name=systemd:/system.slice/cron.service\n0::/\n") == "cron.service", "a hybrid host: the named hierarchy's")
         #expect(unit("1:name=systemd:/system.slice/cron.service\n0::/system.slice/other.service\n") == "other.service", "the unified line first")
         #expect(unit("12:memory:/x\n1:name=systemd:/system.slice/cron.service\n") == "cron.service")
+        #expect(unit("0::/system.slice/system-getty.slice/getty@tty1.service") == "getty@tty1.service", "no last newline")
+        #expect(unit("0::/system.slice/run-r\\x2d1.scope\n") == "run-r\\x2d1.scope")
+        #expect(unit("0::/a.service/b:c\n") == "a.service", "a colon in the path")
         #expect(unit("0::/\n") == nil)
         #expect(unit("0::/system.slice/evil\u{1b}[2J.service\n") == nil)
     }
