@@ -167,7 +167,11 @@ TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
 MANDIR      ?= $(PREFIX)/share/man
 DOCDIR      ?= $(PREFIX)/share/doc/tokenbroker
 SYSCONFDIR  ?= /etc
-STATIC_BUILD = -c release --static-swift-stdlib --scratch-path $(CURDIR)/.build/static
+# --disable-local-rpath: no RUNPATH $ORIGIN. Nothing is installed beside the executables (the
+# Swift runtime is linked in, the rest is the system's), and with it the loader looked for every
+# library in some 20 hwcaps directories beside the daemon first: 40-odd failed opens and stats
+# at each start.
+STATIC_BUILD = -c release --static-swift-stdlib --disable-local-rpath --scratch-path $(CURDIR)/.build/static
 
 static:
 	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product tokenbroker-daemon
