@@ -31,9 +31,7 @@ extension BrokerService {
                 let listed = settings.issuer != nil ? try? await session.account?.assertionSigningAlgorithms() : nil
                 let algorithm = assertionAlgorithm(for: key, configured: settings.client.assertionAlgorithm, listed: listed ?? nil)
                     ?? settings.client.assertionAlgorithm ?? key.defaultAlgorithm
-                let entry = ClientKeyEntry(kid: key.thumbprint, role: "operator", algorithm: algorithm.rawValue, created: 0,
-                                           jwk: String(decoding: JSON.object(key.publicJWK(algorithm: algorithm)).encoded, as: UTF8.self))
-                sink.send(VarlinkReply(parameters: ["keys": [.object(entry.parameters)]]))
+                sink.send(VarlinkReply(parameters: ["keys": [.object(Self.entry(key, role: "operator", created: 0, algorithm: algorithm).parameters)]]))
             }
         }
         guard let clientKeys else { throw unavailable("this daemon holds no client keys") }
@@ -58,9 +56,8 @@ extension BrokerService {
             case let .success(keys):
                 // Each key's JWK names the algorithm its assertions are signed with, for this server.
                 let entries = keys.map { held in
-                    let algorithm = clientKeys.algorithm(of: held, configured: settings.client.assertionAlgorithm, listed: listed)
-                    return ClientKeyEntry(kid: held.stored.kid, role: held.stored.role.rawValue, algorithm: algorithm.rawValue, created: held.stored.created,
-                                          jwk: String(decoding: JSON.object(held.key.publicJWK(algorithm: algorithm)).encoded, as: UTF8.self))
+                    Self.entry(held.key, role: held.stored.role.rawValue, created: held.stored.created,
+                               algorithm: clientKeys.algorithm(of: held, configured: settings.client.assertionAlgorithm, listed: listed))
                 }
                 sink.send(VarlinkReply(parameters: ["keys": .array(entries.map { .object($0.parameters) })]))
             case let .failure(refusal):
@@ -68,5 +65,11 @@ extension BrokerService {
                 sink.send(unavailable(refusal.message).reply)
             }
         }
+    }
+
+    /// A key as `ClientKey` lists it: its public JWK, naming the algorithm it signs with.
+    private static func entry(_ key: SigningKey, role: String, created: Int64, algorithm: SigningKey.Algorithm) -> ClientKeyEntry {
+        ClientKeyEntry(kid: key.thumbprint, role: role, algorithm: algorithm.rawValue, created: created,
+                       jwk: String(decoding: JSON.object(key.publicJWK(algorithm: algorithm)).encoded, as: UTF8.self))
     }
 }

@@ -118,8 +118,12 @@ final class ClientKeys: Sendable {
             }
             return Held(stored: stored, key: key, algorithm: algorithm)
         }
-        held.withLock { $0[session] = $0[session] ?? keys }
-        return held.withLock { $0[session] ?? keys }
+        // (Another load may have kept them first: theirs stand.)
+        return held.withLock { held in
+            if let kept = held[session] { return kept }
+            held[session] = keys
+            return keys
+        }
     }
 
     /// A new key for `role`.

@@ -53,7 +53,6 @@ the first 8 hex digits of their SHA-256.
 """
 import argparse
 import fcntl
-import hashlib
 import json
 import os
 import secrets
@@ -66,6 +65,8 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "PyCommon"))
+from checks import fingerprint, process_argv, stop_pid  # noqa: E402
 VENV = os.environ.get("AUTHLIB_FIXTURE_VENV") or os.path.join(ROOT, ".build", "tools", "authlib")
 # Pinned: Authlib and all it pulls in (pip resolves nothing else).
 PINS = ["authlib==1.9.10", "joserfc==1.8.0", "cryptography==51.0.1", "cffi==2.1.1", "pycparser==3.12"]
@@ -82,13 +83,6 @@ class FixtureError(Exception):
 
 
 # ---------------------------------------------------------------- helpers (no third-party code)
-def fingerprint(text):
-    """A short name for a token or key: the first 8 hex digits of its SHA-256."""
-    if isinstance(text, str):
-        text = text.encode()
-    return hashlib.sha256(text).hexdigest()[:8]
-
-
 def write_private(path, text):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -139,15 +133,9 @@ def save_state(d, s):
 
 def pid_alive(pid, d):
     """True if pid is this fixture's server for DIR d (and not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return False
-    return b"serve" in argv and os.path.abspath(d).encode() in argv and any(a.endswith(b"authlib_server.py") for a in argv)
+    argv = process_argv(pid)
+    return argv is not None and b"serve" in argv and os.path.abspath(d).encode() in argv \
+        and any(a.endswith(b"authlib_server.py") for a in argv)
 
 
 def free_port(port=0):
@@ -783,15 +771,7 @@ def cmd_down(a):
     except (OSError, ValueError):
         print("no pid file; nothing to stop", file=sys.stderr)
         return
-    if pid_alive(pid, d):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while pid_alive(pid, d) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if pid_alive(pid, d):
-            os.kill(pid, signal.SIGKILL)
-            while pid_alive(pid, d):
-                time.sleep(0.05)
+    stop_pid(pid, lambda pid: pid_alive(pid, d))
     os.unlink(os.path.join(d, "server.pid"))
 
 

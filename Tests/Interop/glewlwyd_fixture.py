@@ -51,8 +51,11 @@ http://127.0.0.1:{state["code_redirect_port"]}/callback, a port free at `up` (Gl
 redirect URIs as exact strings: a loopback client must listen on that very port).
 """
 import argparse, base64, gzip, hashlib, http.client as httpc, json, os, secrets, shutil
-import signal, socket
+import socket
 import sqlite3, string, subprocess, sys, time, urllib.parse
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "PyCommon"))
+from checks import fingerprint, process_argv, stop_pid  # noqa: E402
 
 HOST = "127.0.0.1"
 SCOPE = "api"                      # the one custom scope granted to user and clients
@@ -168,15 +171,8 @@ def load_state(d):
 
 def pid_alive(pid, conf=None):
     """True if pid runs glewlwyd (with our config) and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return False
-    return b"glewlwyd" in argv[0] and (conf is None or conf.encode() in argv)
+    argv = process_argv(pid)
+    return argv is not None and b"glewlwyd" in argv[0] and (conf is None or conf.encode() in argv)
 
 
 # ---------------------------------------------------------------- install
@@ -231,14 +227,6 @@ P256_OID = bytes.fromhex("06082a8648ce3d030107")        # prime256v1
 
 def b64url(data):
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def fingerprint(text):
-    """Names a secret in output without showing it: the first 8 hex digits of its SHA-256 (as
-    Tests/PyCommon/checks.py's fingerprint)."""
-    if isinstance(text, str):
-        text = text.encode()
-    return hashlib.sha256(text).hexdigest()[:8]
 
 
 def openssl(*args, data=None):
@@ -739,15 +727,7 @@ def cmd_down(a):
         print("no pid file; nothing to stop", file=sys.stderr)
         return
     conf = os.path.join(d, "glewlwyd.conf")
-    if pid_alive(pid, conf):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while pid_alive(pid, conf) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if pid_alive(pid, conf):
-            os.kill(pid, signal.SIGKILL)
-            while pid_alive(pid, conf):
-                time.sleep(0.05)
+    stop_pid(pid, lambda pid: pid_alive(pid, conf))
     os.unlink(os.path.join(d, "glewlwyd.pid"))
 
 

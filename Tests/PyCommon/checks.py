@@ -1,7 +1,8 @@
-"""What the Python test drivers share: named checks, waits for a state, stopping a process,
-and naming a token without showing it."""
+"""What the Python test drivers and fixtures share: named checks, waits for a state, stopping a
+process (a child, or a server by its pid file), and naming a token without showing it."""
 
 import hashlib
+import os
 import signal
 import subprocess
 import time
@@ -11,8 +12,8 @@ FAILURES = []
 
 
 def fingerprint(token):
-    """A short name for a token or secret: never print the value."""
-    return hashlib.sha256(token.encode()).hexdigest()[:8]
+    """A short name for a token or secret (text or bytes): never print the value."""
+    return hashlib.sha256(token.encode() if isinstance(token, str) else token).hexdigest()[:8]
 
 
 def check(condition, what, detail=""):
@@ -43,3 +44,31 @@ def stop(process, timeout=20):
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def process_argv(pid):
+    """The arguments of process `pid`, or None when it is gone or a zombie (a fixture's pid file
+    may name a process that has exited, its number since reused)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return None
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except (OSError, IndexError):
+        return None
+
+
+def stop_pid(pid, alive, timeout=5):
+    """SIGTERM to `pid` while `alive(pid)` says it is still the process meant, SIGKILL after
+    `timeout` seconds; returns once it is gone."""
+    if not alive(pid):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        while alive(pid):
+            time.sleep(0.05)

@@ -145,6 +145,7 @@ public enum ConfigLoader {
                                     _ context: inout ConfigContext) -> [DelegationConfiguration] {
         var result: [DelegationConfiguration] = []
         var sockets: [String: String] = [configuration.socketPath: "the broker's own socket (Socket=)"]
+        let known = Set(configuration.sessions.map(\.name))
         for (delegation, section) in read(sections, ConfigSchema.delegationKeys, ConfigSchema.delegation, "Delegation",
                                           DelegationConfiguration(name: ""), \.name, &context) {
             func fail(_ message: String) { context.record(ConfigError(file: section.file, line: section.line, message)) }
@@ -153,7 +154,6 @@ public enum ConfigLoader {
             guard !delegation.sessions.isEmpty else { fail("\(label) needs Sessions= (the sessions its socket serves)"); continue }
             guard !delegation.socket.isEmpty else { fail("\(label) needs Socket= (where its socket is bound)"); continue }
             if let other = sockets[delegation.socket] { fail("\(label): Socket= is \(other)'s too"); continue }
-            let known = Set(configuration.sessions.map(\.name))
             let unknown = delegation.sessions.filter { !known.contains($0) }
             if !unknown.isEmpty { fail("\(label): Sessions= names \(unknown.prefix(8).joined(separator: ", ")), not configured"); continue }
             guard result.count < DelegationConfiguration.mostDelegations else {
@@ -422,19 +422,19 @@ public enum ConfigLoader {
             do {
                 let pem = try ConfigParsing.readSecret(keyEntry, &context)
                 do {
-                    _ = try SigningKey(pem: Array(pem.reveal.utf8))
+                    let key = try SigningKey(pem: Array(pem.reveal.utf8))
                     settings.oauth.client.clientKey = pem
+                    if let algorithm = settings.oauth.client.assertionAlgorithm, !key.signs(algorithm),
+                       let entry = entries.last(where: { $0.key == "ClientAssertionAlgorithm" }) {
+                        context.record(fail(entry, "ClientAssertionAlgorithm=\(algorithm.rawValue): the \(key.family.rawValue) key of "
+                                            + "\(keyEntry.key)= cannot sign it"))
+                    }
                 } catch {
                     context.record(fail(keyEntry, "\(keyEntry.key)=: \(error.description)"))
                 }
             } catch {
                 context.record(error)
             }
-        }
-        if let algorithm = settings.oauth.client.assertionAlgorithm, let key = settings.oauth.client.clientKey,
-           let parsed = try? SigningKey(pem: Array(key.reveal.utf8)), !parsed.signs(algorithm),
-           let entry = entries.last(where: { $0.key == "ClientAssertionAlgorithm" }) {
-            context.record(fail(entry, "ClientAssertionAlgorithm=\(algorithm.rawValue): the \(parsed.family.rawValue) key of \(keyEntry?.key ?? "ClientKeyFile")= cannot sign it"))
         }
         if settings.oauth.grant == .jwtBearer {
             if settings.oauth.grantAssertionFile == nil {
