@@ -9,21 +9,45 @@ public enum Base64 {
     private static let urlAlphabet = Array("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_".utf8)
 
     private static func encoded(_ bytes: [UInt8], alphabet: [UInt8], padded: Bool) -> [UInt8] {
-        var output: [UInt8] = []
-        output.reserveCapacity((bytes.count + 2) / 3 * 4)
-        var index = 0
-        while index < bytes.count {
-            let chunk = bytes[index..<min(index + 3, bytes.count)]
-            let b0 = chunk[chunk.startIndex]
-            let b1 = chunk.count > 1 ? chunk[chunk.startIndex + 1] : 0
-            let b2 = chunk.count > 2 ? chunk[chunk.startIndex + 2] : 0
-            output.append(alphabet[Int(b0 >> 2)])
-            output.append(alphabet[Int((b0 & 0x03) << 4 | b1 >> 4)])
-            if chunk.count > 1 { output.append(alphabet[Int((b1 & 0x0F) << 2 | b2 >> 6)]) } else if padded { output.append(UInt8(ascii: "=")) }
-            if chunk.count > 2 { output.append(alphabet[Int(b2 & 0x3F)]) } else if padded { output.append(UInt8(ascii: "=")) }
-            index += 3
+        let whole = bytes.count / 3
+        let rest = bytes.count - whole * 3
+        let count = whole * 4 + (rest == 0 ? 0 : padded ? 4 : rest + 1)
+        // Written in place, three bytes to four characters at a time (a proof encodes a few
+        // hundred bytes on the varlink loop: appending byte by byte was most of its encoding).
+        return [UInt8](unsafeUninitializedCapacity: count) { output, initialized in
+            bytes.withUnsafeBufferPointer { input in
+                alphabet.withUnsafeBufferPointer { alphabet in
+                    var out = 0
+                    for group in 0..<whole {
+                        let (b0, b1, b2) = (input[group * 3], input[group * 3 + 1], input[group * 3 + 2])
+                        output[out] = alphabet[Int(b0 >> 2)]
+                        output[out + 1] = alphabet[Int((b0 & 0x03) << 4 | b1 >> 4)]
+                        output[out + 2] = alphabet[Int((b1 & 0x0F) << 2 | b2 >> 6)]
+                        output[out + 3] = alphabet[Int(b2 & 0x3F)]
+                        out += 4
+                    }
+                    if rest > 0 {
+                        let b0 = input[whole * 3]
+                        let b1 = rest > 1 ? input[whole * 3 + 1] : 0
+                        output[out] = alphabet[Int(b0 >> 2)]
+                        output[out + 1] = alphabet[Int((b0 & 0x03) << 4 | b1 >> 4)]
+                        out += 2
+                        if rest > 1 {
+                            output[out] = alphabet[Int((b1 & 0x0F) << 2)]
+                            out += 1
+                        } else if padded {
+                            output[out] = UInt8(ascii: "=")
+                            out += 1
+                        }
+                        if padded {
+                            output[out] = UInt8(ascii: "=")
+                            out += 1
+                        }
+                    }
+                    initialized = out
+                }
+            }
         }
-        return output
     }
 
     /// base64url without padding (RFC 4648 §5; JOSE's encoding).

@@ -62,18 +62,18 @@ public final class SerialThread: Sendable {
 }
 
 /// A counting semaphore (POSIX), for a thread that sleeps until there is work.
-final class Semaphore: @unchecked Sendable {
+public final class Semaphore: @unchecked Sendable {
     // @unchecked: sem_wait and sem_post are thread-safe; the storage is allocated once and
     // never moves or changes otherwise.
     private let storage = UnsafeMutablePointer<sem_t>.allocate(capacity: 1)
 
-    init() { sem_init(storage, 0, 0) }
+    public init() { sem_init(storage, 0, 0) }
 
     deinit {
         sem_destroy(storage)
         storage.deallocate()
     }
 
-    func wait() { while sem_wait(storage) != 0 && errno == EINTR {} }
-    func signal() { sem_post(storage) }
+    public func wait() { while sem_wait(storage) != 0 && errno == EINTR {} }
+    public func signal() { sem_post(storage) }
 }

@@ -61,6 +61,46 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
 
     /// `io.tokenbroker.Broker.<Method>`.
     public var qualifiedName: String { BrokerContract.name + "." + rawValue }
+
+    /// The method's place in `allCases`: an index into a table of methods (a dictionary keyed
+    /// by the method hashed its name on every call).
+    public var ordinal: Int {
+        switch self {
+        case .getToken: 0
+        case .recover: 1
+        case .watch: 2
+        case .logout: 3
+        case .login: 4
+        case .status: 5
+        case .reload: 6
+        case .refresh: 7
+        case .deviceLogin: 8
+        case .forget: 9
+        case .metrics: 10
+        case .credential: 11
+        case .getProof: 12
+        case .codeLogin: 13
+        case .completeCodeLogin: 14
+        case .loginFlow: 15
+        case .resetFleetHistory: 16
+        case .delegate: 17
+        case .delegations: 18
+        case .undelegate: 19
+        case .audit: 20
+        case .clientKey: 21
+        }
+    }
+
+    /// The method a call's member names. The hot ones are compared first: `init(rawValue:)`
+    /// hashes the name into a table on every call, ten times the cost of comparing it.
+    public init?(member: String) {
+        switch member.utf8.count {
+        case 8 where member == "GetToken": self = .getToken
+        case 8 where member == "GetProof": self = .getProof
+        case 7 where member == "Recover": self = .recover
+        default: self.init(rawValue: member)
+        }
+    }
 }
 
 /// What a call narrows a session's token to (`resource`, `scope`): a key with its own token
@@ -142,7 +182,7 @@ public enum BrokerRequest: Sendable, Equatable {
     /// The token for `url`, for credential helpers; with `rejected`, as Recover answers.
     case credential(url: String, rejected: String?, minValid: Int64? = nil, key: TokenKey? = nil)
     /// The token with a DPoP proof for one request; with `rejected`, as Recover answers.
-    case getProof(session: String, method: String, uri: String, nonce: String?, rejected: String?, minValid: Int64? = nil, key: TokenKey? = nil)
+    indirect case getProof(session: String, method: String, uri: String, nonce: String?, rejected: String?, minValid: Int64? = nil, key: TokenKey? = nil)
     /// An authorization code login (PKCE), waiting for the browser's redirect at the daemon's
     /// listener; with `refusals`, each request the listener refuses is told (`refused` events).
     case codeLogin(session: String, refusals: Bool = false)
@@ -153,7 +193,7 @@ public enum BrokerRequest: Sendable, Equatable {
     /// Starts a fleet session's history anew (an admin's way out of a generation at its limit).
     case resetFleetHistory(session: String)
     /// Chosen sessions on a socket of their own (an admin's); the delegations; the end of one.
-    case delegate(DelegationRequest)
+    indirect case delegate(DelegationRequest)
     case delegations
     case undelegate(name: String)
     /// The newest audit records (an admin's), of one session when named.
@@ -205,8 +245,8 @@ public enum BrokerRequest: Sendable, Equatable {
     public init(_ method: BrokerMethod, _ object: JSONObject) throws(ParameterError) {
         BrokerContract.secretsRegistered
         let parameters = Parameters(object)
-        func session(_ others: Set<String> = []) throws(ParameterError) -> String {
-            try parameters.only(others.union(["session"]))
+        func session(_ others: [String] = []) throws(ParameterError) -> String {
+            try parameters.only("session", others)
             return try parameters.string("session")
         }
         switch method {

@@ -46,7 +46,7 @@ public struct DelegationRequest: Sendable, Equatable {
         (self.allowUsers, self.allowGroups, self.maxConnections) = (allowUsers, allowGroups, maxConnections)
     }
 
-    static let fields: Set<String> = ["name", "sessions", "socket", "file", "format", "readers", "fileMode", "ttl", "mode", "user", "group", "allowUsers",
+    static let fields: [String] = ["name", "sessions", "socket", "file", "format", "readers", "fileMode", "ttl", "mode", "user", "group", "allowUsers",
                                       "allowGroups", "maxConnections"]
 
     /// Reads and bounds the parameters (the daemon checks what only it can: the sessions, the path).

@@ -4,7 +4,13 @@
 #ifndef TOKENBROKER_CCRYPTO_SHIM_H
 #define TOKENBROKER_CCRYPTO_SHIM_H
 
+// ES256 with per-signature values made ahead (k^-1 and r, ECDSA_sign_setup) needs the EC_KEY
+// interface, deprecated since OpenSSL 3.0 with no EVP replacement: only the tb_ecdsa_*
+// functions below use it.
+#define OPENSSL_SUPPRESS_DEPRECATED 1
+
 #include <openssl/bn.h>
+#include <openssl/ec.h>
 #include <openssl/ecdsa.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
@@ -13,5 +19,36 @@
 #include <openssl/rand.h>
 #include <openssl/rsa.h>
 #include <openssl/x509.h>
+
+// The EC_KEY of a P-256 EVP_PKEY, for tb_ecdsa_sign (a reference the caller frees with
+// tb_ecdsa_free_key); NULL if it has none.
+static inline void *tb_ecdsa_key(EVP_PKEY *pkey) { return EVP_PKEY_get1_EC_KEY(pkey); }
+
+static inline void tb_ecdsa_free_key(void *key) { EC_KEY_free((EC_KEY *)key); }
+
+// A P-256 key of its own, for making per-signature values (they depend on the curve, not on
+// the key: k random, r = (kG).x, k^-1 mod n).
+static inline void *tb_ecdsa_new_p256(void) {
+    EC_KEY *key = EC_KEY_new_by_curve_name(NID_X9_62_prime256v1);
+    if (key != NULL && EC_KEY_generate_key(key) != 1) { EC_KEY_free(key); key = NULL; }
+    return key;
+}
+
+// One per-signature value: k^-1 and r, to be used for one signature only, then cleared.
+static inline int tb_ecdsa_setup(void *key, BIGNUM **kinv, BIGNUM **r) {
+    return ECDSA_sign_setup((EC_KEY *)key, NULL, kinv, r);
+}
+
+// An ES256 signature of a 32-byte digest as r||s (64 bytes), with a value made ahead (kinv
+// and r) or, both NULL, one made now. 1 on success.
+static inline int tb_ecdsa_sign(void *key, const unsigned char *digest, const BIGNUM *kinv, const BIGNUM *r, unsigned char *out) {
+    ECDSA_SIG *sig = ECDSA_do_sign_ex(digest, 32, kinv, r, (EC_KEY *)key);
+    if (sig == NULL) return 0;
+    const BIGNUM *sr = NULL, *ss = NULL;
+    ECDSA_SIG_get0(sig, &sr, &ss);
+    int ok = BN_bn2binpad(sr, out, 32) == 32 && BN_bn2binpad(ss, out + 32, 32) == 32;
+    ECDSA_SIG_free(sig);
+    return ok;
+}
 
 #endif

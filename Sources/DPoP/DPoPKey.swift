@@ -54,10 +54,11 @@ public final class DPoPKey: Sendable {
 
     /// SHA-256 of `bytes`.
     public static func sha256(_ bytes: [UInt8]) -> [UInt8] {
+        // (SHA256(), not EVP_Digest: the latter looks the algorithm up in the provider tables on
+        // every call, half the cost of hashing a token.)
         var digest = [UInt8](repeating: 0, count: 32)
-        var length: UInt32 = 0
         _ = bytes.withUnsafeBufferPointer { input in
-            digest.withUnsafeMutableBufferPointer { EVP_Digest(input.baseAddress, input.count, $0.baseAddress, &length, EVP_sha256(), nil) }
+            digest.withUnsafeMutableBufferPointer { SHA256(input.baseAddress, input.count, $0.baseAddress) }
         }
         return digest
     }

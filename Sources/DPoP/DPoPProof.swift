@@ -9,15 +9,23 @@ public enum DPoPProof {
     /// - Parameters:
     ///   - jti: unique per proof (random by default).
     ///   - accessToken: the token the request carries (a resource request): its hash goes in `ath`.
-    public static func make(key: DPoPKey, method: String, url: String, issuedAt: Int64, nonce: String? = nil,
-                            accessToken: String? = nil, jti: String = randomJTI()) throws(DPoPError) -> String {
-        guard let htu = target(url) else { throw DPoPError("not an http(s) URL") }
+    ///   - target: `target(url)`, when the caller has it already (reading a URL costs more than
+    ///     the rest of a proof but its signature).
+    ///   - accessTokenHash: `accessToken`'s `ath`, when the caller keeps it (a token is hashed once,
+    ///     not once per proof).
+    public static func make(key: DPoPKey, method: String, url: String, target known: String? = nil, issuedAt: Int64, nonce: String? = nil,
+                            accessToken: String? = nil, accessTokenHash: String? = nil, jti: String = randomJTI()) throws(DPoPError) -> String {
+        guard let htu = known ?? target(url) else { throw DPoPError("not an http(s) URL") }
         guard !method.isEmpty, method.utf8.allSatisfy({ (0x41...0x5A).contains($0) }) else { throw DPoPError("not an HTTP method") }
         // (The header is the key's, encoded once: `headerSegment`. The claims are appended in
         // order, no lookups: a proof is made per worker request.)
         var claims: [(key: String, value: JSON)] = [("jti", .string(jti)), ("htm", .string(method)), ("htu", .string(htu)), ("iat", .int(issuedAt))]
         if let nonce { claims.append(("nonce", .string(nonce))) }
-        if let accessToken { claims.append(("ath", .string(Base64.urlEncode(DPoPKey.sha256(Array(accessToken.utf8)))))) }
+        if let accessTokenHash {
+            claims.append(("ath", .string(accessTokenHash)))
+        } else if let accessToken {
+            claims.append(("ath", .string(Base64.urlEncode(DPoPKey.sha256(Array(accessToken.utf8))))))
+        }
         let signingInput = key.headerSegment + "." + Base64.urlEncode(JSON.object(JSONObject(claims)).encoded)
         return signingInput + "." + Base64.urlEncode(try key.sign(Array(signingInput.utf8)))
     }

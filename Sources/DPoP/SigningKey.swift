@@ -10,6 +10,8 @@ public final class SigningKey: @unchecked Sendable {
     // @unchecked: the EVP_PKEY is made once and then only read (each signature takes a fresh
     // context; libcrypto allows concurrent signing with one key that way).
     private let key: OpaquePointer
+    /// A P-256 key's EC_KEY, for ES256 with values made ahead (`SignatureValues`).
+    private let ecdsa: UnsafeMutableRawPointer?
     /// P-256 or RSA.
     public let family: Family
     /// The public key's JWK members (`kty`, `crv`, `x`, `y` or `e`, `kty`, `n`), in lexical order.
@@ -79,8 +81,12 @@ public final class SigningKey: @unchecked Sendable {
 
     private init(taking key: OpaquePointer) throws(DPoPError) {
         self.key = key
+        let ecdsa = EVP_PKEY_get_base_id(key) == EVP_PKEY_EC ? tb_ecdsa_key(key) : nil
+        ERR_clear_error()
+        self.ecdsa = ecdsa
         func refuse(_ why: String) -> DPoPError {
             EVP_PKEY_free(key)
+            tb_ecdsa_free_key(ecdsa)
             return DPoPError(why)
         }
         switch EVP_PKEY_get_base_id(key) {
@@ -111,7 +117,10 @@ public final class SigningKey: @unchecked Sendable {
         thumbprint = Base64.urlEncode(DPoPKey.sha256(Array(canonical.utf8)))
     }
 
-    deinit { EVP_PKEY_free(key) }
+    deinit {
+        EVP_PKEY_free(key)
+        tb_ecdsa_free_key(ecdsa)
+    }
 
     /// Whether it signs with `algorithm`.
     public func signs(_ algorithm: Algorithm) -> Bool { algorithm.family == family }
@@ -164,8 +173,22 @@ public final class SigningKey: @unchecked Sendable {
 
     /// A signature of `message` as JWS has it: r||s for ES256 (RFC 7518 §3.4), the RSA
     /// signature for RS256 and PS256 (§3.3, §3.5: MGF1 with SHA-256, a 32-byte salt).
-    public func sign(_ message: [UInt8], _ algorithm: Algorithm) throws(DPoPError) -> [UInt8] {
+    /// ES256 signs with a value made ahead from `values` when one is ready.
+    public func sign(_ message: [UInt8], _ algorithm: Algorithm, values: SignatureValues = .shared) throws(DPoPError) -> [UInt8] {
         guard signs(algorithm) else { throw DPoPError("a \(family.rawValue) key cannot sign \(algorithm.rawValue)") }
+        if algorithm == .es256, let ecdsa {
+            let digest = DPoPKey.sha256(message)
+            let value = values.take()
+            var signature = [UInt8](repeating: 0, count: 64)
+            let signed = digest.withUnsafeBufferPointer { digest in
+                signature.withUnsafeMutableBufferPointer { tb_ecdsa_sign(ecdsa, digest.baseAddress, value?.kinv, value?.r, $0.baseAddress) }
+            }
+            guard signed == 1 else {
+                ERR_clear_error()
+                throw DPoPError("cannot sign")
+            }
+            return signature
+        }
         guard let context = EVP_MD_CTX_new() else { throw DPoPError("cannot make a digest context") }
         defer { EVP_MD_CTX_free(context) }
         var keyContext: OpaquePointer?

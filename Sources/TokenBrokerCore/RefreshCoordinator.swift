@@ -1,5 +1,16 @@
 import Synchronization
 
+/// The hot path's copy of a coordinator's current token. (Not nested in the generic
+/// coordinator: a nested type's metadata would be looked up at run time on every call.)
+private struct PublishedToken: Sendable {
+    var token: IssuedToken
+    /// Monotonic offset until which the token may be handed out without the actor;
+    /// `nil`: no expiry.
+    var freshUntil: Duration?
+    /// When it expires (monotonic); `nil`: no expiry.
+    var deadline: Duration?
+}
+
 /// What became of `RefreshCoordinator.adopt`.
 public enum AdoptOutcome: Sendable, Equatable {
     case adopted
@@ -48,7 +59,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     private var nextWaiter: UInt64 = 0
     private let waiters = WaiterTable()
     private let watchers: WatcherList
-    private nonisolated let published = Mutex<Published?>(nil)
+    private nonisolated let published = Mutex<PublishedToken?>(nil)
     /// The generation's DPoP key as of the last change (`proofKey`).
     private nonisolated let publishedKey = Mutex<Secret?>(nil)
     private nonisolated let observation: Observation
@@ -100,16 +111,6 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         }
     }
 
-    /// The hot path's copy of the current token.
-    private struct Published: Sendable {
-        var token: IssuedToken
-        /// Monotonic offset until which the token may be handed out without the actor;
-        /// `nil`: no expiry.
-        var freshUntil: Duration?
-        /// When it expires (monotonic); `nil`: no expiry.
-        var deadline: Duration?
-    }
-
     /// - Parameters:
     ///   - restored: what the store held for this session at start-up (`nil`: nothing).
     ///   - randomUnit: draws the backoff jitter, a number in [0, 1).
@@ -148,7 +149,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
         let observation = Observation(Self.observed(machine, watched: false, now: .zero), observer: summaries)
         self.observation = observation
         watchers = WatcherList(countChanged: { count in observation.update { $0.summary.watched = count > 0 } })
-        published.withLock { $0 = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil, deadline: $0.deadline) } }
+        published.withLock { $0 = machine.publishable.map { PublishedToken(token: $0.token, freshUntil: $0.freshUntil, deadline: $0.deadline) } }
         publishedKey.withLock { $0 = machine.currentProofKey }
     }
 
@@ -702,7 +703,7 @@ public actor RefreshCoordinator<C: Clock> where C.Duration == Duration {
     }
 
     private func republish() {
-        let snapshot = machine.publishable.map { Published(token: $0.token, freshUntil: $0.freshUntil, deadline: $0.deadline) }
+        let snapshot = machine.publishable.map { PublishedToken(token: $0.token, freshUntil: $0.freshUntil, deadline: $0.deadline) }
         published.withLock { $0 = snapshot }
         let key = machine.currentProofKey
         publishedKey.withLock { $0 = key }

@@ -27,11 +27,15 @@ struct Access: Sendable, Equatable {
     }
 
     func mayUse(_ session: SessionConfiguration, _ peer: PeerCredentials) -> Bool {
+        mayUse(allowUsers: session.allowUsers, allowGroups: session.allowGroups, peer)
+    }
+
+    func mayUse(allowUsers: [UInt32], allowGroups: [UInt32], _ peer: PeerCredentials) -> Bool {
         // (A delegation's peers use its sessions, which it names: `Delegations.Grant`.)
         guard peer.listener == 0 else { return false }
         return isAdmin(peer)
-            || (peer.uid != overflowUID && session.allowUsers.contains(peer.uid))
-            || session.allowGroups.contains { isMember(peer, of: $0) }
+            || (peer.uid != overflowUID && allowUsers.contains(peer.uid))
+            || allowGroups.contains { isMember(peer, of: $0) }
     }
 
     /// Whether `peer` is in group `gid` (primary or supplementary); the overflow gid never is.

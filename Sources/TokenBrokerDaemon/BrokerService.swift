@@ -64,8 +64,10 @@ final class BrokerService: VarlinkHandler {
         case anyone
     }
 
-    /// One method: who may call it, whether it streams (needs `more`), and its handler.
-    struct Method: Sendable {
+    /// One method: who may call it, whether it streams (needs `more`), and its handler. (A class:
+    /// every call takes one from the table, and a reference is one retain where a struct with a
+    /// closure inside an enum was copied field by field.)
+    final class Method: Sendable {
         typealias Session = SessionTable.Session
         /// A handler of a method on one configured session (resolved and checked by the
         /// dispatcher), or of one that names none (or, Forget, an unconfigured one).
@@ -74,9 +76,13 @@ final class BrokerService: VarlinkHandler {
             case other(@Sendable (BrokerService, BrokerRequest, PeerCredentials) throws -> VarlinkHandling)
         }
 
-        var access: Access
-        var streams = false
-        var handler: Handler
+        let access: Access
+        let streams: Bool
+        let handler: Handler
+
+        init(access: Access, streams: Bool = false, handler: Handler) {
+            (self.access, self.streams, self.handler) = (access, streams, handler)
+        }
     }
 
     static let methods: [BrokerMethod: Method] = [
@@ -150,6 +156,9 @@ final class BrokerService: VarlinkHandler {
         }),
     ]
 
+    /// `methods` by `BrokerMethod.ordinal`.
+    static let methodsByOrdinal: [Method?] = BrokerMethod.allCases.map { methods[$0] }
+
     /// What a delegation's socket answers: the token methods, for its sessions only.
     static let delegable: Set<BrokerMethod> = [.getToken, .recover, .getProof, .watch, .credential, .status]
 
@@ -157,7 +166,7 @@ final class BrokerService: VarlinkHandler {
     /// it to its method; refusals and bad parameters are answered here.
     func handle(_ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
         // The method's name is read once, here.
-        let name = BrokerMethod(rawValue: call.member)
+        let name = BrokerMethod(member: call.member)
         let handling = dispatch(name, call, from: peer)
         // Token calls are counted by result; the hot path is one relaxed increment.
         guard let method = name, Metrics.tokenMethods.contains(method) else { return handling }
@@ -182,7 +191,7 @@ final class BrokerService: VarlinkHandler {
     }
 
     private func dispatch(_ name: BrokerMethod?, _ call: VarlinkCall, from peer: PeerCredentials) -> VarlinkHandling {
-        guard let name, let method = Self.methods[name] else {
+        guard let name, let method = Self.methodsByOrdinal[name.ordinal] else {
             return .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
         }
         if peer.listener != 0 { return delegatedDispatch(name, method, call, from: peer) }
@@ -415,25 +424,26 @@ final class BrokerService: VarlinkHandler {
                           validFor minValid: Int64?, by peer: PeerCredentials) -> VarlinkHandling {
         let name = session.configuration.name
         // The same URLs for every session, bearer or not: those a proof can name.
-        guard DPoPProof.target(uri) != nil else { return .reply(ParameterError(name: "uri").reply) }
+        guard let target = DPoPProof.target(uri) else { return .reply(ParameterError(name: "uri").reply) }
         let answer: @Sendable (IssuedToken) throws -> VarlinkReply = { [self] token in
             handed(token, of: session, key, to: peer, by: .getProof)
+            // The token's reply as GetToken's (encoded once per token), and the proof appended:
+            // ProofReply's members.
+            let cached = session.replies.entry(for: token, Self.tokenReply)
             // (A DPoP=auto session whose server does not bind has a key, and bearer tokens.)
-            guard let kept = token.proofKey, token.tokenType == "DPoP" else {
-                return VarlinkReply(parameters: ProofReply(token: TokenReply(token), proof: nil).parameters)
-            }
+            guard let kept = token.proofKey, token.tokenType == "DPoP" else { return cached.reply }
             guard let upstream = session.account else { throw BrokerError.internalError }
             let proof: String
             do {
-                proof = try DPoPProof.make(key: try upstream.proofKey(kept), method: method, url: uri, issuedAt: UTCTime.unixSeconds(),
-                                           nonce: nonce, accessToken: token.token.reveal)
+                proof = try DPoPProof.make(key: try upstream.proofKey(kept), method: method, url: uri, target: target, issuedAt: UTCTime.unixSeconds(),
+                                           nonce: nonce, accessToken: token.token.reveal, accessTokenHash: cached.proofHash)
             } catch let error as FetchFailure {
                 throw BrokerError.refreshFailed(session: name, reason: error.reason, retryable: false, retryAfter: nil)
             } catch {
                 // (The method and URL were checked: libcrypto failed. Logged as internal.)
                 throw BrokerError.internalError
             }
-            return VarlinkReply(parameters: ProofReply(token: TokenReply(token), proof: proof).parameters)
+            return cached.reply.appending("proof", string: proof)
         }
         if rejected == nil, let token = Self.freshToken(session, validFor: minValid) {
             do { return .reply(try answer(token)) } catch let error as ParameterError { return .reply(error.reply) } catch {

@@ -1,3 +1,5 @@
+import Basics
+import DPoP
 import Fleet
 import Synchronization
 import TokenBrokerCore
@@ -36,6 +38,10 @@ final class SessionTable: Sendable {
         /// Its coordinator's identity in the audit trail (kept by `reconfigured`, which keeps the
         /// coordinator).
         let auditID: UInt64
+        /// Its `AllowUsers=` and `AllowGroups=`, read on every call (from the configuration, the
+        /// whole session's settings were copied to read them).
+        let allowUsers: [UInt32]
+        let allowGroups: [UInt32]
 
         init(configuration: SessionConfiguration, coordinator: Coordinator, slot: SessionCensus.Slot, account: (any UpstreamAccount)? = nil,
              fleet: (sync: DaemonFleetSync, following: Task<Void, Never>?)? = nil, keys: DerivedKeys? = nil, auditID: UInt64? = nil) {
@@ -43,6 +49,7 @@ final class SessionTable: Sendable {
             self.keys = keys
             kind = SessionFactory.kind(of: configuration)
             self.configuration = configuration
+            (allowUsers, allowGroups) = (configuration.allowUsers, configuration.allowGroups)
             self.coordinator = coordinator
             self.slot = slot
             self.account = account
@@ -123,7 +130,7 @@ final class SessionTable: Sendable {
     /// The session and whether `peer` may use it.
     func lookup(_ name: String, for peer: PeerCredentials) -> (Session, allowed: Bool)? {
         state.withLock { state in
-            state.sessions[name].map { ($0, state.access.mayUse($0.configuration, peer)) }
+            state.sessions[name].map { ($0, state.access.mayUse(allowUsers: $0.allowUsers, allowGroups: $0.allowGroups, peer)) }
         }
     }
 
@@ -155,14 +162,33 @@ final class SessionTable: Sendable {
 /// the same bytes until the token changes. Holds nothing the coordinator does not already hold,
 /// and lets go of it at the first call that finds no fresh token (after a logout, say).
 final class TokenReplyCache: Sendable {
-    private let cached = Mutex<(token: IssuedToken, reply: VarlinkReply)?>(nil)
+    /// (A reference: a hit costs a retain, where a tuple was copied member by member.)
+    final class Entry: Sendable {
+        let token: IssuedToken
+        let reply: VarlinkReply
+        /// A DPoP token's hash, base64url, as its proofs' `ath` claim has it (hashed once per
+        /// token, not once per proof).
+        let proofHash: String?
+
+        init(token: IssuedToken, reply: VarlinkReply) {
+            (self.token, self.reply) = (token, reply)
+            proofHash = token.tokenType == "DPoP" ? Base64.urlEncode(DPoPKey.sha256(Array(token.token.reveal.utf8))) : nil
+        }
+    }
+
+    private let cached = Mutex<Entry?>(nil)
 
     /// The reply for `token` (any field different, the token's value included, is a new reply).
     func reply(for token: IssuedToken, _ make: (IssuedToken) -> VarlinkReply) -> VarlinkReply {
-        if let hit = cached.withLock({ $0.flatMap { $0.token == token ? $0.reply : nil } }) { return hit }
-        let reply = make(token).preencoded()
-        cached.withLock { $0 = (token, reply) }
-        return reply
+        entry(for: token, make).reply
+    }
+
+    /// The reply for `token`, with what proofs for it need.
+    func entry(for token: IssuedToken, _ make: (IssuedToken) -> VarlinkReply) -> Entry {
+        if let entry = cached.withLock({ $0 }), entry.token == token { return entry }
+        let entry = Entry(token: token, reply: make(token).preencoded())
+        cached.withLock { $0 = entry }
+        return entry
     }
 
     func clear() {

@@ -115,46 +115,67 @@ public struct VarlinkCall: Sendable, Equatable {
 }
 
 /// A reply (service → client): parameters, or an error with its parameters.
+///
+/// A value, kept in one immutable box: a reply passes through several hands on the way out (the
+/// handler's cache, the handling, the loop), and each copy is one retain. A change makes a new box.
 public struct VarlinkReply: Sendable, Equatable {
+    private final class Storage: Sendable {
+        let storedParameters: JSONObject?
+        /// `parameters` as JSON, when the same reply goes out many times (`preencoded()`), or
+        /// when the reply was made of its bytes.
+        let encodedParameters: [UInt8]?
+        let continues: Bool
+        let error: String?
+
+        init(storedParameters: JSONObject?, encodedParameters: [UInt8]?, continues: Bool, error: String?) {
+            (self.storedParameters, self.encodedParameters, self.continues, self.error) = (storedParameters, encodedParameters, continues, error)
+        }
+
+        func with(storedParameters: JSONObject?? = nil, encodedParameters: [UInt8]?? = nil, continues: Bool? = nil, error: String?? = nil) -> Storage {
+            Storage(storedParameters: storedParameters ?? self.storedParameters, encodedParameters: encodedParameters ?? self.encodedParameters,
+                    continues: continues ?? self.continues, error: error ?? self.error)
+        }
+    }
+
+    private var storage: Storage
+
     /// The reply's parameters. A reply made from encoded parameters (`init(encodedParameters:)`)
     /// reads them back from its bytes.
     public var parameters: JSONObject {
         get {
-            if let storedParameters { return storedParameters }
-            guard let encodedParameters, case let .object(object)? = try? JSONParser.parse(encodedParameters[...], limits: Self.readBack) else {
+            if let storedParameters = storage.storedParameters { return storedParameters }
+            guard let encodedParameters = storage.encodedParameters,
+                  case let .object(object)? = try? JSONParser.parse(encodedParameters[...], limits: Self.readBack) else {
                 return [:]
             }
             return object
         }
         set {
-            storedParameters = newValue
-            encodedParameters = nil
+            storage = storage.with(storedParameters: .some(newValue), encodedParameters: .some(nil))
         }
     }
-    private var storedParameters: JSONObject?
-    /// `parameters` as JSON, when the same reply goes out many times (`preencoded()`), or when
-    /// the reply was made of its bytes.
-    private var encodedParameters: [UInt8]?
     /// Encoded parameters are the service's own: read back without the limits a peer's get.
     private static let readBack = JSONLimits(maximumDepth: 64, maximumMembers: Int.max)
     /// More replies follow (only for calls with `more`).
-    public var continues: Bool
+    public var continues: Bool {
+        get { storage.continues }
+        set { if newValue != storage.continues { storage = storage.with(continues: newValue) } }
+    }
     /// A fully qualified error name.
-    public var error: String?
+    public var error: String? {
+        get { storage.error }
+        set { storage = storage.with(error: .some(newValue)) }
+    }
 
     public init(parameters: JSONObject = [:], continues: Bool = false, error: String? = nil) {
-        storedParameters = parameters
-        self.continues = continues
-        self.error = error
+        storage = Storage(storedParameters: parameters, encodedParameters: nil, continues: continues, error: error)
     }
 
     /// A reply whose parameters are already encoded (one JSON object, compact): a large reply
     /// assembled from pieces encoded earlier (Status of thousands of sessions) is sent as it is.
     public init(encodedParameters: [UInt8], continues: Bool = false) {
         assert((try? JSONParser.parse(encodedParameters[...], limits: Self.readBack))?.objectValue != nil, "not one JSON object")
-        self.encodedParameters = encodedParameters
-        self.continues = continues
-        error = nil
+        storage = Storage(storedParameters: nil, encodedParameters: encodedParameters, continues: continues, error: nil)
     }
 
     public static func error(_ name: String, _ parameters: JSONObject = [:]) -> VarlinkReply {
@@ -164,10 +185,32 @@ public struct VarlinkReply: Sendable, Equatable {
     /// The same reply with its parameters encoded once, for a reply that is sent again and again
     /// (a GetToken answer until the token changes): encoding it is then a copy.
     public func preencoded() -> VarlinkReply {
-        var copy = self
         var bytes: [UInt8] = []
         parameters.encode(into: &bytes)
-        copy.encodedParameters = bytes
+        var copy = self
+        copy.storage = storage.with(encodedParameters: .some(bytes))
+        return copy
+    }
+
+    /// The reply with one more string member, `key` (not one of its parameters yet), at the end.
+    /// A reply whose parameters are encoded gets its bytes and the member's, not a decoding and
+    /// an encoding of the whole (GetProof: a token's reply, encoded once, and its proof).
+    public func appending(_ key: String, string value: String) -> VarlinkReply {
+        guard let encoded = storage.encodedParameters, encoded.last == UInt8(ascii: "}") else {
+            var copy = self
+            copy.parameters[key] = .string(value)
+            return copy
+        }
+        assert(parameters[key] == nil, "\(key) is a member already")
+        var bytes = encoded
+        bytes.removeLast()
+        if bytes.count > 1 { bytes.append(UInt8(ascii: ",")) }
+        JSON.encodeString(key, into: &bytes)
+        bytes.append(UInt8(ascii: ":"))
+        JSON.encodeString(value, into: &bytes)
+        bytes.append(UInt8(ascii: "}"))
+        var copy = self
+        copy.storage = Storage(storedParameters: nil, encodedParameters: bytes, continues: continues, error: error)
         return copy
     }
 
@@ -186,7 +229,7 @@ public struct VarlinkReply: Sendable, Equatable {
         }
         if !first { output.append(UInt8(ascii: ",")) }
         output.append(contentsOf: #""parameters":"#.utf8)
-        if let encodedParameters { output.append(contentsOf: encodedParameters) } else { parameters.encode(into: &output) }
+        if let encodedParameters = storage.encodedParameters { output.append(contentsOf: encodedParameters) } else { parameters.encode(into: &output) }
         if continues { output.append(contentsOf: #","continues":true"#.utf8) }
         output.append(UInt8(ascii: "}"))
         output.append(0)
@@ -202,23 +245,23 @@ public struct VarlinkReply: Sendable, Equatable {
     /// are empty.
     public static func decode(_ bytes: ArraySlice<UInt8>, limits: JSONLimits = .standard) throws(VarlinkProtocolError) -> VarlinkReply {
         let object = try VarlinkProtocolError.object(bytes, "a reply", limits: limits)
-        var reply = VarlinkReply()
+        var (parameters, continues, error): (JSONObject, Bool, String?) = ([:], false, nil)
         switch object["parameters"] {
         case nil, .null?: break
-        case let .object(parameters)?: reply.parameters = parameters
+        case let .object(value)?: parameters = value
         default: throw VarlinkProtocolError("'parameters' must be an object")
         }
         switch object["continues"] {
         case nil, .null?: break
-        case let .bool(value)?: reply.continues = value
+        case let .bool(value)?: continues = value
         default: throw VarlinkProtocolError("'continues' must be a boolean")
         }
         switch object["error"] {
         case nil, .null?: break
-        case let .string(name)?: reply.error = name
+        case let .string(name)?: error = name
         default: throw VarlinkProtocolError("'error' must be a string")
         }
-        return reply
+        return VarlinkReply(parameters: parameters, continues: continues, error: error)
     }
 }
 

@@ -73,9 +73,20 @@ public struct Parameters {
 
     public init(_ object: JSONObject) { self.object = object }
 
-    /// Refuses any parameter not in `allowed` (the method's declared fields).
-    public func only(_ allowed: Set<String>) throws(ParameterError) {
-        for key in object.keys where !allowed.contains(key) { throw ParameterError(name: key) }
+    /// Refuses any parameter not in `allowed` (the method's declared fields; a handful, so a
+    /// list: no set to build and hash on every call).
+    public func only(_ allowed: [String]) throws(ParameterError) {
+        // (By index, keys only: a member copied whole is a value copied too.)
+        let members = object.members
+        for index in members.indices where !allowed.contains(members[index].key) { throw ParameterError(name: members[index].key) }
+    }
+
+    /// Refuses any parameter but `name` and `others`.
+    public func only(_ name: String, _ others: [String]) throws(ParameterError) {
+        let members = object.members
+        for index in members.indices where members[index].key != name && !others.contains(members[index].key) {
+            throw ParameterError(name: members[index].key)
+        }
     }
 
     public func string(_ name: String) throws(ParameterError) -> String {

@@ -7,6 +7,11 @@ import Synchronization
 
 /// One client's connection, as the loop sees it (touched on the loop thread only).
 extension VarlinkServer {
+    ///
+    /// Its state is the loop's alone: one thread, and no access to a property overlaps another
+    /// to the same (a call's reply is queued after the handler returns). So the runtime's
+    /// exclusivity checks are off for it (`@exclusivity(unchecked)`): they were a tenth of a
+    /// GetToken's instructions.
     final class Connection {
         let id: UInt64
         let fd: Int32
@@ -15,20 +20,25 @@ extension VarlinkServer {
         var listener: UInt32 { peer.listener }
         /// Exempt from the per-uid limit (decided once, at accept).
         let privileged: Bool
-        var decoder: FrameDecoder
+        @exclusivity(unchecked) var decoder: FrameDecoder
         /// When the first byte of the message still unfinished arrived, in `Loop.milliseconds()`
         /// (`nil`: none is).
-        var messageStarted: Int64?
-        var output: [UInt8] = []
-        var outputStart = 0
+        @exclusivity(unchecked) var messageStarted: Int64?
+        @exclusivity(unchecked) var output: [UInt8] = []
+        @exclusivity(unchecked) var outputStart = 0
         /// Events registered with epoll.
-        var interest: UInt32 = EPOLLIN.rawValue
+        @exclusivity(unchecked) var interest: UInt32 = EPOLLIN.rawValue
         /// The client has shut down its side; finish what is pending, then close.
-        var inputClosed = false
+        @exclusivity(unchecked) var inputClosed = false
         /// Close once the output is flushed.
-        var closeAfterFlush = false
-        var current: Call?
-        var nextCall: UInt64 = 0
+        @exclusivity(unchecked) var closeAfterFlush = false
+        @exclusivity(unchecked) var current: Call?
+        @exclusivity(unchecked) var nextCall: UInt64 = 0
+        /// The last call read and what it decoded to: a worker sends the same bytes again and
+        /// again (its GetToken), and the same bytes decode to the same call. Only small calls are
+        /// kept (`memoLimit`), so that an idle connection holds little.
+        @exclusivity(unchecked) var memo: Memo?
+        static let memoLimit = 256
 
         struct Call {
             var id: UInt64
@@ -48,5 +58,25 @@ extension VarlinkServer {
         }
 
         var pendingOutput: Int { output.count - outputStart }
+
+        /// A call read, and where it goes.
+        final class Memo {
+            let frame: [UInt8]
+            let call: VarlinkCall
+            let route: Loop.Route
+
+            init(frame: ArraySlice<UInt8>, call: VarlinkCall, route: Loop.Route) {
+                (self.frame, self.call, self.route) = (Array(frame), call, route)
+            }
+        }
+
+        /// The last call, when `frame` is the same bytes.
+        func remembered(_ frame: ArraySlice<UInt8>) -> Memo? {
+            guard let memo, memo.frame.count == frame.count, !frame.isEmpty else { return nil }
+            let same = memo.frame.withUnsafeBytes { kept in
+                frame.withUnsafeBytes { frame in memcmp(kept.baseAddress!, frame.baseAddress!, frame.count) == 0 }
+            }
+            return same ? memo : nil
+        }
     }
 }

@@ -362,6 +362,10 @@ extension VarlinkServer {
                     protocolError(connection, "message larger than \(server.configuration.maximumMessageSize) bytes")
                     return false
                 }
+                if let memo = connection.remembered(frame) {
+                    dispatch(memo.call, memo.route, on: connection)
+                    continue
+                }
                 let call: VarlinkCall
                 do {
                     call = try VarlinkCall.decode(frame, limits: server.configuration.jsonLimits)
@@ -369,7 +373,9 @@ extension VarlinkServer {
                     protocolError(connection, error.reason)
                     return false
                 }
-                dispatch(call, on: connection)
+                let route = self.route(call)
+                connection.memo = frame.count <= Connection.memoLimit ? Connection.Memo(frame: frame, call: call, route: route) : nil
+                dispatch(call, route, on: connection)
             }
             if connection.inputClosed && connection.current == nil && !connection.closeAfterFlush {
                 connection.closeAfterFlush = true
@@ -404,19 +410,32 @@ extension VarlinkServer {
             }
         }
 
-        private mutating func dispatch(_ call: VarlinkCall, on connection: Connection) {
+        /// Where a call goes: worked out once per distinct call of a connection (`Connection.memo`).
+        enum Route {
+            case service
+            case handler
+            case unknownInterface
+            case unknownMethod
+        }
+
+        private func route(_ call: VarlinkCall) -> Route {
+            if call.interface == "org.varlink.service" { return .service }
+            guard let interface = server.interfaces.first(where: { $0.name == call.interface }) else { return .unknownInterface }
+            return interface.methods.contains(call.member) ? .handler : .unknownMethod
+        }
+
+        private mutating func dispatch(_ call: VarlinkCall, _ route: Route, on connection: Connection) {
             let handling: VarlinkHandling
-            if call.interface == "org.varlink.service" {
+            switch route {
+            case .service:
                 handling = .reply(server.serviceReply(call))
-            } else if let interface = server.interfaces.first(where: { $0.name == call.interface }) {
-                if !interface.methods.contains(call.member) {
-                    handling = .reply(.error(VarlinkServiceError.methodNotFound, ["method": .string(call.method)]))
-                } else if call.upgrade {
-                    handling = .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
-                } else {
-                    handling = server.handler.handle(call, from: connection.peer)
-                }
-            } else {
+            case .unknownMethod:
+                handling = .reply(.error(VarlinkServiceError.methodNotFound, ["method": .string(call.method)]))
+            case .handler where call.upgrade:
+                handling = .reply(.error(VarlinkServiceError.methodNotImplemented, ["method": .string(call.method)]))
+            case .handler:
+                handling = server.handler.handle(call, from: connection.peer)
+            case .unknownInterface:
                 handling = .reply(.error(VarlinkServiceError.interfaceNotFound, ["interface": .string(call.interface)]))
             }
             switch handling {

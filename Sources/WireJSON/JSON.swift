@@ -34,7 +34,8 @@ public struct JSONObject: Sendable, Equatable, ExpressibleByDictionaryLiteral, S
     /// or appends it.
     public subscript(key: String) -> JSON? {
         get {
-            for member in members where member.key == key { return member.value }
+            // (By index: iterating copied each member, its value's payload included.)
+            for index in members.indices where members[index].key == key { return members[index].value }
             return nil
         }
         set {

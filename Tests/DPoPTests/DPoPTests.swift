@@ -17,10 +17,14 @@ struct DPoPTests {
 
     /// Whether openssl accepts `signature` (JWS r||s) of `message` under the key's public half.
     static func opensslVerifies(_ key: DPoPKey, _ message: [UInt8], _ signature: [UInt8]) throws -> Bool {
+        try opensslVerifies(publicDER: key.publicDER, message, signature)
+    }
+
+    static func opensslVerifies(publicDER: [UInt8], _ message: [UInt8], _ signature: [UInt8]) throws -> Bool {
         let directory = try FileManager.default.url(for: .itemReplacementDirectory, in: .userDomainMask,
                                                     appropriateFor: URL(fileURLWithPath: NSTemporaryDirectory()), create: true).path
         defer { try? FileManager.default.removeItem(atPath: directory) }
-        try Data(key.publicDER).write(to: URL(fileURLWithPath: directory + "/public.der"))
+        try Data(publicDER).write(to: URL(fileURLWithPath: directory + "/public.der"))
         try Data(message).write(to: URL(fileURLWithPath: directory + "/message"))
         // JWS's r||s as the DER ECDSA-Sig-Value openssl reads.
         func integer(_ bytes: ArraySlice<UInt8>) -> [UInt8] {
@@ -52,6 +56,33 @@ struct DPoPTests {
         #expect(try Self.opensslVerifies(key, message, signature))
         #expect(try !Self.opensslVerifies(key, Array("header.payloaD".utf8), signature))
         #expect(try !Self.opensslVerifies(try DPoPKey(), message, signature))
+    }
+
+    @Test("ES256 with values made ahead: every signature verifies, made ahead or inline once the pool is empty; no value signs twice (every r differs)")
+    func valuesMadeAhead() async throws {
+        let pool = SignatureValues(capacity: 8)
+        let key = try SigningKey(for: .es256)
+        let jwk = key.publicJWK(algorithm: .es256)
+        // The first signature starts the maker; then the pool fills.
+        _ = try key.sign([0], .es256, values: pool)
+        try await eventually("the pool is full") { pool.counts.ready == pool.capacity }
+        let before = pool.counts.taken
+        var rs: Set<[UInt8]> = []
+        for n in 1...40 {
+            let compact = Base64.urlEncode(Array(#"{"alg":"ES256"}"#.utf8)) + "." + Base64.urlEncode(Array(#"{"n":\#(n)}"#.utf8))
+            let signature = try key.sign(Array(compact.utf8), .es256, values: pool)
+            rs.insert(Array(signature.prefix(32)))
+            _ = try JWSVerifier.verify(compact + "." + Base64.urlEncode(signature), keys: [jwk])
+        }
+        // The first ones came from the pool (and the rest, as the maker kept up or not).
+        #expect(pool.counts.taken - before >= pool.capacity)
+        #expect(rs.count == 40)
+        // And openssl agrees on one made ahead.
+        try await eventually("the pool has values again") { pool.counts.ready > 0 }
+        let taken = pool.counts.taken
+        let signature = try key.sign(Array("ahead".utf8), .es256, values: pool)
+        #expect(pool.counts.taken == taken + 1)
+        #expect(try Self.opensslVerifies(publicDER: key.publicDER, Array("ahead".utf8), signature))
     }
 
     @Test("the key survives its sealed form; its thumbprint and JWK stay the same")

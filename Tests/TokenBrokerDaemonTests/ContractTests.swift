@@ -19,6 +19,13 @@ import TokenBrokerCore
         #expect(Set(BrokerMethod.allCases.map(\.rawValue)) == BrokerContract.interface.methods)
     }
 
+    @Test("a method's ordinal is its place among all methods; its member name decodes to it")
+    func methodOrdinals() {
+        #expect(BrokerMethod.allCases.map(\.ordinal) == Array(BrokerMethod.allCases.indices))
+        for method in BrokerMethod.allCases { #expect(BrokerMethod(member: method.rawValue) == method) }
+        #expect(BrokerMethod(member: "GetTokens") == nil && BrokerMethod(member: "getToken") == nil && BrokerMethod(member: "") == nil)
+    }
+
     static let errors: [BrokerError] = [
         .noSuchSession(session: "a"), .signedOut(session: "a"), .signedOut(session: "a", login: "printf x | tokenbroker ctl login a --refresh-token-stdin"), .permissionDenied,
         .refreshFailed(session: "a", reason: "upstream said 503", retryable: true, retryAfter: 2.5),

@@ -187,6 +187,29 @@ struct ServerTests {
         #expect(try client.call("io.example.Test.Echo", ["text": "after"]).parameters["text"] == "after")
     }
 
+    @Test("a call sent again as the same bytes is answered as the first; a call one byte apart is read anew, flags, errors and other methods included")
+    func repeatedCalls() async throws {
+        let fixture = try TestServer()
+        defer { Task { await fixture.stop() } }
+        let client = try fixture.client()
+        let first = VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": "aa"])
+        for _ in 0..<3 { #expect(try client.call(first).parameters["text"] == "aa") }
+        #expect(try client.call("io.example.Test.Echo", ["text": "ab"]).parameters["text"] == "ab")
+        #expect(try client.call(first).parameters["text"] == "aa")
+        // The same method and parameters with a flag: no reply, then the plain call answers.
+        try client.call(VarlinkCall(method: "io.example.Test.Echo", parameters: ["text": "aa"], oneway: true))
+        #expect(try client.call(first).parameters["text"] == "aa")
+        #expect(try client.call("io.example.Test.Echo", ["text": "aa", "extra": 1]).error == VarlinkServiceError.invalidParameter)
+        for _ in 0..<2 { #expect(try client.call("io.example.Test.Nope").error == VarlinkServiceError.methodNotFound) }
+        for _ in 0..<2 { #expect(try client.call("io.example.Other.Echo").error == VarlinkServiceError.interfaceNotFound) }
+        #expect(try client.call(first).parameters["text"] == "aa")
+        // Bytes that are not a call, after a remembered one, are still a protocol error.
+        var broken = first.encoded()
+        broken[broken.count - 2] = UInt8(ascii: ",")
+        try client.send(broken)
+        #expect(try client.nextReply().error == "io.example.Test.ProtocolError")
+    }
+
     @Test("oneway calls get no reply")
     func oneway() async throws {
         let fixture = try TestServer()
