@@ -66,8 +66,11 @@ var package = Package(
         // and its errors with their names — shared by the daemon's service, ctl and the client library.
         .target(name: "BrokerContract", dependencies: ["Basics", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The command line without the daemon: help, --version, every ctl verb (no libcurl, SQLite,
-        // libcrypto or libsystemd: see `Command`).
-        .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "CLinux", "Varlink"]),
+        // libcrypto or libsystemd: see `Command`). Its generic types' metadata is fetched by direct
+        // accessor calls rather than by demangling a name at first use: a seventh of a `ctl token`'s
+        // instructions fewer (358,000 to 306,000), and as many page faults.
+        .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "CLinux", "Varlink"],
+                swiftSettings: [.unsafeFlags(["-Xfrontend", "-disable-concrete-type-metadata-mangled-name-accessors"])]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve,
         // check-config.
         .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "DPoP", "TokenBrokerCore",

@@ -17,9 +17,11 @@ public enum BrokerContract {
     /// redirect that carries an authorization code, an authorization URL whose state a code
     /// injected into the login would need):
     /// descriptions of calls and replies never show them (`VarlinkRedaction`).
-    public static let secretMembers: Set<String> = ["token", "refreshToken", "rejected", "proof", "redirectUrl", "authorizationUri"]
-    /// Registers `secretMembers` once, at the first request a client or the daemon makes or reads.
-    static let secretsRegistered: Void = VarlinkRedaction.register(secretMembers)
+    public static let secretMembers = Set(secretMemberNames)
+    static let secretMemberNames = ["token", "refreshToken", "rejected", "proof", "redirectUrl", "authorizationUri"]
+    /// Registers `secretMembers` once, at the first request a client or the daemon makes or reads
+    /// (as a list: a client's first call builds no set).
+    static let secretsRegistered: Void = VarlinkRedaction.register(secretMemberNames)
     /// Where the broker listens unless configured otherwise (`Socket=`, `$TOKENBROKER_SOCKET`).
     public static let defaultSocket = "/run/tokenbroker/io.tokenbroker.Broker"
 
@@ -99,6 +101,15 @@ public enum BrokerMethod: String, Sendable, CaseIterable {
         case 8 where member == "GetProof": self = .getProof
         case 7 where member == "Recover": self = .recover
         default: self.init(rawValue: member)
+        }
+    }
+
+    /// Whether it is called with `more` (its replies stream). (A switch: a list of methods
+    /// made on every call was a part of a `ctl` call's start.)
+    public var streams: Bool {
+        switch self {
+        case .watch, .deviceLogin, .codeLogin: true
+        default: false
         }
     }
 }
@@ -405,7 +416,7 @@ public enum BrokerRequest: Sendable, Equatable {
 
     /// The call to send (`Watch`, `DeviceLogin` and `CodeLogin` stream, so they ask for more replies).
     public var call: VarlinkCall {
-        VarlinkCall(method: method.qualifiedName, parameters: parameters, more: [.watch, .deviceLogin, .codeLogin].contains(method))
+        VarlinkCall(method: method.qualifiedName, parameters: parameters, more: method.streams)
     }
 }
 

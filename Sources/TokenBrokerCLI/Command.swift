@@ -24,9 +24,25 @@ public enum Command {
 
     /// The arguments to run, given the name the process was started by (`argv[0]`).
     public static func arguments(invokedAs name: String, _ arguments: [String]) -> [String] {
+        // (Every link's name ends so, which a test checks: `tokenbroker` itself never builds the table.)
+        guard name.hasSuffix(helperSuffix) else { return arguments }
         let base = name.split(separator: "/").last.map(String.init) ?? name
         guard let protocolName = helperNames[base] else { return arguments }
         return ["credential", protocolName] + arguments
+    }
+
+    /// How the name of every credential helper's link ends.
+    static let helperSuffix = "-tokenbroker"
+
+    /// The arguments of this process (`argv` after the name it was started by, `argv[0]`), read
+    /// without `CommandLine.arguments`, whose first use costs the static `tokenbroker` about a
+    /// tenth of a `ctl token`.
+    public static func processArguments() -> [String] {
+        let count = Int(CommandLine.argc)
+        var arguments: [String] = []
+        arguments.reserveCapacity(max(count - 1, 0))
+        for index in 1..<max(count, 1) { arguments.append(CommandLine.unsafeArgv[index].map { String(cString: $0) } ?? "") }
+        return self.arguments(invokedAs: count > 0 ? CommandLine.unsafeArgv[0].map { String(cString: $0) } ?? "" : "", arguments)
     }
 
     /// Whether the static `tokenbroker` should try `tokenbroker-daemon` first for `arguments`,
@@ -38,7 +54,7 @@ public enum Command {
     }
 
     /// The subcommands only `tokenbroker-daemon` runs.
-    public static let daemonSubcommands: Set<String> = ["serve", "check-config"]
+    public static let daemonSubcommands = ["serve", "check-config"]
 
     public enum Outcome: Equatable {
         /// Done, with this exit code.

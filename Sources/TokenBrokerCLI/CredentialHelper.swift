@@ -19,15 +19,55 @@ public enum CredentialHelper {
     static let inputLimit = 64 << 10
     static let inputDeadline = 5_000   // milliseconds
 
-    /// What a helper found for a URL.
+    /// What a helper found for a URL. (An enum of its own, not a `Result`: a generic type's
+    /// first use costs a helper's start more than its whole call to the broker.)
     enum Lookup {
         case found(CredentialReply)
         case notFound
+        case failed(Ctl.Failure)
+    }
+
+    /// The options a helper takes, each with a value (`--url U` or `--url=U`), by name. (Named
+    /// fields rather than a dictionary, for the same reason as `Lookup`.)
+    struct Options {
+        static let names = ["--socket", "--username", "--url", "--session", "--resource", "--scope"]
+        private var socket, username, url, session, resource, scope: String?
+
+        subscript(name: String) -> String? {
+            get {
+                switch name {
+                case "--socket": socket
+                case "--username": username
+                case "--url": url
+                case "--session": session
+                case "--resource": resource
+                case "--scope": scope
+                default: nil
+                }
+            }
+            set {
+                switch name {
+                case "--socket": socket = newValue
+                case "--username": username = newValue
+                case "--url": url = newValue
+                case "--session": session = newValue
+                case "--resource": resource = newValue
+                case "--scope": scope = newValue
+                default: preconditionFailure("\(name) is not among Options.names")
+                }
+            }
+        }
     }
 
     /// Where the helper reads its input and talks to the broker (tests give their own).
     public struct Environment {
-        public var socket: String
+        /// The broker's socket: `--socket`'s, or else the one a client finds by itself (looked
+        /// for only when asked: finding it looks at the user's own socket).
+        public var socket: String {
+            get { chosenSocket ?? BrokerContract.socket() }
+            set { chosenSocket = newValue }
+        }
+        private var chosenSocket: String?
         public var standardInput: () -> [UInt8]?
         public var variable: (String) -> String?
         public var now: () -> Int64
@@ -35,13 +75,13 @@ public enum CredentialHelper {
         var registries: RegistryTransport = .process
 
         public static var process: Environment {
-            Environment(socket: BrokerContract.socket(),
+            Environment(socket: nil,
                         standardInput: { readInput() }, variable: { name in getenv(name).map { String(cString: $0) } },
                         now: { Int64(time(nil)) })
         }
 
-        public init(socket: String, standardInput: @escaping () -> [UInt8]?, variable: @escaping (String) -> String?, now: @escaping () -> Int64) {
-            (self.socket, self.standardInput, self.variable, self.now) = (socket, standardInput, variable, now)
+        public init(socket: String?, standardInput: @escaping () -> [UInt8]?, variable: @escaping (String) -> String?, now: @escaping () -> Int64) {
+            (chosenSocket, self.standardInput, self.variable, self.now) = (socket, standardInput, variable, now)
         }
     }
 
@@ -49,7 +89,7 @@ public enum CredentialHelper {
                            environment: Environment = .process) -> Int32 {
         var environment = environment
         var words: [String] = []
-        var options: [String: String] = [:]
+        var options = Options()
         var index = 0
         while index < arguments.count {
             let argument = arguments[index]
@@ -57,7 +97,7 @@ public enum CredentialHelper {
                 output.write(Help.credential)
                 return ExitCode.ok
             }
-            if let option = ["--socket", "--username", "--url", "--session", "--resource", "--scope"].first(where: { argument == $0 || argument.hasPrefix($0 + "=") }) {
+            if let option = Options.names.first(where: { argument == $0 || argument.hasPrefix($0 + "=") }) {
                 if argument == option {
                     guard index + 1 < arguments.count else { return usage("\(option) needs a value", &errors) }
                     options[option] = arguments[index + 1]
@@ -90,15 +130,15 @@ public enum CredentialHelper {
             answer = done
         case let .lookup(query, replies):
             // The one place a protocol's three outcomes are told apart.
-            let found: Result<Lookup, Ctl.Failure>
+            let found: Lookup
             switch query {
             case let .url(url, rejected): found = relay.lookup(url, rejected: rejected)
             case let .session(session): found = relay.session(session)
             }
             switch found {
-            case let .success(.found(reply)): answer = replies.found(reply)
-            case .success(.notFound): answer = replies.notFound
-            case let .failure(failure): answer = replies.failure(failure)
+            case let .found(reply): answer = replies.found(reply)
+            case .notFound: answer = replies.notFound
+            case let .failed(failure): answer = replies.failure(failure)
             }
         }
         output.write(answer.output)
@@ -119,54 +159,52 @@ public enum CredentialHelper {
         /// `--resource`, `--scope`: the key of the session asked for, if any.
         var key: TokenKey?
 
-        func lookup(_ url: String, rejected: String? = nil) -> Result<Lookup, Ctl.Failure> {
+        func lookup(_ url: String, rejected: String? = nil) -> Lookup {
             // What the broker would refuse to read is nobody's: the tool asks its next helper.
-            guard !url.isEmpty, url.utf8.count <= 2048 else { return .success(.notFound) }
-            return request(.credential(url: url, rejected: rejected, key: key)).flatMap { lookup in
-                // A token the protocols could not carry as one field is not handed on.
-                if case let .found(reply) = lookup, !reply.token.token.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) {
-                    return .failure(Ctl.Failure(code: ExitCode.failure, message: "the broker's token is not visible ASCII"))
-                }
-                return .success(lookup)
+            guard !url.isEmpty, url.utf8.count <= 2048 else { return .notFound }
+            let lookup = request(.credential(url: url, rejected: rejected, key: key))
+            // A token the protocols could not carry as one field is not handed on.
+            if case let .found(reply) = lookup, !reply.token.token.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F }) {
+                return .failed(Ctl.Failure(code: ExitCode.failure, message: "the broker's token is not visible ASCII"))
             }
+            return lookup
         }
 
-        func session(_ name: String) -> Result<Lookup, Ctl.Failure> {
-            request(.getToken(session: name, key: key)).map { lookup in
-                guard case let .found(reply) = lookup else { return lookup }
-                return .found(CredentialReply(session: name, token: reply.token))
-            }
+        func session(_ name: String) -> Lookup {
+            let lookup = request(.getToken(session: name, key: key))
+            guard case let .found(reply) = lookup else { return lookup }
+            return .found(CredentialReply(session: name, token: reply.token))
         }
 
-        private func request(_ request: BrokerRequest) -> Result<Lookup, Ctl.Failure> {
+        private func request(_ request: BrokerRequest) -> Lookup {
             let socket = environment.socket
             guard let address = Ctl.address(socket) else {
-                return .failure(Ctl.Failure(code: ExitCode.usage, message: "invalid socket address '\(socket)'"))
+                return .failed(Ctl.Failure(code: ExitCode.usage, message: "invalid socket address '\(socket)'"))
             }
             let reply: VarlinkReply
             do {
                 reply = try VarlinkClient(address: address, timeout: 60).call(request.call)
             } catch {
-                return .failure(Ctl.unreachable(address, error))
+                return .failed(Ctl.unreachable(address, error))
             }
             guard let name = reply.error else {
                 let found = CredentialReply(reply.parameters)
                 // A sender-constrained token is worthless without its proof, and these protocols
                 // carry one header at most: the tool is told, and gets nothing it cannot use.
                 guard found.token.tokenType.lowercased() == "bearer" else {
-                    return .failure(Ctl.Failure(code: ExitCode.failure, message: "session \(found.session) has \(found.token.tokenType.prefix(16))-bound tokens "
+                    return .failed(Ctl.Failure(code: ExitCode.failure, message: "session \(found.session) has \(found.token.tokenType.prefix(16))-bound tokens "
                                                 + "(DPoP=yes), which need a proof at every request: use GetProof (tokenbroker ctl proof) instead of a credential helper"))
                 }
-                return .success(.found(found))
+                return .found(found)
             }
             switch BrokerError(reply, session: request.session ?? "") {
             case .noSuchSession?, .permissionDenied?:
                 // No session serves it for this user (or, by name, this user may not use it).
-                return .success(.notFound)
+                return .notFound
             case let error?:
-                return .failure(Ctl.failure(error, request))
+                return .failed(Ctl.failure(error, request))
             case nil:
-                return .failure(Ctl.Failure(code: ExitCode.failure, message: "the broker answered \(name)"))
+                return .failed(Ctl.Failure(code: ExitCode.failure, message: "the broker answered \(name)"))
             }
         }
     }
@@ -199,6 +237,17 @@ public enum CredentialHelper {
                 return n == 0 ? bytes : nil
             }
         }
+    }
+
+    /// Whether `text` contains `://` (on bytes: `String.contains(_:)` of a string costs a
+    /// helper's start more than the search).
+    static func hasScheme(_ text: String) -> Bool {
+        var previous: (UInt8, UInt8) = (0, 0)
+        for byte in text.utf8 {
+            if previous == (UInt8(ascii: ":"), UInt8(ascii: "/")) && byte == UInt8(ascii: "/") { return true }
+            previous = (previous.1, byte)
+        }
+        return false
     }
 
     /// The lines of `text`, split at LF, a CR before it dropped.

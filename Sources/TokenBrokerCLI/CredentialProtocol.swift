@@ -19,7 +19,7 @@ struct CredentialProtocol: Sendable {
     struct Request {
         var operands: [String]
         /// `--username`, `--url`, `--session` (as given; each protocol reads its own).
-        var options: [String: String]
+        var options: CredentialHelper.Options
         var environment: CredentialHelper.Environment
 
         var username: String { options["--username"] ?? "oauth2" }
@@ -208,7 +208,7 @@ struct CredentialProtocol: Sendable {
         }
         // Terraform finds a host's services over https only (its remote service discovery).
         let host = operands[1]
-        return .lookup(.url(host.contains("://") ? host : "https://" + host), Replies(found: { reply in
+        return .lookup(.url(CredentialHelper.hasScheme(host) ? host : "https://" + host), Replies(found: { reply in
             Answer(output: JSON.object(["token": .string(reply.token.token)]).text + "\n")
         }, notFound: Answer(output: "{}\n"), failure: failure("terraform")))
     }

@@ -27,7 +27,8 @@ public enum Ctl {
     /// Parses `ctl`'s options and runs its verb; `ctl check-config` is handed back (the daemon's
     /// executable runs it).
     public static func run(_ arguments: [String], output: inout some TextOutput, errors: inout some TextOutput) -> Command.Outcome {
-        var socket = BrokerContract.socket()
+        // (Found only when no --socket names one: finding it looks at the user's own socket.)
+        var socket: String?
         var words: [String] = []
         var json = false
         var refreshTokenFromStdin = false
@@ -110,7 +111,7 @@ public enum Ctl {
                     socket = String(argument.dropFirst("--socket=".count))
                 } else if argument.hasPrefix("-") {
                     return .exit(usage("unknown option '\(argument)'", &errors))
-                } else if words.isEmpty, CtlVerb.named(argument)?.execution == .daemon {
+                } else if words.isEmpty, CtlVerb.execution(of: argument) == .daemon {
                     // `ctl check-config`, the same as `tokenbroker check-config`: it reads files, not the socket.
                     return .daemon("check-config", Array(arguments[(index + 1)...]))
                 } else {
@@ -119,7 +120,7 @@ public enum Ctl {
             }
             index += 1
         }
-        return .exit(perform(words, socket: socket, json: json, refreshTokenFromStdin: refreshTokenFromStdin, showToken: showToken,
+        return .exit(perform(words, socket: socket ?? BrokerContract.socket(), json: json, refreshTokenFromStdin: refreshTokenFromStdin, showToken: showToken,
                              nonce: nonce, flow: flow, minValid: minValid, key: TokenKey(resource: resource, scope: scope),
                              values: values, output: &output, errors: &errors))
     }
@@ -180,10 +181,16 @@ public enum Ctl {
             let hint = CtlVerb.suggestion(for: verb).map { " (did you mean \($0)?)" } ?? ""
             return usage("unknown verb '\(verb.prefix(64))'\(hint)", nil, &errors)
         }
-        let given = [("--refresh-token-stdin", refreshTokenFromStdin), ("--flow", flow != nil), ("--show-token", showToken),
-                     ("--nonce", nonce != nil), ("--min-valid", minValid != nil), ("--resource", key?.resource != nil),
-                     ("--scope", key?.scope != nil)] + values.keys.filter { $0 != "--socket" }.sorted().map { ($0, true) }
-        for (option, isGiven) in given where isGiven && !entry.options.contains(option) {
+        var given: [String] = []
+        if refreshTokenFromStdin { given.append("--refresh-token-stdin") }
+        if flow != nil { given.append("--flow") }
+        if showToken { given.append("--show-token") }
+        if nonce != nil { given.append("--nonce") }
+        if minValid != nil { given.append("--min-valid") }
+        if key?.resource != nil { given.append("--resource") }
+        if key?.scope != nil { given.append("--scope") }
+        if !values.isEmpty { given += values.keys.filter { $0 != "--socket" }.sorted() }
+        for option in given where !entry.options.contains(option) {
             let takers = CtlVerb.takers(of: option)
             let named = takers.count < 3 ? takers.joined(separator: " and ") : takers.dropLast().joined(separator: ", ") + " and " + takers.last!
             return usage("\(option) belongs to \(named)", entry, &errors)

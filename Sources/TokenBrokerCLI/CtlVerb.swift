@@ -10,7 +10,8 @@ public struct CtlVerb: Sendable {
     /// Its line in `ctl --help` (admin-only verbs say so).
     public let summary: String
     /// The verb options it takes (the global ones, `--socket` and `--json`, every verb takes).
-    public let options: Set<String>
+    /// (Arrays, here and below: a few names each, and no `Set` to hash on every `ctl` call.)
+    public let options: [String]
     /// `ctl <verb> --help`.
     public let help: String
     /// Where it runs: in the small static `tokenbroker`, or in `tokenbroker-daemon` (which
@@ -30,7 +31,7 @@ public struct CtlVerb: Sendable {
         case daemonOnTerminal
     }
 
-    init(_ name: String, _ operands: [String], variadic: Bool = false, options: Set<String> = [], _ summary: String, help: String,
+    init(_ name: String, _ operands: [String], variadic: Bool = false, options: [String] = [], _ summary: String, help: String,
          execution: Execution = .here, _ handler: @escaping @Sendable (Ctl.Invocation, inout any TextOutput) throws(Ctl.Failure) -> Void) {
         self.name = name
         self.variadic = variadic
@@ -89,6 +90,13 @@ public struct CtlVerb: Sendable {
 
     public static func named(_ name: String) -> CtlVerb? { all.first { $0.name == name } }
 
+    /// Where the verb `name` runs (nil: no such verb). (No `CtlVerb?` made: destroying one
+    /// instantiates its optional's metadata, a cost on every `ctl` call.)
+    static func execution(of name: String) -> Execution? {
+        for verb in all where verb.name == name { return verb.execution }
+        return nil
+    }
+
     /// The verb a mistyped one probably meant.
     static func suggestion(for name: String) -> String? { Spelling.closest(to: name, in: all.lazy.map(\.name)) }
 
@@ -97,11 +105,11 @@ public struct CtlVerb: Sendable {
 
     /// The options with a value only `delegate` takes (its `--socket` is the global one's name,
     /// read after the verb).
-    static let delegateOptions: Set<String> = ["--ttl", "--name", "--mode", "--owner", "--group", "--allow-users", "--allow-groups",
+    static let delegateOptions = ["--ttl", "--name", "--mode", "--owner", "--group", "--allow-users", "--allow-groups",
                                                 "--max-connections", "--file", "--format", "--readers", "--file-mode"]
 
     /// The options with a value that `delegate` and `audit` take, read into `Invocation.values`.
-    static let valueOptions: Set<String> = delegateOptions.union(["--session", "--limit"])
+    static let valueOptions = delegateOptions + ["--session", "--limit"]
 
     /// `proof <session> <method> <url>`.
     var synopsis: String { ([name] + operands.map { "<\($0)>" }).joined(separator: " ") + (variadic ? "..." : "") }

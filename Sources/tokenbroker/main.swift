@@ -9,7 +9,7 @@ import TokenBrokerCLI
 var output = FileOutput.standardOutput
 var errors = FileOutput.standardError
 // (Started as `docker-credential-tokenbroker` and the like: that helper.)
-let arguments = Command.arguments(invokedAs: CommandLine.arguments.first ?? "", Array(CommandLine.arguments.dropFirst()))
+let arguments = Command.processArguments()
 // A login on a terminal may draw a QR code, with a library only a dynamically linked process
 // loads (QRCode): it runs in tokenbroker-daemon (here, without the code, if that cannot start).
 // (check-config comes back from Command.run, and fails with its reason if it cannot start.)

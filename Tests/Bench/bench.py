@@ -175,15 +175,15 @@ def main():
     true = json.loads(subprocess.run([tools["spawn"], str(SPAWNS), "/bin/true"], capture_output=True, text=True, check=True).stdout)
     ctl = json.loads(subprocess.run([tools["spawn"], str(SPAWNS), tokenbroker, "ctl", "--socket", socket_path, "token", "demo"],
                                     capture_output=True, text=True, check=True).stdout)
-    print(f"{'':>22} {'p50 ms':>7} {'p90 ms':>7}")
-    print(f"{'/bin/true':>22} {true['p50_ms']:>7.2f} {true['p90_ms']:>7.2f}")
-    print(f"{'ctl token':>22} {ctl['p50_ms']:>7.2f} {ctl['p90_ms']:>7.2f}   (+{ctl['p50_ms'] - true['p50_ms']:.2f} ms over /bin/true)")
-    # A credential helper as a tool runs it (Terraform's protocol: no standard input), goals
-    # p50 <= /bin/true + 1 ms and p99 <= 5 ms.
+    # Goals (both, each spawned per call): p50 <= /bin/true + 0.3 ms, p99 <= 2 ms.
+    print(f"{'':>22} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7}")
+    print(f"{'/bin/true':>22} {true['p50_ms']:>7.2f} {true['p90_ms']:>7.2f} {true['p99_ms']:>7.2f}")
+    print(f"{'ctl token':>22} {ctl['p50_ms']:>7.2f} {ctl['p90_ms']:>7.2f} {ctl['p99_ms']:>7.2f}   (+{ctl['p50_ms'] - true['p50_ms']:.2f} ms over /bin/true)")
+    # A credential helper as a tool runs it (Terraform's protocol: no standard input).
     helper = json.loads(subprocess.run([tools["spawn"], str(SPAWNS), tokenbroker, "credential", "--socket", socket_path, "terraform", "get",
                                         "demo.example.test"], capture_output=True, text=True, check=True).stdout)
-    print(f"{'credential helper':>22} {helper['p50_ms']:>7.2f} {helper['p90_ms']:>7.2f}   (+{helper['p50_ms'] - true['p50_ms']:.2f} ms over "
-          f"/bin/true; p99 {helper['p99_ms']:.2f} ms, /bin/true's {true['p99_ms']:.2f} ms)")
+    print(f"{'credential helper':>22} {helper['p50_ms']:>7.2f} {helper['p90_ms']:>7.2f} {helper['p99_ms']:>7.2f}   (+{helper['p50_ms'] - true['p50_ms']:.2f} ms over "
+          f"/bin/true)")
     tb.stop()
 
     # 3b. GetProof (DPoP) next to GetToken on the same session: `serve --dev`'s demo-dpop, whose
