@@ -15,7 +15,10 @@ import Synchronization
 ///
 /// Sessions join and leave one by one (`FleetSync.run`), a reload's new sessions among running
 /// ones: the loop starts with the first to join and ends with the last to leave. A session that
-/// joins once the loop has read reads its own keys; one that joins before takes the loop's read.
+/// joins before the loop has read takes the loop's read; one that joins after reads its own keys
+/// — unless it joins while the watch is held (`hold`, while the daemon starts or reloads many
+/// sessions): then those that joined take one read of the prefix at `release`, and the loop
+/// starts only then.
 public final class FleetWatch<C: Clock>: Sendable where C.Duration == Duration {
     private struct State {
         /// The sessions by state key (during a reload's hand-over, the old one and its successor).
@@ -28,6 +31,9 @@ public final class FleetWatch<C: Clock>: Sendable where C.Duration == Duration {
         var live = false
         /// The last revision the current stream brought (its events or its progress notes).
         var seen: Int64 = 0
+        /// While held (`hold`), joiners wait for one read at `release`.
+        var held = 0
+        var joinedWhileHeld: [FleetSession<C>] = []
     }
 
     private let state = Mutex(State())
@@ -61,26 +67,60 @@ public final class FleetWatch<C: Clock>: Sendable where C.Duration == Duration {
     func join(_ session: FleetSession<C>) -> Bool {
         let (live, start) = state.withLock { state -> (Bool, UInt64?) in
             state.sessions[session.keys.state, default: []].append(session)
+            if state.held > 0 {
+                // (A loop that has not read yet brings it its keys anyway.)
+                if state.live { state.joinedWhileHeld.append(session) }
+                return (false, nil)
+            }
             guard !state.running else { return (state.live, nil) }
-            state.running = true
-            state.live = false
-            state.run &+= 1
-            return (false, state.run)
+            return (false, Self.starting(&state))
         }
-        if let start {
-            let task = spawn { [self] in await loop(start) }
-            let stale = state.withLock { state -> Bool in
-                guard state.run == start, state.running else { return true }
-                guard let task else {
-                    state.running = false   // the tree is stopping: no loop
-                    return false
-                }
-                state.task = task
+        if let start { startLoop(start) }
+        return live
+    }
+
+    /// Until as many `release` calls: sessions that join wait for one read of the prefix at the
+    /// last release, and a loop that does not run yet starts only then.
+    public func hold() {
+        state.withLock { $0.held += 1 }
+    }
+
+    /// Ends a `hold`: at the last, the sessions that joined meanwhile read the prefix at once (in
+    /// the caller's task), or the loop starts and reads it for them.
+    public func release() async {
+        let (start, joined) = state.withLock { state -> (UInt64?, [FleetSession<C>]) in
+            state.held -= 1
+            guard state.held == 0 else { return (nil, []) }
+            defer { state.joinedWhileHeld = [] }
+            if !state.running, !state.sessions.isEmpty { return (Self.starting(&state), []) }
+            let members = Set(state.sessions.values.joined().map(ObjectIdentifier.init))
+            return (nil, state.joinedWhileHeld.filter { members.contains(ObjectIdentifier($0)) })
+        }
+        if let start { startLoop(start) }
+        guard !joined.isEmpty else { return }
+        _ = try? await read(for: joined)
+    }
+
+    /// Marks a new run of the loop as started; returns its number.
+    private static func starting(_ state: inout State) -> UInt64 {
+        state.running = true
+        state.live = false
+        state.run &+= 1
+        return state.run
+    }
+
+    private func startLoop(_ start: UInt64) {
+        let task = spawn { [self] in await loop(start) }
+        let stale = state.withLock { state -> Bool in
+            guard state.run == start, state.running else { return true }
+            guard let task else {
+                state.running = false   // the tree is stopping: no loop
                 return false
             }
-            if stale { task?.cancel() }
+            state.task = task
+            return false
         }
-        return live
+        if stale { task?.cancel() }
     }
 
     /// Takes `session` out of the dispatch; the last one to leave ends the loop (and its stream).
@@ -108,7 +148,7 @@ public final class FleetWatch<C: Clock>: Sendable where C.Duration == Duration {
         while !Task.isCancelled {
             do throws(EtcdError) {
                 let start: Int64
-                if let from { start = from } else { start = try await read(run) + 1 }
+                if let from { start = from } else { start = try await read(for: nil, run: run) + 1 }
                 state.withLock { $0.seen = start - 1 }
                 let end = try await backend.watch(prefix: prefix, from: start, for: lifetime) { [weak self] events, revision in
                     self?.dispatch(events, revision: revision)
@@ -137,10 +177,12 @@ public final class FleetWatch<C: Clock>: Sendable where C.Duration == Duration {
         state.withLock { Array($0.sessions.values.joined()) }
     }
 
-    /// Reads every key under the prefix and hands each session its keys; returns the read's
-    /// revision. A failure marks every session unreachable.
-    private func read(_ run: UInt64) async throws(EtcdError) -> Int64 {
-        let asked = sessions()
+    /// Reads every key under the prefix and hands each session its keys (`only` those, or every
+    /// session in the dispatch once it is read, one that joined meanwhile too); returns the
+    /// read's revision. A failure marks those sessions unreachable. `run`: the loop's run, live
+    /// once it has read.
+    private func read(for only: [FleetSession<C>]?, run: UInt64? = nil) async throws(EtcdError) -> Int64 {
+        let asked = only ?? sessions()
         let before = Dictionary(asked.map { (ObjectIdentifier($0), $0.mirror.withLock { $0.revision }) }, uniquingKeysWith: { first, _ in first })
         let records: [EtcdKeyValue]
         let revision: Int64
@@ -149,13 +191,13 @@ public final class FleetWatch<C: Clock>: Sendable where C.Duration == Duration {
         } catch where error.kind == .cancelled {
             throw error
         } catch {
-            for session in sessions() { await session.unreachable(error.message) }
+            for session in only ?? sessions() { await session.unreachable(error.message) }
             throw error
         }
         var byKey: [[UInt8]: EtcdKeyValue] = [:]
         for record in records { byKey[record.key] = record }
         // Every session in the dispatch now takes it (one that joined while it was out too).
-        let takers = state.withLock { state -> [FleetSession<C>] in
+        let takers = only ?? state.withLock { state -> [FleetSession<C>] in
             if state.run == run { state.live = true }
             return Array(state.sessions.values.joined())
         }

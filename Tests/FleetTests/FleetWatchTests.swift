@@ -29,7 +29,10 @@ struct FleetWatchTests {
         let etcd = MemoryEtcd()
         for index in stride(from: 0, to: 1000, by: 7) { etcd.write("/t/sessions/s\(index)/state", Array("v\(index)".utf8)) }
         let (watch, sessions) = try Self.sessions(1000, etcd: etcd, clock: TestClock())
+        // As the daemon starts: every session joins, then the watch reads once for all.
+        watch.hold()
         for session in sessions { #expect(!watch.join(session)) }
+        await watch.release()
         try await eventually("every session has taken the read") { sessions.allSatisfy(Self.loaded) }
         try await eventually("the stream is up") { etcd.watching == 1 }
         #expect(etcd.requests(.range) == 1 && etcd.requests(.get) == 0 && etcd.requests(.watch) == 1)
@@ -50,16 +53,19 @@ struct FleetWatchTests {
         try await eventually("the stream has ended with the last session") { etcd.watching == 0 }
     }
 
-    @Test("a session added on reload joins the running watch and reads its own key once; one removed leaves it; the stream of the others is never restarted; the last to leave ends it")
+    @Test("a session that joins the running watch on its own reads its own key once; one removed leaves it; the stream of the others is never restarted; the last to leave ends it")
     func joinAndLeave() async throws {
         let etcd = MemoryEtcd()
         etcd.write("/t/sessions/s2/state", Array("two".utf8))
         let (watch, sessions) = try Self.sessions(3, etcd: etcd, clock: TestClock())
+        watch.hold()
         _ = watch.join(sessions[0])
         _ = watch.join(sessions[1])
+        await watch.release()
         try await eventually("the first two have taken the read") { Self.loaded(sessions[0]) && Self.loaded(sessions[1]) }
         try await eventually("the stream is up") { etcd.watching == 1 }
-        // A reload adds s2: the watch has read already, so s2 reads its own key (FleetSync.run does).
+        // s2 joins alone, the watch not held: it has read already, so s2 reads its own key
+        // (FleetSync.run does).
         #expect(watch.join(sessions[2]))
         _ = try await sessions[2].readView()
         #expect(Self.value(sessions[2]) == Array("two".utf8))
@@ -84,12 +90,36 @@ struct FleetWatchTests {
         try await eventually("the stream has ended") { etcd.watching == 0 }
     }
 
+    @Test("sessions made while the watch is held (a start, a reload) read etcd together: at a start the loop begins only at the release, with one read for all; a reload's 100 new sessions share one read of the prefix on the running stream, which goes on")
+    func heldJoins() async throws {
+        let etcd = MemoryEtcd()
+        for index in 0..<200 { etcd.write("/t/sessions/s\(index)/state", Array("v\(index)".utf8)) }
+        let (watch, sessions) = try Self.sessions(200, etcd: etcd, clock: TestClock())
+        watch.hold()
+        for session in sessions[..<100] { #expect(!watch.join(session)) }
+        #expect(etcd.requests(.range) == 0 && etcd.watching == 0, "the loop began before the release")
+        await watch.release()
+        try await eventually("the first 100 have taken the loop's read") { sessions[..<100].allSatisfy(Self.loaded) }
+        try await eventually("the stream is up") { etcd.watching == 1 }
+        watch.hold()
+        for session in sessions[100...] { #expect(!watch.join(session), "a session joining a held watch read for itself") }
+        await watch.release()
+        #expect(sessions.allSatisfy(Self.loaded) && Self.value(sessions[150]) == Array("v150".utf8))
+        #expect(etcd.requests(.range) == 2 && etcd.requests(.get) == 0 && etcd.requests(.watch) == 1 && etcd.watching == 1)
+        etcd.write("/t/sessions/s150/state", Array("next".utf8))
+        try await eventually("a new session follows the running stream") { Self.value(sessions[150]) == Array("next".utf8) }
+        for session in sessions { watch.leave(session) }
+        try await eventually("the stream has ended") { etcd.watching == 0 }
+    }
+
     @Test("the stream ends, then the read of the prefix fails: every session counts each restart and is unreachable; after growing pauses the prefix is read again (bringing what changed while nobody watched) and watched from that read's revision")
     func failureReadsAgain() async throws {
         let etcd = MemoryEtcd()
         let clock = TestClock()
         let (watch, sessions) = try Self.sessions(3, etcd: etcd, clock: clock)
+        watch.hold()
         for session in sessions { _ = watch.join(session) }
+        await watch.release()
         try await eventually("the stream is up") { etcd.watching == 1 && sessions.allSatisfy(Self.loaded) }
         etcd.failNext(.range)
         etcd.endWatches()

@@ -24,7 +24,7 @@ struct SessionFactory: Sendable {
     let followLoops: TaskPool
     /// The broker's watches of its fleets' prefixes, one per etcd and prefix (its sessions join
     /// and leave it; its loop runs among `followLoops` while one is joined).
-    let fleetWatches = SynchronizedBox<[(settings: FleetSettings, watch: DaemonFleetWatch)]>([])
+    let fleetWatches = SynchronizedBox<(held: Bool, watches: [(settings: FleetSettings, watch: DaemonFleetWatch)])>((false, []))
     /// Fleet marks and kept commits of sessions without a state database (development mode).
     let fleetMarks = SynchronizedBox<[String: FleetPosition]>([:])
     let fleetPending = SynchronizedBox<[String: FleetPendingCommit]>([:])
@@ -275,14 +275,34 @@ struct SessionFactory: Sendable {
     /// new one (watches of settings no session uses any more are dropped; their loops ended with
     /// their last session).
     private func fleetWatch(_ settings: FleetSettings) -> DaemonFleetWatch {
-        fleetWatches.modify { watches in
-            if let found = watches.first(where: { Self.sameWatch($0.settings, settings) }) { return found.watch }
-            watches.removeAll { $0.watch.sessionCount == 0 }
+        fleetWatches.modify { fleet in
+            if let found = fleet.watches.first(where: { Self.sameWatch($0.settings, settings) }) { return found.watch }
+            fleet.watches.removeAll { $0.watch.sessionCount == 0 }
             let watch = DaemonFleetWatch(backend: EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout),
                                          prefix: settings.prefix, clock: ContinuousClock(), spawn: { [followLoops] in followLoops.spawn($0) })
-            watches.append((settings, watch))
+            if fleet.held { watch.hold() }
+            fleet.watches.append((settings, watch))
             return watch
         }
+    }
+
+    /// While the daemon starts or reloads its sessions: the fleet sessions made meanwhile read
+    /// etcd together at `releaseFleetWatches` (one range read per prefix), not one by one.
+    func holdFleetWatches() {
+        fleetWatches.modify { fleet in
+            fleet.held = true
+            for entry in fleet.watches { entry.watch.hold() }
+        }
+    }
+
+    /// Ends `holdFleetWatches`: the sessions made meanwhile read their prefix now.
+    func releaseFleetWatches() async {
+        let watches = fleetWatches.modify { fleet -> [DaemonFleetWatch] in
+            guard fleet.held else { return [] }
+            fleet.held = false
+            return fleet.watches.map(\.watch)
+        }
+        for watch in watches { await watch.release() }
     }
 
     /// Whether two sessions' fleet settings watch the same keys the same way.
