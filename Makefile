@@ -140,7 +140,9 @@ bench-delegations: deps static
 	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/delegations.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
 
 # Fleet mode's figures (`Tests/Bench/fleet.py`): propagation between brokers, etcd requests per
-# refresh, GetToken on a fleet session vs a local one; a real 3-member etcd on loopback.
+# refresh, GetToken on a fleet session vs a local one, exec -> READY=1 with 1,000 fleet sessions
+# and the etcd requests of an idle minute (FLEET_SESSIONS, FLEET_IDLE_SECONDS); a real 3-member
+# etcd on loopback.
 bench-fleet: deps static
 	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product dev-issuer
 	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/fleet.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"

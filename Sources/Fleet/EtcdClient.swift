@@ -30,12 +30,44 @@ public struct EtcdClient: FleetBackend {
         return (records.first, try Self.revision(answer))
     }
 
-    /// Every record whose key starts with `prefix` (in key order), with the store's revision.
+    /// Every record whose key starts with `prefix` (in key order), all read at the revision of
+    /// the first page, with that revision. Read in pages of `rangePage` keys, each answer bounded
+    /// (`rangePage` values of the largest size a fleet value may have), at most `rangeLimit`
+    /// keys in all: a prefix someone filled with junk is an error, not a daemon out of memory.
     public func range(prefix: [UInt8]) async throws(EtcdError) -> (records: [EtcdKeyValue], revision: Int64) {
-        let answer = try await call("/v3/kv/range", ["key": .string(Base64.encode(prefix)),
-                                                     "range_end": .string(Base64.encode(Self.rangeEnd(prefix)))])
-        return (try Self.records(answer["kvs"]), try Self.revision(answer))
+        let end = Self.rangeEnd(prefix)
+        var records: [EtcdKeyValue] = []
+        var from = prefix
+        var revision: Int64?
+        while true {
+            var body: JSONObject = ["key": .string(Base64.encode(from)), "range_end": .string(Base64.encode(end)),
+                                    "limit": .string(String(Self.rangePage))]
+            if let revision { body["revision"] = .string(String(revision)) }
+            let answer = try await call("/v3/kv/range", body, maximumAnswer: max(maximumAnswer, Self.rangePageAnswer))
+            let page = try Self.records(answer["kvs"])
+            let read: Int64
+            if let revision { read = revision } else { read = try Self.revision(answer) }
+            revision = read
+            records += page
+            guard answer["more"]?.boolValue == true else { return (records, read) }
+            // The next page starts right after this one's last key: it must have moved on.
+            guard let last = page.last, last.key.starts(with: prefix), last.key.lexicographicallyPrecedes(end),
+                  !last.key.lexicographicallyPrecedes(from) else {
+                throw EtcdError(kind: .malformed, message: "a range page that does not move on")
+            }
+            guard records.count < Self.rangeLimit else {
+                throw EtcdError(kind: .malformed, message: "more than \(Self.rangeLimit) keys under the prefix")
+            }
+            from = last.key + [0]
+        }
     }
+
+    /// Keys per page of a range read, and its largest answer: that many values of the largest
+    /// size a fleet value may have, base64 on the wire, with their keys.
+    static let rangePage = 128
+    static let rangePageAnswer = rangePage * (FleetCodec.maximumValue * 4 / 3 + 4096)
+    /// The most keys a range read takes.
+    static let rangeLimit = 100_000
 
     /// The first key after every key that starts with `prefix`.
     static func rangeEnd(_ prefix: [UInt8]) -> [UInt8] {
@@ -50,18 +82,16 @@ public struct EtcdClient: FleetBackend {
         return [0]   // every key
     }
 
-    /// Watches `key` from `revision` on, on the first member that takes the watch, for at most
-    /// `duration` (see `FleetBackend.watch`; `changed` runs on the HTTP loop's thread).
-    public func watch(key: [UInt8], from revision: Int64, for duration: Duration,
-                      changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
-        try await watch(["key": .string(Base64.encode(key)), "start_revision": .string(String(revision))], for: duration, changed: changed)
-    }
-
-    /// Watches the keys under `prefix` from `revision` on (as `watch(key:…)`).
+    /// Watches the keys under `prefix` from `revision` on, on the first member that takes the
+    /// watch, for at most `duration` (see `FleetBackend.watch`; `changed` runs on the HTTP
+    /// loop's thread). The member sends progress notes while nothing changes (etcd's
+    /// `--experimental-watch-progress-notify-interval`), and, as the stream requires a leader
+    /// (gRPC metadata `hasleader`), cancels the stream when it has lost its leader: a member
+    /// cut off from the quorum does not keep a watch open and silent.
     public func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
                       changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
         try await watch(["key": .string(Base64.encode(prefix)), "range_end": .string(Base64.encode(Self.rangeEnd(prefix))),
-                         "start_revision": .string(String(revision))], for: duration, changed: changed)
+                         "start_revision": .string(String(revision)), "progress_notify": .bool(true)], for: duration, changed: changed)
     }
 
     private func watch(_ request: JSONObject, for duration: Duration,
@@ -72,7 +102,8 @@ public struct EtcdClient: FleetBackend {
         var problem = EtcdError(kind: .unavailable, message: "no endpoint")
         for endpoint in endpoints {
             let stream = EtcdWatchStream(limit: maximumAnswer, changed: changed)
-            var request = HTTPRequest(method: "POST", url: endpoint + "/v3/watch", headers: [("Content-Type", "application/json")],
+            var request = HTTPRequest(method: "POST", url: endpoint + "/v3/watch",
+                                      headers: [("Content-Type", "application/json"), ("Grpc-Metadata-Hasleader", "true")],
                                       body: body, connectTimeout: timeout, timeout: duration, tls: tls)
             request.onBody = { stream.take($0) }
             do {
@@ -147,13 +178,13 @@ public struct EtcdClient: FleetBackend {
 
     // MARK: - The wire
 
-    private func call(_ path: String, _ body: JSONObject) async throws(EtcdError) -> JSONObject {
+    private func call(_ path: String, _ body: JSONObject, maximumAnswer: Int? = nil) async throws(EtcdError) -> JSONObject {
         var bytes: [UInt8] = []
         body.encode(into: &bytes)
         var problem = EtcdError(kind: .unavailable, message: "no endpoint")
         for endpoint in endpoints {
             let request = HTTPRequest(method: "POST", url: endpoint + path, headers: [("Content-Type", "application/json")], body: bytes,
-                                      connectTimeout: timeout, timeout: timeout, tls: tls, maximumBodySize: maximumAnswer)
+                                      connectTimeout: timeout, timeout: timeout, tls: tls, maximumBodySize: maximumAnswer ?? self.maximumAnswer)
             let response: HTTPResponse
             do {
                 response = try await CurlLoop.shared.perform(request)

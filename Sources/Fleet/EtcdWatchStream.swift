@@ -50,7 +50,8 @@ final class EtcdWatchStream: Sendable {
         return going
     }
 
-    /// One line of the stream: nil for a message without events (`created`, a progress note).
+    /// One line of the stream: nil for `created`; a progress note (no events: nothing changed up
+    /// to its header's revision) is a batch without events.
     static func batch(_ line: [UInt8], started: inout Bool) throws(EtcdError) -> ([EtcdEvent], Int64)? {
         guard let message = (try? JSONParser.parse(line))?.objectValue else {
             throw EtcdError(kind: .malformed, message: "a watch message that is not a JSON object")
@@ -62,8 +63,13 @@ final class EtcdWatchStream: Sendable {
         if result["canceled"]?.boolValue == true || EtcdClient.int(result["compact_revision"]).map({ $0 > 0 }) == true {
             throw EtcdError(kind: .refused(code: 11), message: "the watch was cancelled (history compacted)")
         }
-        if result["created"]?.boolValue == true { started = true }
-        guard let items = result["events"] else { return nil }
+        let created = result["created"]?.boolValue == true
+        if created { started = true }
+        guard let items = result["events"] else {
+            // A progress note: its revision, once the watch is under way (else ignored).
+            guard !created, started, let header = result["header"]?.objectValue else { return nil }
+            return ([], try EtcdClient.revision(["header": .object(header)]))
+        }
         guard let items = items.arrayValue, let header = result["header"]?.objectValue else {
             throw EtcdError(kind: .malformed, message: "watch events without a header")
         }

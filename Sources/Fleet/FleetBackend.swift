@@ -1,5 +1,5 @@
 /// What a fleet needs of the store it shares: etcd v3's data model — keys with revisions and
-/// versions, atomic compare-and-swap transactions, and watches. `EtcdClient` is the
+/// versions, atomic compare-and-swap transactions, and watches of a prefix. `EtcdClient` is the
 /// implementation the daemon uses; the tests drive an in-memory one, whose every request they
 /// can hold, fail or answer late. (etcd's leases are not among them: anyone who can write the
 /// prefix can delete a key on a lease, so who refreshes is part of the sealed state instead.)
@@ -12,11 +12,16 @@ public protocol FleetBackend: Sendable {
     /// Runs `success` if every comparison holds, else `failure`, atomically.
     func transaction(_ compare: [EtcdCompare], success: [EtcdOperation], failure: [EtcdOperation]) async throws(EtcdError)
         -> EtcdTransaction
-    /// Watches `key` from `revision` on, for at most `duration`: `changed` gets every batch of
-    /// events with the revision it brings (it must not block). Returns how the stream ended;
-    /// throws when no member would watch, or when the watch was cancelled (its history before
-    /// `revision` compacted, say): the caller reads the key again.
-    func watch(key: [UInt8], from revision: Int64, for duration: Duration,
+    /// Every record whose key starts with `prefix` (in key order), all read at one revision,
+    /// with that revision: a fleet's keys in one read (in bounded pages behind this call).
+    func range(prefix: [UInt8]) async throws(EtcdError) -> (records: [EtcdKeyValue], revision: Int64)
+    /// Watches the keys under `prefix` from `revision` on, for at most `duration`: `changed` gets
+    /// every batch of events with the revision it brings (it must not block; a batch without
+    /// events is a progress note: nothing under the prefix changed up to its revision). Returns
+    /// how the stream ended; throws when no member would watch, or when the watch was cancelled
+    /// (its history before `revision` compacted, a member that lost its leader, say): the
+    /// caller reads the prefix again.
+    func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
                changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd
 }
 

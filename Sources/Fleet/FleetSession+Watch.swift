@@ -3,39 +3,21 @@ import Basics
 import Synchronization
 
 extension FleetSession {
-    /// Reads the session's state key, then watches it from the revision read, for thirty
-    /// seconds at a time, until cancelled: every change lands in the mirror (and is signalled).
-    /// A watch that ends at once or fails is started again only after a pause that grows while
-    /// it keeps doing so. (`FleetSync.run` runs it, and applies the mirror.)
-    nonisolated func watch() async {
-        var troubles = 0
-        while !Task.isCancelled {
-            do throws(EtcdError) {
-                _ = try await readView()
-                let from = mirror.withLock { $0.revision } + 1
-                let end = try await backend.watch(key: keys.state, from: from, for: .seconds(30)) { [weak self] events, revision in
-                    guard let self else { return }
-                    let changed = self.mirror.withLock { $0.apply(events, revision: revision, key: self.keys.state) }
-                    if changed { self.changes.signal() }
-                }
-                troubles = end == .expired ? 0 : troubles + 1
-            } catch where error.kind == .cancelled {
-                return
-            } catch {
-                troubles += 1
-                await markSynced()   // the first read failed: nothing to wait for
-                changes.signal()     // the sync loop learns the health
-            }
-            guard troubles > 0, !Task.isCancelled else { continue }
-            await countWatchRestart(early: troubles)
-            try? await clock.sleep(for: min(.milliseconds(100) * (1 << min(troubles, 6)), .seconds(5)))
-        }
+    /// A batch of the fleet watch's events that touch this session's keys (`FleetWatch`
+    /// dispatches them, on the HTTP loop's thread): they land in the mirror, and are signalled.
+    nonisolated func watched(_ events: [EtcdEvent], revision: Int64) {
+        let changed = mirror.withLock { $0.apply(events, revision: revision, key: keys.state) }
+        if changed { changes.signal() }
     }
 
-    private func countWatchRestart(early troubles: Int) {
+    /// The fleet watch ended early or failed, and pauses before it reads and watches again.
+    func countWatchRestart(early troubles: Int) {
         countWatchRestart()
         if troubles == 5 || troubles % 100 == 0 { report(.watchEndingEarly(restarts: machine.counters.watchRestarts)) }
     }
+
+    /// The session's last request to etcd went unanswered.
+    var isUnreachable: Bool { machine.isUnreachable }
 
     // MARK: - Steps for the follower above the coordinator (`FleetSync`)
 

@@ -189,7 +189,8 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
     // MARK: - Shared steps
 
     /// Reads the session's keys into the mirror and returns the view of them; records an
-    /// unreachable etcd in the machine's health.
+    /// unreachable etcd in the machine's health. (The fleet's watch reads every session's keys
+    /// in one read of the prefix; a session reads its own when it must decide now.)
     func readView() async throws(EtcdError) -> FleetView {
         try await readViewAndVersion().view
     }
@@ -203,25 +204,40 @@ public actor FleetSession<C: Clock>: TokenSource, SessionStore where C.Duration 
             let (record, revision) = try await backend.get(keys.state)
             // Only when there is no state: is the session kept as an earlier version kept it?
             let earlier = record == nil ? try await backend.get(keys.earlierRecord).record != nil : false
-            machine.reached()
-            let changed = mirror.withLock { mirror -> Bool in
-                // The watch brought something newer while this read was out: the read is stale.
-                // (An older read is taken only when nothing came meanwhile: etcd went back.)
-                if mirror.loaded, revision < mirror.revision, mirror.revision != before { return false }
-                let previous = (mirror.loaded, mirror.state, mirror.earlierLayout)
-                mirror.reset(record, revision: revision, earlierLayout: earlier)
-                return !previous.0 || previous.1 != record || previous.2 != mirror.earlierLayout
-            }
-            if changed { changes.signal() }
+            took(record, earlierLayout: earlier, revision: revision, before: before)
             let version = changes.version
             return (currentView(), version)
         } catch where error.kind == .cancelled {
             throw error   // nothing learnt about etcd
         } catch {
-            machine.unavailable(error.message)
-            settle()
+            unreachable(error.message)
             throw error
         }
+    }
+
+    /// Takes a read of the session's keys at `revision` (its own, or the fleet watch's of the
+    /// prefix) into the mirror; `before`: the mirror's revision when the read was sent.
+    func took(_ record: EtcdKeyValue?, earlierLayout earlier: Bool, revision: Int64, before: Int64) {
+        let wasUnreachable = machine.isUnreachable
+        machine.reached()
+        let changed = mirror.withLock { mirror -> Bool in
+            // The watch brought something newer while this read was out: the read is stale.
+            // (An older read is taken only when nothing came meanwhile: etcd went back.)
+            if mirror.loaded, revision < mirror.revision, mirror.revision != before { return false }
+            let previous = (mirror.loaded, mirror.state, mirror.earlierLayout)
+            mirror.reset(record, revision: revision, earlierLayout: earlier)
+            return !previous.0 || previous.1 != record || previous.2 != mirror.earlierLayout
+        }
+        if wasUnreachable { settle() }
+        if changed || wasUnreachable { changes.signal() }
+    }
+
+    /// etcd did not answer a read: the health says so, and `firstSync` returns.
+    func unreachable(_ why: String) {
+        machine.unavailable(why)
+        settle()
+        markSynced()
+        changes.signal()   // the sync loop learns the health
     }
 
     /// What became of one write of the state key.

@@ -127,6 +127,8 @@ struct FleetStateMachine: Sendable {
 
     /// Unreachable first, else what the values say.
     var health: Health { unreachable.map { .unavailable($0) } ?? trust }
+    /// The last request to etcd went unanswered.
+    var isUnreachable: Bool { unreachable != nil }
 
     mutating func drainEvents() -> [FleetEvent] {
         defer { events.removeAll() }

@@ -10,35 +10,42 @@ import TokenBrokerCore
 public struct FleetSync<C: Clock>: Sendable where C.Duration == Duration {
     public let session: FleetSession<C>
     let coordinator: any FleetFollower
+    /// The broker's one watch of the fleet's prefix, which brings this session's changes.
+    let watch: FleetWatch<C>
 
     /// Binds `coordinator` (made with `session` as its source and store) to the fleet: the
-    /// session reads the token it hands out now, and nothing else of it.
-    public init(session: FleetSession<C>, coordinator: any FleetFollower) async {
+    /// session reads the token it hands out now, and nothing else of it; `watch` is the
+    /// broker's watch of the session's prefix.
+    public init(session: FleetSession<C>, coordinator: any FleetFollower, watch: FleetWatch<C>) async {
         self.session = session
         self.coordinator = coordinator
+        self.watch = watch
         await session.reading(heldToken: { [coordinator] in coordinator.currentToken()?.token })
     }
 
-    /// Follows the fleet until cancelled: the session's loop that reads and watches its state
-    /// key (every change lands in its mirror), and a loop that applies the mirror whenever it
-    /// changes and writes what this host still owes the fleet (a logout, a commit). Returns
-    /// once both have ended.
+    /// Follows the fleet until cancelled: the session joins the broker's watch of the prefix
+    /// (every change of its key lands in its mirror), and a loop applies the mirror whenever it
+    /// changes and writes what this host still owes the fleet (a logout, a commit). Leaves the
+    /// watch when it ends.
     public func run() async {
-        await withTaskGroup(of: Void.self) { group in
-            group.addTask { await session.watch() }
-            await syncLoop()
-            group.cancelAll()
-        }
+        let live = watch.join(session)
+        defer { watch.leave(session) }
+        // The watch has read the prefix before this session joined: it reads its own keys (the
+        // watch brings what changes after). Otherwise the watch's read brings them.
+        if live, (try? await session.readView()) == nil, Task.isCancelled { return }
+        await syncLoop()
     }
 
-    /// Applies the mirror at every change; writes what this host owes the fleet. After ten
-    /// quiet seconds it reads the key anyway: a member without quorum may hold a watch open and
-    /// silent, and the read is what finds out.
+    /// Applies the mirror at every change; writes what this host owes the fleet. Asks etcd
+    /// nothing while nothing changes: the watch brings every change, and its stream is what
+    /// finds out that a member lost its quorum. Only while this session's last request went
+    /// unanswered and the watch is up (so it will not read for it) does it read its keys after
+    /// ten quiet seconds.
     private func syncLoop() async {
         var failures = 0
         var quiet = false
         while !Task.isCancelled {
-            if quiet { _ = try? await session.readView() }
+            if quiet, await session.isUnreachable, watch.isLive { _ = try? await session.readView() }
             let version = session.changes.version
             var pause = Duration.seconds(10)
             if await session.owes() {

@@ -9,6 +9,7 @@ import Varlink
 typealias Coordinator = RefreshCoordinator<ContinuousClock>
 typealias DaemonFleetSession = FleetSession<ContinuousClock>
 typealias DaemonFleetSync = FleetSync<ContinuousClock>
+typealias DaemonFleetWatch = FleetWatch<ContinuousClock>
 
 /// The sessions the daemon serves, swapped as a whole on reload.
 final class SessionTable: Sendable {

@@ -60,6 +60,27 @@ struct EtcdClientTests {
         await cluster.stop()
     }
 
+    @Test("a prefix: 300 keys read in pages, in key order, none from beside the prefix; a watch of the prefix brings its changes only, and ends when its time is up")
+    func prefix() async throws {
+        let cluster = try await EtcdCluster(members: 3, answers: etcdAnswers)
+        let client = EtcdClient(endpoints: cluster.clientURLs)
+        for index in 0..<300 { try await client.put(Self.bytes("/tb/p/k\(1000 + index)"), Self.bytes("\(index)")) }
+        try await client.put(Self.bytes("/tb/p"), Self.bytes("beside"))
+        let last = try await client.put(Self.bytes("/tb/q/k"), Self.bytes("beside"))
+        let read = try await client.range(prefix: Self.bytes("/tb/p/"))
+        #expect(read.records.map { String(decoding: $0.key, as: UTF8.self) } == (0..<300).map { "/tb/p/k\(1000 + $0)" })
+        #expect(read.records.last?.value == Self.bytes("299") && read.revision == last)
+        let seen = Mutex<[String]>([])
+        async let end = client.watch(prefix: Self.bytes("/tb/p/"), from: read.revision + 1, for: .seconds(3)) { events, _ in
+            seen.withLock { $0 += events.map { String(decoding: $0.record.key, as: UTF8.self) } }
+        }
+        try await client.put(Self.bytes("/tb/q/k"), Self.bytes("beside"))
+        try await client.put(Self.bytes("/tb/p/k1000"), Self.bytes("again"))
+        try await eventually("the watch has brought the change under the prefix") { seen.withLock { $0 } == ["/tb/p/k1000"] }
+        #expect(try await end == .expired && seen.withLock { $0 } == ["/tb/p/k1000"])
+        await cluster.stop()
+    }
+
     @Test("a key on a lease: kept alive it stays; revoked, it goes at once; left alone, it expires")
     func leases() async throws {
         let cluster = try await EtcdCluster(members: 3, answers: etcdAnswers)

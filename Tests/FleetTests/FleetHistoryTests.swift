@@ -111,7 +111,7 @@ struct FleetHistoryTests {
         h.etcd.restore(backup)
         let restarted = try await h.restart(2)
         try await eventually("the restarted broker reports the rollback") { restarted.fleet.status.counters.rollbacks == 1 }
-        h.advance(by: .seconds(11))   // the running brokers' quiet reads
+        try await h.membersRestarted(h.brokers)   // the restore restarted the members: each broker reads again
         let running = [h.brokers[0], h.brokers[1]]
         try await eventually("the running brokers report the rollback") { running.allSatisfy { $0.fleet.status.counters.rollbacks == 1 } }
         for broker in h.brokers {

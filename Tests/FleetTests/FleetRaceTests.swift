@@ -310,8 +310,8 @@ struct FleetRaceTests {
         } else {
             Issue.record("health is \(restarted.fleet.status.health)")
         }
-        // A running broker finds out at its next read (after ten quiet seconds).
-        h.advance(by: .seconds(11))
+        // A running broker finds out when its watch reads again: the restore restarted the members.
+        try await h.membersRestarted(h.brokers)
         let running = h.brokers[0]
         try await eventually("a running broker reports the rollback") { running.fleet.status.counters.rollbacks == 1 }
         #expect(h.brokers[0].token == nil)
@@ -443,9 +443,7 @@ struct FleetTamperTests {
         let second = try await a.coordinator.recover(rejected: Secret(first)).token.reveal
         try await eventually("B follows") { b.token == second }
         h.etcd.restore(backup, rewinding: true)
-        h.etcd.endWatches()   // the members restarted: every watch ends, each broker reads again
-        try await eventually("B's watch has ended") { b.fleet.status.counters.watchRestarts >= 1 }
-        h.advance(by: .seconds(1))   // (its pause before watching again)
+        try await h.membersRestarted(h.brokers)   // every watch ends, each broker reads again
         try await eventually("B reports the rollback") { b.fleet.status.counters.rollbacks == 1 }
         let transactions = h.etcd.requests(.transaction)
         await #expect(throws: SessionError.self) { try await b.coordinator.recover(rejected: Secret(second)) }
@@ -548,18 +546,14 @@ struct FleetSecondReviewTests {
         _ = try await h.logIn()
         let (a, b) = (h.brokers[0], h.brokers[1])
         b.link.holdNextAnswer()
-        // B's read after ten quiet seconds: the clock moves once B sleeps in that pause
-        // (advancing it earlier would move nothing).
-        try await eventually("B's sync loop waits out its quiet pause") {
-            let now = b.clock.now.offset
-            return b.clock.wakeTimes.contains { $0 > now && $0 <= now + .seconds(10) }
-        }
-        b.clock.advance(by: .seconds(10))
+        // B reads its key itself (as a refresh or a boundary does), while its watch runs.
+        let read = Task { try? await b.fleet.readView() }
         try await eventually("B's read is answered and on its way") { b.link.answerParked }
         try await a.coordinator.logout()
         let revision = h.etcd.snapshot.revision
         try await eventually("B's watch has brought the logout") { b.fleet.mirror.withLock { $0.revision } >= revision }
         b.link.releaseAnswer()
+        _ = await read.value
         try await eventually("B follows the logout") { b.token == nil }
         #expect(b.fleet.status.counters.rollbacks == 0 && b.fleet.status.health == .healthy)
         await h.stopAll()

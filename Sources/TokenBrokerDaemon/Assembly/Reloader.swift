@@ -149,6 +149,8 @@ final class Reloader: Sendable {
             snapshot.sessions.reserveCapacity(configuration.sessions.count)
             snapshot.order.reserveCapacity(configuration.sessions.count)
             var logins: [SessionTable.Session] = []
+            // The fleet sessions made here read etcd together, once they are all made.
+            factory.holdFleetWatches()
             for session in configuration.sessions {
                 let made: (session: SessionTable.Session, logIn: Bool)
                 if let existing = previous.sessions[session.name], leaving[session.name] == nil {
@@ -176,6 +178,7 @@ final class Reloader: Sendable {
                 snapshot.sessions[session.name] = made.session
                 snapshot.order.append(session.name)
             }
+            await factory.releaseFleetWatches()
             await logIn(logins)
             var removed: [String] = []
             for (name, session) in leaving where !configured.contains(name) {

@@ -22,6 +22,9 @@ struct SessionFactory: Sendable {
     let outliving: TaskPool
     /// The fleet sessions' follow loops: awaited at stop.
     let followLoops: TaskPool
+    /// The broker's watches of its fleets' prefixes, one per etcd and prefix (its sessions join
+    /// and leave it; its loop runs among `followLoops` while one is joined).
+    let fleetWatches = SynchronizedBox<(held: Bool, watches: [(settings: FleetSettings, watch: DaemonFleetWatch)])>((false, []))
     /// Fleet marks and kept commits of sessions without a state database (development mode).
     let fleetMarks = SynchronizedBox<[String: FleetPosition]>([:])
     let fleetPending = SynchronizedBox<[String: FleetPendingCommit]>([:])
@@ -103,7 +106,7 @@ struct SessionFactory: Sendable {
         }
         if let fleet {
             // The sync loop's first read of etcd logs the session in or out here as the fleet has it.
-            let sync = await DaemonFleetSync(session: fleet, coordinator: coordinator)
+            let sync = await DaemonFleetSync(session: fleet, coordinator: coordinator, watch: fleetWatch(fleet.settings))
             let following = followLoops.spawn { await sync.run() }
             if following == nil { logger.error("session \(session.name): the daemon is stopping; it does not follow the fleet", session: session.name) }
             logger.log(.info, "session \(session.name): shared with the fleet (\(fleet.settings.prefix) on \(fleet.settings.endpoints.count) "
@@ -266,6 +269,45 @@ struct SessionFactory: Sendable {
             logger.error("session \(session.name): the fleet key cannot be used: \(error)", session: session.name)
             return nil
         }
+    }
+
+    /// The watch of the prefix that `settings` name, on their etcd: the one already made, or a
+    /// new one (watches of settings no session uses any more are dropped; their loops ended with
+    /// their last session).
+    private func fleetWatch(_ settings: FleetSettings) -> DaemonFleetWatch {
+        fleetWatches.modify { fleet in
+            if let found = fleet.watches.first(where: { Self.sameWatch($0.settings, settings) }) { return found.watch }
+            fleet.watches.removeAll { $0.watch.sessionCount == 0 }
+            let watch = DaemonFleetWatch(backend: EtcdClient(endpoints: settings.endpoints, tls: settings.tls, timeout: settings.requestTimeout),
+                                         prefix: settings.prefix, clock: ContinuousClock(), spawn: { [followLoops] in followLoops.spawn($0) })
+            if fleet.held { watch.hold() }
+            fleet.watches.append((settings, watch))
+            return watch
+        }
+    }
+
+    /// While the daemon starts or reloads its sessions: the fleet sessions made meanwhile read
+    /// etcd together at `releaseFleetWatches` (one range read per prefix), not one by one.
+    func holdFleetWatches() {
+        fleetWatches.modify { fleet in
+            fleet.held = true
+            for entry in fleet.watches { entry.watch.hold() }
+        }
+    }
+
+    /// Ends `holdFleetWatches`: the sessions made meanwhile read their prefix now.
+    func releaseFleetWatches() async {
+        let watches = fleetWatches.modify { fleet -> [DaemonFleetWatch] in
+            guard fleet.held else { return [] }
+            fleet.held = false
+            return fleet.watches.map(\.watch)
+        }
+        for watch in watches { await watch.release() }
+    }
+
+    /// Whether two sessions' fleet settings watch the same keys the same way.
+    private static func sameWatch(_ one: FleetSettings, _ other: FleetSettings) -> Bool {
+        one.prefix == other.prefix && one.endpoints == other.endpoints && one.tls == other.tls && one.requestTimeout == other.requestTimeout
     }
 
     /// A fleet session's events, to the journal at their level (the noisy kinds rate-limited).

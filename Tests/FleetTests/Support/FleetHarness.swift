@@ -191,10 +191,15 @@ final class Link: FleetBackend {
         return try await inner.transaction(compare, success: success, failure: failure)
     }
 
-    func watch(key: [UInt8], from revision: Int64, for duration: Duration,
+    func range(prefix: [UInt8]) async throws(EtcdError) -> (records: [EtcdKeyValue], revision: Int64) {
+        try check()
+        return try await inner.range(prefix: prefix)
+    }
+
+    func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
                changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
         try check()
-        return try await inner.watch(key: key, from: revision, for: duration) { [state, watchHold] events, revision in
+        return try await inner.watch(prefix: prefix, from: revision, for: duration) { [state, watchHold] events, revision in
             let now = state.withLock { state -> Bool in
                 guard state.cut else { return true }
                 state.waiting.append((changed, events, revision))
@@ -221,6 +226,8 @@ final class TestBroker: Sendable {
     let store: InMemoryFleetStore
     let fleet: FleetSession<TestClock>
     let coordinator: RefreshCoordinator<TestClock>
+    /// The broker's watch of the fleet's prefix, as the daemon's.
+    let watch: FleetWatch<TestClock>
     /// Follows the fleet into the coordinator, as the daemon's does.
     let sync: FleetSync<TestClock>
     let following: Task<Void, Never>
@@ -250,7 +257,8 @@ final class TestBroker: Sendable {
         restored?.refreshToken = nil
         restored?.accessToken = nil
         coordinator = RefreshCoordinator(session: "api", source: fleet, store: fleet, restored: restored, clock: clock, wall: clock)
-        let sync = await FleetSync(session: fleet, coordinator: coordinator)
+        watch = FleetWatch(backend: link, prefix: "/t", clock: clock, spawn: { work in Task { await work() } })
+        let sync = await FleetSync(session: fleet, coordinator: coordinator, watch: watch)
         self.sync = sync
         following = Task { await sync.run() }
     }
@@ -324,6 +332,22 @@ struct FleetHarness {
         let first = try await brokers[broker].coordinator.token().token.reveal
         try await eventually("every broker serves the first token") { brokers.allSatisfy { $0.token == first } }
         return first
+    }
+
+    /// Every watch ends, as when the members restart (a restore from a backup does): returns once
+    /// each of `brokers` has paused (its clock moved past the pause) and reads the prefix again.
+    func membersRestarted(_ brokers: [TestBroker]) async throws {
+        let restarts = brokers.map { $0.fleet.status.counters.watchRestarts }
+        etcd.endWatches()
+        for (broker, before) in zip(brokers, restarts) {
+            try await eventually("\(broker.name)'s watch has ended") { broker.fleet.status.counters.watchRestarts > before }
+            // (Advancing the clock before the pause begins would move nothing.)
+            try await eventually("\(broker.name) pauses before it reads and watches again") {
+                let now = broker.clock.now.offset
+                return broker.clock.wakeTimes.contains { $0 > now && $0 <= now + .seconds(5) }
+            }
+            broker.clock.advance(by: .seconds(5))
+        }
     }
 
     func stopAll() async {

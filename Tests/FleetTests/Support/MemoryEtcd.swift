@@ -3,12 +3,12 @@ import Synchronization
 import TestSupport
 
 /// etcd's data model in memory, as `FleetBackend`: one revision counter, keys with create and
-/// mod revisions and versions, transactions applied atomically, and watches fed from the
-/// history. The test steers it: it can hold the next requests of a kind
+/// mod revisions and versions, transactions applied atomically, range reads and watches of a
+/// prefix fed from the history. The test steers it: it can hold the next requests of a kind
 /// (until it lets them go), drop an answer after the request was applied (a lost answer), make
 /// every request fail (no quorum), end every watch at once, and write keys as an attacker would.
 final class MemoryEtcd: FleetBackend {
-    enum Kind: Hashable, Sendable { case get, transaction, watch }
+    enum Kind: Hashable, Sendable { case get, range, transaction, watch }
 
     struct Entry: Sendable, Equatable {
         var value: [UInt8]
@@ -151,7 +151,15 @@ final class MemoryEtcd: FleetBackend {
         }
     }
 
-    func watch(key prefix: [UInt8], from revision: Int64, for duration: Duration,
+    func range(prefix: [UInt8]) async throws(EtcdError) -> (records: [EtcdKeyValue], revision: Int64) {
+        try await admit(.range)
+        return try finish(.range) { state in
+            let records = state.keys.filter { $0.key.starts(with: prefix) }.map { Self.record($0.key, $0.value) }
+            return (records.sorted { $0.key.lexicographicallyPrecedes($1.key) }, state.revision)
+        }
+    }
+
+    func watch(prefix: [UInt8], from revision: Int64, for duration: Duration,
                changed: @escaping @Sendable ([EtcdEvent], Int64) -> Void) async throws(EtcdError) -> WatchEnd {
         try await admit(.watch)
         let id = state.withLock { state -> UInt64 in
@@ -163,7 +171,7 @@ final class MemoryEtcd: FleetBackend {
                 let backlog = state.withLock { state -> [(Int64, [EtcdEvent])]? in
                     if state.cancelledWatchers.remove(id) != nil { return nil }
                     state.watchers[id] = Watcher(prefix: prefix, changed: changed, ended: continuation)
-                    return state.history.filter { $0.revision >= revision }.map { ($0.revision, $0.events.filter { $0.record.key == prefix }) }
+                    return state.history.filter { $0.revision >= revision }.map { ($0.revision, $0.events.filter { $0.record.key.starts(with: prefix) }) }
                         .filter { !$0.1.isEmpty }
                 }
                 guard let backlog else { return continuation.resume() }
@@ -218,7 +226,7 @@ final class MemoryEtcd: FleetBackend {
             var notify: [Note] = []
             for (revision, events) in state.history.dropFirst(before) {
                 for watcher in state.watchers.values where watcher.ended != nil {
-                    let mine = events.filter { $0.record.key == watcher.prefix }
+                    let mine = events.filter { $0.record.key.starts(with: watcher.prefix) }
                     if !mine.isEmpty { notify.append((watcher.changed, mine, revision)) }
                 }
             }
