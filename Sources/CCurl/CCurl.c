@@ -78,6 +78,7 @@ CURLcode tb_easy_setopt_string(CURL *handle, CURLoption option, const char *valu
 CURLcode tb_easy_setopt_pointer(CURL *handle, CURLoption option, void *value) { return p_curl_easy_setopt(handle, option, value); }
 CURLcode tb_easy_setopt_slist(CURL *handle, CURLoption option, struct curl_slist *value) { return p_curl_easy_setopt(handle, option, value); }
 CURLcode tb_easy_setopt_write_callback(CURL *handle, CURLoption option, curl_write_callback callback) { return p_curl_easy_setopt(handle, option, callback); }
+CURLcode tb_easy_setopt_sockopt_callback(CURL *handle, CURLoption option, curl_sockopt_callback callback) { return p_curl_easy_setopt(handle, option, callback); }
 CURLcode tb_easy_getinfo_long(CURL *handle, CURLINFO info, long *value) { return p_curl_easy_getinfo(handle, info, value); }
 CURLcode tb_easy_getinfo_off(CURL *handle, CURLINFO info, curl_off_t *value) { return p_curl_easy_getinfo(handle, info, value); }
 

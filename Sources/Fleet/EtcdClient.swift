@@ -13,12 +13,23 @@ public struct EtcdClient: FleetBackend {
     public var timeout: Duration
     /// Largest answer accepted.
     public var maximumAnswer: Int
+    /// TCP keepalive on every connection to a member (every request asks for the same, so a
+    /// pooled connection has it whichever request opened it): a watch on a connection that went
+    /// silent (a partition, a vanished host, a dropped NAT entry) fails within its `deadline`
+    /// of the last byte the member sent, while nothing is asked of etcd.
+    public var keepalive: TCPKeepalive
 
-    public init(endpoints: [String], tls: TLSOptions = TLSOptions(), timeout: Duration = .seconds(2), maximumAnswer: Int = 1 << 20) {
+    /// The default keepalive: a probe after 15 quiet seconds (one empty ACK each way every 15 s
+    /// on an idle connection), dead after 6 unanswered at 5 s intervals, 45 s after the last byte.
+    public static let deadConnection = TCPKeepalive(idle: .seconds(15), interval: .seconds(5), count: 6)
+
+    public init(endpoints: [String], tls: TLSOptions = TLSOptions(), timeout: Duration = .seconds(2), maximumAnswer: Int = 1 << 20,
+                keepalive: TCPKeepalive = EtcdClient.deadConnection) {
         self.endpoints = endpoints
         self.tls = tls
         self.timeout = timeout
         self.maximumAnswer = maximumAnswer
+        self.keepalive = keepalive
     }
 
     // MARK: - Keys
@@ -106,6 +117,7 @@ public struct EtcdClient: FleetBackend {
                                       headers: [("Content-Type", "application/json"), ("Grpc-Metadata-Hasleader", "true")],
                                       body: body, connectTimeout: timeout, timeout: duration, tls: tls)
             request.onBody = { stream.take($0) }
+            request.keepalive = keepalive
             do {
                 _ = try await CurlLoop.shared.perform(request)
             } catch is CancellationError {
@@ -183,8 +195,9 @@ public struct EtcdClient: FleetBackend {
         body.encode(into: &bytes)
         var problem = EtcdError(kind: .unavailable, message: "no endpoint")
         for endpoint in endpoints {
-            let request = HTTPRequest(method: "POST", url: endpoint + path, headers: [("Content-Type", "application/json")], body: bytes,
+            var request = HTTPRequest(method: "POST", url: endpoint + path, headers: [("Content-Type", "application/json")], body: bytes,
                                       connectTimeout: timeout, timeout: timeout, tls: tls, maximumBodySize: maximumAnswer ?? self.maximumAnswer)
+            request.keepalive = keepalive
             let response: HTTPResponse
             do {
                 response = try await CurlLoop.shared.perform(request)

@@ -22,6 +22,9 @@ public struct HTTPRequest: Sendable {
     /// thread, instead of being collected (so `maximumBodySize` does not apply); it must not
     /// block. Returning false ends the transfer.
     public var onBody: (@Sendable (UnsafeRawBufferPointer) -> Bool)?
+    /// TCP keepalive on the connection this request opens (nil: none). A pooled connection
+    /// keeps what the request that opened it asked for: give every request to a host the same.
+    public var keepalive: TCPKeepalive?
 
     public init(method: String = "GET", url: String, headers: [(name: String, value: String)] = [], body: [UInt8]? = nil,
                 connectTimeout: Duration = .seconds(5), timeout: Duration = .seconds(30), tls: TLSOptions = TLSOptions(),
@@ -262,6 +265,13 @@ public final class CurlLoop: Sendable {
             check(tb_easy_setopt_string(easy, CURLOPT_USERAGENT, "tokenbroker"), "user agent"),
             check(tb_easy_setopt_long(easy, CURLOPT_FOLLOWLOCATION, 0), "redirects"),
         ]
+        if let keepalive = request.keepalive {
+            problems.append(check(tb_easy_setopt_long(easy, CURLOPT_TCP_KEEPALIVE, 1), "keepalive"))
+            problems.append(check(tb_easy_setopt_long(easy, CURLOPT_TCP_KEEPIDLE, keepalive.idleSeconds), "keepalive idle"))
+            problems.append(check(tb_easy_setopt_long(easy, CURLOPT_TCP_KEEPINTVL, keepalive.intervalSeconds), "keepalive interval"))
+            problems.append(check(tb_easy_setopt_sockopt_callback(easy, CURLOPT_SOCKOPTFUNCTION, socketCallback), "keepalive count"))
+            problems.append(check(tb_easy_setopt_pointer(easy, CURLOPT_SOCKOPTDATA, context), "socket data"))
+        }
         if request.url.lowercased().hasPrefix("http://") {
             // Plain HTTP is allowed only to a loopback address: never through a proxy from the
             // environment (http_proxy, all_proxy), which would see the credential in clear.
@@ -385,4 +395,12 @@ private let headerCallback: curl_write_callback = { pointer, size, count, contex
     guard let pointer else { return 0 }
     transfer.appendHeader(UnsafeRawBufferPointer(start: pointer, count: length))
     return length
+}
+
+/// A new connection's socket, before it connects: what `TCPKeepalive` sets beyond libcurl's
+/// options (only set for a request with keepalive).
+private let socketCallback: curl_sockopt_callback = { context, socket, purpose in
+    let transfer = Unmanaged<CurlTransfer>.fromOpaque(context!).takeUnretainedValue()
+    guard purpose == CURLSOCKTYPE_IPCXN, let keepalive = transfer.submission.request.keepalive else { return CURL_SOCKOPT_OK }
+    return keepalive.apply(to: socket) ? CURL_SOCKOPT_OK : CURL_SOCKOPT_ERROR
 }

@@ -29,6 +29,7 @@ CURLcode tb_easy_setopt_string(CURL *handle, CURLoption option, const char *valu
 CURLcode tb_easy_setopt_pointer(CURL *handle, CURLoption option, void *value);
 CURLcode tb_easy_setopt_slist(CURL *handle, CURLoption option, struct curl_slist *value);
 CURLcode tb_easy_setopt_write_callback(CURL *handle, CURLoption option, curl_write_callback callback);
+CURLcode tb_easy_setopt_sockopt_callback(CURL *handle, CURLoption option, curl_sockopt_callback callback);
 CURLcode tb_easy_getinfo_long(CURL *handle, CURLINFO info, long *value);
 CURLcode tb_easy_getinfo_off(CURL *handle, CURLINFO info, curl_off_t *value);
 
