@@ -20,8 +20,9 @@ BUILD_PACKAGES = pkg-config libsystemd-dev libsqlite3-dev libcurl4-openssl-dev l
 # openssh-server (the delegation tests start their own sshd on a loopback port and forward a
 # delegation's socket to it with ssh -R; where systemd runs, the package also starts its own
 # ssh service on port 22, which the tests do not use: apt-install stops and disables it, as it
-# does etcd's, Prometheus's and docker-registry's). `make run` installs none of these.
-TEST_PACKAGES = varlink-go python3-venv systemd systemd-container util-linux procps openssl etcd-server prometheus git skopeo docker-registry openssh-server
+# does etcd's, Prometheus's and docker-registry's), and iproute2 and iptables (a test runs an
+# etcd member in a network namespace and drops its packets). `make run` installs none of these.
+TEST_PACKAGES = varlink-go python3-venv systemd systemd-container util-linux procps openssl etcd-server prometheus git skopeo docker-registry openssh-server iproute2 iptables
 # The Python varlink implementation, for the conformance tests and the IDL check.
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
