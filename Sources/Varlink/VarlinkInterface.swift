@@ -14,15 +14,18 @@ public struct VarlinkInterface: Sendable {
         self.description = description
         self.secretMembers = secretMembers
         VarlinkRedaction.register(secretMembers)
+        // On the UTF-8 bytes, a line's first two words only: the daemon reads its 20 KB
+        // interface at every start, and splitting it into Characters was a tenth of the start.
         var name = ""
         var methods: Set<String> = []
-        for line in description.split(separator: "\n", omittingEmptySubsequences: true) {
-            let trimmed = line.drop { $0 == " " || $0 == "\t" }
-            if trimmed.hasPrefix("#") { continue }
-            let words = trimmed.split(whereSeparator: { $0 == " " || $0 == "\t" || $0 == "(" })
-            guard words.count >= 2 else { continue }
-            if words[0] == "interface", name.isEmpty { name = String(words[1]) }
-            if words[0] == "method" { methods.insert(String(words[1])) }
+        let space = { (byte: UInt8) in byte == UInt8(ascii: " ") || byte == UInt8(ascii: "\t") }
+        for line in description.utf8.split(separator: UInt8(ascii: "\n"), omittingEmptySubsequences: true) {
+            let trimmed = line.drop(while: space)
+            guard let keyword = trimmed.first, keyword == UInt8(ascii: "i") || keyword == UInt8(ascii: "m") else { continue }
+            let words = trimmed.split(maxSplits: 2, omittingEmptySubsequences: true) { space($0) || $0 == UInt8(ascii: "(") }
+            guard words.count >= 2, let first = String(words[0]), let second = String(words[1]) else { continue }
+            if first == "interface", name.isEmpty { name = second }
+            if first == "method" { methods.insert(second) }
         }
         self.name = name
         self.methods = methods

