@@ -122,9 +122,12 @@ clean:
 # at 1/16/64/256 connections, `ctl token` against /bin/true, exec -> READY=1 and memory, all
 # in one run, as ratios. Not part of `make test`; knobs in the script's header.
 # It measures the executables `make install` and the package install (`make static`).
+# BENCH_BASELINE=<dir> measures another build beside them in the same run (before and after),
+# e.g. an earlier commit's:  git worktree add /tmp/base <commit> && make -C /tmp/base static &&
+#   make bench BENCH_BASELINE=/tmp/base/.build/static/x86_64-unknown-linux-gnu/release
 BENCH_DIR ?= $(CURDIR)/../shared/bench
 bench: deps static
-	BENCH_DIR=$(BENCH_DIR) python3 Tests/Bench/bench.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
+	BENCH_DIR=$(BENCH_DIR) BENCH_BASELINE=$(BENCH_BASELINE) python3 Tests/Bench/bench.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
 	@$(MAKE) --no-print-directory bench-derived
 	@$(MAKE) --no-print-directory bench-delegations
 
