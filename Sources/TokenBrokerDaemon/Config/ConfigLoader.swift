@@ -171,9 +171,12 @@ public enum ConfigLoader {
     /// broker's key), and a path no other output has. One that fails records its error.
     private static func outputs(_ sections: [INISection], of configuration: BrokerConfiguration,
                                 _ context: inout ConfigContext) -> [TokenFileConfiguration] {
+        // (None is the common case: no index of thousands of sessions to build.)
+        guard !sections.isEmpty else { return [] }
         var result: [TokenFileConfiguration] = []
         var paths: [String: String] = [:]
-        let sessions = Dictionary(configuration.sessions.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+        // Indices, not copies: a session's configuration is large.
+        let sessionIndex = Dictionary(configuration.sessions.indices.map { (configuration.sessions[$0].name, $0) }, uniquingKeysWith: { first, _ in first })
         let delegations = Set(configuration.delegations.map(\.name))
         for (output, section) in read(sections, ConfigSchema.outputKeys, ConfigSchema.output, "Output", TokenFileConfiguration(name: ""),
                                       \.name, &context) {
@@ -184,8 +187,8 @@ public enum ConfigLoader {
             guard !output.session.isEmpty else { fail("\(label) needs Session= (the session whose token it holds)"); continue }
             guard !output.path.isEmpty else { fail("\(label) needs Path= (where the file is kept)"); continue }
             if let other = paths[output.path] { fail("\(label): Path= is \(other)'s too"); continue }
-            guard let session = sessions[output.session] else { fail("\(label): Session= names \(output.session), not configured"); continue }
-            if session.settings.oauth.dpop != .off {
+            guard let index = sessionIndex[output.session] else { fail("\(label): Session= names \(output.session), not configured"); continue }
+            if configuration.sessions[index].settings.oauth.dpop != .off {
                 fail("\(label): session \(output.session) has DPoP tokens, bound to the broker's key: a file cannot carry their proofs")
                 continue
             }
@@ -209,7 +212,6 @@ public enum ConfigLoader {
     /// One that fails is left out, with its error.
     private static func derive(_ sessions: [SessionConfiguration], _ entries: [String: INIEntry], keyEntries: [String: INIEntry],
                                _ context: inout ConfigContext) -> [SessionConfiguration] {
-        let byName = Dictionary(sessions.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
         // A parent's logins ask for the resources its derived sessions by refresh narrow to
         // (RFC 8707): servers such as Glewlwyd let a refresh name only a resource the grant has.
         var loginResources: [String: [String]] = [:]
@@ -224,6 +226,11 @@ public enum ConfigLoader {
                 loginResources[parent, default: []].append(resource)
             }
         }
+        // Nothing to derive, no key, no resource to ask for (the common case): as they are.
+        if entries.isEmpty && keyEntries.isEmpty && loginResources.isEmpty { return sessions }
+        // Indices, not copies: a session's configuration is large, and a reload of thousands
+        // of sessions spent a fifth of its time copying them here.
+        let byName = Dictionary(sessions.indices.map { (sessions[$0].name, $0) }, uniquingKeysWith: { first, _ in first })
         return sessions.compactMap { session in
             var session = session
             if let resources = loginResources[session.name], session.settings.derivedFrom == nil {
@@ -243,7 +250,7 @@ public enum ConfigLoader {
                 }
             }
             guard let parentName = session.settings.derivedFrom, let entry = entries[session.name] else { return session }
-            guard let parent = byName[parentName], parentName != session.name else {
+            guard let parent = byName[parentName].map({ sessions[$0] }), parentName != session.name else {
                 context.record(fail(entry, "DerivedFrom=\(parentName): no such session is configured"
                                     + (parentName == session.name ? " (a session cannot derive from itself)" : "")))
                 return nil
