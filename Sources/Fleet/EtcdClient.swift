@@ -118,23 +118,61 @@ public struct EtcdClient: FleetBackend {
                                       body: body, connectTimeout: timeout, timeout: duration, tls: tls)
             request.onBody = { stream.take($0) }
             request.keepalive = keepalive
-            do {
-                _ = try await CurlLoop.shared.perform(request)
-            } catch is CancellationError {
-                throw EtcdError(kind: .cancelled, message: "cancelled")
-            } catch let error as HTTPError where error.kind == .timeout && stream.started {
-                return .expired
-            } catch {
+            switch await Self.perform(request, stream, startingWithin: timeout) {
+            case .notStarted:
+                problem = EtcdError(kind: .unavailable, message: "\(endpoint): the watch was not created within \(timeout)")
+                continue
+            case let .done(error?):
+                if error is CancellationError { throw EtcdError(kind: .cancelled, message: "cancelled") }
+                if let error = error as? HTTPError, error.kind == .timeout, stream.started { return .expired }
                 if let ended = stream.problem { throw ended }
                 problem = EtcdError(kind: .unavailable, message: "\(endpoint): \(error)")
                 if stream.started { throw problem }
                 continue
+            case .done(nil):
+                break
             }
             if let ended = stream.problem { throw ended }
             if stream.started { return .endedEarly }
             problem = EtcdError(kind: .unavailable, message: "\(endpoint): the watch ended before it started")
         }
         throw problem
+    }
+
+    /// How a watch's transfer went: done (with its error, if any), or given up because the
+    /// member did not create the watch in time.
+    private enum Transfer {
+        case done((any Error)?)
+        case notStarted
+    }
+
+    /// Runs a watch's transfer; a member that has not created the watch within `deadline` (one
+    /// that accepts and then says nothing: a stopped process behind a live kernel, which TCP
+    /// keepalive cannot tell from a quiet one) is given up, so that the next member is tried.
+    private static func perform(_ request: HTTPRequest, _ stream: EtcdWatchStream, startingWithin deadline: Duration) async -> Transfer {
+        await withTaskGroup(of: Transfer?.self) { group in
+            group.addTask {
+                do {
+                    _ = try await CurlLoop.shared.perform(request)
+                    return .done(nil)
+                } catch {
+                    return .done(error)
+                }
+            }
+            group.addTask {
+                // (Cancelled, and so nothing, when the transfer ends first.)
+                try? await Task.sleep(for: deadline)
+                return Task.isCancelled || stream.started ? nil : .notStarted
+            }
+            var outcome = Transfer.done(nil)
+            while let next = await group.next() {
+                guard let next else { continue }
+                outcome = next
+                group.cancelAll()
+                break
+            }
+            return outcome
+        }
     }
 
     /// Sets `key`; returns the revision of the change.

@@ -1,3 +1,6 @@
+#if canImport(Glibc)
+import Glibc
+#endif
 import Fleet
 import Foundation
 import Synchronization
@@ -78,6 +81,38 @@ struct EtcdClientTests {
         try await client.put(Self.bytes("/tb/p/k1000"), Self.bytes("again"))
         try await eventually("the watch has brought the change under the prefix") { seen.withLock { $0 } == ["/tb/p/k1000"] }
         #expect(try await end == .expired && seen.withLock { $0 } == ["/tb/p/k1000"])
+        await cluster.stop()
+    }
+
+    @Test("a member that accepts and never answers (a stopped process behind a live kernel) is passed over within the request timeout: the watch runs on the next member")
+    func silentMember() async throws {
+        // A listener that never accepts: the kernel completes the handshake, nothing answers.
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        #expect(fd >= 0)
+        defer { close(fd) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        let bound = withUnsafeMutablePointer(to: &address) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) == 0 && getsockname(fd, $0, &length) == 0 }
+        }
+        #expect(bound && listen(fd, 16) == 0)
+        let silent = "http://127.0.0.1:\(UInt16(bigEndian: address.sin_port))"
+        let cluster = try await EtcdCluster(members: 1, answers: etcdAnswers)
+        let writer = EtcdClient(endpoints: cluster.clientURLs)
+        let from = try await writer.put(Self.bytes("/tb/s/k"), Self.bytes("before")) + 1
+        let client = EtcdClient(endpoints: [silent] + cluster.clientURLs, timeout: .seconds(1))
+        let seen = Mutex<Int>(0)
+        let started = ContinuousClock.now
+        async let end = client.watch(prefix: Self.bytes("/tb/s/"), from: from, for: .seconds(6)) { events, _ in
+            seen.withLock { $0 += events.count }
+        }
+        try await writer.put(Self.bytes("/tb/s/k"), Self.bytes("after"))
+        try await eventually("the watch, on the next member, has brought the change", timeout: .seconds(30)) { seen.withLock { $0 } == 1 }
+        // (Without the deadline the silent member holds the watch for its whole six seconds.)
+        #expect(ContinuousClock.now - started < .seconds(5))
+        #expect(try await end == .expired)
         await cluster.stop()
     }
 
