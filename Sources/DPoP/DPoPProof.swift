@@ -24,7 +24,7 @@ public enum DPoPProof {
         if let accessTokenHash {
             claims.append(("ath", .string(accessTokenHash)))
         } else if let accessToken {
-            claims.append(("ath", .string(Base64.urlEncode(DPoPKey.sha256(Array(accessToken.utf8))))))
+            claims.append(("ath", .string(Self.accessTokenHash(accessToken))))
         }
         let signingInput = key.headerSegment + "." + Base64.urlEncode(JSON.object(JSONObject(claims)).encoded)
         return signingInput + "." + Base64.urlEncode(try key.sign(Array(signingInput.utf8)))
@@ -39,6 +39,11 @@ public enum DPoPProof {
         guard let parsed = StrictURL(url), let scheme = parsed.scheme, scheme == "https" || scheme == "http", !parsed.hasUserInfo else { return nil }
         let port = parsed.port.map { $0 == StrictURL.defaultPort(scheme) ? "" : ":\($0)" } ?? ""
         return scheme + "://" + parsed.host + port + (parsed.path.isEmpty ? "/" : parsed.path)
+    }
+
+    /// `accessToken`'s `ath` claim: its SHA-256, base64url (RFC 9449 §4.2).
+    public static func accessTokenHash(_ accessToken: String) -> String {
+        Base64.urlEncode(DPoPKey.sha256(Array(accessToken.utf8)))
     }
 
     /// 16 random bytes, base64url.

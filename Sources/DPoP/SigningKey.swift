@@ -10,7 +10,7 @@ public final class SigningKey: @unchecked Sendable {
     // @unchecked: the EVP_PKEY is made once and then only read (each signature takes a fresh
     // context; libcrypto allows concurrent signing with one key that way).
     private let key: OpaquePointer
-    /// A P-256 key's EC_KEY, for ES256 with values made ahead (`SignatureValues`).
+    /// A P-256 key's EC_KEY, for ES256 with values made ahead (`SignatureValues`); nil for RSA.
     private let ecdsa: UnsafeMutableRawPointer?
     /// P-256 or RSA.
     public let family: Family
@@ -99,6 +99,8 @@ public final class SigningKey: @unchecked Sendable {
             guard let x = Self.number(key, "qx", width: 32), let y = Self.number(key, "qy", width: 32) else {
                 throw refuse("the key's public point cannot be read")
             }
+            // (Every ES256 signature goes through it: `sign`.)
+            guard ecdsa != nil else { throw refuse("the key's EC parameters cannot be read") }
             family = .ec
             publicMembers = [("crv", "P-256"), ("kty", "EC"), ("x", Base64.urlEncode(x)), ("y", Base64.urlEncode(y))].map { (name: $0.0, value: $0.1) }
         case EVP_PKEY_RSA:
@@ -176,6 +178,7 @@ public final class SigningKey: @unchecked Sendable {
     /// ES256 signs with a value made ahead from `values` when one is ready.
     public func sign(_ message: [UInt8], _ algorithm: Algorithm, values: SignatureValues = .shared) throws(DPoPError) -> [UInt8] {
         guard signs(algorithm) else { throw DPoPError("a \(family.rawValue) key cannot sign \(algorithm.rawValue)") }
+        // ES256 (a P-256 key always has `ecdsa`: its init refuses one without).
         if algorithm == .es256, let ecdsa {
             let digest = DPoPKey.sha256(message)
             let value = values.take()
@@ -208,19 +211,7 @@ public final class SigningKey: @unchecked Sendable {
             signature.withUnsafeMutableBufferPointer { EVP_DigestSign(context, $0.baseAddress, &length, input.baseAddress, input.count) }
         }) == 1 else { throw DPoPError("cannot sign") }
         signature.removeLast(signature.count - length)
-        guard family == .ec else { return signature }
-        var pointer: UnsafePointer<UInt8>? = nil
-        let parsed: OpaquePointer? = signature.withUnsafeBufferPointer { buffer in
-            pointer = buffer.baseAddress
-            return d2i_ECDSA_SIG(nil, &pointer, buffer.count)
-        }
-        guard let parsed else { throw DPoPError("cannot read the signature") }
-        defer { ECDSA_SIG_free(parsed) }
-        var r: OpaquePointer?
-        var s: OpaquePointer?
-        ECDSA_SIG_get0(parsed, &r, &s)
-        guard let r, let s else { throw DPoPError("cannot read the signature") }
-        return Self.bytes(r, 32) + Self.bytes(s, 32)
+        return signature
     }
 
     /// A compact JWS of `claims`, its header `alg`, `kid` (the thumbprint) and `typ` `JWT`.

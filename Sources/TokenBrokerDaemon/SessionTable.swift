@@ -1,4 +1,3 @@
-import Basics
 import DPoP
 import Fleet
 import Synchronization
@@ -173,7 +172,7 @@ final class TokenReplyCache: Sendable {
 
         init(token: IssuedToken, reply: VarlinkReply) {
             (self.token, self.reply) = (token, reply)
-            proofHash = token.tokenType == "DPoP" ? Base64.urlEncode(DPoPKey.sha256(Array(token.token.reveal.utf8))) : nil
+            proofHash = token.tokenType == "DPoP" ? DPoPProof.accessTokenHash(token.token.reveal) : nil
         }
     }
 
