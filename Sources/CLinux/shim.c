@@ -4,6 +4,7 @@
 #include <stddef.h>
 #include <sys/auxv.h>
 #include <sys/ioctl.h>
+#include <malloc.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include "CLinux.h"
@@ -53,6 +54,8 @@ uint64_t tb_epoll_event_data(const struct epoll_event *event) { return event->da
 int tb_set_undumpable(void) { return prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); }
 
 int tb_is_dumpable(void) { return prctl(PR_GET_DUMPABLE, 0, 0, 0, 0); }
+
+int tb_limit_malloc_arenas(int count) { return mallopt(M_ARENA_MAX, count); }
 
 int tb_fsetxattr(int fd, const char *name, const void *value, size_t size) {
     return fsetxattr(fd, name, value, size, 0);

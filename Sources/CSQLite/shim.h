@@ -9,4 +9,12 @@ static inline int tb_sqlite3_bind_text_transient(sqlite3_stmt *statement, int in
     return sqlite3_bind_text(statement, index, text, -1, SQLITE_TRANSIENT);
 }
 
+/// Each connection's page cache takes its pages one at a time, as it needs them: without this,
+/// every connection allocates (and touches) SQLITE_DEFAULT_PCACHE_INITSZ pages up front, 87 KB
+/// of private memory per connection with Debian's build. It must come before SQLite's first
+/// use, and says SQLITE_MISUSE after. (sqlite3_config is variadic: Swift cannot call it.)
+static inline int tb_sqlite3_config_pages_on_demand(void) {
+    return sqlite3_config(SQLITE_CONFIG_PAGECACHE, (void *)0, 0, 0);
+}
+
 #endif

@@ -134,6 +134,7 @@ public final class SQLiteSessionStore: SessionStore {
         let previous = umask(0o077)
         defer { umask(previous) }
         var handle: OpaquePointer?
+        _ = configured
         guard sqlite3_open_v2(path, &handle, SQLITE_OPEN_READONLY | SQLITE_OPEN_FULLMUTEX, nil) == SQLITE_OK, let db = handle else {
             let message = handle.map { String(cString: sqlite3_errmsg($0)) } ?? "cannot open"
             sqlite3_close_v2(handle)
@@ -293,11 +294,17 @@ public final class SQLiteSessionStore: SessionStore {
         guard info.st_mode & S_IFMT == S_IFDIR else { throw StoreError("\(directory) is not a directory") }
     }
 
+    /// SQLite configured once, before its first connection: page caches grow as used, with no
+    /// bulk allocation up front (a daemon's private memory; the state is small). (A process that
+    /// used SQLite before keeps its configuration.)
+    private static let configured: Void = { _ = tb_sqlite3_config_pages_on_demand() }()
+
     /// Opens the database, applies the pragmas and migrations, and checks it can be read.
     private static func open(_ path: String) throws -> OpaquePointer {
         let previous = umask(0o077)
         defer { umask(previous) }
         var handle: OpaquePointer?
+        _ = configured
         let rc = sqlite3_open_v2(path, &handle, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nil)
         guard rc == SQLITE_OK, let db = handle else {
             let message = handle.map { String(cString: sqlite3_errmsg($0)) } ?? String(cString: sqlite3_errstr(rc))

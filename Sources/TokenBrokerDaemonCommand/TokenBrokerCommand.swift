@@ -25,6 +25,7 @@ public enum TokenBrokerCommand {
             return code
         case var .run(options):
             options.makeDevelopment = development
+            Daemon.limitMallocArenas()
             let code = Mutex<Int32>(ExitCode.failure)
             let done = DispatchSemaphore(value: 0)
             // Default priority: a task made on the main thread would otherwise inherit its

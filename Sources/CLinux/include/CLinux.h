@@ -31,6 +31,10 @@ int tb_set_undumpable(void);
 /// prctl(PR_GET_DUMPABLE): 1 when the process may dump core, 0 when not, -1 with errno.
 int tb_is_dumpable(void);
 
+/// mallopt(M_ARENA_MAX, count): at most `count` malloc arenas (<malloc.h>, which Glibc's module
+/// leaves out). 1 when it took.
+int tb_limit_malloc_arenas(int count);
+
 /// The width of the terminal `fd` is, in columns (ioctl TIOCGWINSZ, variadic in C); 0 when it
 /// is not a terminal or does not say.
 int tb_terminal_columns(int fd);
