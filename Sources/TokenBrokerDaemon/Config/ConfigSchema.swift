@@ -269,9 +269,11 @@ public enum ConfigSchema {
     /// A JWT's file (a path, or a credential's name: its file in `$CREDENTIALS_DIRECTORY`), read
     /// at each request, not at load: the platform may write it later.
     private static func assertionFile(_ name: String, takes: String, _ summary: String,
-                                      _ path: any WritableKeyPath<SessionSettings, String?> & Sendable) -> ConfigKey<SessionSettings> {
+                                      _ path: @autoclosure @escaping @Sendable () -> WritableKeyPath<SessionSettings, String?>) -> ConfigKey<SessionSettings> {
+        // (The key path made at its first use: see ConfigKey.)
         ConfigKey(name, takes: takes, change: .rebuildsSession, summary,
-                  same: { $0[keyPath: path] == $1[keyPath: path] }) { settings, entry, _ throws(ConfigError) in
+                  same: { let path = path(); return $0[keyPath: path] == $1[keyPath: path] }) { settings, entry, _ throws(ConfigError) in
+            let path = path()
             guard !entry.value.isEmpty else {
                 settings[keyPath: path] = nil
                 return
@@ -307,11 +309,12 @@ public enum ConfigSchema {
     }
 
     /// An allow list: an empty value clears it, each word adds a name or a number.
-    private static func allowList<Settings>(_ name: String, _ path: any WritableKeyPath<Settings, [UInt32]> & Sendable, _ summary: String,
-                                            lookup: @escaping @Sendable (inout ConfigContext, String) -> UInt32?, overflow: UInt32,
+    private static func allowList<Settings>(_ name: String, _ path: @autoclosure @escaping @Sendable () -> WritableKeyPath<Settings, [UInt32]>,
+                                            _ summary: String, lookup: @escaping @Sendable (inout ConfigContext, String) -> UInt32?, overflow: UInt32,
                                             change: ConfigChange = .keepsSession) -> ConfigKey<Settings> {
         ConfigKey(name, takes: "names or numbers, space-separated (empty clears)", change: change, summary,
-                  same: { $0[keyPath: path] == $1[keyPath: path] }) { settings, entry, context throws(ConfigError) in
+                  same: { let path = path(); return $0[keyPath: path] == $1[keyPath: path] }) { settings, entry, context throws(ConfigError) in
+            let path = path()
             if entry.value.isEmpty { settings[keyPath: path] = [] }
             for word in ConfigValue.list(entry.value) {
                 let id = try resolve(word, entry) { lookup(&context, $0) }
