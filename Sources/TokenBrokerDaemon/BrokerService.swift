@@ -478,32 +478,65 @@ final class BrokerService: VarlinkHandler {
     /// `rejected`, Recover) answers it, with the session's name. No session: NoSuchSession with
     /// no name, the same for a URL nobody serves and one only another user's session serves.
     ///
-    /// Resolved in a task, never on the I/O thread: a host thousands of sessions serve costs
-    /// the caller its scan, and nobody else.
+    /// Answered inline on the I/O thread, as GetToken, when it costs about as much: at most
+    /// `inlineCandidates` entries serve the URL's host and the session's token is fresh (a
+    /// credential helper is a process per call, and a hop to a task and back was a tenth of
+    /// it). Otherwise resolved in a task: a host thousands of sessions serve costs the caller
+    /// its scan, and nobody else.
     private func credential(_ url: String, rejected: Secret?, validFor minValid: Int64?, key: TokenKey?, for peer: PeerCredentials,
                             within delegated: Set<String>? = nil) -> VarlinkHandling {
         let sessions = self.sessions
+        if rejected == nil, let served = ServedURL(url) {
+            let found = sessions.serving(served, for: peer, within: delegated, most: Self.inlineCandidates)
+            if !found.tooMany {
+                guard let session = found.session else { return .reply(BrokerError.noSuchSession(session: "").reply) }
+                let name = session.configuration.name
+                let keyed: SessionTable.Session
+                do { keyed = try keyedSession(session, key, by: peer) } catch let error as ParameterError {
+                    return .reply(error.reply)
+                } catch {
+                    return .reply(reply(for: error, session: name))
+                }
+                guard let token = Self.freshToken(keyed, validFor: minValid) else {
+                    return .async { [self] sink in await credentialReply(keyed, of: name, rejected: nil, validFor: minValid, key: key, for: peer, sink) }
+                }
+                handed(token, of: keyed, key, to: peer, by: .credential)
+                return .reply(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
+            }
+        }
         return .async { [self] sink in
             guard let served = ServedURL(url), let session = sessions.serving(served, for: peer, within: delegated) else {
                 sink.send(BrokerError.noSuchSession(session: "").reply)
                 return
             }
-            let name = session.configuration.name
-            do {
-                // A key of the session that serves the URL, as GetToken's on it.
-                let keyed: SessionTable.Session
-                do { keyed = try keyedSession(session, key, by: peer) } catch let error as ParameterError {
-                    sink.send(error.reply)
-                    return
-                }
-                let token = try await Self.token(keyed, rejected: rejected, validFor: minValid, by: peer)
-                handed(token, of: keyed, key, to: peer, by: .credential)
-                sink.send(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
-            } catch is CancellationError {
-                // The client is gone; nobody to answer.
+            // A key of the session that serves the URL, as GetToken's on it.
+            let keyed: SessionTable.Session
+            do { keyed = try keyedSession(session, key, by: peer) } catch let error as ParameterError {
+                sink.send(error.reply)
+                return
             } catch {
-                sink.send(reply(for: error, session: name))
+                sink.send(reply(for: error, session: session.configuration.name))
+                return
             }
+            await credentialReply(keyed, of: session.configuration.name, rejected: rejected, validFor: minValid, key: key, for: peer, sink)
+        }
+    }
+
+    /// Entries for one host that a Credential call looks through on the I/O thread, at most.
+    static let inlineCandidates = 16
+
+    /// Credential's answer from `keyed`, the session (or its key's) that serves the URL, once
+    /// its token is there.
+    private func credentialReply(_ keyed: SessionTable.Session, of name: String, rejected: Secret?, validFor minValid: Int64?, key: TokenKey?,
+                                 for peer: PeerCredentials, _ sink: VarlinkReplySink) async {
+        do {
+            let token = try await Self.token(keyed, rejected: rejected, validFor: minValid, by: peer)
+            handed(token, of: keyed, key, to: peer, by: .credential)
+            sink.send(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
+        } catch is CancellationError {
+            // The client is gone; nobody to answer.
+        } catch {
+            sink.send(reply(for: error, session: name))
         }
     }
 

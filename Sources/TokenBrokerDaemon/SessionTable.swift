@@ -142,15 +142,23 @@ final class SessionTable: Sendable {
     /// caller, not the lookups of others.)
     /// (`within`: a delegation's sessions, the only ones its peers may use.)
     func serving(_ url: ServedURL, for peer: PeerCredentials, within delegated: Set<String>? = nil) -> Session? {
+        serving(url, for: peer, within: delegated, most: .max).session
+    }
+
+    /// What `serving` finds, unless more than `most` entries serve the URL's host: then
+    /// `tooMany`, and nothing was looked at.
+    func serving(_ url: ServedURL, for peer: PeerCredentials, within delegated: Set<String>? = nil, most: Int) -> (session: Session?, tooMany: Bool) {
         let state = snapshot
+        let candidates = state.serving.candidates(url.host)
+        guard candidates.count <= most else { return (nil, true) }
         var best: (session: Session, specificity: Int)?
-        for candidate in state.serving.candidates(url.host) {
+        for candidate in candidates {
             guard let specificity = candidate.entry.specificity(for: url), specificity > (best?.specificity ?? -1),
                   let session = state.sessions[candidate.session],
                   delegated.map({ $0.contains(candidate.session) }) ?? state.access.mayUse(session.configuration, peer) else { continue }
             best = (session, specificity)
         }
-        return best?.session
+        return (best?.session, false)
     }
 
     func isAdmin(_ peer: PeerCredentials) -> Bool {

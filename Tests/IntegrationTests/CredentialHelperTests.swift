@@ -60,6 +60,27 @@ struct CredentialHelperTests {
         try #require(broker.call("GetToken", ["session": .string(session)]).parameters["token"]?.stringValue)
     }
 
+    @Test("Credential answers alike where few sessions serve the URL's host (on the I/O thread) and where more do than it looks through there (in a task)")
+    func manyServingOneHost() async throws {
+        // 20 sessions serve one host, more than BrokerService.inlineCandidates (16); 2 another.
+        var config = "[Broker]\nSocketMode=0666\n"
+        for i in 0..<20 { config += "\n[Session]\nName=many\(i)\nUpstream=test\nServes=https://many.example.test/p\(i)\n" }
+        config += "\n[Session]\nName=few0\nUpstream=test\nServes=https://few.example.test/\n"
+        config += "\n[Session]\nName=few1\nUpstream=test\nServes=https://few.example.test/deep\n"
+        try await withBroker(config: config) { broker in
+            for (url, session) in [("https://many.example.test/p7/x", "many7"), ("https://many.example.test/p19", "many19"),
+                                   ("https://few.example.test/deep/x", "few1"), ("https://few.example.test/x", "few0")] {
+                let reply = try broker.call("Credential", ["url": .string(url)])
+                let token = try Self.token(broker, session)
+                #expect(reply.parameters["session"]?.stringValue == session && fp(reply.parameters["token"]) == fp(token), "\(url)")
+            }
+            #expect(try broker.call("Credential", ["url": "https://many.example.test/q"]).error == "io.tokenbroker.Broker.NoSuchSession")
+            #expect(try broker.call("Credential", ["url": "https://few.example.test.evil/"]).error == "io.tokenbroker.Broker.NoSuchSession")
+            #expect(try broker.call("Credential", ["url": "https://few.example.test/x", "resource": "https://r.example/"]).error
+                    == "org.varlink.service.InvalidParameter")
+        }
+    }
+
     @Test("each protocol answers with the session that serves the URL for this user, its not-found otherwise, never a token elsewhere")
     func protocols() async throws {
         try await withBroker(config: Self.config) { broker in

@@ -339,9 +339,12 @@ public enum ConfigLoader {
                 + "did you mean \(ConfigSchema.suggestion(for: $0.key, in: ConfigSchema.session)!)=?" } ?? ""
             return ConfigError(file: origin.file, line: origin.line, "[Session] \(name) needs \(message)\(hint)")
         }
-        // A bad Upstream=: what the session needs is unknown.
-        let upstreamLines = Set(entries.filter { $0.key == "Upstream" }.map { "\($0.file):\($0.line)" })
-        guard !context.errors[before...].contains(where: { upstreamLines.contains("\($0.file):\($0.line)") }) else { return nil }
+        // A bad Upstream=: what the session needs is unknown. (Looked for only when the
+        // session has errors: a reload reads thousands of sessions that have none.)
+        if context.errors.count > before {
+            let upstreamLines = Set(entries.filter { $0.key == "Upstream" }.map { "\($0.file):\($0.line)" })
+            guard !context.errors[before...].contains(where: { upstreamLines.contains("\($0.file):\($0.line)") }) else { return nil }
+        }
         if settings.policy.backoff.maximum < settings.policy.backoff.initial, let entry = entries.last(where: { $0.key == "BackoffMax" }) {
             record(fail(entry, "BackoffMax= is shorter than BackoffInitial="))
         }

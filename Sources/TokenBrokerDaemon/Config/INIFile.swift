@@ -79,7 +79,13 @@ public enum INIFile {
     /// Parses all of `text`: a line that cannot be read is an error in `errors`, and skipped (the
     /// lines of a section whose header cannot be read, with it).
     public static func parse(_ text: String, file: String, errors: inout [ConfigError]) -> [INISection] {
-        let bytes = Array(text.utf8)
+        var text = text
+        // Through a pointer: slices of an array retain and release its storage at each step, and
+        // a reload reads a file of thousands of sections.
+        return text.withUTF8 { parse($0, file: file, errors: &errors) }
+    }
+
+    private static func parse(_ bytes: UnsafeBufferPointer<UInt8>, file: String, errors: inout [ConfigError]) -> [INISection] {
         var sections: [INISection] = []
         var pending: [UInt8] = []
         var continued = false
@@ -91,56 +97,32 @@ public enum INIFile {
             while end < bytes.count, bytes[end] != UInt8(ascii: "\n") { end += 1 }
             defer { start = end + 1 }
             number += 1
-            var line = bytes[start..<end]
-            if line.last == UInt8(ascii: "\r") { line = line.dropLast() }
+            var line = start..<end
+            if let last = line.last, bytes[last] == UInt8(ascii: "\r") { line = line.dropLast() }
             if !continued {
-                let trimmed = trim(line)
-                if trimmed.isEmpty || trimmed.first == UInt8(ascii: "#") || trimmed.first == UInt8(ascii: ";") { continue }
+                let trimmed = trim(line, bytes)
+                if trimmed.isEmpty || bytes[trimmed.lowerBound] == UInt8(ascii: "#") || bytes[trimmed.lowerBound] == UInt8(ascii: ";") { continue }
                 pendingLine = number
             }
             // A continued line joins the next one with a single space.
-            if line.last == UInt8(ascii: "\\") {
-                pending += trim(line.dropLast())
+            if let last = line.last, bytes[last] == UInt8(ascii: "\\") {
+                pending += bytes[trim(line.dropLast(), bytes)]
                 pending.append(UInt8(ascii: " "))
                 continued = true
                 continue
             }
-            let logical: ArraySlice<UInt8>
+            let entry: (key: String, value: String)?
             if continued {
-                logical = trim((pending + trim(line))[...])
+                pending += bytes[trim(line, bytes)]
+                entry = pending.withUnsafeBufferPointer { logical in
+                    parseLine(logical, trim(0..<logical.count, logical), file: file, line: pendingLine, &sections, &errors)
+                }
             } else {
-                logical = trim(line)
+                entry = parseLine(bytes, trim(line, bytes), file: file, line: pendingLine, &sections, &errors)
             }
             pending = []
             continued = false
-            if logical.first == UInt8(ascii: "[") {
-                // A header that cannot be read opens a section no one reads (its lines would
-                // otherwise land in the section above).
-                guard logical.last == UInt8(ascii: "]"), logical.count > 2 else {
-                    errors.append(ConfigError(file: file, line: pendingLine, "malformed section header (expected '[Name]')"))
-                    sections.append(INISection(name: "", file: file, line: pendingLine, entries: []))
-                    continue
-                }
-                let name = string(trim(logical.dropFirst().dropLast()))
-                guard isName(name) else {
-                    errors.append(ConfigError(file: file, line: pendingLine, "invalid section name '\(name)'"))
-                    sections.append(INISection(name: "", file: file, line: pendingLine, entries: []))
-                    continue
-                }
-                sections.append(INISection(name: name, file: file, line: pendingLine, entries: []))
-                continue
-            }
-            guard let equals = logical.firstIndex(of: UInt8(ascii: "=")) else {
-                // The line is not quoted: it might be a secret pasted in the wrong place.
-                errors.append(ConfigError(file: file, line: pendingLine, "expected 'Key=Value' or '[Section]'"))
-                continue
-            }
-            let key = string(trim(logical[..<equals]))
-            let value = string(trim(logical[(equals + 1)...]))
-            guard isName(key) else {
-                errors.append(ConfigError(file: file, line: pendingLine, "invalid key '\(key)'"))
-                continue
-            }
+            guard let (key, value) = entry else { continue }
             guard !sections.isEmpty else {
                 errors.append(ConfigError(file: file, line: pendingLine, "'\(key)=' is outside of any [Section]"))
                 continue
@@ -153,19 +135,67 @@ public enum INIFile {
         return sections
     }
 
-    /// Without the spaces and tabs around it.
-    private static func trim(_ bytes: ArraySlice<UInt8>) -> ArraySlice<UInt8> {
-        var slice = bytes
-        while let first = slice.first, first == UInt8(ascii: " ") || first == UInt8(ascii: "\t") { slice = slice.dropFirst() }
-        while let last = slice.last, last == UInt8(ascii: " ") || last == UInt8(ascii: "\t") { slice = slice.dropLast() }
-        return slice
+    /// One logical line, `range` of `bytes`, trimmed: a section header (appended to `sections`)
+    /// or an assignment (returned), or an error.
+    private static func parseLine(_ bytes: UnsafeBufferPointer<UInt8>, _ logical: Range<Int>, file: String, line: Int,
+                                  _ sections: inout [INISection], _ errors: inout [ConfigError]) -> (key: String, value: String)? {
+        if let first = logical.first, bytes[first] == UInt8(ascii: "[") {
+            // A header that cannot be read opens a section no one reads (its lines would
+            // otherwise land in the section above).
+            guard bytes[logical.upperBound - 1] == UInt8(ascii: "]"), logical.count > 2 else {
+                errors.append(ConfigError(file: file, line: line, "malformed section header (expected '[Name]')"))
+                sections.append(INISection(name: "", file: file, line: line, entries: []))
+                return nil
+            }
+            let range = trim(logical.dropFirst().dropLast(), bytes)
+            let name = string(range, bytes)
+            guard isName(range, bytes) ?? isName(name) else {
+                errors.append(ConfigError(file: file, line: line, "invalid section name '\(name)'"))
+                sections.append(INISection(name: "", file: file, line: line, entries: []))
+                return nil
+            }
+            sections.append(INISection(name: name, file: file, line: line, entries: []))
+            return nil
+        }
+        guard let equals = logical.first(where: { bytes[$0] == UInt8(ascii: "=") }) else {
+            // The line is not quoted: it might be a secret pasted in the wrong place.
+            errors.append(ConfigError(file: file, line: line, "expected 'Key=Value' or '[Section]'"))
+            return nil
+        }
+        let keyRange = trim(logical.lowerBound..<equals, bytes)
+        let key = string(keyRange, bytes)
+        let value = string(trim((equals + 1)..<logical.upperBound, bytes), bytes)
+        guard isName(keyRange, bytes) ?? isName(key) else {
+            errors.append(ConfigError(file: file, line: line, "invalid key '\(key)'"))
+            return nil
+        }
+        return (key, value)
     }
 
-    private static func string(_ bytes: ArraySlice<UInt8>) -> String {
-        String(decoding: bytes, as: UTF8.self)
+    private static func trim(_ range: Range<Int>, _ bytes: UnsafeBufferPointer<UInt8>) -> Range<Int> {
+        var (lower, upper) = (range.lowerBound, range.upperBound)
+        while lower < upper, bytes[lower] == UInt8(ascii: " ") || bytes[lower] == UInt8(ascii: "\t") { lower += 1 }
+        while upper > lower, bytes[upper - 1] == UInt8(ascii: " ") || bytes[upper - 1] == UInt8(ascii: "\t") { upper -= 1 }
+        return lower..<upper
     }
 
-    /// A section or key name: letters and digits.
+    private static func string(_ range: Range<Int>, _ bytes: UnsafeBufferPointer<UInt8>) -> String {
+        String(decoding: UnsafeBufferPointer(rebasing: bytes[range]), as: UTF8.self)
+    }
+
+    /// `isName` on the bytes of an ASCII name; nil when they are not all ASCII.
+    private static func isName(_ range: Range<Int>, _ bytes: UnsafeBufferPointer<UInt8>) -> Bool? {
+        guard !range.isEmpty else { return false }
+        var valid = true
+        for index in range {
+            let byte = bytes[index]
+            if byte >= 0x80 { return nil }
+            // Letters and digits: one comparison each after folding case.
+            if !((0x30...0x39).contains(byte) || (0x61...0x7A).contains(byte | 0x20)) { valid = false }
+        }
+        return valid
+    }
+
     private static func isName(_ name: String) -> Bool {
         guard !name.isEmpty else { return false }
         var ascii = true
