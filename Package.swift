@@ -66,11 +66,9 @@ var package = Package(
         // and its errors with their names — shared by the daemon's service, ctl and the client library.
         .target(name: "BrokerContract", dependencies: ["Basics", "Varlink"], resources: [.embedInCode("io.tokenbroker.Broker.varlink")]),
         // The command line without the daemon: help, --version, every ctl verb (no libcurl, SQLite,
-        // libcrypto or libsystemd: see `Command`). Its generic types' metadata is fetched by direct
-        // accessor calls rather than by demangling a name at first use: a seventh of a `ctl token`'s
-        // instructions fewer (358,000 to 306,000), and as many page faults.
-        .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "CLinux", "Varlink"],
-                swiftSettings: [.unsafeFlags(["-Xfrontend", "-disable-concrete-type-metadata-mangled-name-accessors"])]),
+        // libcrypto or libsystemd: see `Command`). (Built for release with RELEASE_FLAGS, as every
+        // module: see the Makefile.)
+        .target(name: "TokenBrokerCLI", dependencies: ["Basics", "BrokerContract", "CLinux", "Varlink"]),
         // The daemon: configuration, the io.tokenbroker.Broker service, peer authorization, serve,
         // check-config.
         .target(name: "TokenBrokerDaemon", dependencies: ["Fleet", "Basics", "BrokerContract", "CLinux", "DPoP", "TokenBrokerCore",
@@ -129,12 +127,3 @@ for target in package.targets where target.type != .system {
     target.swiftSettings = (target.swiftSettings ?? []) + swiftSettings
 }
 
-// The daemon's own modules fetch their generic types' metadata by direct accessor calls rather
-// than by demangling a name at its first use (the runtime's demangler was a sixth of a start's
-// instructions). A compiler flag, so only for targets no library product reaches: a package
-// that depends on this one cannot build a target with unsafe flags. (TokenBrokerCLI has it too.)
-let directMetadata = ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerDevelopment", "Upstream", "Fleet", "DevIssuer",
-                      "SQLiteStore", "DPoP", "HTTPTransport", "Sealing"]
-for target in package.targets where directMetadata.contains(target.name) {
-    target.swiftSettings = (target.swiftSettings ?? []) + [.unsafeFlags(["-Xfrontend", "-disable-concrete-type-metadata-mangled-name-accessors"])]
-}
