@@ -27,6 +27,8 @@ public struct StrictURL: Sendable, Equatable {
     public var hasAmbiguousPath: Bool
 
     public init?(_ text: String, requiringScheme: Bool = true, maximumLength: Int = 4096) {
+        // (The length first: a hostile URL as long as a message is not copied to be refused.)
+        guard text.utf8.count <= maximumLength else { return nil }
         let bytes = Array(text.utf8)
         guard !bytes.isEmpty, bytes.count <= maximumLength, bytes.allSatisfy({ $0 > 0x20 && $0 < 0x7F }),
               !bytes.contains(UInt8(ascii: "\\")) else { return nil }

@@ -486,7 +486,9 @@ final class BrokerService: VarlinkHandler {
     private func credential(_ url: String, rejected: Secret?, validFor minValid: Int64?, key: TokenKey?, for peer: PeerCredentials,
                             within delegated: Set<String>? = nil) -> VarlinkHandling {
         let sessions = self.sessions
-        if rejected == nil, let served = ServedURL(url) {
+        // A URL that is not one names no session (the same answer the task would send).
+        guard let served = ServedURL(url) else { return .reply(BrokerError.noSuchSession(session: "").reply) }
+        if rejected == nil {
             let found = sessions.serving(served, for: peer, within: delegated, most: Self.inlineCandidates)
             if !found.tooMany {
                 guard let session = found.session else { return .reply(BrokerError.noSuchSession(session: "").reply) }
@@ -505,7 +507,7 @@ final class BrokerService: VarlinkHandler {
             }
         }
         return .async { [self] sink in
-            guard let served = ServedURL(url), let session = sessions.serving(served, for: peer, within: delegated) else {
+            guard let session = sessions.serving(served, for: peer, within: delegated) else {
                 sink.send(BrokerError.noSuchSession(session: "").reply)
                 return
             }

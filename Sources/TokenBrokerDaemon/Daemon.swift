@@ -102,7 +102,9 @@ public final class Daemon: Sendable {
     /// a partly used heap: 130 KB more private memory with an OAuth session, and no measurable
     /// gain in GetToken at 16 connections (the hot path allocates on the loop's thread only,
     /// and little).
+    /// An operator's own setting (`MALLOC_ARENA_MAX=`, `GLIBC_TUNABLES=`) is left as it is.
     public static func limitMallocArenas() {
+        guard getenv("MALLOC_ARENA_MAX") == nil, getenv("GLIBC_TUNABLES") == nil else { return }
         _ = tb_limit_malloc_arenas(2)
     }
 

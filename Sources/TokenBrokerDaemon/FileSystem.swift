@@ -37,7 +37,7 @@ enum FileSystem {
         let chunk = UnsafeMutableRawBufferPointer.allocate(byteCount: 16_384, alignment: 16)
         var used = 0
         defer {
-            memset(chunk.baseAddress!, 0, used)
+            explicit_bzero(chunk.baseAddress!, used)
             chunk.deallocate()
         }
         while bytes.count < 16 << 20 {
