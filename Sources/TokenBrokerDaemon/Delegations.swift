@@ -226,10 +226,12 @@ final class Delegations: Sendable {
     /// changed, and those made at run time that name a session no longer configured (a session
     /// added later under that name is not theirs), so that none serves the new sessions under
     /// its old grant. `reconcile` then starts the new ones.
-    func narrow(to configured: [DelegationConfiguration], sessions: Set<String>) async {
+    func narrow(to configured: [DelegationConfiguration], sessions names: @escaping @Sendable () -> Set<String>) async {
         await changes.run {
             let wanted = Dictionary(configured.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
             let current = self.state.withLock { Array($0.byListener.values) }
+            // (The set of every session's name only when a delegation made at run time needs it.)
+            let sessions = current.contains { !$0.configured } ? names() : []
             for grant in current {
                 let ends = grant.configured ? wanted[grant.name] != grant.configuration : !grant.sessions.isSubset(of: sessions)
                 guard ends else { continue }

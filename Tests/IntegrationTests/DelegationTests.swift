@@ -139,6 +139,20 @@ struct DelegationTests {
             #expect(try await broker.ctl(["reload"]).code == 0)
             #expect(access(ci, F_OK) != 0 && access(broker.directory + "/delegations/ci2.sock", F_OK) == 0)
             #expect(try Self.call(broker.directory + "/delegations/ci2.sock", "GetToken", ["session": "private"]).error == nil)
+
+            // A delegation made at run time ends at the reload that removes a session it serves;
+            // one whose sessions stay configured is kept.
+            let keep = broker.directory + "/run/keep.sock", drop = broker.directory + "/run/drop.sock"
+            #expect(try await broker.ctl(["delegate", "private", "--socket", keep, "--name", "keep"]).code == 0)
+            #expect(try await broker.ctl(["delegate", "api", "--socket", drop, "--name", "drop"]).code == 0)
+            let withoutAPI = next.replacingOccurrences(of: "[Session]\nName=api\nUpstream=test\nAllowUsers=\(Broker.workerUID)\nServes=https://api.example.test/\n",
+                                                       with: "")
+            #expect(withoutAPI != next)
+            try withoutAPI.replacingOccurrences(of: "@DIR@", with: broker.directory).write(toFile: broker.configPath, atomically: true, encoding: .utf8)
+            #expect(try await broker.ctl(["reload"]).code == 0)
+            #expect(access(drop, F_OK) != 0, "a run-time delegation of a session no longer configured ends")
+            #expect(access(keep, F_OK) == 0)
+            #expect(try Self.call(keep, "GetToken", ["session": "private"]).error == nil)
         }
         }
 

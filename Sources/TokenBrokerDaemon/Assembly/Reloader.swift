@@ -85,7 +85,8 @@ final class Reloader: Sendable {
         // The socket is bound once; its settings take effect at the next start.
         configuration.socketPath = current.value.socketPath
         // No delegation serves the new sessions under a grant that is ending.
-        await delegations.narrow(to: configuration.delegations, sessions: Set(configuration.sessions.map(\.name)))
+        let sessions = configuration.sessions
+        await delegations.narrow(to: configuration.delegations, sessions: { Set(sessions.map(\.name)) })
         await apply(configuration, stored: nil)
         prepareHTTP(for: configuration)
         var problems = await delegations.reconcile(configuration.delegations)

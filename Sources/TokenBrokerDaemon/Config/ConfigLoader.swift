@@ -121,7 +121,7 @@ public enum ConfigLoader {
 
     /// Each section's keys applied to `empty`: those read without an error and with a `Name=`,
     /// each with its section (for errors about the whole of it).
-    private static func read<Settings>(_ sections: [INISection], _ index: [String: ConfigKey<Settings>], _ keys: [ConfigKey<Settings>],
+    private static func read<Settings>(_ sections: [INISection], _ index: ConfigKeyIndex<Settings>, _ keys: [ConfigKey<Settings>],
                                        _ name: String, _ empty: Settings, _ named: KeyPath<Settings, String>,
                                        _ context: inout ConfigContext) -> [(Settings, INISection)] {
         var result: [(Settings, INISection)] = []
@@ -144,6 +144,8 @@ public enum ConfigLoader {
     private static func delegations(_ sections: [INISection], of configuration: BrokerConfiguration,
                                     _ context: inout ConfigContext) -> [DelegationConfiguration] {
         var result: [DelegationConfiguration] = []
+        // (None is the usual case: no set of every session's name for it.)
+        guard !sections.isEmpty else { return result }
         var sockets: [String: String] = [configuration.socketPath: "the broker's own socket (Socket=)"]
         let known = Set(configuration.sessions.map(\.name))
         for (delegation, section) in read(sections, ConfigSchema.delegationKeys, ConfigSchema.delegation, "Delegation",
@@ -286,15 +288,16 @@ public enum ConfigLoader {
     ]
 
     /// The keys only a derived session takes.
-    static let derivedKeys: Set<String> = ["Derivation", "Audience", "Resource"]
+    /// (An array: three names compared cost less than one hashed, for every line of a session.)
+    static let derivedKeys: [String] = ["Derivation", "Audience", "Resource"]
 
     /// One assignment, by its key's entry in `index` (the table `keys`); an unknown key warns,
     /// with the key it probably meant.
-    private static func apply<Settings>(_ entry: INIEntry, _ index: [String: ConfigKey<Settings>], _ keys: [ConfigKey<Settings>],
-                                        to settings: inout Settings, in section: String, _ context: inout ConfigContext) {
+    private static func apply<Settings>(_ entry: INIEntry, _ index: ConfigKeyIndex<Settings>, _ keys: [ConfigKey<Settings>],
+                                        to settings: inout Settings, in section: @autoclosure () -> String, _ context: inout ConfigContext) {
         guard let key = index[entry.key] else {
             let hint = ConfigSchema.suggestion(for: entry.key, in: keys).map { " (did you mean \($0)=?)" } ?? ""
-            context.warn(entry, "unknown key \(entry.key)= in \(section), ignored\(hint)")
+            context.warn(entry, "unknown key \(entry.key)= in \(section()), ignored\(hint)")
             return
         }
         do {

@@ -443,8 +443,8 @@ public enum ConfigSchema {
     static let delegationKeys = index(delegation)
     static let outputKeys = index(output)
 
-    private static func index<Settings>(_ keys: [ConfigKey<Settings>]) -> [String: ConfigKey<Settings>] {
-        Dictionary(keys.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+    private static func index<Settings>(_ keys: [ConfigKey<Settings>]) -> ConfigKeyIndex<Settings> {
+        ConfigKeyIndex(keys)
     }
 
     /// The sections and their keys, for documentation: (section, name, takes, default, summary, change).
@@ -510,4 +510,29 @@ public struct FleetDraft: Sendable {
     var flightLease = Duration.seconds(60)
     var requestTimeout = Duration.seconds(2)
     var member = ProcessDefences.hostName()
+}
+
+/// A table's keys by name, found without hashing the name: by its length and its first and
+/// last bytes, then compared. A reload of thousands of sessions looks up a key per line, and
+/// `String`'s hash (SipHash) was most of a lookup. The first key of a name wins, as in the table.
+struct ConfigKeyIndex<Settings: Sendable>: Sendable {
+    private var slots: [[ConfigKey<Settings>]]
+
+    init(_ keys: [ConfigKey<Settings>]) {
+        slots = Array(repeating: [], count: Self.slotCount)
+        for key in keys where self[key.name] == nil { slots[Self.slot(key.name)].append(key) }
+    }
+
+    subscript(name: String) -> ConfigKey<Settings>? {
+        for key in slots[Self.slot(name)] where key.name == name { return key }
+        return nil
+    }
+
+    private static var slotCount: Int { 256 }
+
+    private static func slot(_ name: String) -> Int {
+        let utf8 = name.utf8
+        guard let first = utf8.first, let last = utf8.last else { return 0 }
+        return (utf8.count &* 31 &+ Int(first) &* 7 &+ Int(last)) & (slotCount - 1)
+    }
 }
