@@ -30,7 +30,7 @@ public struct StrictURL: Sendable, Equatable {
         // (The length first: a hostile URL as long as a message is not copied to be refused.)
         guard text.utf8.count <= maximumLength else { return nil }
         let bytes = Array(text.utf8)
-        guard !bytes.isEmpty, bytes.count <= maximumLength, bytes.allSatisfy({ $0 > 0x20 && $0 < 0x7F }),
+        guard !bytes.isEmpty, bytes.allSatisfy({ $0 > 0x20 && $0 < 0x7F }),
               !bytes.contains(UInt8(ascii: "\\")) else { return nil }
         var start = 0
         if let colon = bytes.firstIndex(of: UInt8(ascii: ":")), bytes[colon...].starts(with: Array("://".utf8)) {

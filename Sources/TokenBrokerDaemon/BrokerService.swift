@@ -488,58 +488,43 @@ final class BrokerService: VarlinkHandler {
         let sessions = self.sessions
         // A URL that is not one names no session (the same answer the task would send).
         guard let served = ServedURL(url) else { return .reply(BrokerError.noSuchSession(session: "").reply) }
-        if rejected == nil {
-            let found = sessions.serving(served, for: peer, within: delegated, most: Self.inlineCandidates)
-            if !found.tooMany {
-                guard let session = found.session else { return .reply(BrokerError.noSuchSession(session: "").reply) }
-                let name = session.configuration.name
-                let keyed: SessionTable.Session
-                do { keyed = try keyedSession(session, key, by: peer) } catch let error as ParameterError {
-                    return .reply(error.reply)
-                } catch {
-                    return .reply(reply(for: error, session: name))
-                }
-                guard let token = Self.freshToken(keyed, validFor: minValid) else {
-                    return .async { [self] sink in await credentialReply(keyed, of: name, rejected: nil, validFor: minValid, key: key, for: peer, sink) }
-                }
-                handed(token, of: keyed, key, to: peer, by: .credential)
-                return .reply(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
-            }
+        let found = sessions.serving(served, for: peer, within: delegated, most: Self.inlineCandidates)
+        if !found.tooMany {
+            guard let session = found.session else { return .reply(BrokerError.noSuchSession(session: "").reply) }
+            return credential(from: session, rejected: rejected, validFor: minValid, key: key, for: peer)
         }
         return .async { [self] sink in
             guard let session = sessions.serving(served, for: peer, within: delegated) else {
                 sink.send(BrokerError.noSuchSession(session: "").reply)
                 return
             }
-            // A key of the session that serves the URL, as GetToken's on it.
-            let keyed: SessionTable.Session
-            do { keyed = try keyedSession(session, key, by: peer) } catch let error as ParameterError {
-                sink.send(error.reply)
-                return
-            } catch {
-                sink.send(reply(for: error, session: session.configuration.name))
-                return
+            switch credential(from: session, rejected: rejected, validFor: minValid, key: key, for: peer) {
+            case let .reply(reply): sink.send(reply)
+            case let .async(body): await body(sink)
             }
-            await credentialReply(keyed, of: session.configuration.name, rejected: rejected, validFor: minValid, key: key, for: peer, sink)
         }
     }
 
     /// Entries for one host that a Credential call looks through on the I/O thread, at most.
     static let inlineCandidates = 16
 
-    /// Credential's answer from `keyed`, the session (or its key's) that serves the URL, once
-    /// its token is there.
-    private func credentialReply(_ keyed: SessionTable.Session, of name: String, rejected: Secret?, validFor minValid: Int64?, key: TokenKey?,
-                                 for peer: PeerCredentials, _ sink: VarlinkReplySink) async {
-        do {
-            let token = try await Self.token(keyed, rejected: rejected, validFor: minValid, by: peer)
-            handed(token, of: keyed, key, to: peer, by: .credential)
-            sink.send(VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters))
-        } catch is CancellationError {
-            // The client is gone; nobody to answer.
+    /// Credential once `session` serves the URL: on its key's session (as GetToken's on it), a
+    /// fresh token at once, else (or with `rejected`, as Recover) in a task.
+    private func credential(from session: SessionTable.Session, rejected: Secret?, validFor minValid: Int64?, key: TokenKey?,
+                            for peer: PeerCredentials) -> VarlinkHandling {
+        let name = session.configuration.name
+        let keyed: SessionTable.Session
+        do { keyed = try keyedSession(session, key, by: peer) } catch let error as ParameterError {
+            return .reply(error.reply)
         } catch {
-            sink.send(reply(for: error, session: name))
+            return .reply(reply(for: error, session: name))
         }
+        let answer = { @Sendable [self] (token: IssuedToken) -> VarlinkReply in
+            handed(token, of: keyed, key, to: peer, by: .credential)
+            return VarlinkReply(parameters: CredentialReply(session: name, token: TokenReply(token)).parameters)
+        }
+        if rejected == nil, let token = Self.freshToken(keyed, validFor: minValid) { return .reply(answer(token)) }
+        return asyncReply(name) { answer(try await Self.token(keyed, rejected: rejected, validFor: minValid, by: peer)) }
     }
 
     private func logout(_ name: String, by peer: PeerCredentials) -> VarlinkHandling {

@@ -149,7 +149,7 @@ public enum INIFile {
             }
             let range = trim(logical.dropFirst().dropLast(), bytes)
             let name = string(range, bytes)
-            guard isName(range, bytes) ?? isName(name) else {
+            guard isName(range, bytes) else {
                 errors.append(ConfigError(file: file, line: line, "invalid section name '\(name)'"))
                 sections.append(INISection(name: "", file: file, line: line, entries: []))
                 return nil
@@ -169,7 +169,7 @@ public enum INIFile {
         let keyRange = trim(logical.lowerBound..<equals, bytes)
         let key = string(keyRange, bytes)
         let value = string(trim((equals + 1)..<logical.upperBound, bytes), bytes)
-        guard isName(keyRange, bytes) ?? isName(key) else {
+        guard isName(keyRange, bytes) else {
             errors.append(ConfigError(file: file, line: line, "invalid key '\(key)'"))
             return nil
         }
@@ -187,31 +187,17 @@ public enum INIFile {
         String(decoding: UnsafeBufferPointer(rebasing: bytes[range]), as: UTF8.self)
     }
 
-    /// `isName` on the bytes of an ASCII name; nil when they are not all ASCII.
-    private static func isName(_ range: Range<Int>, _ bytes: UnsafeBufferPointer<UInt8>) -> Bool? {
+    /// A section or key name, `range` of `bytes`: letters and digits (of any script).
+    private static func isName(_ range: Range<Int>, _ bytes: UnsafeBufferPointer<UInt8>) -> Bool {
         guard !range.isEmpty else { return false }
-        var valid = true
         for index in range {
             let byte = bytes[index]
-            if byte >= 0x80 { return nil }
-            // Letters and digits: one comparison each after folding case.
-            if !((0x30...0x39).contains(byte) || (0x61...0x7A).contains(byte | 0x20)) { valid = false }
-        }
-        return valid
-    }
-
-    private static func isName(_ name: String) -> Bool {
-        guard !name.isEmpty else { return false }
-        var ascii = true
-        for byte in name.utf8 {
-            if byte >= 0x80 {
-                ascii = false
-                break
-            }
+            // Not ASCII: the name's characters, by Unicode's properties.
+            if byte >= 0x80 { return string(range, bytes).allSatisfy { $0.isLetter || $0.isNumber } }
             // Letters and digits: one comparison each after folding case.
             guard (0x30...0x39).contains(byte) || (0x61...0x7A).contains(byte | 0x20) else { return false }
         }
-        return ascii || name.allSatisfy { $0.isLetter || $0.isNumber }
+        return true
     }
 }
 
