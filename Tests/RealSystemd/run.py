@@ -538,8 +538,13 @@ def scenario(c, deb, issuer, readme_issuer):
     for proof_lines in lines:
         never_logged.extend(line.split(" ", 2)[-1] for line in proof_lines)
     main_pid = c.show("tokenbroker.service", "MainPID")
-    stats = c.run(["sh", "-c", f"cat /proc/{main_pid}/task/*/stat"], check=False).stdout
-    nices = [int(line.rsplit(")", 1)[1].split()[16]) for line in stats.splitlines() if ")" in line]
+
+    def thread_nices():
+        stats = c.run(["sh", "-c", f"cat /proc/{main_pid}/task/*/stat"], check=False).stdout
+        return [int(line.rsplit(")", 1)[1].split()[16]) for line in stats.splitlines() if ")" in line]
+    # (The maker thread lowers its own priority once started: looked for until the step's deadline.)
+    eventually(lambda: 19 in thread_nices())
+    nices = thread_nices()
     signed = all(proof.returncode == 0 for proof in proofs) and all(
         len(proof_lines) == 2 and proof_lines[0].startswith("Authorization: DPoP ") and proof_lines[1].startswith("DPoP: ")
         and proof_lines[1].count(".") == 2 for proof_lines in lines)
