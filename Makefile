@@ -183,11 +183,21 @@ SYSCONFDIR  ?= /etc
 # instructions, and a seventh of a `ctl token`'s. A compiler flag, so given here rather than in
 # Package.swift: a package that depends on this one cannot build a target with unsafe flags.
 RELEASE_FLAGS = -Xswiftc -Xfrontend -Xswiftc -disable-concrete-type-metadata-mangled-name-accessors
-STATIC_BUILD = -c release --static-swift-stdlib --disable-local-rpath --scratch-path $(CURDIR)/.build/static $(RELEASE_FLAGS)
+#
+# STATIC_CXX: the C++ library the Swift runtime needs is linked in, not loaded (loading it, and
+# running its constructors, was a third of a millisecond of each daemon start). The linker takes
+# the first libstdc++ it finds on its search path, so a directory holding only the archive comes
+# first. Without the archive (clang finds none) the link falls back to libstdc++.so.
+STATIC_CXX = $(CURDIR)/.build/static-libstdc++
+STATIC_BUILD = -c release --static-swift-stdlib --disable-local-rpath --scratch-path $(CURDIR)/.build/static $(RELEASE_FLAGS) \
+               -Xlinker -L$(STATIC_CXX)
 
-static:
+static: $(STATIC_CXX)/libstdc++.a
 	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product tokenbroker-daemon
 	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product tokenbroker
+
+$(STATIC_CXX)/libstdc++.a:
+	mkdir -p $(@D) && ln -sfn "$$(clang -print-file-name=libstdc++.a)" $@
 
 install: build-deps static install-files
 

@@ -49,10 +49,11 @@ var package = Package(
         .target(name: "Fleet", dependencies: ["Basics", "HTTPTransport", "Sealing", "TokenBrokerCore", "WireJSON"]),
         // A development OAuth 2.0 authorization server on loopback HTTP (`tokenbroker serve --dev`, tests).
         .target(name: "DevIssuer", dependencies: ["Basics", "DPoP", "WireJSON"]),
-        // libsystemd: sd_notify, socket activation, the watchdog, the journal.
-        .systemLibrary(name: "CSystemd", pkgConfig: "libsystemd", providers: [.apt(["libsystemd-dev"])]),
+        // libsystemd's journal (sd_journal_sendv), opened at the first journal entry (the daemon
+        // speaks sd_notify and socket activation itself). Its header comes from libsystemd-dev.
+        .target(name: "CSystemd"),
         // libcrypto (OpenSSL), for AES-256-GCM of tokens at rest.
-        .systemLibrary(name: "CCrypto", pkgConfig: "libcrypto", providers: [.apt(["libssl-dev"])]),
+        .target(name: "CCrypto"),
         // SQLite, for the durable session state.
         .systemLibrary(name: "CSQLite", pkgConfig: "sqlite3", providers: [.apt(["libsqlite3-dev"])]),
         // AES-256-GCM sealing under an operator's key (`TokenCipher`): the state database's token

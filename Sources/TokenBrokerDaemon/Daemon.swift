@@ -12,6 +12,7 @@ import TokenBrokerCore
 import Upstream
 import Varlink
 import HTTPTransport
+import Sealing
 
 /// `tokenbroker serve`: loads the configuration, builds one coordinator per session, serves the
 /// socket, and handles SIGTERM/SIGINT (graceful stop) and SIGHUP (reload).
@@ -210,6 +211,10 @@ public final class Daemon: Sendable {
         // watchdog: READY=1 is the first notification (a client that connects meanwhile waits
         // in the listen backlog).
         Systemd.ready(status: maintenance.statusLine())
+        // libcrypto, which a start without a state key or DPoP does not need, is loaded now, on
+        // a thread of its own: not in a start, and not in the first proof or sealed write
+        // either, nor where a full descriptor table could make the load fail.
+        spawnThread { CryptoLibrary.load() }
         // (Metrics first: once the socket answers, so does MetricsListen=.)
         server.start()
         logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")

@@ -32,6 +32,7 @@ public enum LogLevel: Int, Sendable, Comparable, CaseIterable {
 public final class Logger: Sendable {
     private let minimum: Mutex<LogLevel>
     private let journal: Bool
+    private let journalFailed = Atomic<Bool>(false)
 
     public init(level: LogLevel = .info, journal: Bool = false) {
         minimum = Mutex(level)
@@ -54,21 +55,32 @@ public final class Logger: Sendable {
             if let session { fields.append("SESSION=\(session)") }
             if let generation { fields.append("GENERATION=\(generation)") }
             if let tokenSerial { fields.append("TOKEN_SERIAL=\(tokenSerial)") }
-            Systemd.journal(fields)
-            return
+            if sendToJournal(fields) { return }
         }
-        var bytes = Array("<\(level.rawValue)>\(flat)\n".utf8)
-        _ = bytes.withUnsafeMutableBytes { write(2, $0.baseAddress, $0.count) }
+        Self.writeLine("<\(level.rawValue)>\(flat)\n")
     }
 
     /// An audit entry (`Audit`): written whatever the level (an audit trail is not chatter),
     /// with its own fields in the journal, else `line` at info priority on stderr.
     public func audit(_ fields: [String], line: String) {
-        if journal {
-            Systemd.journal(fields)
-            return
+        if journal, sendToJournal(fields) { return }
+        Self.writeLine("<6>\(Self.printable(line))\n")
+    }
+
+    /// One entry to the journal; false when it was not sent, for the caller to write its line
+    /// on stderr instead (the journal's stream, under systemd): then, the first time only, a
+    /// line says why.
+    private func sendToJournal(_ fields: [String]) -> Bool {
+        if Systemd.journal(fields) { return true }
+        if !journalFailed.exchange(true, ordering: .relaxed) {
+            let why = Systemd.journalFailure() ?? "the journal refused an entry"
+            Self.writeLine("<4>\(Self.printable("cannot write to the journal (\(why)); entries it refuses are written here"))\n")
         }
-        var bytes = Array("<6>\(Self.printable(line))\n".utf8)
+        return false
+    }
+
+    private static func writeLine(_ line: String) {
+        var bytes = Array(line.utf8)
         _ = bytes.withUnsafeMutableBytes { write(2, $0.baseAddress, $0.count) }
     }
 

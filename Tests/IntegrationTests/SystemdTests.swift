@@ -13,22 +13,27 @@ final class DatagramReceiver: @unchecked Sendable {
     let path: String
     private let fd: Int32
 
+    /// `path`: a file's path or, with a leading `@`, an abstract socket's name (as
+    /// `NOTIFY_SOCKET` spells one).
     init(path: String) throws {
         self.path = path
         fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue), 0)
         var address = sockaddr_un()
         address.sun_family = sa_family_t(AF_UNIX)
-        withUnsafeMutableBytes(of: &address.sun_path) { $0.copyBytes(from: Array(path.utf8) + [0]) }
+        var bytes = Array(path.utf8)
+        let abstract = bytes.first == UInt8(ascii: "@")
+        if abstract { bytes[0] = 0 } else { bytes.append(0) }
+        withUnsafeMutableBytes(of: &address.sun_path) { $0.copyBytes(from: bytes) }
         let rc = withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_un>.size)) }
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sa_family_t>.size + bytes.count)) }
         }
         guard rc == 0 else { throw POSIXError(.EADDRINUSE) }
-        chmod(path, 0o666)
+        if !abstract { chmod(path, 0o666) }
     }
 
     deinit {
         close(fd)
-        unlink(path)
+        if !path.hasPrefix("@") { unlink(path) }
     }
 
     /// The next datagram, or nil after `timeout`.
@@ -210,6 +215,31 @@ struct SystemdTests {
         let bytes = Array(text.utf8)
         #expect(write(fd, bytes, bytes.count) == bytes.count)
         close(fd)
+    }
+
+    @Test("notify to an abstract socket (NOTIFY_SOCKET=@name); WATCHDOG_PID or LISTEN_PID naming another process: no watchdog, no passed socket")
+    func abstractNotifySocketAndOtherProcesses() async throws {
+        let directory = try Paths.temporaryDirectory()
+        let notify = try DatagramReceiver(path: "@tokenbroker-test-\(getpid())-\(UInt64.random(in: 0...UInt64.max))")
+        let configPath = directory + "/tokenbroker.conf"
+        try Self.config.write(toFile: configPath, atomically: true, encoding: .utf8)
+        let socket = directory + "/tb.sock"
+        // The variables systemd would set for another process (pid 1): they are not this daemon's.
+        let daemon = try Child(Paths.tokenbroker, ["serve", "--config", configPath, "--socket", socket, "--state-dir", directory + "/state"],
+                               environment: ["NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "100000", "WATCHDOG_PID": "1",
+                                             "LISTEN_PID": "1", "LISTEN_FDS": "1"], directory: directory)
+        defer { daemon.terminate() }
+        let ready = try #require(notify.receive())
+        #expect(ready.hasPrefix("READY=1\nSTATUS="), "\(ready)")
+        // It bound its own socket rather than taking descriptor 3 for systemd's.
+        #expect(try VarlinkClient(address: VarlinkAddress(path: socket)).call("io.tokenbroker.Broker.GetToken", ["session": "api"]).error == nil)
+        #expect(!daemon.stderr.contains("using the socket passed by systemd"))
+        // No watchdog: at 50 ms a ping, a second holds twenty.
+        let later = notify.receive(until: { $0 == "WATCHDOG=1" }, timeout: 1)
+        #expect(!later.contains("WATCHDOG=1"), "\(later)")
+        daemon.terminate()
+        #expect(notify.receive(until: { $0.hasPrefix("STOPPING=1") }).last?.hasPrefix("STOPPING=1") == true)
+        #expect(await daemon.wait() == 0)
     }
 
     @Test("socket activation under systemd-socket-activate; more than one socket is refused")

@@ -1,8 +1,17 @@
-// OpenSSL's libcrypto (already loaded by libcurl's TLS): AES-256-GCM and the random source,
-// for encrypting tokens at rest; P-256 keys, ECDSA and SHA-256, for DPoP proofs; RSA (PKCS #1
-// v1.5 and PSS) and PEM, for client assertions and the development issuer's checks of them.
-#ifndef TOKENBROKER_CCRYPTO_SHIM_H
-#define TOKENBROKER_CCRYPTO_SHIM_H
+// OpenSSL's libcrypto: AES-256-GCM and the random source, for encrypting tokens at rest; P-256
+// keys, ECDSA and SHA-256, for DPoP proofs; RSA (PKCS #1 v1.5 and PSS) and PEM, for client
+// assertions and the development issuer's checks of them.
+//
+// Not linked: loading libcrypto.so.3 (3,500 relocations) was a sixth of the time between exec
+// and READY=1, and a daemon without a state key or DPoP needs none of it to start. The Swift
+// modules call OpenSSL's functions by their names, declared by OpenSSL's headers below;
+// CCrypto.c defines each of them, hidden, as a call through a pointer that tb_crypto_load()
+// resolves from libcrypto.so.3 (the first call loads it; the daemon loads it on a thread of its
+// own just after READY=1, while descriptors are plentiful). A library that cannot be loaded or
+// lacks a function ends the process with a line on stderr saying which, as the dynamic loader
+// did at exec when it was linked.
+#ifndef TOKENBROKER_CCRYPTO_H
+#define TOKENBROKER_CCRYPTO_H
 
 // ES256 with per-signature values made ahead (k^-1 and r, ECDSA_sign_setup) needs the EC_KEY
 // interface, deprecated since OpenSSL 3.0 with no EVP replacement: only the tb_ecdsa_*
@@ -19,6 +28,10 @@
 #include <openssl/rand.h>
 #include <openssl/rsa.h>
 #include <openssl/x509.h>
+
+/// Loads libcrypto.so.3 and resolves every function CCrypto.c defines (once, thread-safe;
+/// every later call returns at once). Ends the process if it cannot.
+void tb_crypto_load(void);
 
 // The EC_KEY of a P-256 EVP_PKEY, for tb_ecdsa_sign (a reference the caller frees with
 // tb_ecdsa_free_key); NULL if it has none.
