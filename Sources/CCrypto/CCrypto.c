@@ -7,7 +7,6 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <unistd.h>
 
 // Every libcrypto function the package calls, once: F(name, return type, parameters,
@@ -94,29 +93,59 @@
 #define TB_VOID_POINTER(name, parameters, arguments) static void (*p_##name) parameters;
 TB_CRYPTO_FUNCTIONS(TB_POINTER, TB_VOID_POINTER)
 
-static pthread_once_t once = PTHREAD_ONCE_INIT;
+// 1 once every pointer is set (stored with release after them, read with acquire). A load
+// that failed leaves it 0, so that the next call tries again: a failure may be passing (no
+// descriptor free, no memory).
+static int loaded;
+static pthread_mutex_t loading = PTHREAD_MUTEX_INITIALIZER;
 
-static void fail(const char *what, const char *why) {
-    char line[512];
-    int length = snprintf(line, sizeof line, "<2>cannot use libcrypto.so.3 (OpenSSL 3): %s%s%s\n", what, why ? ": " : "", why ? why : "");
+int tb_crypto_try_load(char *reason, size_t size) {
+    if (__atomic_load_n(&loaded, __ATOMIC_ACQUIRE)) return 0;
+    pthread_mutex_lock(&loading);
+    int result = 0;
+    if (!__atomic_load_n(&loaded, __ATOMIC_RELAXED)) {
+        void *library = dlopen("libcrypto.so.3", RTLD_NOW | RTLD_LOCAL);
+        if (library == NULL) {
+            const char *why = dlerror();
+            if (reason != NULL && size > 0) snprintf(reason, size, "%s", why ? why : "dlopen(libcrypto.so.3) failed");
+            result = -1;
+        }
+#define TB_RESOLVE(name, result_type, parameters, arguments) \
+        if (result == 0) { \
+            *(void **)&p_##name = dlsym(library, #name); \
+            if (p_##name == NULL) { \
+                if (reason != NULL && size > 0) snprintf(reason, size, "libcrypto.so.3 has no %s", #name); \
+                result = -1; \
+            } \
+        }
+#define TB_VOID_RESOLVE(name, parameters, arguments) TB_RESOLVE(name, void, parameters, arguments)
+        TB_CRYPTO_FUNCTIONS(TB_RESOLVE, TB_VOID_RESOLVE)
+        if (result == 0) __atomic_store_n(&loaded, 1, __ATOMIC_RELEASE);
+        else if (library != NULL) dlclose(library);
+    }
+    pthread_mutex_unlock(&loading);
+    return result;
+}
+
+// A call that finds no library ends the process, saying why: no function here can return
+// "libcrypto is missing" to its caller.
+static void require(void) {
+    char reason[256] = "";
+    if (tb_crypto_try_load(reason, sizeof reason) == 0) return;
+    char line[400];
+    int length = snprintf(line, sizeof line, "<2>cannot use libcrypto.so.3 (OpenSSL 3): %s\n", reason);
     if (length > 0) (void)!write(2, line, (size_t)length < sizeof line ? (size_t)length : sizeof line - 1);
     abort();
 }
 
-static void load(void) {
-    void *library = dlopen("libcrypto.so.3", RTLD_NOW | RTLD_LOCAL);
-    if (library == NULL) fail("dlopen", dlerror());
-#define TB_RESOLVE(name, result, parameters, arguments) \
-    *(void **)&p_##name = dlsym(library, #name); \
-    if (p_##name == NULL) fail("it has no " #name, NULL);
-#define TB_VOID_RESOLVE(name, parameters, arguments) TB_RESOLVE(name, void, parameters, arguments)
-    TB_CRYPTO_FUNCTIONS(TB_RESOLVE, TB_VOID_RESOLVE)
-}
-
-void tb_crypto_load(void) { pthread_once(&once, load); }
-
 #define TB_CALL(name, result, parameters, arguments) \
-    __attribute__((visibility("hidden"))) result name parameters { tb_crypto_load(); return p_##name arguments; }
+    __attribute__((visibility("hidden"))) result name parameters { \
+        if (!__atomic_load_n(&loaded, __ATOMIC_ACQUIRE)) require(); \
+        return p_##name arguments; \
+    }
 #define TB_VOID_CALL(name, parameters, arguments) \
-    __attribute__((visibility("hidden"))) void name parameters { tb_crypto_load(); p_##name arguments; }
+    __attribute__((visibility("hidden"))) void name parameters { \
+        if (!__atomic_load_n(&loaded, __ATOMIC_ACQUIRE)) require(); \
+        p_##name arguments; \
+    }
 TB_CRYPTO_FUNCTIONS(TB_CALL, TB_VOID_CALL)

@@ -211,10 +211,14 @@ public final class Daemon: Sendable {
         // watchdog: READY=1 is the first notification (a client that connects meanwhile waits
         // in the listen backlog).
         Systemd.ready(status: maintenance.statusLine())
-        // libcrypto, which a start without a state key or DPoP does not need, is loaded now, on
-        // a thread of its own: not in a start, and not in the first proof or sealed write
-        // either, nor where a full descriptor table could make the load fail.
-        spawnThread { CryptoLibrary.load() }
+        // libcrypto (which a start without a state key or DPoP does not need) and the journal's
+        // library are opened now, on a thread of their own: not in a start, nor in the first
+        // proof, sealed write or journal entry, nor where a full descriptor table could make
+        // the load fail.
+        spawnThread { [logger] in
+            logger.prepare()
+            if let why = CryptoLibrary.load() { logger.error("cannot load libcrypto.so.3 (OpenSSL 3): \(why); sealing and DPoP will end the daemon") }
+        }
         // (Metrics first: once the socket answers, so does MetricsListen=.)
         server.start()
         logger.info("listening on \(configuration.socketPath) with \(configuration.sessions.count) session(s)")

@@ -67,6 +67,13 @@ public final class Logger: Sendable {
         Self.writeLine("<6>\(Self.printable(line))\n")
     }
 
+    /// Opens the journal's library (when entries go to the journal) ahead of the next entry.
+    public func prepare() {
+        if journal, !Systemd.loadJournal(), !journalFailed.exchange(true, ordering: .relaxed) {
+            Self.writeLine("<4>\(Self.printable("cannot write to the journal (\(Systemd.journalFailure() ?? "?")); entries are written here"))\n")
+        }
+    }
+
     /// One entry to the journal; false when it was not sent, for the caller to write its line
     /// on stderr instead (the journal's stream, under systemd): then, the first time only, a
     /// line says why.

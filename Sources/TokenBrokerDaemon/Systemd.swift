@@ -148,9 +148,14 @@ enum Systemd {
         return tb_journal_sendv(vectors, Int32(vectors.count)) >= 0
     }
 
+    /// Opens the journal's library now rather than at the next entry; false if it could not.
+    static func loadJournal() -> Bool { tb_journal_load() == 0 }
+
     /// Why the journal library could not be loaded, if it could not.
     static func journalFailure() -> String? {
-        let why = String(cString: tb_journal_failure())
+        var reason = [CChar](repeating: 0, count: 256)
+        tb_journal_failure(&reason, reason.count)
+        let why = String(decoding: reason.prefix(while: { $0 != 0 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
         return why.isEmpty ? nil : why
     }
 

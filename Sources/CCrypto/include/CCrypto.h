@@ -7,9 +7,9 @@
 // modules call OpenSSL's functions by their names, declared by OpenSSL's headers below;
 // CCrypto.c defines each of them, hidden, as a call through a pointer that tb_crypto_load()
 // resolves from libcrypto.so.3 (the first call loads it; the daemon loads it on a thread of its
-// own just after READY=1, while descriptors are plentiful). A library that cannot be loaded or
-// lacks a function ends the process with a line on stderr saying which, as the dynamic loader
-// did at exec when it was linked.
+// own just after READY=1, while descriptors are plentiful, and logs it if it cannot). A call
+// that finds the library still not loadable, or lacking a function, ends the process with a
+// line on stderr saying why, as the dynamic loader did at exec when it was linked.
 #ifndef TOKENBROKER_CCRYPTO_H
 #define TOKENBROKER_CCRYPTO_H
 
@@ -18,6 +18,7 @@
 // functions below use it.
 #define OPENSSL_SUPPRESS_DEPRECATED 1
 
+#include <stddef.h>
 #include <openssl/bn.h>
 #include <openssl/ec.h>
 #include <openssl/ecdsa.h>
@@ -29,9 +30,10 @@
 #include <openssl/rsa.h>
 #include <openssl/x509.h>
 
-/// Loads libcrypto.so.3 and resolves every function CCrypto.c defines (once, thread-safe;
-/// every later call returns at once). Ends the process if it cannot.
-void tb_crypto_load(void);
+/// Loads libcrypto.so.3 and resolves every function CCrypto.c defines (thread-safe; once it
+/// succeeded, every later call returns 0 at once). 0, or -1 with why in `reason`; a later call
+/// (or the first call into libcrypto) tries again.
+int tb_crypto_try_load(char *reason, size_t size);
 
 // The EC_KEY of a P-256 EVP_PKEY, for tb_ecdsa_sign (a reference the caller frees with
 // tb_ecdsa_free_key); NULL if it has none.
