@@ -27,7 +27,7 @@ TEST_PACKAGES = varlink-go python3-venv systemd systemd-container util-linux pro
 VENV = .build/tools/venv
 PY_VARLINK = varlink==31.0.0
 
-.PHONY: all apt-install deps build-deps test-deps build release run test python-test system-test interop-test bench bench-derived bench-delegations bench-fleet bench-scale static install install-files deb clean
+.PHONY: all apt-install deps build-deps test-deps build release run test python-test system-test interop-test bench bench-derived bench-delegations bench-fleet bench-scale static link-order install install-files deb clean
 
 all: build
 
@@ -192,9 +192,19 @@ STATIC_CXX = $(CURDIR)/.build/static-libstdc++
 STATIC_BUILD = -c release --static-swift-stdlib --disable-local-rpath --scratch-path $(CURDIR)/.build/static $(RELEASE_FLAGS) \
                -Xlinker -L$(STATIC_CXX)
 
+# LINK_ORDER: both executables (linked by lld) lay out first the functions and variables that
+# `ctl token`, a credential helper and a daemon's start touch (Sources/tokenbroker/link-order.txt,
+# written by `make link-order`): they then share a few pages instead of faulting in scores.
+LINK_ORDER = -Xlinker --symbol-ordering-file=$(CURDIR)/Sources/tokenbroker/link-order.txt -Xlinker --no-warn-symbol-ordering
+
 static: $(STATIC_CXX)/libstdc++.a
-	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product tokenbroker-daemon
-	$(SWIFT) build $(STATIC_BUILD) $(SWIFT_FLAGS) --product tokenbroker
+	$(SWIFT) build $(STATIC_BUILD) $(LINK_ORDER) $(SWIFT_FLAGS) --product tokenbroker-daemon
+	$(SWIFT) build $(STATIC_BUILD) $(LINK_ORDER) $(SWIFT_FLAGS) --product tokenbroker
+
+# Records link-order.txt anew from the static build (valgrind; see Tests/Bench/link_order.py).
+link-order: deps static
+	@$(MAKE) --no-print-directory apt-install PACKAGES="valgrind"
+	python3 Tests/Bench/link_order.py "$$($(SWIFT) build $(STATIC_BUILD) --show-bin-path)"
 
 $(STATIC_CXX)/libstdc++.a:
 	mkdir -p $(@D) && ln -sfn "$$(clang -print-file-name=libstdc++.a)" $@

@@ -91,7 +91,7 @@ var package = Package(
         // `check-config` exec `tokenbroker-daemon`. Linked by lld with warnings off: the one warning
         // is glibc's on any static link that contains dlopen (libswiftCore.a's optional lookup of
         // a prespecialization library, which finds none), and `make test` shows no warnings.
-        .executableTarget(name: "tokenbroker", dependencies: ["Basics", "TokenBrokerCLI"],
+        .executableTarget(name: "tokenbroker", dependencies: ["Basics", "TokenBrokerCLI"], exclude: ["link-order.txt"],
                           linkerSettings: [.unsafeFlags(["-static-executable", "-use-ld=lld", "-Xlinker", "--no-warnings"])]),
         // `tokenbroker-daemon`: serve and check-config (and the rest of the command line too).
         // Packed relative relocations (DT_RELR, glibc 2.36): the loader reads 5 KB instead of
