@@ -324,8 +324,21 @@ public struct SessionConfiguration: Sendable, Equatable {
     /// the keys set), and the fleet does, and a derived session's parent's settings do.
     public static func == (lhs: SessionConfiguration, rhs: SessionConfiguration) -> Bool {
         lhs.storage === rhs.storage
-            || lhs.storage.settings == rhs.storage.settings && lhs.storage.fleet == rhs.storage.fleet
-            && lhs.storage.parentOAuth == rhs.storage.parentOAuth
+            || lhs.storage.settings == rhs.storage.settings && same(lhs.storage.fleet, rhs.storage.fleet)
+            && same(lhs.storage.parentOAuth, rhs.storage.parentOAuth)
+    }
+
+    /// Optional's `==`, without its copies of two large values into a tuple when both are nil
+    /// (a reload compares every session: most have no fleet and no parent).
+    private static func same<Value: Equatable>(_ lhs: Value?, _ rhs: Value?) -> Bool {
+        switch lhs {
+        case .none:
+            if case .none = rhs { return true }
+            return false
+        case .some(let left):
+            guard case .some(let right) = rhs else { return false }
+            return left == right
+        }
     }
 
     /// Whether a key that shapes the coordinator differs (`ConfigChange.rebuildsSession`: a

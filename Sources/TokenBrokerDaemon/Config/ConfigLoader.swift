@@ -47,6 +47,7 @@ public enum ConfigLoader {
         var fleetFailed = false
         var sessionEntries: [(name: String, origin: INISection, entries: [INIEntry])] = []
         var sessionIndex: [String: Int] = [:]
+        sessionIndex.reserveCapacity(sections.count)
         var delegationSections: [INISection] = []
         var outputSections: [INISection] = []
         for section in sections {
