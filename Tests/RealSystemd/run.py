@@ -319,11 +319,12 @@ def scenario(c, deb, issuer, readme_issuer):
     check(installed.returncode == 0, f"apt install ./{os.path.basename(deb)} on the fresh system", installed.stderr[-800:])
     check(c.run(["getent", "passwd", "tokenbroker"], check=False).returncode == 0
           and c.run(["getent", "group", "tokenbroker"], check=False).returncode == 0, "the package created user and group tokenbroker")
-    dynamic = subprocess.run(["readelf", "-d", c.path("/usr/libexec/tokenbroker/tokenbroker-daemon")], capture_output=True, text=True).stdout
-    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
+    # (/usr is an overlay: what the package put there is in its upper directory.)
+    dynamic = subprocess.run(["readelf", "-d", os.path.join(c.upper, "libexec/tokenbroker/tokenbroker-daemon")], capture_output=True, text=True)
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic.stdout)
     check("libsqlite3.so.0" in needed and not any(n.startswith(("libstdc++", "libsystemd", "libcrypto", "libssl", "libcurl")) for n in needed),
           "the installed daemon links SQLite and libc's libraries only: libstdc++ is linked in; libsystemd, libcrypto and libcurl are opened when needed",
-          str(needed))
+          f"{needed} {dynamic.stderr.strip()}")
     check(c.run(["systemctl", "is-enabled", "tokenbroker.socket"], check=False).stdout.strip() == "enabled"
           and c.show("tokenbroker.socket", "ActiveState") == "active", "tokenbroker.socket is enabled and listening")
     check(c.show("tokenbroker.service", "FragmentPath") == "/lib/systemd/system/tokenbroker.service"
