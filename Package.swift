@@ -97,6 +97,7 @@ var package = Package(
         // Packed relative relocations (DT_RELR, glibc 2.36): the loader reads 5 KB instead of
         // 640 KB of them at each start.
         .executableTarget(name: "tokenbroker-daemon", dependencies: ["TokenBrokerDaemon", "TokenBrokerDaemonCommand", "TokenBrokerDevelopment"],
+                          exclude: ["link-order.txt"],
                           linkerSettings: [.unsafeFlags(["-use-ld=lld", "-Xlinker", "-z", "-Xlinker", "pack-relative-relocs"])]),
         // The development issuer as a process of its own, for the real-systemd test (not installed).
         .executableTarget(name: "dev-issuer", dependencies: ["Basics", "DevIssuer"]),

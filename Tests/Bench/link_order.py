@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""make link-order: writes Sources/tokenbroker/link-order.txt, the order in which the linker
-lays out the functions and data both executables touch on their short paths.
+"""make link-order: writes Sources/tokenbroker/link-order.txt and
+Sources/tokenbroker-daemon/link-order.txt, the order in which the linker lays out the functions
+and data each executable touches on its short path.
 
 A `ctl token`, a credential helper and a daemon's start to READY=1 each touch a few hundred
 functions and a few hundred variables scattered over a 7 MB text and 1 MB of data: each 64 KB
@@ -12,7 +13,7 @@ What is recorded, by valgrind on the static release build (BINDIR, `make static`
   - callgrind: every function run by `ctl token`, a git credential helper's `get` and a
     daemon's exec -> READY=1 (the dev configuration);
   - lackey: every variable in .data and .bss that `ctl token` and the helper read or write.
-The list holds symbol names only (no addresses, no tokens). A name the code no longer has is
+The lists hold symbol names only (no addresses, no tokens). A name the code no longer has is
 skipped by the linker, so a stale list costs speed, never correctness. Re-run after changes
 to those paths.
 """
@@ -30,7 +31,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-OUTPUT = os.path.join(ROOT, "Sources", "tokenbroker", "link-order.txt")
+CLI_OUTPUT = os.path.join(ROOT, "Sources", "tokenbroker", "link-order.txt")
+DAEMON_OUTPUT = os.path.join(ROOT, "Sources", "tokenbroker-daemon", "link-order.txt")
 CONFIG = os.path.join(ROOT, "config", "dev.conf")
 DEADLINE = 120
 
@@ -90,17 +92,17 @@ def main():
             time.sleep(0.05)
         runs = {"ctl": ([cli, "ctl", "--socket", sock, "token", "demo"], b""),
                 "helper": ([cli, "credential", "--socket", sock, "git", "get"], b"protocol=https\nhost=demo.example.test\n\n")}
-        order = []
+        cli_order = []
         for name, (command, stdin) in runs.items():
             profile = os.path.join(scratch, f"{name}.callgrind")
             subprocess.run(["valgrind", "--tool=callgrind", "--demangle=no", f"--callgrind-out-file={profile}"] + command,
                            input=stdin, capture_output=True, check=True, timeout=DEADLINE)
-            order += functions(profile)
+            cli_order += functions(profile)
         for name, (command, stdin) in runs.items():
             log = os.path.join(scratch, f"{name}.lackey")
             subprocess.run(["valgrind", "--tool=lackey", "--trace-mem=yes", f"--log-file={log}"] + command,
                            input=stdin, capture_output=True, check=True, timeout=DEADLINE)
-            order += variables(cli, log)
+            cli_order += variables(cli, log)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=DEADLINE)
@@ -119,12 +121,11 @@ def main():
     finally:
         started.send_signal(signal.SIGTERM)
         started.wait(timeout=DEADLINE)
-    order += functions(profile)
-
-    names = list(dict.fromkeys(order))
-    with open(OUTPUT, "w") as f:
-        f.write("".join(n + "\n" for n in names))
-    print(f"{OUTPUT}: {len(names)} symbols")
+    for output, order in ((CLI_OUTPUT, cli_order), (DAEMON_OUTPUT, functions(profile))):
+        names = list(dict.fromkeys(order))
+        with open(output, "w") as f:
+            f.write("".join(n + "\n" for n in names))
+        print(f"{output}: {len(names)} symbols")
     shutil.rmtree(scratch)
 
 
