@@ -44,6 +44,46 @@ struct ConfigTests {
         #expect(SessionConfiguration.OAuthClientSettings().audience(issuer: "https://as.example") == .issuer("https://as.example"))
     }
 
+    @Test("a load takes a session whose lines are the last load's as it was; it reads anew one whose value, line or file changed, or that names a file (its secret may have changed)")
+    func sessionsTakenFromTheLastLoad() throws {
+        let memo = SessionMemo()
+        let plain = "[Session]\nName=plain\nUpstream=test\nTestTokenLifetime=1h\n"
+        let fixture = try ConfigFixture(main: plain)
+        let secret = fixture.directory + "/secret"
+        try "one\n".write(toFile: secret, atomically: true, encoding: .utf8)
+        chmod(secret, 0o600)
+        let withSecret = "\n[Session]\nName=oauth\nTokenEndpoint=https://as.example/t\nClientID=c\nClientSecretFile=\(secret)\n"
+        try (plain + withSecret).write(toFile: fixture.main, atomically: true, encoding: .utf8)
+        func load() throws -> BrokerConfiguration { try ConfigLoader.load(path: fixture.main, requireMainFile: true, memo: memo) }
+
+        let first = try load()
+        try "two\n".write(toFile: secret, atomically: true, encoding: .utf8)
+        chmod(secret, 0o600)
+        let second = try load()
+        #expect(second.sessions[0].isSame(as: first.sessions[0]), "the same lines: the same session")
+        #expect(!second.sessions[1].isSame(as: first.sessions[1]))
+        #expect(first.sessions[1].settings.oauth.client.clientSecret == Secret("one"))
+        #expect(second.sessions[1].settings.oauth.client.clientSecret == Secret("two"), "a secret file is read at every load")
+
+        // Another value, the same lines one line lower, the same lines in a drop-in: each read anew.
+        try (plain.replacingOccurrences(of: "1h", with: "2h") + withSecret).write(toFile: fixture.main, atomically: true, encoding: .utf8)
+        let changed = try load()
+        #expect(!changed.sessions[0].isSame(as: second.sessions[0]) && changed.sessions[0].settings.testTokenLifetime == .seconds(7200))
+        try ("\n" + plain + withSecret).write(toFile: fixture.main, atomically: true, encoding: .utf8)
+        let lower = try load()
+        #expect(!lower.sessions[0].isSame(as: changed.sessions[0]) && lower.sessions[0].origin == fixture.main + ":2")
+        #expect(try load().sessions[0].isSame(as: lower.sessions[0]))
+        let dropIn = try ConfigFixture(main: "", dropIns: ["a.conf": "\n" + plain])
+        #expect(try !ConfigLoader.load(path: dropIn.main, requireMainFile: true, memo: memo).sessions[0].isSame(as: lower.sessions[0]))
+
+        // A session with an error or a warning is never kept: its next load says it again.
+        try (plain + "Frobnicate=1\n").write(toFile: fixture.main, atomically: true, encoding: .utf8)
+        let warned = try load()
+        #expect(warned.warnings.count == 1)
+        let again = try load()
+        #expect(again.warnings.count == 1 && !again.sessions[0].isSame(as: warned.sessions[0]))
+    }
+
     @Test("INI: sections, comments, continuation lines, whitespace around '='")
     func ini() throws {
         let sections = try INIFile.parse("""

@@ -328,6 +328,10 @@ public struct SessionConfiguration: Sendable, Equatable {
             && same(lhs.storage.parentOAuth, rhs.storage.parentOAuth)
     }
 
+    /// Whether the two are one value, not two equal ones (a configuration load took `other` as
+    /// it was: `SessionMemo`).
+    func isSame(as other: SessionConfiguration) -> Bool { storage === other.storage }
+
     /// Optional's `==`, without its copies of two large values into a tuple when both are nil
     /// (a reload compares every session: most have no fleet and no parent).
     private static func same<Value: Equatable>(_ lhs: Value?, _ rhs: Value?) -> Bool {

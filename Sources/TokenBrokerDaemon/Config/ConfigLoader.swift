@@ -18,7 +18,13 @@ import HTTPTransport
 /// Unknown keys are warnings; bad values are errors at `file:line`. Every file is read to its
 /// end: the error thrown carries every other error and every warning, in file order.
 public enum ConfigLoader {
+    /// - Parameter memo: the sessions of the last load, which this one takes where their lines
+    ///   are the same (`SessionMemo`).
     public static func load(path: String = BrokerConfiguration.defaultPath, requireMainFile: Bool = true) throws(ConfigError) -> BrokerConfiguration {
+        try load(path: path, requireMainFile: requireMainFile, memo: .shared)
+    }
+
+    static func load(path: String, requireMainFile: Bool, memo: SessionMemo) throws(ConfigError) -> BrokerConfiguration {
         var files: [(String, String)] = []
         switch FileSystem.readText(path) {
         case let .success(text): files.append((path, text))
@@ -36,11 +42,12 @@ public enum ConfigLoader {
         var sections: [INISection] = []
         var errors: [ConfigError] = []
         for (file, text) in files { sections += INIFile.parse(text, file: file, errors: &errors) }
-        return try build(sections, errors: errors, mainFile: path)
+        return try build(sections, errors: errors, mainFile: path, memo: memo)
     }
 
     /// - Parameter mainFile: the file read first (the drop-ins follow it by name).
-    static func build(_ sections: [INISection], errors: [ConfigError] = [], mainFile: String? = nil) throws(ConfigError) -> BrokerConfiguration {
+    static func build(_ sections: [INISection], errors: [ConfigError] = [], mainFile: String? = nil,
+                      memo: SessionMemo = SessionMemo()) throws(ConfigError) -> BrokerConfiguration {
         var configuration = BrokerConfiguration()
         var context = ConfigContext()
         for error in errors { context.record(error) }
@@ -90,8 +97,22 @@ public enum ConfigLoader {
         configuration.sessions.reserveCapacity(sessionEntries.count)
         var derivedFrom: [String: INIEntry] = [:]
         var keyEntries: [String: INIEntry] = [:]
+        let previous = memo.take()
+        var read = SessionMemo.Reads(minimumCapacity: sessionEntries.count)
+        defer { memo.keep(read) }
         for (name, origin, entries) in sessionEntries {
-            guard var session = session(name, origin: origin, entries: entries, &context) else { continue }
+            var session: SessionConfiguration
+            if let same = previous[name], same.file == origin.file, same.line == origin.line, same.entries == entries {
+                session = same.session
+                read[name] = same
+            } else {
+                let before = (context.errors.count, context.omittedErrors, context.warnings.count)
+                guard let made = self.session(name, origin: origin, entries: entries, &context) else { continue }
+                session = made
+                if (context.errors.count, context.omittedErrors, context.warnings.count) == before, SessionMemo.linesOnly(entries) {
+                    read[name] = SessionMemo.Read(file: origin.file, line: origin.line, entries: entries, session: made)
+                }
+            }
             if session.settings.derivedFrom != nil { derivedFrom[name] = entries.last { $0.key == "DerivedFrom" } }
             if !session.settings.allowResources.isEmpty || !session.settings.allowScopes.isEmpty {
                 keyEntries[name] = entries.last { $0.key == "AllowResources" || $0.key == "AllowScopes" }
