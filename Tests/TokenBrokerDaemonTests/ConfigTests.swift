@@ -84,6 +84,16 @@ struct ConfigTests {
         #expect(again.warnings.count == 1 && !again.sessions[0].isSame(as: warned.sessions[0]))
     }
 
+    @Test("the keys whose value alone decides (SessionMemo.pureKeys) are [Session] keys, and none names a file, a credential, a user or a group")
+    func pureKeys() {
+        let names = Set(ConfigSchema.session.map(\.name))
+        #expect(SessionMemo.pureKeys.isSubset(of: names), "\(SessionMemo.pureKeys.subtracting(names))")
+        let reading = names.filter { $0.hasSuffix("File") || $0.hasSuffix("Credential") || $0.hasPrefix("Allow") && !$0.hasSuffix("Resources") && !$0.hasSuffix("Scopes") }
+            .union(["CAFile", "ClientCertificate", "ClientKey", "ClientSecret"])
+        #expect(reading.isSuperset(of: ["ClientSecretFile", "ClientKeyFile", "AssertionFile", "AllowUsers", "AllowGroups", "ClientKeyCredential"]))
+        #expect(SessionMemo.pureKeys.isDisjoint(with: reading), "\(SessionMemo.pureKeys.intersection(reading))")
+    }
+
     @Test("INI: sections, comments, continuation lines, whitespace around '='")
     func ini() throws {
         let sections = try INIFile.parse("""

@@ -40,7 +40,10 @@ final class SessionMemo: Sendable {
         reads.withLock { $0 = read }
     }
 
-    /// The `[Session]` keys whose value alone decides what they set.
+    /// The `[Session]` keys whose value alone decides what they set: a key is added here only
+    /// if its parser reads nothing but the value (no file, credential, environment, user or
+    /// group database, clock or name lookup); `ConfigTests.pureKeys` checks none of these is
+    /// one of those that do.
     static let pureKeys: Set<String> = [
         "Name", "Fleet", "Upstream", "TestTokenLifetime", "Grant", "Issuer", "TokenEndpoint", "RevocationEndpoint",
         "DeviceAuthorizationEndpoint", "AuthorizationEndpoint", "LoginFlow", "LoginRedirectPorts", "LoginTimeout", "ClientID",
