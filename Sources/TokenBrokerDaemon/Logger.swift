@@ -69,21 +69,22 @@ public final class Logger: Sendable {
 
     /// Opens the journal's library (when entries go to the journal) ahead of the next entry.
     public func prepare() {
-        if journal, !Systemd.loadJournal(), !journalFailed.exchange(true, ordering: .relaxed) {
-            Self.writeLine("<4>\(Self.printable("cannot write to the journal (\(Systemd.journalFailure() ?? "?")); entries are written here"))\n")
-        }
+        if journal, !Systemd.loadJournal() { journalFailedOnce() }
     }
 
     /// One entry to the journal; false when it was not sent, for the caller to write its line
-    /// on stderr instead (the journal's stream, under systemd): then, the first time only, a
-    /// line says why.
+    /// on stderr instead (the journal's stream, under systemd).
     private func sendToJournal(_ fields: [String]) -> Bool {
         if Systemd.journal(fields) { return true }
-        if !journalFailed.exchange(true, ordering: .relaxed) {
-            let why = Systemd.journalFailure() ?? "the journal refused an entry"
-            Self.writeLine("<4>\(Self.printable("cannot write to the journal (\(why)); entries it refuses are written here"))\n")
-        }
+        journalFailedOnce()
         return false
+    }
+
+    /// The first time the journal fails, a line on stderr says why.
+    private func journalFailedOnce() {
+        guard !journalFailed.exchange(true, ordering: .relaxed) else { return }
+        let why = Systemd.journalFailure() ?? "the journal refused an entry"
+        Self.writeLine("<4>\(Self.printable("cannot write to the journal (\(why)); entries it refuses are written here"))\n")
     }
 
     private static func writeLine(_ line: String) {
